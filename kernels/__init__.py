@@ -1,0 +1,27 @@
+"""Triton kernels of the engine, each beside its torch reference.
+
+Every kernel module exposes `xxx_reference(...)` (torch) and `xxx(...)`, which runs the
+Triton kernel on CUDA tensors or under TRITON_INTERPRET=1 and the reference otherwise
+(`force_triton=True/False` overrides; see `kernels.backend`).
+"""
+from kernels.errors import KernelError, KernelInputError, KernelUnavailableError
+from kernels.rope_scatter import (
+    apply_rope_reference,
+    ring_slot_mapping,
+    rope_delta_cos_sin,
+    rope_inv_freq,
+    rope_scatter,
+    rope_scatter_reference,
+)
+
+__all__ = [
+    "KernelError",
+    "KernelInputError",
+    "KernelUnavailableError",
+    "apply_rope_reference",
+    "ring_slot_mapping",
+    "rope_delta_cos_sin",
+    "rope_inv_freq",
+    "rope_scatter",
+    "rope_scatter_reference",
+]
