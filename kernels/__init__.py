@@ -13,6 +13,7 @@ from kernels.rope_scatter import (
     rope_scatter,
     rope_scatter_reference,
 )
+from kernels.state_compose import state_compose, state_compose_reference, transition_kind
 
 __all__ = [
     "KernelError",
@@ -24,4 +25,7 @@ __all__ = [
     "rope_inv_freq",
     "rope_scatter",
     "rope_scatter_reference",
+    "state_compose",
+    "state_compose_reference",
+    "transition_kind",
 ]
