@@ -5,6 +5,12 @@ Triton kernel on CUDA tensors or under TRITON_INTERPRET=1 and the reference othe
 (`force_triton=True/False` overrides; see `kernels.backend`).
 """
 from kernels.errors import KernelError, KernelInputError, KernelUnavailableError
+from kernels.paged_decode_attention import (
+    default_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    ring_block_tables,
+)
 from kernels.rope_scatter import (
     apply_rope_reference,
     ring_slot_mapping,
@@ -20,6 +26,10 @@ __all__ = [
     "KernelInputError",
     "KernelUnavailableError",
     "apply_rope_reference",
+    "default_num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "ring_block_tables",
     "ring_slot_mapping",
     "rope_delta_cos_sin",
     "rope_inv_freq",

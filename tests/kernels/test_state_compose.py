@@ -32,7 +32,7 @@ def _operators(kind, m, gen, dk=DK):
 @pytest.mark.parametrize("kind", ["scalar", "diagonal", "dense", "none"])
 @pytest.mark.parametrize("with_s0", [True, False])
 def test_triton_matches_reference_on_random_inputs(kind, with_s0):
-    gen = torch.Generator().manual_seed(hash((kind, with_s0)) % 10000)
+    gen = torch.Generator().manual_seed(len(kind) * 10 + with_s0)
     m = 4
     E = torch.randn(m, B, H, DK, DV, generator=gen).to(DEVICE)
     T = _operators(kind, m, gen)
