@@ -116,7 +116,7 @@ def ring_slot_mapping(ring_slot: int, positions: torch.Tensor, window: int) -> t
 
 
 # --------------------------------------------------------------------------- validation
-def _validate(k, v, k_pages, v_pages, slot_mapping, offset, rotary_dim, inv_freq, theta):
+def _validate(k, v, k_pages, v_pages, slot_mapping, offset, rotary_dim, inv_freq, theta, check_slots):
     if k.dim() != 3:
         raise KernelInputError(f"k must be [n, num_kv_heads, head_dim], got shape {tuple(k.shape)}")
     if v.shape != k.shape:
@@ -159,7 +159,7 @@ def _validate(k, v, k_pages, v_pages, slot_mapping, offset, rotary_dim, inv_freq
         raise KernelInputError(
             f"inv_freq must have shape [{rotary_dim // 2}] for rotary_dim={rotary_dim}, got {tuple(inv_freq.shape)}")
     num_slots = k_pages.shape[0] * k_pages.shape[1]
-    if n:
+    if n and check_slots:
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:
             raise KernelInputError(
@@ -172,10 +172,10 @@ def rope_scatter_reference(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tens
                            v_pages: torch.Tensor, slot_mapping: torch.Tensor,
                            offset: Union[int, torch.Tensor], *, rotary_dim: Optional[int] = None,
                            theta: float = 10000.0, inv_freq: Optional[torch.Tensor] = None,
-                           angle_precision: str = "fp64") -> None:
+                           angle_precision: str = "fp64", check_slots: bool = True) -> None:
     """Torch reference of `rope_scatter` (same arguments, same in-place effect)."""
     rotary_dim, inv_freq, offset = _validate(k, v, k_pages, v_pages, slot_mapping, offset,
-                                             rotary_dim, inv_freq, theta)
+                                             rotary_dim, inv_freq, theta, check_slots)
     cos, sin = rope_delta_cos_sin(offset, inv_freq, angle_precision)
     _rope_scatter_torch(k, v, k_pages, v_pages, slot_mapping, cos, sin, rotary_dim)
 
@@ -261,7 +261,7 @@ def rope_scatter(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_page
                  slot_mapping: torch.Tensor, offset: Union[int, torch.Tensor], *,
                  rotary_dim: Optional[int] = None, theta: float = 10000.0,
                  inv_freq: Optional[torch.Tensor] = None, angle_precision: str = "fp64",
-                 force_triton: Optional[bool] = None) -> None:
+                 check_slots: bool = True, force_triton: Optional[bool] = None) -> None:
     """Rotate cached keys `k [n, Hkv, D]` (at base positions 0..n-1) by `offset` and write
     them, with `v [n, Hkv, D]`, into `k_pages`/`v_pages [num_blocks, block_size, Hkv, D]`
     at `slot_mapping [n]` (-1 skips a token). In place; returns None.
@@ -270,10 +270,11 @@ def rope_scatter(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_page
     deltas (several segments spliced in one call). rotary_dim: defaults to head_dim.
     inv_freq: the model's float32 frequencies `[rotary_dim // 2]` (for scaled RoPE
     variants); defaults to `rope_inv_freq(rotary_dim, theta)`. angle_precision: "fp64" or
-    "fp32", see the module docstring. Validation reads slot_mapping's range (one device
-    sync on CUDA)."""
+    "fp32", see the module docstring. check_slots: verify every slot is -1 or inside the
+    pool before writing (reads slot_mapping's range: one device sync on CUDA); pass False
+    on a hot path whose slots come from the engine's own allocator."""
     rotary_dim, inv_freq, offset = _validate(k, v, k_pages, v_pages, slot_mapping, offset,
-                                             rotary_dim, inv_freq, theta)
+                                             rotary_dim, inv_freq, theta, check_slots)
     cos, sin = rope_delta_cos_sin(offset, inv_freq, angle_precision)
     if not use_triton((k, v, k_pages, v_pages), force_triton, "rope_scatter"):
         _rope_scatter_torch(k, v, k_pages, v_pages, slot_mapping, cos, sin, rotary_dim)
