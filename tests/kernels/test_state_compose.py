@@ -170,3 +170,12 @@ def test_bad_inputs_raise_naming_the_argument():
         state_compose(E, None, torch.zeros(B, H, DK, DV, dtype=torch.float16))
     with pytest.raises(KernelInputError, match="apply_t"):
         state_compose(E, torch.zeros(2, B, H), apply_t=torch.ones(3, dtype=torch.bool))
+
+
+@BOTH_PATHS
+def test_zero_segments_return_the_start_state_or_zeros(force_triton):
+    E = torch.zeros(0, B, H, DK, DV, device=DEVICE)
+    S0 = torch.randn(B, H, DK, DV, device=DEVICE)
+    torch.testing.assert_close(state_compose(E, torch.zeros(0, B, H, device=DEVICE), S0,
+                                             force_triton=force_triton), S0, rtol=0, atol=0)
+    assert state_compose(E, None, None, force_triton=force_triton).abs().max() == 0
