@@ -117,6 +117,8 @@ class Request:
     plan: Any = None  # engine.runtime.planner.PrefillPlan
     progress: Any = None  # engine.runtime.planner.PrefillProgress
     num_preemptions: int = 0
+    # Prompt positions the last completed plan filled without computing them.
+    num_reused_tokens: int = 0
     # Why the engine gave up on the request (finish_reason ABORT), if it did.
     error: Optional[str] = None
     # Planner-private data (PIC: hit/miss accounting, signature handles ...).
