@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError, PlanError
 from engine.runtime.planner import FullRecomputePlanner, PrefillPlanner, PrefillProgress
 from engine.runtime.request import FinishReason, Request, RequestStatus
 
@@ -230,7 +230,13 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            self._admit(req, num_tokens)
+            try:
+                self._admit(req, num_tokens)
+            except Exception as exc:  # a planner failure fails this request, not the engine
+                log.exception("planning request %s failed", req.request_id)
+                self._refuse(req, f"prefill planning failed: {exc}")
+                out.refused.append(req)
+                continue
             out.admitted.append(req)
             grant = min(self.config.prefill_chunk_size, budget, req.progress.remaining_compute_tokens)
             out.prefills.append(PrefillChunk(req, grant))
@@ -245,7 +251,7 @@ class Scheduler:
             plan = self.planner.plan(req)
             plan.validate()
             if plan.num_tokens != num_tokens:
-                raise CapacityError(
+                raise PlanError(
                     f"planner returned a plan for {plan.num_tokens} tokens, request has {num_tokens}"
                 )
         except BaseException:
@@ -280,7 +286,10 @@ class Scheduler:
     def _refuse_unplaceable(self, req: Request, num_tokens: int) -> None:
         """The head of the queue does not fit in an idle engine: it never will."""
         self.waiting.popleft()
+        self._refuse(req, f"request needs {num_tokens} cache positions, more than the idle engine can allocate")
+
+    def _refuse(self, req: Request, error: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = FinishReason.ABORT
-        req.error = f"request needs {num_tokens} cache positions, more than the idle engine can allocate"
-        log.error("refused request %s: %s", req.request_id, req.error)
+        req.error = error
+        log.error("refused request %s: %s", req.request_id, error)
