@@ -103,12 +103,12 @@ def build_engine(
     idle engine serving it."""
     from engine.models import load_model
     from engine.runtime.runner import ModelRunner
-    from engine.tokenizer import get_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    model = load_model(preset_or_dir, device=device, dtype=dtype)
-    mcfg = model.config
+    loaded = load_model(preset_or_dir, device=device, dtype=dtype)
+    model, mcfg = loaded.model, loaded.config
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings:
         raise InvalidRequestError(
@@ -125,9 +125,10 @@ def build_engine(
     )
     return LLMEngine(
         runner,
-        get_tokenizer(mcfg),
+        load_tokenizer("byte"),
         pool,
         scheduler_config=config.scheduler_config(),
         planner=planner,
         model_name=mcfg.name,
+        loaded_model=loaded,
     )

@@ -85,8 +85,12 @@ class LLMEngine:
         scheduler_config: SchedulerConfig = SchedulerConfig(),
         planner: Optional[PrefillPlanner] = None,
         model_name: str = "model",
+        loaded_model: Any = None,
     ) -> None:
         self.runner = runner
+        # engine.models.weights.LoadedModel when built from a preset or directory:
+        # its `fingerprint` keys cached segments, its `source` says where weights came from.
+        self.loaded_model = loaded_model
         self.tokenizer = tokenizer
         self.pool = pool
         self.scheduler = Scheduler(scheduler_config, pool, planner)
@@ -97,7 +101,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._ids = itertools.count()
-        self.eos_token_id: Optional[int] = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id: Optional[int] = tokenizer.eos_id
 
     @property
     def planner(self) -> PrefillPlanner:
@@ -130,7 +134,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         token_ids, segments = self._tokenize(prompt, prompt_token_ids)
-        vocab = self.runner.vocab_size
+        vocab = self.runner.model.config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside the vocabulary [0, {vocab})")

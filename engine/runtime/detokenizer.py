@@ -1,33 +1,28 @@
 """Incremental detokenization and stop strings for one request's output.
 
-Token ids arrive one step at a time; `OutputText.append` turns them into text without
-re-decoding the whole output every step, never emits half of a multi-byte character
-(a byte-level tokenizer splits UTF-8 sequences across tokens), and finds stop strings
-that span token boundaries. Text that could still turn out to be the start of a stop
-string is held back from `take_delta` until it is resolved, so a stream never shows a
-stop string that the final text does not contain.
+Token ids arrive one step at a time; `OutputText.append` turns them into text through
+the tokenizer's stream decoder (engine.tokenizer.Tokenizer.stream_decoder), which never
+emits half of a multi-byte character, and finds stop strings that span token
+boundaries. Text that could still turn out to be the start of a stop string is held
+back from `take_delta` until it is resolved, so a stream never shows a stop string that
+the final text does not contain. Ids beyond the tokenizer's vocabulary (a benchmark
+model with a larger vocabulary than the byte tokenizer) and special ids add no text.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
-_REPLACEMENT = "\ufffd"
-
-
-class Detokenizer(Protocol):
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+from engine.tokenizer import Tokenizer
 
 
 class OutputText:
     """The text of one request's output, built token by token."""
 
-    def __init__(self, tokenizer: Detokenizer, stop: Sequence[str] = ()) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self._decoder = tokenizer.stream_decoder()
+        self._vocab = tokenizer.vocab_size
         self._stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stop), default=0)
-        self._ids: list[int] = []
-        self._prefix_offset = 0  # ids[prefix_offset:read_offset] decode to the tail of `text`
-        self._read_offset = 0
         self.text = ""  # everything decoded so far (cut at a stop string once one is hit)
         self._emitted = 0  # chars of `text` handed out by take_delta
         self.stopped_on: str | None = None
@@ -38,14 +33,9 @@ class OutputText:
         if self.stopped_on is not None:
             return True
         for tid in token_ids:
-            self._ids.append(int(tid))
-            full = self._tok.decode(self._ids[self._prefix_offset :])
-            if full.endswith(_REPLACEMENT):
-                continue  # an incomplete multi-byte character: wait for more tokens
-            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-            new = full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+            if not 0 <= tid < self._vocab:
+                continue
+            new = self._decoder.push(int(tid))
             if not new:
                 continue
             start = max(0, len(self.text) - self._max_stop + 1)
@@ -84,11 +74,11 @@ class OutputText:
         return 0
 
     def flush(self) -> str:
-        """At the end: whatever complete text remains, including a dangling partial
-        character decoded as U+FFFD."""
-        if self.stopped_on is None and self._read_offset < len(self._ids):
-            full = self._tok.decode(self._ids[self._prefix_offset :])
-            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-            self.text += full[len(prefix) :]
-            self._read_offset = len(self._ids)
+        """At the end: whatever text remains, including a dangling partial character
+        (decoded as U+FFFD)."""
+        if self.stopped_on is None:
+            start = max(0, len(self.text) - self._max_stop + 1)
+            self.text += self._decoder.flush()
+            if self._stop:
+                self._find_stop(start)
         return self.take_delta(final=True)
