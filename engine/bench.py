@@ -92,7 +92,7 @@ def run_load(engine: LLMEngine, spec: LoadSpec) -> LoadReport:
             t += rng.expovariate(spec.request_rate)
             offsets[i] = t
     params = SamplingParams(
-        max_tokens=spec.max_new_tokens, temperature=spec.temperature, ignore_eos=True, seed=spec.seed
+        max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, ignore_eos=True, seed=spec.seed
     )
     preempt0 = engine.stats.num_preemptions
     finals: dict[str, RequestOutput] = {}

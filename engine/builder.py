@@ -101,7 +101,7 @@ def build_engine(
 ) -> LLMEngine:
     """Load the model named by a preset (or a saved weights directory) and return an
     idle engine serving it."""
-    from engine.models import load_model
+    from engine.models.weights import load_model
     from engine.runtime.runner import ModelRunner
     from engine.tokenizer import load_tokenizer
 

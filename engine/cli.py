@@ -67,7 +67,7 @@ def _build(preset: str, cfg):
 @app.command()
 def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table.")) -> None:
     """List the model presets: name, family, scale (tiny or bench) and layer pattern."""
-    from engine.models import list_presets
+    from engine.models.presets import list_presets, preset_info
 
     rows = []
     for cfg in list_presets():

@@ -29,11 +29,11 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from engine.errors import InvalidRequestError, RequestNotFoundError
+from engine.errors import ConfigError, InvalidRequestError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
 from engine.runtime.planner import ApplyStep, PrefillPlanner
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
-from engine.runtime.sampling import SamplingParams, sample_tokens
+from engine.runtime.sampling import FINISH_STOP, SamplingParams, check_stop, make_generator, sample
 from engine.runtime.scheduler import CachePool, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,8 @@ class LLMEngine:
         instead. Raises `InvalidRequestError` (naming the field) for bad input and
         `CapacityError` for a request that can never fit the cache."""
         params = params if params is not None else SamplingParams()
-        params.validate()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
@@ -142,10 +143,9 @@ class LLMEngine:
         req = Request(request_id, token_ids, segments, params, timeline=timeline)
         self.scheduler.add_request(req)  # may raise CapacityError
         self._requests[request_id] = req
-        self._texts[request_id] = OutputText(self.tokenizer, params.stop)
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
+        self._texts[request_id] = OutputText(self.tokenizer, params.stop_strings)
+        gen = make_generator(params, self.device)
+        if gen is not None:
             self._generators[request_id] = gen
         return request_id
 
@@ -241,6 +241,10 @@ class LLMEngine:
                 self.stats.num_prompt_tokens_reused += req.num_reused_tokens
                 self.scheduler.mark_prefilled(req)
                 self.planner.on_prefill_done(req)
+                if req.sampling.max_new_tokens == 0:  # prefill only (e.g. to warm a cache)
+                    self.scheduler.finish(req, FinishReason.LENGTH)
+                    outputs.append(self._finalize(req, [], ""))
+                    continue
                 tok = self._sample(logits.reshape(1, -1), [req])[0]
                 outputs.append(self._append_token(req, tok))
         return outputs
@@ -270,7 +274,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         params = [r.sampling for r in reqs]
         gens = [self._generators.get(r.request_id) for r in reqs]
-        return sample_tokens(logits, params, gens)
+        return sample(logits, params, gens).tolist()
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         now = time.perf_counter()
@@ -279,17 +283,16 @@ class LLMEngine:
         if req.timeline.first_token is None:
             req.timeline.first_token = now
         self.stats.num_generated_tokens += 1
-        params = req.sampling
         text = self._texts[req.request_id]
+        # EOS / stop ids / max_new_tokens by the sampling module's rule; stop strings by
+        # the incremental text (they may span tokens); a stop string beats the length limit.
+        verdict = check_stop(req.sampling, token, req.num_output_tokens, self.eos_token_id)
         reason: Optional[FinishReason] = None
-        is_stop_token = token in params.stop_token_ids or (
-            not params.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id
-        )
-        if is_stop_token:
+        if verdict == FINISH_STOP:
             reason = FinishReason.STOP
         elif text.append([token]):
             reason = FinishReason.STOP
-        elif req.num_output_tokens >= params.max_tokens:
+        elif verdict is not None:
             reason = FinishReason.LENGTH
         if reason is None:
             return self._output(req, [token], text.take_delta())

@@ -40,7 +40,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.cache.manager import CacheConfig, CacheManager  # noqa: E402
-from engine.models import list_presets, load_model  # noqa: E402
+from engine.models.presets import list_presets  # noqa: E402
+from engine.models.weights import load_model  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.runtime.sequence import Sequence  # noqa: E402
 

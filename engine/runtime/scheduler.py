@@ -15,7 +15,7 @@ builds one step under a token budget (`max_num_batched_tokens`):
    no request overtakes an earlier one. Admission allocates cache for the whole
    prefill and asks the `PrefillPlanner` how to fill it (see engine.runtime.planner).
 
-A request that could never fit (prompt plus max_tokens above what the pool holds for
+A request that could never fit (prompt plus max_new_tokens above what the pool holds for
 one sequence alone) is refused at `add_request` with `CapacityError`, so a request
 that runs alone always completes and preemption always makes progress.
 
@@ -140,11 +140,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue `request`; refuse it with `CapacityError` if it can never fit."""
         limit = self.pool.max_tokens_per_sequence()
-        needed = request.num_prompt_tokens + request.sampling.max_tokens
+        needed = request.num_prompt_tokens + request.sampling.max_new_tokens
         if limit is not None and needed > limit:
             raise CapacityError(
                 f"request {request.request_id!r} needs {needed} cache positions "
-                f"({request.num_prompt_tokens} prompt + {request.sampling.max_tokens} max_tokens) "
+                f"({request.num_prompt_tokens} prompt + {request.sampling.max_new_tokens} max_new_tokens) "
                 f"but the engine's cache holds at most {limit} for one sequence"
             )
         request.status = RequestStatus.WAITING

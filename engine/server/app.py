@@ -60,10 +60,10 @@ def _timings(out: RequestOutput) -> dict[str, Any]:
 
 def _sampling_params(req: protocol.CompletionRequest) -> SamplingParams:
     return SamplingParams(
-        max_tokens=req.max_tokens,
+        max_new_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        stop=req.stop,
+        stop_strings=req.stop,
         seed=req.seed,
     )
 

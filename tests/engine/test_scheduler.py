@@ -33,7 +33,7 @@ def make_pool(num_blocks=64, num_slots=8, max_model_len=None):
 def make_request(i, prompt_len, max_tokens):
     ids = [7] * prompt_len
     return Request(
-        f"r{i}", ids, [PromptSegment("", False, 0, prompt_len)], SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        f"r{i}", ids, [PromptSegment("", False, 0, prompt_len)], SamplingParams(max_new_tokens=max_tokens)
     )
 
 
@@ -72,7 +72,7 @@ class Driver:
 
     def _emit(self, r):
         r.output_token_ids.append(1)
-        if r.num_output_tokens >= r.sampling.max_tokens:
+        if r.num_output_tokens >= r.sampling.max_new_tokens:
             self.sched.finish(r, FinishReason.LENGTH)
 
     def run(self, max_steps=10_000):
@@ -97,7 +97,7 @@ def test_token_budget_and_chunk_size_hold_in_every_step():
     assert all(c.num_tokens <= 10 for out in driver.outputs for c in out.prefills)
     assert all(len(out.decodes) + len(out.prefills) <= 6 for out in driver.outputs)
     assert max(out.num_scheduled_tokens for out in driver.outputs) == 24  # the budget is actually used
-    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == r.sampling.max_tokens for r in reqs)
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == r.sampling.max_new_tokens for r in reqs)
 
 
 def test_admission_and_prefill_budget_follow_arrival_order():
@@ -164,7 +164,7 @@ def test_preempted_request_is_readmitted_before_later_arrivals():
 
 def test_request_larger_than_the_whole_cache_is_refused_with_the_numbers():
     sched = Scheduler(SchedulerConfig(), make_pool(num_blocks=4))  # 16 positions
-    with pytest.raises(CapacityError, match=r"needs 20 cache positions \(12 prompt \+ 8 max_tokens\).*at most 16"):
+    with pytest.raises(CapacityError, match=r"needs 20 cache positions \(12 prompt \+ 8 max_new_tokens\).*at most 16"):
         sched.add_request(make_request(0, 12, 8))
     sched2 = Scheduler(SchedulerConfig(), make_pool(num_blocks=400, max_model_len=10))
     with pytest.raises(CapacityError, match="at most 10"):
