@@ -6,7 +6,7 @@ quality harness and the serving benchmark (`iter_requests`, fixed Zipf-popular p
 reusable segments), and score outputs (`score`). See docs/workloads.md.
 """
 from .common import (ANSWER_END, ANSWER_PREFIX, METRICS, QUESTION_PREFIX, TASKS, Request, Segment,
-                     token_count)
+                     read_requests, token_count, write_requests)
 from .config import SCALES, WorkloadConfig, make_config
 from .errors import (GenerationError, RecordFormatError, UnknownTaskError, WorkloadConfigError,
                      WorkloadError)
@@ -20,6 +20,6 @@ __all__ = [
     "GenerationError", "RecordFormatError", "Request", "Segment", "UnknownTaskError",
     "WorkloadConfig", "WorkloadConfigError", "WorkloadError", "WorkloadStats",
     "exact_match", "first_line", "format_table", "generate", "iter_requests", "make_config",
-    "rouge_l", "sample_training_example", "sample_training_request", "score", "token_count",
-    "token_f1", "workload_stats",
+    "read_requests", "rouge_l", "sample_training_example", "sample_training_request", "score", "token_count",
+    "token_f1", "workload_stats", "write_requests",
 ]

@@ -227,3 +227,28 @@ def shuffled(rng: random.Random, items: Sequence[Any]) -> list[Any]:
     out = list(items)
     rng.shuffle(out)
     return out
+
+
+def write_requests(path: str, requests: Iterable[Request]) -> int:
+    """Write requests as JSONL (one `Request.to_json()` per line); return the count."""
+    n = 0
+    with open(path, "w", encoding="ascii", newline="\n") as f:
+        for req in requests:
+            f.write(req.to_json() + "\n")
+            n += 1
+    return n
+
+
+def read_requests(path: str) -> list[Request]:
+    """Read a JSONL file written by `write_requests` or the CLI; blank lines are skipped,
+    a malformed line raises RecordFormatError naming the file and line number."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Request.from_json(line))
+            except RecordFormatError as exc:
+                raise RecordFormatError(f"{path}:{lineno}: {exc}") from exc
+    return out
