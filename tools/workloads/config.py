@@ -64,7 +64,7 @@ _DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
     ("twohop", "bench"): dict(pool_size=256, docs_min=4, docs_max=8, facts_per_doc=90),
     ("aggregate", "bench"): dict(pool_size=256, docs_min=4, docs_max=8, facts_per_doc=90, categories=16),
     ("fewshot", "bench"): dict(pool_size=128, docs_min=4, docs_max=8, facts_per_doc=64, num_rules=16),
-    ("rag", "bench"): dict(pool_size=512, docs_min=3, docs_max=10, facts_per_doc=163, doc_len_spread=0.5),
+    ("rag", "bench"): dict(pool_size=512, docs_min=3, docs_max=10, facts_per_doc=155, doc_len_spread=0.5),
 }
 
 

@@ -55,15 +55,24 @@ def render_doc(doc_id: int, facts: Sequence[tuple[str, str]]) -> str:
 
 
 def doc_fact_counts(cfg: WorkloadConfig, rng: random.Random, n: int, minimum: int = 1) -> list[int]:
-    """Facts per document for n documents: cfg.facts_per_doc, varied uniformly by
-    +-cfg.doc_len_spread when the spread is non-zero."""
+    """Facts per document for a pool of n documents: cfg.facts_per_doc, or, when
+    cfg.doc_len_spread > 0, lengths varied uniformly by +-spread and then rescaled so that
+    their mean weighted by how often each pool rank is drawn (Zipf, cfg.zipf) is
+    cfg.facts_per_doc. Without the rescaling the few most popular documents would set
+    the mean prompt length by the luck of their draw."""
     if cfg.doc_len_spread == 0:
         return [max(minimum, cfg.facts_per_doc)] * n
-    out = []
-    for _ in range(n):
-        scale = 1.0 + cfg.doc_len_spread * (2.0 * rng.random() - 1.0)
-        out.append(max(minimum, round(cfg.facts_per_doc * scale)))
-    return out
+    raw = [1.0 + cfg.doc_len_spread * (2.0 * rng.random() - 1.0) for _ in range(n)]
+    weights = inclusion_weights(n, cfg.zipf, (cfg.docs_min + cfg.docs_max) / 2)
+    norm = sum(weights) / sum(w * r for w, r in zip(weights, raw))
+    return [max(minimum, round(cfg.facts_per_doc * r * norm)) for r in raw]
+
+
+def inclusion_weights(n: int, zipf: float, draws: float) -> list[float]:
+    """Approximate probability that pool rank i is among `draws` Zipf draws."""
+    raw = [1.0 / (i + 1) ** zipf for i in range(n)]
+    total = sum(raw)
+    return [1.0 - (1.0 - r / total) ** draws for r in raw]
 
 
 def build_plain_docs(cfg: WorkloadConfig, rng: random.Random, alloc: WordAllocator,
