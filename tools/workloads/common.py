@@ -13,7 +13,7 @@ Owns:
 - The prompt text conventions shared by every task (question segment, answer delimiter).
 
 Determinism: only `random.Random` methods whose streams are stable across CPython
-versions are used (`random`, `choices`, `shuffle`, `randrange`, `getrandbits`).
+versions are used (`random`, `choice`, `choices`, `shuffle`, `randrange`).
 """
 from __future__ import annotations
 
@@ -207,8 +207,14 @@ class WordAllocator:
             raise GenerationError(
                 f"word space exhausted: {len(self.used)} words of length {self.length} in use; "
                 "use a longer word length or a smaller pool")
+        alphabet, base = self.alphabet, len(self.alphabet)
         while True:
-            w = "".join(rng.choices(self.alphabet, k=self.length))
+            v = rng.randrange(self.capacity)
+            chars = []
+            for _ in range(self.length):
+                v, d = divmod(v, base)
+                chars.append(alphabet[d])
+            w = "".join(chars)
             if w not in self.used:
                 self.used.add(w)
                 return w

@@ -89,5 +89,5 @@ def make_request(pool: RagPool, cfg: WorkloadConfig, rng: random.Random, request
 def fresh_request(cfg: WorkloadConfig, rng: random.Random, request_id: str) -> Request:
     """A request over freshly generated documents (training data); the system prompts
     are the fixed ones (they carry no answer)."""
-    small = replace(cfg, pool_size=2 * cfg.docs_max, zipf=0.0)
+    small = replace(cfg, pool_size=max(cfg.docs_max, 2), zipf=0.0)
     return make_request(build_pool(small, rng, id_base=rng.randrange(1000)), small, rng, request_id)
