@@ -5,7 +5,7 @@ then 3-10 (bench) / 3-6 (tiny) retrieved documents of varying length from a link
 key-value pool (Zipf over the pool, random order), then the question. The question is a
 single-fact question (share `fact_share`) or a two-hop question, with the same templates
 and answers as the `fact` and `twohop` workloads, so rag quality is measured with them.
-At bench scale documents average ~1750 tokens and prompts ~12k tokens.
+At bench scale documents average ~1700 tokens and prompts ~12k tokens.
 Metric: exact match.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ _POLICY_LINES: tuple[str, ...] = (
 
 def system_prompt(index: int, scale: str) -> str:
     """System prompt number `index` (0 is the most popular). Bench prompts append ten
-    numbered policy lines (~700 tokens in all), as production system prompts do."""
+    numbered policy lines (~780 tokens in all), as production system prompts do."""
     text = _SYSTEM_BASES[index % len(_SYSTEM_BASES)]
     if index >= len(_SYSTEM_BASES):
         text = f"[profile {index}] " + text
