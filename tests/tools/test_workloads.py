@@ -19,7 +19,7 @@ from tools.workloads import (ANSWER_END, TASKS, Request, UnknownTaskError, Workl
                              read_requests, rouge_l, write_requests,
                              sample_training_example, sample_training_request, score, token_f1,
                              workload_stats)
-from tools.workloads.errors import RecordFormatError
+from tools.workloads.errors import GenerationError, RecordFormatError
 
 ROOT = Path(__file__).resolve().parents[2]
 FACT_LINE = re.compile(r"^([a-z0-9]+): ([a-z0-9]+)$")
@@ -158,11 +158,21 @@ def test_only_the_last_segment_is_an_uncached_question(tiny, task):
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_tiny_prompts_are_300_to_1500_bytes_in_3_to_8_segments(tiny, task):
+def test_tiny_examples_fit_1000_tokens_in_3_to_8_segments(tiny, task):
     stats = workload_stats(tiny[task])
-    assert 250 <= stats.min_prompt_tokens and stats.max_prompt_tokens <= 1500, stats
+    assert 250 <= stats.min_prompt_tokens and 450 <= stats.mean_prompt_tokens, stats
+    assert all(r.prompt_tokens + len(r.answer) + 1 <= 1000 for r in tiny[task])
     assert all(3 <= len(r.segments) <= 8 for r in tiny[task])
     assert all(r.prompt.isascii() for r in tiny[task])
+    rng = random.Random(5)
+    assert all(len("".join(sample_training_example(task, rng))) <= 1000 for _ in range(200))
+
+
+def test_max_tokens_redraws_long_requests_and_names_an_impossible_bound():
+    reqs = generate("fewshot", 50, seed=0, max_tokens=450)
+    assert all(r.prompt_tokens + len(r.answer) + 1 <= 450 for r in reqs)
+    with pytest.raises(GenerationError, match="max_tokens=100"):
+        generate("fact", 1, seed=0, max_tokens=100)
 
 
 @pytest.mark.parametrize("task", TASKS)

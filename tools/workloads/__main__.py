@@ -3,6 +3,7 @@
     python -m tools.workloads TASK|all --n N --seed S [--scale tiny|bench]
         [-o FILE.jsonl | --out-dir DIR] [--stats]
         [--pool-size P] [--zipf S] [--docs MIN-MAX] [--doc-tokens T] [--facts-per-doc F]
+        [--max-tokens M]
 
 Each output line is one request: {"id", "task", "segments": [{"text", "cache"}],
 "answer", "metric"} (the `kvengine run --requests` format; the engine ignores task,
@@ -39,12 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", help="documents per request: N or MIN-MAX")
     p.add_argument("--doc-tokens", type=int, help="mean document length in tokens (bytes)")
     p.add_argument("--facts-per-doc", type=int, help="mean facts (examples) per document")
+    p.add_argument("--max-tokens", type=int, help="redraw requests whose prompt + answer exceed this (0: no bound)")
     return p
 
 
-def _write(lines_to: TextIO, task: str, args: argparse.Namespace) -> WorkloadStats:
+def _write(lines_to: TextIO | None, task: str, args: argparse.Namespace) -> WorkloadStats:
     cfg = make_config(task, args.scale, pool_size=args.pool_size, zipf=args.zipf, docs=args.docs,
-                      doc_tokens=args.doc_tokens, facts_per_doc=args.facts_per_doc)
+                      doc_tokens=args.doc_tokens, facts_per_doc=args.facts_per_doc,
+                      max_tokens=args.max_tokens)
     reqs = []
     for req in iter_requests(task, args.n, args.seed, config=cfg):
         if lines_to is not None:
@@ -72,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed early (e.g. piped into head): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if args.stats:
         print(format_table(rows))
     return 0

@@ -24,7 +24,7 @@ import json
 import random
 import string
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 from .errors import GenerationError, RecordFormatError, UnknownTaskError, WorkloadConfigError
 
@@ -221,18 +221,6 @@ class WordAllocator:
 
     def words(self, rng: random.Random, n: int) -> list[str]:
         return [self.word(rng) for _ in range(n)]
-
-
-def split_counts(total: int, parts: int) -> list[int]:
-    """Split `total` into `parts` non-negative integers that differ by at most one."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def shuffled(rng: random.Random, items: Sequence[Any]) -> list[Any]:
-    out = list(items)
-    rng.shuffle(out)
-    return out
 
 
 def write_requests(path: str, requests: Iterable[Request]) -> int:

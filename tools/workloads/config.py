@@ -1,8 +1,9 @@
 """Generator parameters: the `WorkloadConfig` record and its defaults per task and scale.
 
 Two scales:
-- `tiny`: prompts of a few hundred to ~1500 bytes (= tokens of the byte-level tokenizer)
-  in 3-8 segments; what the tiny models are trained and evaluated on.
+- `tiny`: prompts of a few hundred bytes (= tokens of the byte-level tokenizer) up to
+  1000 tokens with the answer (`max_tokens`, so a 1024-token context always fits), in
+  3-8 segments; what the tiny models are trained and evaluated on.
 - `bench`: long documents for the serving benchmark (TTFT/QPS); `rag` averages ~12k
   tokens per prompt.
 
@@ -19,6 +20,9 @@ from .common import check_task
 from .errors import WorkloadConfigError
 
 SCALES: tuple[str, ...] = ("tiny", "bench")
+#: Tiny-scale bound on prompt + answer + newline, so a 1024-token context (with a few
+#: special tokens) always holds a whole example.
+TINY_MAX_TOKENS = 1000
 
 #: Category words of the `aggregate` task (values of its facts); never used as keys.
 CATEGORY_WORDS: tuple[str, ...] = (
@@ -49,16 +53,18 @@ class WorkloadConfig:
     num_rules: int = 8           # fewshot: hidden rules in the pool
     system_prompts: int = 3      # rag: system prompts in the pool
     fact_share: float = 0.5      # rag: share of single-fact questions (the rest two-hop)
+    max_tokens: int = 0          # bound on prompt + answer + newline tokens (0: none);
+                                 # requests over it are redrawn
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 _DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
-    ("fact", "tiny"): dict(pool_size=64, docs_min=3, docs_max=7, facts_per_doc=12),
-    ("twohop", "tiny"): dict(pool_size=64, docs_min=3, docs_max=7, facts_per_doc=12),
+    ("fact", "tiny"): dict(pool_size=64, docs_min=3, docs_max=7, facts_per_doc=11),
+    ("twohop", "tiny"): dict(pool_size=64, docs_min=3, docs_max=7, facts_per_doc=11),
     ("aggregate", "tiny"): dict(pool_size=48, docs_min=3, docs_max=6, facts_per_doc=9, categories=8),
-    ("fewshot", "tiny"): dict(pool_size=64, docs_min=3, docs_max=7, facts_per_doc=8, num_rules=8),
+    ("fewshot", "tiny"): dict(pool_size=64, docs_min=3, docs_max=7, facts_per_doc=7, num_rules=8),
     ("rag", "tiny"): dict(pool_size=64, docs_min=3, docs_max=6, facts_per_doc=10, doc_len_spread=0.5),
     ("fact", "bench"): dict(pool_size=256, docs_min=4, docs_max=8, facts_per_doc=90),
     ("twohop", "bench"): dict(pool_size=256, docs_min=4, docs_max=8, facts_per_doc=90),
@@ -103,6 +109,8 @@ def make_config(task: str, scale: str = "tiny", **overrides: Any) -> WorkloadCon
     if unknown:
         raise WorkloadConfigError(f"unknown workload parameter(s) {sorted(unknown)}; known: {sorted(fields)}")
     cfg = replace(WorkloadConfig(task=task, scale=scale), **_DEFAULTS[(task, scale)])
+    if scale == "tiny":
+        cfg = replace(cfg, max_tokens=TINY_MAX_TOKENS)
     if docs is not None:
         lo, hi = parse_docs_range(docs)
         cfg = replace(cfg, docs_min=lo, docs_max=hi)
@@ -160,6 +168,8 @@ def validate(cfg: WorkloadConfig) -> None:
         raise bad("system_prompts", "must be >= 1")
     if not 0 <= cfg.fact_share <= 1:
         raise bad("fact_share", "must be in [0, 1]")
+    if cfg.max_tokens < 0:
+        raise bad("max_tokens", "must be >= 0 (0: no bound)")
     if cfg.task == "fewshot":
         if cfg.num_rules < 1:
             raise bad("num_rules", "must be >= 1")

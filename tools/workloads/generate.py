@@ -16,17 +16,18 @@ from __future__ import annotations
 import functools
 import random
 from types import ModuleType
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from . import aggregate, fact, fewshot, rag, twohop
-from .common import ANSWER_END, TASKS, Request, check_task, derive_rng
+from .common import ANSWER_END, Request, check_task, derive_rng, token_count
 from .config import WorkloadConfig, make_config
-from .errors import WorkloadConfigError
+from .errors import GenerationError, WorkloadConfigError
 
 _MODULES: dict[str, ModuleType] = {
     "fact": fact, "twohop": twohop, "aggregate": aggregate, "fewshot": fewshot, "rag": rag,
 }
 #: Default task weights of the training mixture (the harder tasks weigh more).
+_MAX_REDRAWS = 1000
 TRAINING_MIX: Mapping[str, float] = {"fact": 1.0, "twohop": 1.5, "aggregate": 1.0, "fewshot": 1.5, "rag": 1.0}
 
 
@@ -49,7 +50,22 @@ def iter_requests(task: str, n: int, seed: int = 0, *, scale: str = "tiny",
     pool = module.build_pool(config, derive_rng(seed, task, config.scale, "pool"))
     rng = derive_rng(seed, task, config.scale, "requests")
     for i in range(n):
-        yield module.make_request(pool, config, rng, f"{task}-s{seed}-{i:06d}")
+        yield _bounded(lambda rid: module.make_request(pool, config, rng, rid), config, f"{task}-s{seed}-{i:06d}")
+
+
+def _bounded(make: Callable[[str], Request], cfg: WorkloadConfig, request_id: str) -> Request:
+    """make(request_id), redrawn (from the same rng stream) until prompt + answer + the
+    ending newline fit in cfg.max_tokens (0: no bound)."""
+    if not cfg.max_tokens:
+        return make(request_id)
+    for _ in range(_MAX_REDRAWS):
+        req = make(request_id)
+        if req.prompt_tokens + token_count(req.answer) + len(ANSWER_END) <= cfg.max_tokens:
+            return req
+    raise GenerationError(
+        f"{cfg.task}: no request fits max_tokens={cfg.max_tokens} in {_MAX_REDRAWS} draws "
+        f"(docs {cfg.docs_min}-{cfg.docs_max}, facts_per_doc={cfg.facts_per_doc}); "
+        "raise max_tokens (0 = no bound) or make documents shorter / fewer")
 
 
 def generate(task: str, n: int, seed: int = 0, **kwargs: Any) -> list[Request]:
@@ -73,7 +89,7 @@ def sample_training_request(task: str, rng: random.Random, scale: str = "tiny",
     cfg = config if config is not None else _default_config(task, scale)
     if cfg.task != task:
         raise WorkloadConfigError(f"config is for task {cfg.task!r}, not {task!r}")
-    return _MODULES[task].fresh_request(cfg, rng, f"{task}-train")
+    return _bounded(lambda rid: _MODULES[task].fresh_request(cfg, rng, rid), cfg, f"{task}-train")
 
 
 def sample_training_example(task: str, rng: random.Random, scale: str = "tiny",
