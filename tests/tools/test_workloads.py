@@ -303,13 +303,14 @@ def test_score_uses_the_record_metric_and_the_first_generated_line():
 
 # ---------------------------------------------------------------- CLI
 
-def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "tools.workloads", *args], cwd=cwd, env=env,
+def _cli(*args: str, hash_seed: str = "0") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "tools.workloads", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_writes_engine_request_jsonl(tmp_path):
+def test_cli_writes_engine_request_jsonl_identically_under_any_hash_seed(tmp_path):
     out = tmp_path / "fact.jsonl"
     proc = _cli("twohop", "--n", "12", "--seed", "3", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -322,7 +323,7 @@ def test_cli_writes_engine_request_jsonl(tmp_path):
         assert rec["segments"][-1]["cache"] is False
     assert read_requests(str(out)) == generate("twohop", 12, seed=3)
     again = tmp_path / "again.jsonl"
-    assert _cli("twohop", "--n", "12", "--seed", "3", "-o", str(again)).returncode == 0
+    assert _cli("twohop", "--n", "12", "--seed", "3", "-o", str(again), hash_seed="12345").returncode == 0
     assert again.read_bytes() == out.read_bytes()
 
 
