@@ -493,3 +493,25 @@ def test_concurrent_mixed_traffic_keeps_accounting_exact(tmp_path):
         assert len(files) == sum(1 for i in infos if i.backed)
         for i in infos:
             assert get_bytes(s, i.key) == data(i.size, seed=int(i.key[1:]))
+
+
+def test_object_deleted_and_put_again_during_a_slow_verify_keeps_the_new_bytes(tmp_path):
+    s = faulty_store(tmp_path)
+    try:
+        put(s, b"k", data(PAGE, 1), "nvme")
+        s.tiers["nvme"].delay_s = 0.3  # the get below verifies the file slowly, outside the lock
+        got = []
+        t = threading.Thread(target=lambda: got.append(s.get([b"k"], "slow", promote=False)))
+        t.start()
+        time.sleep(0.1)
+        assert s.delete([b"k"]) == 1  # busy but unleased: dropped now, its file freed after the read
+        s.tiers["nvme"].delay_s = 0.0
+        put(s, b"k", data(PAGE, 2), "nvme")
+        t.join()
+        (lease,) = got[0]
+        assert read_region(lease.region) == data(PAGE, 2)
+        s.release([lease.lease_id])
+        assert get_bytes(s, b"k", promote=False) == data(PAGE, 2)
+        assert len(list((s.dir / "objects").glob("*/*.obj"))) == 1 and s.tiers["nvme"].used_bytes == PAGE
+    finally:
+        s.close()
