@@ -35,7 +35,7 @@ class StoredObject:
     """A committed object's mutable state (guarded by the Store's lock)."""
 
     __slots__ = ("key", "tier", "slot", "backing", "checksum", "meta", "created", "last_access", "hits",
-                 "leases", "busy", "verified", "removed")
+                 "leases", "busy", "verified", "removed", "freed")
 
     def __init__(self, key: bytes, tier: str, slot: Slot, checksum: int, meta: ObjectMeta,
                  created: float, last_access: float, hits: int = 0, verified: bool = True) -> None:
@@ -45,7 +45,8 @@ class StoredObject:
         self.leases = 0  # live client leases
         self.busy = 0  # internal pins: a verify or promotion is running outside the lock
         self.verified = verified  # NVMe: checksum confirmed since open
-        self.removed = False  # out of the map; free the slot when the last pin goes
+        self.removed = False  # dropped: out of the map; its slot is freed when the last pin goes
+        self.freed = False  # the primary slot went back to its tier
 
     @property
     def size(self) -> int:
@@ -128,9 +129,9 @@ class Placement:
                            m.fingerprint, m.token_count, m.cost, dict(m.extra), o.created, o.last_access, o.hits)
 
     def release_slot_if_unpinned(self, o: StoredObject) -> None:
-        if o.removed and not o.pinned:
+        if o.removed and not o.pinned and not o.freed:
+            o.freed = True  # exactly once
             self.tiers[o.tier].free(o.slot)
-            o.removed = False  # freed exactly once
 
     def drop_backing(self, o: StoredObject) -> None:
         """Forget the NVMe copy of a promoted object (its primary copy stays)."""
@@ -143,11 +144,13 @@ class Placement:
     def drop(self, o: StoredObject) -> None:
         """Remove an object from the map and the index; free its slot now or at last unpin
         (pins hold the primary slot only; a backing copy goes at once)."""
+        if o.removed:
+            return
         if self.objects.get(o.key) is o:
             del self.objects[o.key]
         if self.tiers[o.tier].durable and self.index is not None:
             self.index.delete(o.key)
-        self.drop_backing(o)
+        self.drop_backing(o)  # (deletes the index record when the backing copy held it)
         o.removed = True
         self.release_slot_if_unpinned(o)
 

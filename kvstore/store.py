@@ -396,7 +396,8 @@ class Store:
                 if promote and "cpu" in self.tiers and can_move:
                     try:
                         dst = self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))
-                    except CapacityExhausted:
+                    except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
+                        log.debug("no promotion of %r: %s", key, exc)
                         dst = None
                 if dst is not None or self.settings.verify_nvme == "always" or not o.verified:
                     plans.append((o, dst))
