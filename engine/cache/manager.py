@@ -156,6 +156,14 @@ class CacheManager:
         if need:
             seq.block_table.extend(self.blocks.allocate(need))
 
+    def share_blocks(self, seq: Sequence, blocks: list[int]) -> None:
+        """Append blocks another owner holds to `seq`'s table (reference counted: each is
+        freed when its last owner frees it). For prefix sharing of whole blocks; the caller
+        must not write into shared blocks."""
+        self._check_owned(seq)
+        self.blocks.incref(blocks)
+        seq.block_table.extend(blocks)
+
     def free(self, seq: Sequence) -> None:
         """Return `seq`'s blocks and slot; the handle is left empty."""
         self._check_owned(seq)

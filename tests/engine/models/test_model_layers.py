@@ -166,3 +166,27 @@ def test_parallel_forward_is_differentiable_for_training(kind, make_config, make
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
         [n for n, g in grads.items() if g is None]
     assert any(float(g.abs().sum()) > 0 for n, g in grads.items() if ".mixer." in n)
+
+
+@pytest.mark.parametrize("kind", [GDN, GLA, LIGHTNING, MAMBA2])
+def test_segment_summaries_compose_to_the_state_of_the_whole_sequence(kind, make_config, make_model):
+    """S(whole) = T_2 (T_1 * 0 + E_1) + E_2 when the second segment's layer inputs are the same
+    as in the whole pass (first linear layer, conv tail of segment 1 fed in)."""
+    from engine.models.layers.linear_ops import apply_transition
+
+    cfg = make_config([kind])
+    model = make_model(cfg)
+    mixer = model.mixer(0)
+    h = torch.randn(30, cfg.hidden_size)
+    with torch.no_grad():
+        s1 = mixer.summarize_segment(h[:12])
+        # segment 2 with segment 1's conv tail in front (what PIC feeds at splice time)
+        conv_in, extras = mixer.project(h[None, 12:])
+        tail = None if s1.conv_tail is None else s1.conv_tail[None]
+        conv_out, _ = mixer.apply_conv(conv_in, tail)
+        inp2 = mixer.prepare(conv_out, extras)
+        t2 = mixer.transition_operator(inp2)[0]
+        e2 = mixer.run_recurrence(inp2, None, "torch")[1][0]
+        whole = mixer.summarize_segment(h)
+    composed = apply_transition(mixer.family, t2[None], s1.end_state[None])[0] + e2
+    torch.testing.assert_close(composed, whole.end_state, rtol=1e-5, atol=1e-5)
