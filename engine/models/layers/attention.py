@@ -108,8 +108,18 @@ class Attention(TokenMixer):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
-        theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
-        self.register_buffer("inv_freq", rope_inv_freq(a.rotary_dim, theta), persistent=False)
+        self.rotary_dim = a.rotary_dim
+        self.rope_theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """float32 RoPE inverse frequencies on the layer's device. Not a buffer, so casting the
+        model to bf16 never degrades the angles."""
+        device = self.q_proj.weight.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
+        return self._inv_freq[device]
 
     # ------------------------------------------------------------ pieces (PIC hooks)
     def project(self, x: torch.Tensor, positions: torch.Tensor):

@@ -190,3 +190,28 @@ def test_segment_summaries_compose_to_the_state_of_the_whole_sequence(kind, make
         whole = mixer.summarize_segment(h)
     composed = apply_transition(mixer.family, t2[None], s1.end_state[None])[0] + e2
     torch.testing.assert_close(composed, whole.end_state, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_is_rotate_half_on_the_first_rotary_dims_only():
+    from engine.models.layers.rope import apply_rope, rope_inv_freq
+
+    x = torch.randn(3, 2, 10)  # [T, H, D], rotary_dim 6
+    pos = torch.tensor([0, 5, 1000])
+    inv = rope_inv_freq(6, 10000.0)
+    out = apply_rope(x, pos, inv)
+    half = 3
+    for t, p in enumerate(pos.tolist()):
+        for i in range(half):
+            f = 10000.0 ** (-2 * i / 6)
+            c, s = torch.cos(torch.tensor(p * f)), torch.sin(torch.tensor(p * f))
+            torch.testing.assert_close(out[t, :, i], x[t, :, i] * c - x[t, :, i + half] * s)
+            torch.testing.assert_close(out[t, :, i + half], x[t, :, i + half] * c + x[t, :, i] * s)
+    assert torch.equal(out[..., 6:], x[..., 6:])
+
+
+def test_bf16_model_keeps_float32_rope_frequencies(make_config):
+    from engine.models.weights import build_model
+
+    model = build_model(make_config([FULL]), dtype="bfloat16")
+    assert model.mixer(0).inv_freq.dtype == torch.float32
+    assert not list(model.named_buffers())
