@@ -45,8 +45,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     groups = q.shape[2] // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     lq, lk = qh.shape[2], kh.shape[2]
-    plain_causal = window is None and lq == lk
-    if plain_causal:
+    if window is None and lq == lk and torch.equal(q_pos, k_pos):
         # positions coincide: top-left causal == the true mask; flash-eligible on GPU
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=groups > 1)
