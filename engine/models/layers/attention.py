@@ -17,6 +17,8 @@ Hooks for position-independent caching (engine/pic/):
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,9 @@ from engine.models.config import SWA, ModelConfig
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rope import apply_rope, rope_inv_freq
+
+if TYPE_CHECKING:
+    from engine.cache.layer_caches import PagedKVCache, WindowRingCache
 
 #: queries per block in masked (windowed / offset-causal) attention; bounds mask memory.
 QUERY_BLOCK = 1024
@@ -161,7 +166,8 @@ class Attention(TokenMixer):
         o = causal_attention(q, k, v, pos, pos, self.window, self.scale)
         return self.output(o, gate)
 
-    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache) -> torch.Tensor:
+    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext,
+                        cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
         pos = ctx.positions
         q, k, v, gate = self.project(x, pos)
         if self.window is None:
@@ -184,7 +190,8 @@ class Attention(TokenMixer):
         o = self.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
         return self.output(o, gate)
 
-    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache) -> torch.Tensor:
+    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext,
+                       cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
         pos = ctx.positions
         q, k, v, gate = self.project(x[:, None], pos[:, None])  # [B, 1, H, hd]
         k, v = k[:, 0], v[:, 0]

@@ -20,6 +20,7 @@ for scalar/diag, a dense `[H, dk, dk]` for delta), and a slot is read/set throug
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.conv import ShortConv
 from engine.models.layers.linear_ops import (RecurrenceInputs, chunked_recurrence, recurrent_step,
                                              transition_operator)
+
+if TYPE_CHECKING:
+    from engine.cache.layer_caches import StateSlotCache
 
 
 @dataclass
@@ -129,7 +133,7 @@ class LinearMixer(TokenMixer):
         o, _ = self.run_recurrence(inp, None, backend)
         return self.output(o, extras)
 
-    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache) -> torch.Tensor:
+    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache: StateSlotCache) -> torch.Tensor:
         conv_in, extras = self.project(x[None])
         if self.conv is not None:
             conv_out, tail = self.conv(conv_in, cache.conv_tail[ctx.slot][None])
@@ -141,7 +145,7 @@ class LinearMixer(TokenMixer):
         cache.state[ctx.slot] = state[0]
         return self.output(o, extras)[0]
 
-    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache) -> torch.Tensor:
+    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache: StateSlotCache) -> torch.Tensor:
         conv_in, extras = self.project(x[:, None])
         if self.conv is not None:
             y, tails = self.conv.step(conv_in[:, 0], cache.conv_tail[ctx.slots])
