@@ -86,7 +86,7 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     softmax in float32."""
     b, h, d = q.shape
     hkv = k.shape[2]
-    qg = q.view(b, hkv, h // hkv, d)  # query head i uses kv head i // (H / Hkv)
+    qg = q.reshape(b, hkv, h // hkv, d)  # query head i uses kv head i // (H / Hkv)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).to(torch.float32) * scale  # [B, Hkv, G, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

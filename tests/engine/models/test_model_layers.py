@@ -215,3 +215,23 @@ def test_bf16_model_keeps_float32_rope_frequencies(make_config):
     model = build_model(make_config([FULL]), dtype="bfloat16")
     assert model.mixer(0).inv_freq.dtype == torch.float32
     assert not list(model.named_buffers())
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 8])
+def test_attention_variants_without_qk_norm_and_with_gqa_match_forward(rotary_dim, make_config, make_model,
+                                                                       make_runner):
+    import dataclasses
+
+    base = make_config([FULL])
+    attn = dataclasses.replace(base.attention, qk_norm=False, output_gate=True, rotary_dim=rotary_dim,
+                               num_heads=6, num_kv_heads=2)
+    cfg = make_config([FULL, SWA], attention=attn)
+    model = make_model(cfg)
+    ids = ids_for(cfg, n=12)
+    with torch.no_grad():
+        ref = model(ids[None])[0]
+    runner = make_runner(model)
+    seq = runner.cache.allocate(Sequence("s"))
+    runner.prefill(seq, ids[:4])
+    for t in range(4, 12):
+        torch.testing.assert_close(runner.decode([seq], ids[t:t + 1])[0], ref[t], **TOL)
