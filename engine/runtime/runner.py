@@ -88,12 +88,15 @@ class ModelRunner:
         write = None
         if self.cache.has_paged:
             write = torch.cat([self.cache.flat_slots(s, p, p + 1) for s, p in zip(seqs, positions)])
+        lengths = [p + 1 for p in positions]
+        tables = self.cache.batch_block_tables(list(seqs), lengths)
         ctx = DecodeContext(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device),
             write_slots=write,
-            context_slots=self.cache.batch_context_slots(list(seqs), [p + 1 for p in positions]),
+            context_slots=self.cache.batch_context_slots(list(seqs), lengths, tables),
             backend=self.backend,
+            block_tables=tables,
         )
         logits = self.model.decode(ids, ctx, self.cache.layers)
         for s in seqs:
