@@ -188,3 +188,30 @@ def test_prefill_only_request_finishes_without_tokens():
     (out,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=0))
     assert out.finished and out.token_ids == [] and out.finish_reason == "length"
     assert engine.stats.num_prompt_tokens_computed == out.num_prompt_tokens
+
+
+class FailingPlanner(FullRecomputePlanner):
+    """An apply step that raises for one request, as a failed cache load would."""
+
+    def plan(self, request):
+        if request.request_id != "doomed":
+            return super().plan(request)
+        n = len(request.prefill_token_ids())
+
+        def load(runner, req):
+            raise OSError("segment store unreachable")
+
+        return PrefillPlan((ApplyStep(0, 1, load), ComputeStep(1, n)), n)
+
+
+def test_a_failing_prefill_fails_only_its_request():
+    engine = make_engine(planner=FailingPlanner())
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="doomed")
+    engine.add_request(PROMPTS[1], params, request_id="fine")
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["doomed"].finish_reason == "abort" and "segment store unreachable" in finals["doomed"].error
+    assert finals["fine"].error is None and len(finals["fine"].token_ids) == 4
+    assert engine.cache_usage() == 0.0
