@@ -31,7 +31,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from engine.errors import ConfigError, InvalidRequestError, RequestNotFoundError
+from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
 from engine.runtime.planner import ApplyStep, PrefillPlanner
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
@@ -268,6 +268,9 @@ class LLMEngine:
             step = progress.current
             if isinstance(step, ApplyStep):
                 step.apply(self.runner, req)
+                held = req.seq.num_computed_tokens
+                if held != step.end:
+                    raise PlanError(f"apply step {step.label!r} left the caches at {held} tokens, not {step.end}")
                 progress.skip_apply()
                 continue
             if grant <= 0:
