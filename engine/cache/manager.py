@@ -186,13 +186,15 @@ class CacheManager:
             return None
         lmax = max(lengths)
         nb = math.ceil(lmax / self.block_size)
-        table = torch.zeros(len(seqs), nb, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(seqs, lengths)):
+        rows = []
+        for seq, n in zip(seqs, lengths):
             need = math.ceil(n / self.block_size)
             if need > len(seq.block_table):
                 raise CacheError(f"sequence {seq.seq_id!r} has too few blocks for {n} tokens")
-            table[i, :need] = torch.tensor(seq.block_table[:need], dtype=torch.long)
-        pos = torch.arange(lmax)
+            rows.append(seq.block_table[:need] + [0] * (nb - need))
+        # only the [B, blocks] table crosses to the device; slots are expanded there
+        table = torch.tensor(rows, dtype=torch.long).to(self.device)
+        lens = torch.tensor(lengths, dtype=torch.long).to(self.device)
+        pos = torch.arange(lmax, device=self.device)
         flat = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        flat = torch.where(pos[None, :] < torch.tensor(lengths)[:, None], flat, torch.zeros_like(flat))
-        return flat.to(self.device)
+        return torch.where(pos[None, :] < lens[:, None], flat, torch.zeros_like(flat))

@@ -170,7 +170,10 @@ def load_weights(directory: str | os.PathLike, device: torch.device | str = "cpu
     with torch.device("meta"):
         model = HybridDecoder(cfg)
     model = model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise WeightsError(f"{wpath} does not match its config: {e}") from e
     if missing or unexpected:
         raise WeightsError(f"{wpath} does not match its config: missing {missing}, unexpected {unexpected}")
     model.to(dtype=dt)

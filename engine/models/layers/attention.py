@@ -74,6 +74,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """One query per sequence against its gathered context, GQA without expanding K/V.
+
+    q `[B, H, D]`, k/v `[B, L, Hkv, D]`, valid `[B, L]` bool -> `[B, H, D]`. Scores and
+    softmax in float32."""
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d)  # query head i uses kv head i // (H / Hkv)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).to(torch.float32) * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+
+
 class Attention(TokenMixer):
     def __init__(self, cfg: ModelConfig, kind: str) -> None:
         super().__init__()
@@ -174,9 +189,5 @@ class Attention(TokenMixer):
             cache.v[ctx.slots, idx] = v.to(cache.v.dtype)
             k_ctx, v_ctx = cache.k[ctx.slots], cache.v[ctx.slots]  # [B, w, Hkv, hd]
             valid = torch.arange(self.window, device=x.device)[None, :] <= pos[:, None]
-        groups = self.num_heads // self.num_kv_heads
-        kh = _expand_kv(k_ctx.to(q.dtype).transpose(1, 2), groups, 1)
-        vh = _expand_kv(v_ctx.to(q.dtype).transpose(1, 2), groups, 1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=valid[:, None, None, :],
-                                           scale=self.scale)
-        return self.output(o.transpose(1, 2), gate)[:, 0]
+        o = grouped_decode_attention(q[:, 0], k_ctx.to(q.dtype), v_ctx.to(q.dtype), valid, self.scale)
+        return self.output(o[:, None], gate)[:, 0]

@@ -153,3 +153,16 @@ def test_sliding_window_attends_only_within_the_window(make_config, make_model):
         a, b = mixer.forward_train(x), mixer.forward_train(y)
     torch.testing.assert_close(a[0, -1], b[0, -1])
     assert not torch.allclose(a[0, 19 - w], b[0, 19 - w])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parallel_forward_is_differentiable_for_training(kind, make_config, make_model):
+    model = make_model(make_config([kind]))
+    ids = ids_for(model.config, n=20)
+    logits = model(ids[None, :-1])
+    loss = torch.nn.functional.cross_entropy(logits[0], ids[1:])
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
+        [n for n, g in grads.items() if g is None]
+    assert any(float(g.abs().sum()) > 0 for n, g in grads.items() if ".mixer." in n)
