@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import ConfigError, EngineError, InvalidRequestError
 
 app = typer.Typer(
     name="kvengine",
@@ -70,34 +70,38 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
     """List the model presets: name, family, scale (tiny or bench) and layer pattern."""
     from engine.models.presets import list_presets, preset_info
 
-    rows = []
-    for cfg in list_presets():
-        rows.append({
-            "name": cfg.name, "family": cfg.family, "scale": cfg.scale, "layers": list(cfg.layers),
-            "num_layers": len(cfg.layers), "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-        })
+    rows = [preset_info(cfg) for cfg in list_presets()]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("name", "family", "scale", "layers")
+    table = Table("name", "family", "scale", "parameters", "layers")
     for r in rows:
-        table.add_row(r["name"], r["family"], r["scale"], _layer_pattern(r["layers"]))
+        params = r.get("parameters")
+        table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
+                      _layer_pattern(r["layers"]))
     Console().print(table)
 
 
-def _layer_pattern(layers: list[str]) -> str:
-    """Run-length form of a layer list: gdn x3, full x1, ..."""
-    out: list[str] = []
+def _runs(layers: list[str]) -> str:
+    out: list[list] = []
     for kind in layers:
-        if out and out[-1].split(" x")[0] == kind:
-            name, n = out[-1].split(" x")
-            out[-1] = f"{name} x{int(n) + 1}"
+        if out and out[-1][0] == kind:
+            out[-1][1] += 1
         else:
-            out.append(f"{kind} x1")
-    return ", ".join(out)
+            out.append([kind, 1])
+    return ", ".join(kind if n == 1 else f"{kind} x{n}" for kind, n in out)
+
+
+def _layer_pattern(layers: list[str]) -> str:
+    """Compact form of a layer list: "(gdn x3, full) x6", or runs when not periodic."""
+    n = len(layers)
+    for period in range(1, n // 2 + 1):
+        if n % period == 0 and layers == layers[:period] * (n // period):
+            return f"({_runs(layers[:period])}) x{n // period}"
+    return _runs(layers)
 
 
 @app.command()
@@ -117,10 +121,12 @@ def generate(
 
     if not prompt:
         _fail("PROMPT: must not be empty")
-    engine = _build(preset, _engine_config(device, dtype, 1, 2048, 2048, None, None))
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     try:
-        params.validate()
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    except ConfigError as exc:
+        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+    engine = _build(preset, _engine_config(device, dtype, 1, 2048, 2048, None, None))
+    try:
         (out,) = engine.generate([prompt], params)
     except InvalidRequestError as exc:
         _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")

@@ -12,7 +12,9 @@ A step runs the batched decode of every decoding request (one `ModelRunner.decod
 call over sequences of different lengths), then each granted prefill chunk through the
 request's `PrefillPlan` (engine.runtime.planner: `ApplyStep`s fill cache positions
 without compute, `ComputeStep`s go through `ModelRunner.prefill`), sampling the first
-token when a plan completes. Every request keeps its `RequestTimeline` (arrival,
+token when a plan completes. A prefill that raises fails only its own request (its
+final output carries `error`); a failing decode batch propagates (the caller, e.g. the
+server's engine loop, stops). Every request keeps its `RequestTimeline` (arrival,
 scheduled, first token, each token, finish), so TTFT and throughput come from real runs.
 
 Position-independent caching plugs in as the `planner` argument; the prompt's segments
@@ -29,7 +31,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from engine.errors import ConfigError, InvalidRequestError, RequestNotFoundError
+from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
 from engine.runtime.planner import ApplyStep, PrefillPlanner
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
@@ -235,7 +237,14 @@ class LLMEngine:
                 outputs.append(self._append_token(req, tok))
         for chunk in sched.prefills:
             req = chunk.request
-            logits = self._run_prefill(req, chunk.num_tokens)
+            try:
+                logits = self._run_prefill(req, chunk.num_tokens)
+            except Exception as exc:  # one request's prefill (or its planner's apply step) failed
+                log.exception("prefill of request %s failed", req.request_id)
+                req.error = f"prefill failed: {type(exc).__name__}: {exc}"
+                self.scheduler.finish(req, FinishReason.ABORT)
+                outputs.append(self._finalize(req, [], ""))
+                continue
             if req.progress.done:
                 req.num_reused_tokens = req.plan.num_reused_tokens
                 self.stats.num_prompt_tokens_reused += req.num_reused_tokens
@@ -259,6 +268,9 @@ class LLMEngine:
             step = progress.current
             if isinstance(step, ApplyStep):
                 step.apply(self.runner, req)
+                held = req.seq.num_computed_tokens
+                if held != step.end:
+                    raise PlanError(f"apply step {step.label!r} left the caches at {held} tokens, not {step.end}")
                 progress.skip_apply()
                 continue
             if grant <= 0:

@@ -11,7 +11,8 @@ from empty to holding every token of `request.prefill_token_ids()`.
   chunks (its token budget and chunk size); each chunk costs its token count.
 - `ApplyStep(start, end, apply)`: fill positions `[start, end)` without running them
   through the model (splice cached K/V, compose linear states, load from the store);
-  `apply(runner, request)` does it and costs no token budget. An apply step may also
+  `apply(runner, request)` does it, costs no token budget, and must leave
+  `request.seq.num_computed_tokens == end` (the engine checks). An apply step may also
   cover zero positions (for example: compose a state split at a seam).
 
 Rules every plan obeys (checked by `PrefillPlan.validate`): steps are contiguous from

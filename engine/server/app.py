@@ -97,8 +97,12 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     try:
         first = await outputs.__anext__()
     except InvalidRequestError as exc:
-        return _json_error(400, str(exc), exc.field)
+        metrics.observe_rejected("invalid")
+        # the engine names its own argument; the API field for token ids is `prompt`
+        field = "prompt" if exc.field == "prompt_token_ids" else exc.field
+        return _json_error(400, f"{field}: {exc.message}", field)
     except CapacityError as exc:
+        metrics.observe_rejected("capacity")
         return _json_error(503, str(exc), None, "capacity_error")
     except EngineStoppedError as exc:
         return _json_error(503, str(exc), None, "engine_stopped")

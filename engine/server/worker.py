@@ -143,8 +143,6 @@ class EngineLoop:
                     cmd.prompt, cmd.params, request_id=cmd.request_id, prompt_token_ids=cmd.prompt_token_ids
                 )
             except EngineError as exc:
-                if self.metrics is not None:
-                    self.metrics.observe_rejected(type(exc).__name__)
                 cmd.future.set_exception(exc)
                 return
             self._callbacks[rid] = cmd.callback
