@@ -15,7 +15,6 @@ The last block's MLP is skipped: nothing a signature holds depends on it.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from engine.models.decoder import HybridDecoder
 from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
-from engine.models.layers.linear_ops import RecurrenceInputs, transition_operator
+from engine.models.layers.linear_ops import RecurrenceInputs
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
@@ -126,22 +125,9 @@ def _tail_transition(mixer: LinearMixer, tail: RecurrenceInputs, backend: str):
     live = log_sum >= LOG_FLOAT32_TINY
     if not bool(live.any()):
         return None, ()
-    dense = delta_transition(mixer, tail, backend)[0]  # [H, dk, dk]
+    dense = mixer.transition_operator(tail, backend)[0]  # [H, dk, dk]; fla on the GPU
     live &= dense.abs().amax(dim=(1, 2)) > 0
     heads = tuple(int(i) for i in torch.nonzero(live).flatten().tolist())
     if not heads:
         return None, ()
     return dense[list(heads)].contiguous(), heads
-
-
-def delta_transition(mixer: LinearMixer, inp: RecurrenceInputs, backend: str) -> torch.Tensor:
-    """Dense `[B, H, dk, dk]` float32 T of a gated-delta-rule span: the recurrence run from
-    S0 = I with v = 0 (fla's chunk kernel on the GPU, the torch chunked form elsewhere)."""
-    if backend == "fla":
-        from engine.models.layers import fla_backend
-
-        b, t, hh, dk, _ = inp.shape
-        eye = torch.eye(dk, dtype=torch.float32, device=inp.k.device).expand(b, hh, dk, dk).contiguous()
-        probe = replace(inp, v=torch.zeros(b, t, hh, dk, dtype=inp.v.dtype, device=inp.v.device))
-        return fla_backend.fla_chunk("delta", probe, eye)[1]
-    return transition_operator("delta", inp, chunk_size=mixer.chunk_size)

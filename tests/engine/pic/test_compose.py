@@ -46,7 +46,7 @@ def strengthen_decay(model, kind) -> None:
         bias[::2] = -2000.0  # logsigmoid(-2000)/16 = -125 per token on half the key dims
         m.gk_up.bias.copy_(bias)
     else:
-        m.log_decay.mul_(torch.tensor([40.0, 10.0, 1.0, 0.1])[: m.log_decay.numel()])
+        m.head_log_decay = [g * f for g, f in zip(m.head_log_decay, [40.0, 10.0, 1.0, 0.1])]
 
 
 def run_pic(model, runner_of, planner_of, lengths, q_len=4, seed=0):
