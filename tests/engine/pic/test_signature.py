@@ -83,3 +83,17 @@ def test_format_errors_name_the_problem(model_of):
         SegmentSignature.from_tensors(tensors, meta)
     with pytest.raises(SignatureFormatError, match="at least one token"):
         compute_signature(model_of([GDN, FULL]), [], [256], 0)
+
+
+def test_signature_without_end_states_round_trips_and_saves_the_state_bytes(model_of):
+    model = model_of([GDN, LIGHTNING, FULL])
+    ids = rand_ids(12, 4)
+    full = compute_signature(model, ids, [256], split=3)
+    lean = compute_signature(model, ids, [256], split=3, keep_end_state=False)
+    assert not lean.has_end_state and full.has_end_state
+    assert full.nbytes() - lean.nbytes() == full.bytes_by_part()["linear_state"]
+    tensors, meta, _ = lean.to_tensors()
+    back = SegmentSignature.from_tensors(tensors, meta)
+    assert not back.has_end_state and torch.equal(back.layers[0].tail_state, full.layers[0].tail_state)
+    with pytest.raises(SignatureFormatError, match="needs a tail"):
+        compute_signature(model, ids, [256], split=12, keep_end_state=False)
