@@ -58,6 +58,13 @@ class AlreadyExists(KVStoreError):
     code = "ALREADY_EXISTS"
 
 
+class StorageError(KVStoreError):
+    """A tier's medium failed an operation (I/O error, fsync or mmap failure, injected
+    fault); the store stays consistent and the request may be retried."""
+
+    code = "STORAGE_ERROR"
+
+
 ALL_ERRORS: tuple[type[KVStoreError], ...] = (
     KVStoreError,
     DaemonNotRunning,
@@ -67,6 +74,7 @@ ALL_ERRORS: tuple[type[KVStoreError], ...] = (
     VersionMismatch,
     InvalidRequest,
     AlreadyExists,
+    StorageError,
 )
 
 ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {cls.code: cls for cls in ALL_ERRORS}

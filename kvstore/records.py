@@ -1,0 +1,114 @@
+"""Records of the Store API: settings, regions, reservations, leases, object infos.
+
+Plain frozen dataclasses shared by the Store, the tiers, the gRPC server and the client
+library (kept apart from kvstore/store.py so tiers can name `Region` without importing
+the Store). `kvstore.store` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+TIER_NAMES = ("gpu", "cpu", "nvme")  # fastest first; demotion goes left to right
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Configuration of one Store (the daemon's config registry builds this)."""
+
+    dir: Path  # cache directory: index.lmdb and objects/ live here
+    cpu_capacity: int  # bytes of the shared-memory arena (0 = no CPU tier)
+    nvme_capacity: int  # bytes of object files allowed under dir/objects (0 = no NVMe tier)
+    gpu_capacity: int = 0  # bytes of the CUDA arena; 0 = no GPU tier (also none without CUDA)
+    shm_name: str = "kvstore"  # the arena file is /dev/shm/<shm_name>.arena (derive it from the socket path)
+    lease_ttl_s: float = 30.0  # leases and reservations expire this long after their last renew
+    eviction: str = "cost"  # "lru" | "cost"
+    default_tier: str = "cpu"
+    writeback_on_close: bool = False  # on close, copy CPU-only objects down to NVMe
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where an object's bytes lie, for a client on the same host.
+
+    kind "shm": `path` is the arena file under /dev/shm; map it (once) and use
+    [offset, offset + length). kind "file": `path` is an object file; pread/pwrite
+    [offset, offset + length). kind "cuda_ipc": `handle` is the pickled CUDA IPC handle
+    of the daemon's GPU arena (see kvstore/tiers/gpu_arena.py); `offset`/`length` are
+    within that allocation; `path` is "".
+    """
+
+    kind: str
+    path: str
+    offset: int
+    length: int
+    handle: bytes = b""
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What the putter says about an object; stored with it and returned on get."""
+
+    fingerprint: str = ""
+    token_count: int = 0
+    cost: float = 0.0  # seconds of recompute a hit saves (the cost-aware policy weighs it)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LookupEntry:
+    """One key's presence: which tier holds it (None on a miss) and its size in bytes."""
+
+    key: bytes
+    hit: bool
+    tier: Optional[str]
+    size: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The answer to `reserve`.
+
+    status "reserved": write exactly `region.length` bytes into `region`, then `commit`
+    (or `abort`). "exists": the key is committed already; nothing to write, no commit.
+    "in_flight": another client is writing the key now; nothing to write, no commit;
+    `wait_for(key)` blocks until it lands. For the last two, `reservation_id` is 0.
+    """
+
+    reservation_id: int
+    key: bytes
+    tier: str
+    region: Optional[Region]
+    status: str
+    expires_at: float = 0.0  # time.monotonic() on the daemon host
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A pinned object: its bytes stay at `region` until release or `expires_at` passes."""
+
+    lease_id: int
+    key: bytes
+    tier: str
+    region: Region
+    size: int
+    checksum: int
+    expires_at: float  # time.monotonic() on the daemon host (CLOCK_MONOTONIC, shared by local processes)
+    meta: ObjectMeta
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """A committed object's record, as `list_objects` and `object_info` report it."""
+
+    key: bytes
+    tier: str
+    size: int
+    checksum: int
+    meta: ObjectMeta
+    hits: int
+    last_access: float
+    created: float
+    leases: int = 0

@@ -1,0 +1,286 @@
+"""The NVMe tier: one file per object under `<dir>/objects/`.
+
+Layout::
+
+    <dir>/objects/tmp/<name>-<rand>.part   a slot being written (client or daemon)
+    <dir>/objects/<nn>/<name>.obj          a sealed object (nn = first two chars of name)
+
+One file per object (rather than slab files) keeps deletion and crash recovery trivial:
+freeing is an unlink, and a file is visible at its final path only after its bytes were
+fsync'ed and it was renamed there (then the parent directory is fsync'ed). The Store
+commits the LMDB index record only after `seal` returns, so a crash at any point leaves
+either a `.part` file (discarded at the next open) or an unindexed `.obj` file (garbage
+collected at the next open against the index): a torn object is never visible.
+
+A client writing a put directly gets Region("file", <tmp path>, 0, size) and pwrites
+there; a client reading gets the final path. The daemon moves bytes with POSIX
+pread/pwrite, split into chunks over a small thread pool (the syscalls release the GIL,
+and NVMe drives want several requests in flight); reads into a CUDA tensor go through
+kvikio (GPUDirect Storage where the machine has it) when kvikio is importable, and
+through a host bounce buffer otherwise. I/O is buffered (page cache) and made durable by
+fsync at seal.
+
+Capacity counts each object's size rounded up to 4 KiB (file-system blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import xxhash
+
+from kvstore.allocator import PAGE_SIZE
+from kvstore.errors import InvalidRequest, StorageError
+from kvstore.records import Region
+from kvstore.tiers.base import Slot, Tier, check_tensor_arg
+
+log = logging.getLogger(__name__)
+
+try:  # kvikio is optional: GPU boxes may have it; CPU machines use POSIX I/O
+    import kvikio  # type: ignore[import-not-found]
+except Exception:  # pragma: no cover - depends on the machine
+    kvikio = None
+
+CHUNK = 8 << 20  # bytes per pread/pwrite request when splitting large I/O
+HASH_CHUNK = 16 << 20
+
+
+def _rounded(n: int) -> int:
+    return (n + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class NvmeTier(Tier):
+    """File-per-object tier on a local file system; see the module docstring."""
+
+    name = "nvme"
+    durable = True
+
+    def __init__(self, root: Path, capacity: int, io_threads: int = 4) -> None:
+        if capacity <= 0:
+            raise InvalidRequest(f"nvme tier capacity must be > 0 bytes, got {capacity}")
+        self.root = Path(root)
+        self.tmp = self.root / "tmp"
+        self._capacity = capacity
+        self._used = 0
+        self._used_lock = threading.Lock()
+        self._io_threads = max(1, io_threads)
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def open(self) -> None:
+        try:
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+        except OSError as exc:
+            raise StorageError(f"cannot create the nvme tier directory {self.root}: {exc}") from exc
+        self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvstore-nvme")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- space -----------------------------------------------------------------------
+    def allocate(self, size: int, name: str) -> Optional[Slot]:
+        if size <= 0:
+            raise InvalidRequest(f"allocation size must be > 0, got {size}")
+        need = _rounded(size)
+        with self._used_lock:
+            if self._used + need > self._capacity:
+                return None
+            self._used += need
+        path = self.tmp / f"{name}-{secrets.token_hex(4)}.part"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            with self._used_lock:
+                self._used -= need
+            raise StorageError(f"nvme: cannot create {path} ({size} bytes): {exc.strerror}") from exc
+        return Slot(self.name, 0, need, size, str(path))
+
+    def adopt(self, slot: Slot) -> None:
+        with self._used_lock:
+            self._used += slot.length
+
+    def free(self, slot: Slot) -> None:
+        with self._used_lock:
+            self._used -= slot.length
+        try:
+            os.unlink(slot.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("nvme: cannot unlink %s: %s (garbage-collected at next open)", slot.path, exc)
+
+    def final_path(self, name: str) -> Path:
+        return self.root / name[:2] / f"{name}.obj"
+
+    def seal(self, slot: Slot, name: str) -> Slot:
+        final = self.final_path(name)
+        try:
+            fd = os.open(slot.path, os.O_RDWR)
+            try:
+                if os.fstat(fd).st_size != slot.size:
+                    os.ftruncate(fd, slot.size)  # a writer went past its reservation
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            new_dir = not final.parent.exists()
+            final.parent.mkdir(exist_ok=True)
+            if new_dir:
+                _fsync_dir(self.root)
+            os.rename(slot.path, final)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            raise StorageError(f"nvme: sealing {slot.path} as {final} failed: {exc}") from exc
+        return Slot(self.name, 0, slot.length, slot.size, str(final))
+
+    def region(self, slot: Slot) -> Region:
+        return Region("file", slot.path, 0, slot.size)
+
+    # -- data ------------------------------------------------------------------------
+    def _chunks(self, size: int) -> list[tuple[int, int]]:
+        return [(o, min(CHUNK, size - o)) for o in range(0, size, CHUNK)]
+
+    def _run(self, fn: Any, spans: list[tuple[int, int]]) -> None:
+        if len(spans) == 1 or self._pool is None:
+            for span in spans:
+                fn(span)
+        else:
+            for fut in [self._pool.submit(fn, span) for span in spans]:
+                fut.result()
+
+    def read_into(self, slot: Slot, dst: torch.Tensor) -> None:
+        check_tensor_arg(self.name, "read_into", dst, slot.size)
+        dst = dst[: slot.size]
+        try:
+            if dst.device.type == "cuda":
+                self._read_into_cuda(slot, dst)
+                return
+            mv = memoryview(dst.numpy())
+            fd = os.open(slot.path, os.O_RDONLY)
+            try:
+                def read_span(span: tuple[int, int]) -> None:
+                    off, n = span
+                    got = os.preadv(fd, [mv[off : off + n]], off)
+                    if got != n:
+                        raise StorageError(f"nvme: short read of {slot.path}: {got} of {n} bytes at {off}")
+                self._run(read_span, self._chunks(slot.size))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StorageError(f"nvme: reading {slot.path} failed: {exc}") from exc
+
+    def _read_into_cuda(self, slot: Slot, dst: torch.Tensor) -> None:  # pragma: no cover - GPU only
+        if kvikio is not None:
+            try:
+                with kvikio.CuFile(slot.path, "r") as f:
+                    got = f.pread(dst, slot.size, 0).get()
+                if got == slot.size:
+                    return
+                log.warning("kvikio short read of %s (%d of %d); retrying through the host", slot.path, got, slot.size)
+            except Exception as exc:
+                log.warning("kvikio read of %s failed (%s); retrying through the host", slot.path, exc)
+        host = torch.empty(slot.size, dtype=torch.uint8, pin_memory=True)
+        self.read_into(slot, host)
+        dst.copy_(host)
+
+    def write_from(self, slot: Slot, src: torch.Tensor) -> None:
+        check_tensor_arg(self.name, "write_from", src, slot.size)
+        src = src[: slot.size]
+        if src.device.type != "cpu":
+            src = src.cpu()
+        mv = memoryview(src.numpy())
+        try:
+            fd = os.open(slot.path, os.O_WRONLY)
+            try:
+                def write_span(span: tuple[int, int]) -> None:
+                    off, n = span
+                    done = 0
+                    while done < n:
+                        done += os.pwritev(fd, [mv[off + done : off + n]], off + done)
+                self._run(write_span, self._chunks(slot.size))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StorageError(f"nvme: writing {slot.path} failed: {exc.strerror or exc}") from exc
+
+    def checksum(self, slot: Slot) -> int:
+        h = xxhash.xxh3_64()
+        buf = bytearray(min(HASH_CHUNK, max(slot.size, 1)))
+        mv = memoryview(buf)
+        try:
+            fd = os.open(slot.path, os.O_RDONLY)
+            try:
+                off = 0
+                while off < slot.size:
+                    n = min(len(buf), slot.size - off)
+                    got = os.preadv(fd, [mv[:n]], off)
+                    if got != n:
+                        raise StorageError(f"nvme: {slot.path} is short: {off + got} of {slot.size} bytes")
+                    h.update(mv[:n])
+                    off += n
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StorageError(f"nvme: reading {slot.path} failed: {exc}") from exc
+        return h.intdigest()
+
+    # -- recovery --------------------------------------------------------------------
+    def list_sealed(self) -> list[Slot]:
+        out = []
+        for sub in sorted(self.root.iterdir()) if self.root.exists() else []:
+            if not sub.is_dir() or sub == self.tmp:
+                continue
+            for f in sub.glob("*.obj"):
+                try:
+                    size = f.stat().st_size
+                except FileNotFoundError:
+                    continue
+                out.append(Slot(self.name, 0, _rounded(size), size, str(f)))
+        return out
+
+    def discard_unsealed(self) -> int:
+        n = 0
+        for f in self.tmp.glob("*") if self.tmp.exists() else []:
+            try:
+                f.unlink()
+                n += 1
+            except OSError as exc:
+                log.warning("nvme: cannot remove leftover %s: %s", f, exc)
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "capacity_bytes": self._capacity,
+            "used_bytes": self._used,
+            "path": str(self.root),
+            "kvikio": kvikio is not None,
+        }
