@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
-from kvstore import store as st
+from kvstore import records as st
 from kvstore.errors import InvalidRequest
 from kvstore.rpc import kvstore_pb2 as pb
 

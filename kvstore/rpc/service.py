@@ -48,6 +48,15 @@ def decode_health_status(raw: bytes) -> int:
     return 0
 
 
+def channel_options(max_message_size: int) -> list[tuple[str, Any]]:
+    """gRPC options both ends use: message-size limits, and no HTTP proxy on local links."""
+    return [
+        ("grpc.max_send_message_length", max_message_size),
+        ("grpc.max_receive_message_length", max_message_size),
+        ("grpc.enable_http_proxy", 0),
+    ]
+
+
 @dataclass(frozen=True)
 class Method:
     """One RPC of the service."""

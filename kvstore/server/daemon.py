@@ -24,10 +24,12 @@ from typing import Any, Callable, Optional
 import grpc
 
 from kvstore.config import Config, ConfigError, ensure_socket_dir, format_size, resolve_gpu_capacity
-from kvstore.errors import AlreadyExists, KVStoreError
+from kvstore.errors import AlreadyExists
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.rpc.service import HEALTH_CHECK_METHOD, HEALTH_SERVING, PROTOCOL_VERSION, generic_handler
+from kvstore.rpc.service import (
+    HEALTH_CHECK_METHOD, HEALTH_SERVING, PROTOCOL_VERSION, channel_options, generic_handler,
+)
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.servicer import KVStoreServicer
 
@@ -54,15 +56,6 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover - torch is a dependency
         return False
-
-
-def channel_options(max_message_size: int) -> list[tuple[str, Any]]:
-    """gRPC options both ends use: message-size limits and no HTTP proxy on local links."""
-    return [
-        ("grpc.max_send_message_length", max_message_size),
-        ("grpc.max_receive_message_length", max_message_size),
-        ("grpc.enable_http_proxy", 0),
-    ]
 
 
 def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_available) -> Any:
@@ -332,4 +325,4 @@ def serve(config: Config) -> None:
     Daemon(config).serve_forever()
 
 
-__all__ = ["Daemon", "serve", "store_settings", "channel_options", "check_shm_room", "KVStoreError"]
+__all__ = ["Daemon", "serve", "store_settings", "check_shm_room"]
