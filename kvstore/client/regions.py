@@ -54,7 +54,6 @@ class RegionMapper:
 
     def __init__(self, pin: Optional[bool] = None) -> None:
         self._arenas: dict[str, _Arena] = {}
-        self._cuda: dict[bytes, Any] = {}
         self._lock = threading.Lock()
         self._pin = pin
 
@@ -184,29 +183,18 @@ class RegionMapper:
             raise InvalidRequest(f"unknown region kind {region.kind!r}")
 
     def cuda_tensor(self, region: Region) -> Any:
-        """A CUDA uint8 tensor aliasing a cuda_ipc region (the arena's handle opened once)."""
+        """A CUDA uint8 tensor aliasing a cuda_ipc region (the arena's handle is opened
+        once per process and cached by kvstore.tiers.gpu_arena)."""
         if region.kind != "cuda_ipc":
             raise InvalidRequest(f"region kind {region.kind!r} is not a CUDA region")
-        with self._lock:
-            base = self._cuda.get(region.handle)
-            if base is None:
-                base = _open_cuda_ipc(region.handle)
-                self._cuda[region.handle] = base
-        if region.offset + region.length > base.numel():
-            raise BadObject(f"GPU region [{region.offset}, +{region.length}) lies past the arena ({base.numel()} bytes)")
-        return base[region.offset: region.offset + region.length]
+        if not _cuda_ready():
+            raise KVStoreError("this object lives in the daemon's GPU tier but CUDA is not available in this process")
+        from kvstore.tiers.gpu_arena import open_cuda_region
+
+        return open_cuda_region(region)
 
     def close(self) -> None:
         with self._lock:
             for path in list(self._arenas):
                 self._drop(path)
-            self._cuda.clear()
 
-
-def _open_cuda_ipc(handle: bytes) -> Any:
-    """Open the daemon GPU arena's IPC handle: a CUDA uint8 tensor over the whole arena."""
-    if not _cuda_ready():
-        raise KVStoreError("this object lives in the daemon's GPU tier but CUDA is not available in this process")
-    from kvstore.tiers import gpu_arena  # the daemon-side owner of the handle format
-
-    return gpu_arena.open_ipc_handle(handle)
