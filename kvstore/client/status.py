@@ -29,6 +29,10 @@ _FALLBACK: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
 def start_hint(target: str) -> str:
     """The command that starts a daemon where a client looked for one."""
     if target.startswith("unix:"):
+        from kvstore.config import default_socket
+
+        if target[5:] == str(default_socket()):
+            return "kvstore serve"
         return f"kvstore serve --socket {target[5:]}"
     return f"kvstore serve --tcp {target}"
 
