@@ -150,6 +150,12 @@ class RegionMapper:
             mm = mmap.mmap(fd, region.offset + region.length - start, mmap.MAP_SHARED, prot, offset=start)
         finally:
             os.close(fd)
+        if not writable and hasattr(mm, "madvise"):
+            try:  # start reading the whole object ahead: a cold NVMe read then streams
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+                mm.madvise(mmap.MADV_WILLNEED)
+            except OSError:
+                pass
         arr = np.frombuffer(mm, dtype=np.uint8)[region.offset - start:]
         if not writable:
             arr.flags.writeable = False
