@@ -27,6 +27,10 @@ class StoreSettings:
     eviction: str = "cost"  # "lru" | "cost"
     default_tier: str = "cpu"
     writeback_on_close: bool = False  # on close, copy CPU-only objects down to NVMe
+    # When a get serves an object from NVMe, check its checksum: "always" (every get;
+    # free when the hit is promoted, since the promoted copy is hashed in memory) or
+    # "first" (only the first read since the daemon opened the object's record).
+    verify_nvme: str = "always"
 
 
 @dataclass(frozen=True)

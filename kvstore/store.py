@@ -5,17 +5,63 @@ The gRPC server (kvstore/server/) is a thin shell over one `Store`; it calls it 
 thread pool, so every public method is thread-safe. Objects are opaque bytes plus a
 checksum (`kvstore.format.checksum`); the tensor blob format is a client convention.
 
-Lifecycle of a put (bulk bytes never pass through the Store's API):
+Lifecycle of a put (bulk bytes never pass through the Store's API)::
+
     res = store.reserve(key, size, "cpu", meta)      # status "reserved" -> write into res.region
     ... client writes its bytes in place (shm file / object file / CUDA IPC) ...
     store.commit(res.reservation_id, checksum)        # verified in place, then visible
-A get pins:  leases = store.get([key], client_id) -> read lease.region -> store.release([id]).
+
+A get pins: `leases = store.get([key], client_id)`, read `lease.region`, then
+`store.release([lease.lease_id])`.
+
+Placement: each object has one primary copy, in one tier; tiers are ordered gpu > cpu >
+nvme. When a tier needs room, the eviction policy picks unpinned victims, which are
+demoted to the next enabled tier down (and dropped from the bottom one). An NVMe hit is
+promoted to the CPU arena when room can be made (the copy is checksummed in memory on
+the way); the NVMe file stays behind as a *backing copy*, so the object survives a
+restart and demoting it again costs no I/O. Backing copies count in the NVMe tier's used
+bytes and are the first thing NVMe pressure may drop (the object keeps its fast copy).
+Pinned objects (leased, being written, being moved or verified) are never evicted,
+moved or freed; an object deleted or found corrupt while pinned leaves the index at once
+and its space is freed when the last pin goes.
+
+Durability (NVMe): bytes fsync'ed and renamed into place, then the LMDB record
+committed; `open` rebuilds the NVMe tier from LMDB, drops records whose file is missing
+or short, deletes orphan and half-written files. Memory tiers start empty.
+
+Locking: one lock guards all metadata, taken with `with`. Checksumming a commit and
+verifying/promoting an NVMe hit run outside it (the object or reservation is pinned);
+demotions and prefetch moves still copy bytes under the lock (see docs: a background
+mover is future work).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
+import msgpack
+import torch
+
+from kvstore.errors import (
+    AlreadyExists,
+    BadObject,
+    CapacityExhausted,
+    InvalidRequest,
+    KVStoreError,
+    StorageError,
+    UnknownKey,
+)
+from kvstore.eviction import Candidate, make_policy
+from kvstore.index import IndexRecord, ObjectIndex
+from kvstore.leases import LeaseEntry, LeaseTable
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
     TIER_NAMES,
     Lease,
@@ -26,111 +72,708 @@ from kvstore.records import (  # noqa: F401  (re-exported: the Store API's recor
     Reservation,
     StoreSettings,
 )
+from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.cpu_arena import CpuArena
+from kvstore.tiers.gpu_arena import GpuArena
+from kvstore.tiers.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 1024
+VERIFY_MODES = ("always", "first")
+
+
+class _Object:
+    """A committed object's mutable state (guarded by the Store's lock)."""
+
+    __slots__ = ("key", "tier", "slot", "backing", "checksum", "meta", "created", "last_access", "hits",
+                 "leases", "busy", "verified", "removed")
+
+    def __init__(self, key: bytes, tier: str, slot: Slot, checksum: int, meta: ObjectMeta,
+                 created: float, last_access: float, hits: int = 0, verified: bool = True) -> None:
+        self.key, self.tier, self.slot, self.checksum, self.meta = key, tier, slot, checksum, meta
+        self.backing: Optional[Slot] = None  # an NVMe copy kept when the object was promoted
+        self.created, self.last_access, self.hits = created, last_access, hits
+        self.leases = 0  # live client leases
+        self.busy = 0  # internal pins: a verify or promotion is running outside the lock
+        self.verified = verified  # NVMe: checksum confirmed since open
+        self.removed = False  # out of the map; free the slot when the last pin goes
+
+    @property
+    def size(self) -> int:
+        return self.slot.size
+
+    @property
+    def pinned(self) -> bool:
+        return self.leases > 0 or self.busy > 0
+
+
+class _PendingPut:
+    """A reservation's state (the LeaseTable entry's payload)."""
+
+    __slots__ = ("key", "tier", "slot", "meta", "committing")
+
+    def __init__(self, key: bytes, tier: str, slot: Slot, meta: ObjectMeta) -> None:
+        self.key, self.tier, self.slot, self.meta = key, tier, slot, meta
+        self.committing = False
+
+
+def object_name(key: bytes) -> str:
+    """Filesystem-safe name of a key's object (NVMe file names)."""
+    return hashlib.blake2b(key, digest_size=16).hexdigest()
 
 
 class Store:
-    """The tiered object store. Thread-safe; see the module docstring for the put/get flow."""
+    """The tiered object store. Thread-safe; see the module docstring."""
 
-    def __init__(self, settings: StoreSettings) -> None:
-        """Validate settings; allocate nothing until `open`."""
-        raise NotImplementedError
+    def __init__(self, settings: StoreSettings, *, wrap_tier: Optional[Callable[[Tier], Tier]] = None) -> None:
+        """Validate settings; allocate nothing until `open`. `wrap_tier` (tests) wraps
+        each tier as it is created, e.g. in a FaultyTier."""
+        s = settings
+        for name in ("cpu_capacity", "nvme_capacity", "gpu_capacity"):
+            v = getattr(s, name)
+            if not isinstance(v, int) or v < 0:
+                raise InvalidRequest(f"{name} must be an int >= 0 bytes, got {v!r}")
+        if s.default_tier not in TIER_NAMES:
+            raise InvalidRequest(f"unknown default tier {s.default_tier!r}; choose from {TIER_NAMES}")
+        if s.verify_nvme not in VERIFY_MODES:
+            raise InvalidRequest(f"verify_nvme must be one of {VERIFY_MODES}, got {s.verify_nvme!r}")
+        if not s.lease_ttl_s > 0:
+            raise InvalidRequest(f"lease_ttl_s must be > 0, got {s.lease_ttl_s!r}")
+        self.settings = s
+        self.dir = Path(s.dir)
+        self._policy = make_policy(s.eviction)
+        self._wrap = wrap_tier
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first
+        self._objects: dict[bytes, _Object] = {}
+        self._leases = LeaseTable(s.lease_ttl_s)
+        self._reservations = LeaseTable(s.lease_ttl_s)
+        self._inflight: dict[bytes, int] = {}  # key -> reservation id
+        self._counters: Counter[str] = Counter()
+        self._index: Optional[ObjectIndex] = None
+        self._dir_lock = -1
+        self._open = False
 
+    # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
         """Create/map the tiers, open the LMDB index and rebuild the NVMe tier from it
         (records whose file is missing or short are dropped and counted; orphan files from
         a crash between write and index commit are deleted)."""
-        raise NotImplementedError
+        with self._lock:
+            if self._open:
+                return
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / "kvstore.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise AlreadyExists(f"cache directory {self.dir} is in use by another daemon") from None
+            self._dir_lock = fd
+            try:
+                self._open_tiers()
+                if "nvme" in self.tiers:
+                    self._index = ObjectIndex(self.dir / "index.lmdb")
+                    self._index.open()
+                    self._recover_nvme()
+            except BaseException:
+                self._close_media()
+                raise
+            self._open = True
+
+    def _open_tiers(self) -> None:
+        s = self.settings
+        made: list[Tier] = []
+        if s.gpu_capacity > 0:
+            if torch.cuda.is_available():
+                made.append(GpuArena(s.gpu_capacity))
+            else:
+                log.warning("gpu capacity %d requested but CUDA is not available: no gpu tier", s.gpu_capacity)
+        if s.cpu_capacity > 0:
+            made.append(CpuArena(s.cpu_capacity, s.shm_name))
+        if s.nvme_capacity > 0:
+            made.append(NvmeTier(self.dir / "objects", s.nvme_capacity))
+        if not made:
+            raise InvalidRequest("no tier enabled: every capacity is 0 (or gpu only, without CUDA)")
+        for t in made:
+            tier = self._wrap(t) if self._wrap else t
+            tier.open()
+            self.tiers[tier.name] = tier
+
+    def _recover_nvme(self) -> None:
+        assert self._index is not None
+        nvme = self.tiers["nvme"]
+        root = self.dir / "objects"
+        drop: list[bytes] = []
+        live: set[str] = set()
+        for rec in self._index.items():
+            path = root / rec.file
+            try:
+                on_disk = path.stat().st_size
+            except FileNotFoundError:
+                on_disk = -1
+            if on_disk != rec.size:
+                log.warning("index: object %r file %s is %s; dropping its record", rec.key, path,
+                            "missing" if on_disk < 0 else f"{on_disk} bytes, not {rec.size}")
+                drop.append(rec.key)
+                continue
+            slot = Slot("nvme", rec.offset, rec.length, rec.size, str(path))
+            nvme.adopt(slot)
+            live.add(str(path))
+            meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
+            self._objects[rec.key] = _Object(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
+                                             rec.last_access, rec.hits, verified=False)
+        drop += self._index.bad_keys
+        self._index.delete_many(drop)
+        self._counters["recovery_dropped"] += len(drop)
+        self._counters["recovered_objects"] += len(self._objects)
+        for slot in nvme.list_sealed():
+            if slot.path not in live:
+                log.info("nvme: removing orphan object file %s (not in the index)", slot.path)
+                Path(slot.path).unlink(missing_ok=True)
+                self._counters["orphans_removed"] += 1
+        self._counters["partial_writes_removed"] += nvme.discard_unsealed()
 
     def close(self) -> None:
         """Abort open reservations, optionally write the CPU tier back to NVMe, flush and
         close the index, unmap and unlink the arenas. Idempotent."""
-        raise NotImplementedError
+        with self._lock:
+            if not self._open:
+                return
+            for e in self._reservations.entries():
+                self._end_reservation_locked(e, free=True)
+            if self.settings.writeback_on_close and "nvme" in self.tiers:
+                for o in [o for o in self._objects.values() if o.tier != "nvme" and o.backing is None]:
+                    try:
+                        self._move_locked(o, "nvme", allow_evict=False)
+                    except KVStoreError as exc:
+                        log.warning("write-back of %r to nvme skipped: %s", o.key, exc)
+            if self._index is not None:
+                try:
+                    self._index.put_many([self._record(o) for o in self._objects.values()
+                                          if self._durable_slot(o) is not None])
+                except StorageError as exc:
+                    log.warning("flushing access stats to the index failed: %s", exc)
+            self._objects.clear()
+            self._inflight.clear()
+            self._leases = LeaseTable(self.settings.lease_ttl_s)
+            self._reservations = LeaseTable(self.settings.lease_ttl_s)
+            self._open = False
+            self._close_media()
+            self._cond.notify_all()
 
+    def _close_media(self) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        for t in reversed(list(self.tiers.values())):
+            try:
+                t.close()
+            except Exception as exc:  # noqa: BLE001 - close the rest regardless
+                log.warning("closing tier %s failed: %s", t.name, exc)
+        self.tiers.clear()
+        if self._dir_lock >= 0:
+            os.close(self._dir_lock)
+            self._dir_lock = -1
+
+    def __enter__(self) -> "Store":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _require_open(self) -> None:
+        if not self._open:
+            raise StorageError(f"the store at {self.dir} is not open")
+
+    def _tier(self, name: str) -> Tier:
+        if name not in TIER_NAMES:
+            raise InvalidRequest(f"unknown tier {name!r}; choose from {', '.join(TIER_NAMES)}")
+        t = self.tiers.get(name)
+        if t is None:
+            raise InvalidRequest(f"tier {name!r} is not enabled in this daemon (enabled: {', '.join(self.tiers)})")
+        return t
+
+    def _below(self, name: str) -> Optional[str]:
+        order = list(self.tiers)
+        i = order.index(name)
+        return order[i + 1] if i + 1 < len(order) else None
+
+    def _rank(self, name: str) -> int:
+        return TIER_NAMES.index(name)
+
+    @staticmethod
+    def _check_key(key: bytes) -> None:
+        if not isinstance(key, (bytes, bytearray)):
+            raise InvalidRequest(f"keys must be bytes, got {type(key).__name__}")
+        if not key or len(key) > MAX_KEY_BYTES:
+            raise InvalidRequest(f"key length must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+    def _durable_slot(self, o: _Object) -> Optional[Slot]:
+        """The NVMe slot the index records for `o`: its own, or its backing copy."""
+        return o.slot if o.tier == "nvme" else o.backing
+
+    def _record(self, o: _Object) -> IndexRecord:
+        d = self._durable_slot(o)
+        assert d is not None, f"object {o.key!r} has no durable copy"
+        rel = os.path.relpath(d.path, self.dir / "objects")
+        m = o.meta
+        return IndexRecord(o.key, "nvme", rel, d.offset, d.length, d.size, o.checksum,
+                           m.fingerprint, m.token_count, m.cost, dict(m.extra), o.created, o.last_access, o.hits)
+
+    def _info(self, o: _Object) -> ObjectInfo:
+        return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases)
+
+    def _release_slot_if_unpinned(self, o: _Object) -> None:
+        if o.removed and not o.pinned:
+            self.tiers[o.tier].free(o.slot)
+            o.removed = False  # freed exactly once
+
+    def _drop_backing_locked(self, o: _Object) -> None:
+        """Forget the NVMe copy of a promoted object (its primary copy stays)."""
+        if o.backing is not None:
+            if self._index is not None:
+                self._index.delete(o.key)
+            self.tiers["nvme"].free(o.backing)
+            o.backing = None
+
+    def _drop_locked(self, o: _Object) -> None:
+        """Remove an object from the map and the index; free its slot now or at last unpin
+        (pins hold the primary slot only; a backing copy goes at once)."""
+        if self._objects.get(o.key) is o:
+            del self._objects[o.key]
+        if self.tiers[o.tier].durable and self._index is not None:
+            self._index.delete(o.key)
+        self._drop_backing_locked(o)
+        o.removed = True
+        self._release_slot_if_unpinned(o)
+
+    # ------------------------------------------------------------------ room and movement
+    def _allocate_locked(self, tier: str, size: int, key: bytes, exclude: frozenset = frozenset()) -> Slot:
+        """A slot of `size` bytes in `tier`, demoting/evicting unpinned objects for room."""
+        t = self.tiers[tier]
+        name = object_name(key)
+        slot = t.allocate(size, name)
+        tried = set(exclude)
+        while slot is None:
+            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits)
+                     for o in self._objects.values()
+                     if o.key not in tried and ((o.tier == tier and not o.pinned)
+                                                or (o.backing is not None and o.backing.tier == tier))]
+            if not cands:
+                pinned = sum(o.slot.length for o in self._objects.values() if o.tier == tier and o.pinned)
+                raise CapacityExhausted(
+                    f"tier {tier!r} cannot fit {size} bytes: {t.used_bytes} of {t.capacity} bytes in use, "
+                    f"{pinned} of them pinned by leases; nothing left to evict"
+                )
+            need = max(size - (t.capacity - t.used_bytes), 1)
+            for k in self._policy.choose_victims(cands, need):
+                tried.add(k)
+                o = self._objects.get(k)
+                if o is None:
+                    continue
+                if o.backing is not None and o.backing.tier == tier:
+                    self._drop_backing_locked(o)  # a copy: the object stays in its faster tier
+                else:
+                    self._demote_locked(o)
+            slot = t.allocate(size, name)
+        return slot
+
+    def _demote_locked(self, o: _Object) -> None:
+        below = self._below(o.tier)
+        if below is not None:
+            try:
+                self._move_locked(o, below, allow_evict=True)
+                self._counters["demotions"] += 1
+                return
+            except KVStoreError as exc:
+                log.info("demoting %r from %s to %s failed (%s); dropping it", o.key, o.tier, below, exc)
+        self._drop_locked(o)
+        self._counters["evictions"] += 1
+
+    def _copy(self, src: Tier, s: Slot, dst: Tier, d: Slot) -> None:
+        v = src.view(s)
+        if v is not None:
+            dst.write_from(d, v)
+            return
+        dv = dst.view(d)
+        if dv is None:
+            dv = torch.empty(s.size, dtype=torch.uint8)
+            src.read_into(s, dv)
+            dst.write_from(d, dv)
+        else:
+            src.read_into(s, dv)
+
+    def _move_locked(self, o: _Object, dst_name: str, allow_evict: bool) -> None:
+        """Move an unpinned object to another tier; on failure it stays where it was.
+        Raises CapacityExhausted, StorageError, or BadObject (a corrupt NVMe source)."""
+        src, dst = self.tiers[o.tier], self.tiers[dst_name]
+        if o.backing is not None and o.backing.tier == dst_name:  # the bytes are there already
+            old_slot, o.tier, o.slot, o.backing = o.slot, dst_name, o.backing, None
+            src.free(old_slot)
+            return
+        if allow_evict:
+            slot = self._allocate_locked(dst_name, o.size, o.key, frozenset({o.key}))
+        else:
+            slot = dst.allocate(o.size, object_name(o.key))
+            if slot is None:
+                raise CapacityExhausted(f"tier {dst_name!r} has no room for {o.size} bytes")
+        try:
+            self._copy(src, o.slot, dst, slot)
+            if src.durable and dst.checksum(slot) != o.checksum:
+                raise BadObject(f"object {o.key!r} in {o.slot.path} fails its checksum")
+            slot = dst.seal(slot, object_name(o.key))
+            old_tier, old_slot = o.tier, o.slot
+            o.tier, o.slot = dst_name, slot
+            if dst.durable:
+                assert self._index is not None
+                self._index.put(self._record(o))
+        except BaseException:
+            if o.tier == dst_name:
+                o.tier, o.slot = old_tier, old_slot
+            dst.free(slot)
+            raise
+        if src.durable:
+            o.backing = old_slot  # keep the durable copy: demoting back is free, restarts keep it
+        else:
+            src.free(old_slot)
+        o.verified = True
+
+    # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
         """Presence of each key (no pin, no hit counting, no movement)."""
-        raise NotImplementedError
+        with self._lock:
+            self._require_open()
+            out = []
+            for k in keys:
+                o = self._objects.get(k)
+                out.append(LookupEntry(k, True, o.tier, o.size) if o else LookupEntry(k, False, None, 0))
+            return out
 
     def reserve(self, key: bytes, size: int, tier: str, meta: ObjectMeta, client_id: str = "") -> Reservation:
         """Reserve `size` bytes in `tier` for `key` (see Reservation for the statuses).
 
         Makes room by demoting/evicting unleased objects per the eviction policy. Raises
-        CapacityExhausted (naming the tier, the size and what is free) when no room can be
-        made, InvalidRequest for size <= 0, a size over the tier's capacity, an unknown or
-        absent tier, or an empty key.
+        CapacityExhausted (naming the tier, the size and what is in use) when no room can
+        be made, InvalidRequest for size <= 0, a size over the tier's capacity, an
+        unknown or absent tier, or a bad key.
         """
-        raise NotImplementedError
+        self._check_key(key)
+        key = bytes(key)
+        if not isinstance(size, int) or size <= 0:
+            raise InvalidRequest(f"object size must be an int > 0 bytes, got {size!r}")
+        if not isinstance(meta, ObjectMeta):
+            raise InvalidRequest(f"meta must be an ObjectMeta, got {type(meta).__name__}")
+        try:
+            msgpack.packb(meta.extra, use_bin_type=True)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"object meta.extra is not msgpack-serialisable: {exc}") from exc
+        with self._lock:
+            self._require_open()
+            t = self._tier(tier)
+            if size > t.capacity:
+                raise InvalidRequest(f"object of {size} bytes exceeds the {tier!r} tier's capacity of {t.capacity} bytes")
+            o = self._objects.get(key)
+            if o is not None:
+                return Reservation(0, key, o.tier, None, "exists")
+            rid = self._inflight.get(key)
+            if rid is not None:
+                e = self._reservations.get(rid)
+                return Reservation(0, key, e.payload.tier if e else tier, None, "in_flight")
+            slot = self._allocate_locked(tier, size, key)
+            e = self._reservations.acquire(key, client_id, _PendingPut(key, tier, slot, meta))
+            self._inflight[key] = e.lease_id
+            return Reservation(e.lease_id, key, tier, t.region(slot), "reserved", e.expires_at)
+
+    def _end_reservation_locked(self, e: LeaseEntry, free: bool) -> None:
+        self._reservations.release(e.lease_id)
+        if self._inflight.get(e.key) == e.lease_id:
+            del self._inflight[e.key]
+        if free:
+            self.tiers[e.payload.tier].free(e.payload.slot)
+        self._cond.notify_all()
 
     def commit(self, reservation_id: int, checksum: int) -> LookupEntry:
         """Verify the reserved bytes hash to `checksum` and make the object visible.
 
-        NVMe: the file is fsync'ed and renamed before the index txn commits. On mismatch
-        raises BadObject and frees the space; unknown/expired id -> UnknownKey.
+        NVMe: the file is fsync'ed and renamed, then the index txn commits. On mismatch
+        raises BadObject and frees the space; an unknown/expired id raises UnknownKey.
         """
-        raise NotImplementedError
+        with self._lock:
+            self._require_open()
+            e = self._reservations.get(reservation_id)
+            if e is None:
+                raise UnknownKey(f"reservation {reservation_id} is unknown, expired or already finished")
+            p: _PendingPut = e.payload
+            if p.committing:
+                raise InvalidRequest(f"reservation {reservation_id} is already being committed")
+            p.committing = True
+            t = self.tiers[p.tier]
+        slot = p.slot
+        try:  # outside the lock: hashing and fsync take time; the reservation pins the slot
+            actual = t.checksum(slot)
+            if actual != checksum:
+                raise BadObject(
+                    f"checksum mismatch committing key {p.key!r}: client sent {checksum:#x}, the {slot.size} "
+                    f"bytes in tier {p.tier!r} hash to {actual:#x}; the reservation is dropped"
+                )
+            slot = t.seal(slot, object_name(p.key))
+            now = time.time()
+            o = _Object(p.key, p.tier, slot, checksum, p.meta, now, now)
+            if t.durable:
+                assert self._index is not None
+                self._index.put(self._record(o))
+        except BaseException as exc:
+            with self._lock:
+                if isinstance(exc, BadObject):
+                    self._counters["bad_commits"] += 1
+                if self._open:
+                    p.slot = slot  # free the bytes where they now lie (sealed or not)
+                    self._end_reservation_locked(e, free=True)
+            raise
+        with self._lock:
+            if not self._open:  # closed while we hashed: close() freed the reservation
+                raise StorageError(f"the store at {self.dir} closed while committing key {p.key!r}")
+            self._end_reservation_locked(e, free=False)
+            self._objects[p.key] = o
+            self._counters["puts"] += 1
+            return LookupEntry(p.key, True, p.tier, slot.size)
 
     def abort(self, reservation_id: int) -> None:
-        """Drop a reservation and free its space; waiters on its key are woken (False)."""
-        raise NotImplementedError
+        """Drop a reservation and free its space; waiters on its key are woken (False).
+        An unknown or finished id is ignored (abort is idempotent)."""
+        with self._lock:
+            e = self._reservations.get(reservation_id)
+            if e is None:
+                return
+            if e.payload.committing:
+                raise InvalidRequest(f"reservation {reservation_id} is being committed and cannot be aborted")
+            self._end_reservation_locked(e, free=True)
+            self._counters["aborted_puts"] += 1
 
     def wait_for(self, key: bytes, timeout_s: float) -> bool:
         """Block until `key` is committed (True) or its in-flight put is aborted, or the
         timeout passes (False). Returns at once when the key is already present."""
-        raise NotImplementedError
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while True:
+                if key in self._objects:
+                    return True
+                left = deadline - time.monotonic()
+                if key not in self._inflight or left <= 0 or not self._open:
+                    return False
+                self._cond.wait(left)
 
     def get(self, keys: Sequence[bytes], client_id: str, promote: bool = True) -> list[Optional[Lease]]:
         """Pin each present key with a lease (None for a miss); counts hits and misses.
 
-        With `promote`, a hit below the top tier may be moved up first (an NVMe hit to the
-        CPU arena) when room can be made without touching leased objects. An NVMe object's
-        checksum is verified on its first read since open; a bad one is dropped, counted
-        in `corrupt_dropped` and reported as a miss.
+        With `promote`, an NVMe hit is moved to the CPU arena when room can be made
+        without touching pinned objects; its copy is checksummed in memory. An object
+        served from NVMe is checksummed first (settings.verify_nvme). A bad object is
+        dropped, counted in `corrupt_dropped` and reported as a miss.
         """
-        raise NotImplementedError
+        plans: list[tuple[_Object, Optional[Slot]]] = []
+        with self._lock:
+            self._require_open()
+            seen: set[bytes] = set()
+            for key in keys:
+                o = self._objects.get(key)
+                if o is None or key in seen or not self.tiers[o.tier].durable:
+                    continue
+                seen.add(key)
+                dst = None
+                can_move = not o.pinned
+                o.busy += 1  # pinned before making room, so making room cannot take it
+                if promote and "cpu" in self.tiers and can_move:
+                    try:
+                        dst = self._allocate_locked("cpu", o.size, o.key, frozenset({o.key}))
+                    except CapacityExhausted:
+                        dst = None
+                if dst is not None or self.settings.verify_nvme == "always" or not o.verified:
+                    plans.append((o, dst))
+                else:
+                    o.busy -= 1
+        outcomes = [self._verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
+        with self._lock:
+            for (o, dst), ok in zip(plans, outcomes):
+                o.busy -= 1
+                self._settle_nvme_read_locked(o, dst, ok)
+                self._release_slot_if_unpinned(o)
+            now = time.time()
+            out: list[Optional[Lease]] = []
+            for key in keys:
+                o = self._objects.get(key)
+                if o is None or not o.verified:
+                    self._counters["misses"] += 1
+                    out.append(None)
+                    continue
+                self._counters["hits"] += 1
+                o.hits += 1
+                o.last_access = now
+                o.leases += 1
+                e = self._leases.acquire(o.key, client_id, o)
+                out.append(Lease(e.lease_id, o.key, o.tier, self.tiers[o.tier].region(o.slot), o.size,
+                                 o.checksum, e.expires_at, o.meta))
+            return out
+
+    def _verify_or_copy(self, o: _Object, dst: Optional[Slot]) -> bool:
+        src = self.tiers[o.tier]
+        try:
+            if dst is None:
+                return src.checksum(o.slot) == o.checksum
+            cpu = self.tiers["cpu"]
+            self._copy(src, o.slot, cpu, dst)
+            return cpu.checksum(dst) == o.checksum
+        except StorageError as exc:
+            log.warning("reading %r from %s failed: %s", o.key, o.slot.path, exc)
+            return False
+
+    def _settle_nvme_read_locked(self, o: _Object, dst: Optional[Slot], ok: bool) -> None:
+        if not ok:
+            if dst is not None:
+                self.tiers["cpu"].free(dst)
+            if self._objects.get(o.key) is o:
+                log.warning("object %r in %s fails its checksum; dropped", o.key, o.slot.path)
+                self._drop_locked(o)
+                self._counters["corrupt_dropped"] += 1
+            return
+        o.verified = True
+        if dst is None:
+            return
+        if self._objects.get(o.key) is not o or o.tier != "nvme" or o.pinned:
+            self.tiers["cpu"].free(dst)  # deleted, moved or leased meanwhile: keep it where it is
+            return
+        o.tier, o.slot, o.backing = "cpu", dst, o.slot  # the NVMe file stays as a backing copy
+        self._counters["promotions"] += 1
 
     def release(self, lease_ids: Sequence[int]) -> None:
         """Unpin. Unknown or expired lease ids are ignored (release is idempotent)."""
-        raise NotImplementedError
+        with self._lock:
+            for i in lease_ids:
+                e = self._leases.release(i)
+                if e is not None:
+                    self._unlease_locked(e.payload)
+
+    def _unlease_locked(self, o: _Object) -> None:
+        o.leases -= 1
+        self._release_slot_if_unpinned(o)
 
     def renew(self, client_id: str) -> None:
         """Extend every lease and reservation of `client_id` by lease_ttl_s."""
-        raise NotImplementedError
+        with self._lock:
+            self._leases.renew(client_id)
+            self._reservations.renew(client_id)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete the keys that are present and unleased; returns how many were deleted.
         A leased key is left in place."""
-        raise NotImplementedError
+        n = 0
+        with self._lock:
+            self._require_open()
+            for key in keys:
+                o = self._objects.get(key)
+                if o is not None and o.leases == 0:
+                    self._drop_locked(o)
+                    n += 1
+            if n:
+                self._counters["deletes"] += n
+        return n
 
     def prefetch(self, keys: Sequence[bytes], tier: str) -> int:
         """Move present keys up to `tier` where room can be made; returns how many now
         sit in `tier` or above."""
-        raise NotImplementedError
+        n = 0
+        with self._lock:
+            self._require_open()
+            self._tier(tier)
+            for key in keys:
+                o = self._objects.get(key)
+                if o is None:
+                    continue
+                if self._rank(o.tier) <= self._rank(tier):
+                    n += 1
+                    continue
+                if o.pinned:
+                    continue
+                try:
+                    self._move_locked(o, tier, allow_evict=True)
+                    self._counters["promotions"] += 1
+                    n += 1
+                except BadObject as exc:
+                    log.warning("%s; dropped", exc)
+                    self._drop_locked(o)
+                    self._counters["corrupt_dropped"] += 1
+                except (CapacityExhausted, StorageError) as exc:
+                    log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
+        return n
 
     def evict_tier(self, tier: str) -> int:
         """Demote every unleased object out of `tier` to the next tier down
         (gpu -> cpu -> nvme -> dropped); returns how many objects left the tier."""
-        raise NotImplementedError
+        with self._lock:
+            self._require_open()
+            self._tier(tier)
+            victims = [o for o in self._objects.values() if o.tier == tier and not o.pinned]
+            copies = [o for o in self._objects.values() if o.backing is not None and o.backing.tier == tier]
+            for o in copies:
+                self._drop_backing_locked(o)
+            for o in victims:
+                if self._objects.get(o.key) is o and o.tier == tier and not o.pinned:
+                    self._demote_locked(o)
+            return len(victims) + len(copies)
 
     def stats(self) -> dict[str, Any]:
         """{"tiers": [{"name", "capacity_bytes", "used_bytes", "objects", ...}], "hits",
         "misses", "evictions", "demotions", "promotions", "leases", "reservations",
         "corrupt_dropped", ...}."""
-        raise NotImplementedError
+        with self._lock:
+            per_tier = Counter(o.tier for o in self._objects.values())
+            copies = Counter(o.backing.tier for o in self._objects.values() if o.backing is not None)
+            tiers = [{**t.stats(), "name": name, "objects": per_tier[name], "backing_copies": copies[name]}
+                     for name, t in self.tiers.items()]
+            out: dict[str, Any] = {"tiers": tiers, "objects": len(self._objects),
+                                   "leases": len(self._leases), "reservations": len(self._reservations),
+                                   "eviction_policy": self._policy.name}
+            for k in ("hits", "misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
+                      "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
+                      "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed"):
+                out[k] = self._counters[k]
+            return out
 
-    def list_objects(
-        self,
-        fingerprint: Optional[str] = None,
-        prefix: Optional[bytes] = None,
-        tier: Optional[str] = None,
-        limit: Optional[int] = None,
-    ) -> list[ObjectInfo]:
+    def list_objects(self, fingerprint: Optional[str] = None, prefix: Optional[bytes] = None,
+                     tier: Optional[str] = None, limit: Optional[int] = None) -> list[ObjectInfo]:
         """Committed objects matching every given filter, most-hit first."""
-        raise NotImplementedError
+        if tier is not None and tier not in TIER_NAMES:
+            raise InvalidRequest(f"unknown tier {tier!r}; choose from {', '.join(TIER_NAMES)}")
+        if limit is not None and limit < 0:
+            raise InvalidRequest(f"limit must be >= 0, got {limit}")
+        with self._lock:
+            hits = [self._info(o) for o in self._objects.values()
+                    if (fingerprint is None or o.meta.fingerprint == fingerprint)
+                    and (prefix is None or o.key.startswith(prefix))
+                    and (tier is None or o.tier == tier)]
+        hits.sort(key=lambda i: (-i.hits, i.key))
+        return hits if limit is None else hits[:limit]
 
     def object_info(self, key: bytes) -> ObjectInfo:
         """The record of one committed object; UnknownKey when absent."""
-        raise NotImplementedError
+        with self._lock:
+            o = self._objects.get(key)
+            if o is None:
+                raise UnknownKey(f"no object with key {bytes(key)!r}")
+            return self._info(o)
 
     def expire(self, now: Optional[float] = None) -> None:
         """Expire leases and reservations whose time has passed (the server calls this
         periodically; `now` defaults to time.monotonic())."""
-        raise NotImplementedError
+        with self._lock:
+            for e in self._leases.expire(now):
+                self._unlease_locked(e.payload)
+                self._counters["expired_leases"] += 1
+            for e in self._reservations.expire(now, keep=lambda e: e.payload.committing):
+                self._end_reservation_locked(e, free=True)
+                self._counters["expired_reservations"] += 1
