@@ -178,6 +178,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("lease_ttl", "float", 30.0, "seconds a lease or reservation lives without a client keepalive", minimum=0.01),
     Option("expire_interval", "float", 1.0, "seconds between sweeps that expire dead leases and reservations",
            minimum=0.01),
+    Option("verify_nvme", "choice", "always",
+           "checksum NVMe objects on every get (always) or on the first get after a restart (first)",
+           choices=("always", "first")),
     Option("writeback_on_close", "bool", False, "on shutdown, write CPU-tier objects back to the NVMe tier"),
     Option("shm_name", "str", "", "name of the shared-memory arena (/dev/shm/NAME.arena); empty: derived from the socket"),
     Option("max_message_size", "size", 16 << 20, "largest gRPC message either end accepts", minimum=4096),
@@ -206,6 +209,7 @@ class Config:
     default_tier: str
     lease_ttl: float
     expire_interval: float
+    verify_nvme: str
     writeback_on_close: bool
     shm_name: str
     max_message_size: int

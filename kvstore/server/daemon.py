@@ -72,6 +72,7 @@ def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_av
         eviction=config.eviction,
         default_tier=config.default_tier,
         writeback_on_close=config.writeback_on_close,
+        verify_nvme=config.verify_nvme,
     )
 
 
