@@ -101,10 +101,60 @@ class KVStoreStub:
             )
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What the server's deserializer hands the servicer instead of a message it could
+    not accept (bytes that do not parse, or fields this protocol version does not know);
+    the servicer answers INVALID_ARGUMENT with `reason`."""
+
+    method: str
+    reason: str
+
+
+def unknown_field_numbers(msg: Any) -> list[int]:
+    """Field numbers present on the wire but not in the schema, in `msg` and nested messages."""
+    found: list[int] = []
+    try:
+        from google.protobuf.unknown_fields import UnknownFieldSet
+
+        found += [f.field_number for f in UnknownFieldSet(msg)]
+    except ImportError:  # protobuf < 4.24: the older accessor
+        found += [f.field_number for f in msg.UnknownFields()]
+    for field, value in msg.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == 3  # LABEL_REPEATED
+        for sub in value if repeated else (value,):
+            found += unknown_field_numbers(sub)
+    return sorted(set(found))
+
+
+def _request_parser(method: Method) -> Callable[[bytes], Any]:
+    full_name = method.request.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Any:
+        try:
+            msg = method.request.FromString(raw)
+        except Exception as exc:
+            return MalformedRequest(method.name, f"{method.name}: the request is not a valid {full_name}: {exc}")
+        unknown = unknown_field_numbers(msg)
+        if unknown:
+            return MalformedRequest(
+                method.name,
+                f"{method.name}: {full_name} carries unknown field number(s) {unknown}; this daemon speaks "
+                f"kvstore protocol {PROTOCOL_VERSION} (is the client newer than the daemon?)",
+            )
+        return msg
+
+    return parse
+
+
 def generic_handler(implementations: dict[str, Callable]) -> grpc.GenericRpcHandler:
     """A server handler routing each RPC name to `implementations[name](request, context)`.
 
     Every method of the service must be implemented; a missing one is a programming error.
+    A request that does not parse, or carries unknown fields, reaches the implementation
+    as a `MalformedRequest`.
     """
     missing = sorted(set(METHODS) - set(implementations))
     if missing:
@@ -112,7 +162,7 @@ def generic_handler(implementations: dict[str, Callable]) -> grpc.GenericRpcHand
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             implementations[name],
-            request_deserializer=method.request.FromString,
+            request_deserializer=_request_parser(method),
             response_serializer=method.response.SerializeToString,
         )
         for name, method in METHODS.items()

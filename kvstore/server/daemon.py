@@ -115,6 +115,10 @@ class _SocketLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is not None:
             try:
@@ -259,7 +263,7 @@ class Daemon:
     def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful shutdown (idempotent): NOT_SERVING, stop accepting, wait up to `grace`
         for in-flight RPCs, then close the store (aborts reservations, flushes the index)."""
-        if self._stopped:
+        if self._stopped or not self._lock.held:  # never started (or another daemon owns the socket)
             return
         self._stopped = True
         log.info("kvstore daemon shutting down")
@@ -275,6 +279,9 @@ class Daemon:
         log.info("kvstore daemon stopped")
 
     def _teardown(self) -> None:
+        """Release what start() acquired; only ever runs while holding the socket lock."""
+        if not self._lock.held:
+            return
         self._stopping.set()
         if self._expirer is not None:
             self._expirer.join(timeout=self.config.expire_interval + 1.0)

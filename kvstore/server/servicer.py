@@ -22,7 +22,7 @@ import grpc
 from kvstore import errors
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
-from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, PROTOCOL_VERSION
+from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, PROTOCOL_VERSION, MalformedRequest
 from kvstore.server.metrics import DaemonMetrics
 
 log = logging.getLogger("kvstore.server")
@@ -74,6 +74,8 @@ class KVStoreServicer:
             code: Optional[str] = None
             try:
                 self._check_protocol(context)
+                if isinstance(request, MalformedRequest):
+                    raise errors.InvalidRequest(request.reason)
                 return fn(request, context)
             except errors.KVStoreError as exc:
                 code = exc.code
