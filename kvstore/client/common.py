@@ -184,7 +184,8 @@ class ClientCore:
             self._untrack([lease.lease_id])
             self.queue_release(lease.lease_id)
             raise
-        return ObjectView(lease, host, device, release, self.queue_release)
+        return ObjectView(lease, host, device, release, self.queue_release,
+                          before_tensor=lambda: self.regions.pin_arena_of(lease.region))
 
     @staticmethod
     def leases(m: pb.GetResponse) -> list[Optional[Lease]]:

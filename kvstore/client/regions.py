@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -39,8 +40,12 @@ class _Arena:
     pinned: bool
 
 
-def _cuda_ready() -> bool:
-    """True when torch is importable and has a CUDA device (imports torch lazily)."""
+def _cuda_ready(import_torch: bool = True) -> bool:
+    """True when torch has a CUDA device. With import_torch=False, a process that has not
+    imported torch counts as CUDA-less (importing torch costs seconds; a CLI has no use
+    for it)."""
+    if not import_torch and "torch" not in sys.modules:
+        return False
     try:
         import torch
 
@@ -81,12 +86,22 @@ class RegionMapper:
             finally:
                 os.close(fd)
             array = np.frombuffer(mm, dtype=np.uint8)
-            arena = _Arena(ino, mm, array, self._maybe_pin(array))
+            arena = _Arena(ino, mm, array, self._maybe_pin(array, import_torch=False))
             self._arenas[path] = arena
             return arena
 
-    def _maybe_pin(self, array: np.ndarray) -> bool:
-        pin = self._pin if self._pin is not None else _cuda_ready()
+    def pin_arena_of(self, region: Region) -> None:
+        """Pin the arena behind a shm region (once) if CUDA is usable: called before a
+        view's bytes are handed out as a tensor, so host-to-device copies run pinned."""
+        if region.kind != "shm":
+            return
+        with self._lock:
+            arena = self._arenas.get(region.path)
+            if arena is not None and not arena.pinned:
+                arena.pinned = self._maybe_pin(arena.array, import_torch=True)
+
+    def _maybe_pin(self, array: np.ndarray, import_torch: bool) -> bool:
+        pin = self._pin if self._pin is not None else _cuda_ready(import_torch)
         if not pin or array.size == 0:
             return False
         try:  # pragma: no cover - GPU only

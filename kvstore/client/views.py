@@ -33,8 +33,10 @@ class ObjectView:
     """A leased object: its bytes where they lie (shm arena, object file, GPU arena)."""
 
     def __init__(self, lease: Lease, host: Optional[np.ndarray], device: Any,
-                 release: Callable[[int], None], queue_release: Callable[[int], None]) -> None:
+                 release: Callable[[int], None], queue_release: Callable[[int], None],
+                 before_tensor: Optional[Callable[[], None]] = None) -> None:
         self.lease = lease
+        self._before_tensor = before_tensor
         self._host = host
         self._device = device
         self._release = release
@@ -102,6 +104,10 @@ class ObjectView:
         if self._device is not None:
             return self._device
         import torch
+
+        if self._before_tensor is not None:
+            self._before_tensor()  # e.g. pin the arena for fast copies to the GPU
+            self._before_tensor = None
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only array: we promise not to write

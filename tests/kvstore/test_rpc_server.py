@@ -22,6 +22,28 @@ from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, KVStoreStub, PROTOCOL_M
 from kvstore.testing import DaemonProcess
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    """This module's daemon: small message limit, metrics and TCP on, and a socket in a
+    directory that does not exist yet (the daemon creates it)."""
+    metrics_port, tcp_port = _free_port(), _free_port()
+    d = DaemonProcess(tmp_path_factory.mktemp("rpc"), cpu_capacity="32MiB", nvme_capacity="128MiB",
+                      extra_args=["--max-message-size", "64KiB", "--metrics-port", str(metrics_port),
+                                  "--tcp", f"127.0.0.1:{tcp_port}"])
+    d.socket = d.socket.parent / "private" / "kv.sock"
+    d.args[d.args.index("--socket") + 1] = str(d.socket)
+    d.metrics_port, d.tcp_port = metrics_port, tcp_port
+    d.start()
+    yield d
+    d.cleanup()
+
+
 def _raw(daemon: DaemonProcess) -> tuple[grpc.Channel, KVStoreStub]:
     ch = grpc.insecure_channel(f"unix:{daemon.socket}")
     return ch, KVStoreStub(ch)
@@ -34,7 +56,7 @@ def _code_of(exc: grpc.RpcError) -> str:
 MALFORMED = [
     ("Lookup", pb.LookupRequest(keys=[b"ok", b""]), "empty key"),
     ("Lookup", pb.LookupRequest(keys=[b"k" * 2000]), "over the limit of 1024"),
-    ("Lookup", pb.LookupRequest(keys=[b"k%d" % i for i in range(5000)]), "batch of 5000 keys"),
+    ("Delete", pb.DeleteRequest(keys=[b"%d" % i for i in range(5000)]), "batch of 5000 keys"),
     ("Reserve", pb.ReserveRequest(key=b"x", size=0, tier="cpu"), "size must be > 0"),
     ("Reserve", pb.ReserveRequest(key=b"x", size=2**63, tier="cpu"), "exceeds the 'cpu' tier's capacity"),
     ("Reserve", pb.ReserveRequest(key=b"x", size=10, tier="tape"), "unknown tier 'tape'"),
@@ -87,9 +109,8 @@ def test_client_maps_invalid_argument_to_invalid_request(daemon):
             kv.lookup([b""])
 
 
-def test_message_over_the_size_limit_is_refused_and_the_daemon_keeps_serving(start_daemon):
-    d = start_daemon(extra_args=["--max-message-size", "64KiB"])
-    with d.client() as kv:
+def test_message_over_the_size_limit_is_refused_and_the_daemon_keeps_serving(daemon):
+    with daemon.client() as kv:
         with pytest.raises(InvalidRequest):
             kv.lookup([b"%04d" % i + b"x" * 1000 for i in range(100)])  # ~100 KB request
         assert kv.lookup([b"small"])[0].hit is False
@@ -112,17 +133,9 @@ def test_standard_grpc_health_check_reports_serving(daemon):
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_socket_is_mode_0600_in_a_0700_directory_it_created(tmp_path):
-    d = DaemonProcess(tmp_path / "d")
-    sock_dir = d.socket.parent / "private"
-    d.socket = sock_dir / "kv.sock"
-    d.args[d.args.index("--socket") + 1] = str(d.socket)
-    try:
-        d.start()
-        assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700
-    finally:
-        d.cleanup()
+def test_socket_is_mode_0600_in_a_0700_directory_it_created(daemon):
+    assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(daemon.socket.parent).st_mode) == 0o700
 
 
 def test_second_daemon_on_the_same_socket_fails_fast_and_the_first_keeps_serving(daemon):
@@ -136,33 +149,35 @@ def test_second_daemon_on_the_same_socket_fails_fast_and_the_first_keeps_serving
         assert kv.health()
 
 
-def test_metrics_endpoint_serves_store_gauges_and_request_latency(start_daemon):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = start_daemon(extra_args=["--metrics-port", str(port)])
-    with d.client() as kv:
-        kv.put(b"m", b"metrics")
-        kv.get(b"m").release()
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_endpoint_serves_store_gauges_and_request_latency(daemon):
+    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+    before = urllib.request.urlopen(url, timeout=10).read().decode()
+    with daemon.client() as kv:
+        kv.put(b"metrics-key", b"metrics")
+        kv.get(b"metrics-key").release()
         assert kv.lookup([b"nope"])[0].hit is False
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert "kvstore_hits_total 1.0" in text
-    assert 'kvstore_tier_used_bytes{tier="cpu"}' in text
-    assert 'kvstore_tier_objects{tier="cpu"} 1.0' in text
+        objects = sum(t["objects"] for t in kv.stats()["tiers"] if t["name"] == "cpu")
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert _metric(text, "kvstore_hits_total") == _metric(before, "kvstore_hits_total") + 1
+    assert _metric(text, 'kvstore_tier_objects{tier="cpu"}') == objects
+    assert _metric(text, 'kvstore_tier_used_bytes{tier="cpu"}') > 0
     assert 'kvstore_request_seconds_bucket{le="5e-05",rpc="Lookup"}' in text
-    assert "kvstore_leases 0.0" in text
+    assert "kvstore_leases" in text and "kvstore_evictions_total" in text
 
 
-def test_tcp_listener_serves_the_control_plane(start_daemon):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = start_daemon(extra_args=["--tcp", f"127.0.0.1:{port}"])
-    with d.client() as kv:
+def test_tcp_listener_serves_the_control_plane(daemon):
+    with daemon.client() as kv:
         kv.put(b"over-unix", b"x")
-    with KVStoreClient(tcp=f"127.0.0.1:{port}") as kv:
+    with KVStoreClient(tcp=f"127.0.0.1:{daemon.tcp_port}") as kv:
         assert kv.lookup([b"over-unix"])[0].hit
-        assert kv.stats()["tiers"][0]["name"] == "cpu"
+        assert [t["name"] for t in kv.stats()["tiers"]] == ["cpu", "nvme"]
 
 
 def test_sigterm_aborts_open_reservations_and_cleans_up(start_daemon):
