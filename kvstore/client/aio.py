@@ -223,8 +223,8 @@ class AsyncKVStoreClient:
             if region.kind == "cuda_ipc":
                 buf: Any = self._core.regions.cuda_tensor(region)
             else:
-                self._core.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
                 buf = torch.from_numpy(self._core.regions.host_array(region, writable=True))
+                self._core.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
             checksum = fmt.write_blob(buf, plan, tensors)
             if region.kind == "cuda_ipc":
                 torch.cuda.current_stream(buf.device).synchronize()

@@ -231,8 +231,8 @@ class KVStoreClient:
             else:
                 import torch
 
-                self._core.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
                 buf = torch.from_numpy(self._core.regions.host_array(region, writable=True))
+                self._core.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
             checksum = fmt.write_blob(buf, plan, tensors)
             if region.kind == "cuda_ipc":
                 import torch
