@@ -221,10 +221,13 @@ class _file_bytes:
         return self._mv
 
     def __exit__(self, *exc: Any) -> None:
-        if self._mv is not None:
-            self._mv.release()
-        if self._mm is not None:
-            self._mm.close()
+        try:
+            if self._mv is not None:
+                self._mv.release()
+            if self._mm is not None:
+                self._mm.close()
+        except BufferError:  # a failing put's traceback still refers to the bytes; exit unmaps
+            pass
 
 
 @app.command("get")
