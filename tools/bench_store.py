@@ -153,7 +153,7 @@ def direct_io_gbps(directory: Path, data: np.ndarray, count: int) -> tuple[float
     r = _timed(read_all)
     for f in files:
         f.unlink()
-    buf.close()
+    del view  # the mapping is freed with its last view
     return _gbps(size * count, w), _gbps(size * count, r), note
 
 
@@ -234,7 +234,12 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
     with daemon.client() as kv:
         # CPU tier
         keys = [f"bench/cpu/{i}".encode() for i in range(count)]
-        kv.put(b"bench/warm", data[:4096], tier="cpu")
+        # Steady state: a first pass faults the arena's pages into this client's mapping
+        # (a long-lived engine pays that once); the timed pass reuses the same extents.
+        for k in keys:
+            kv.put(k, data, tier="cpu")
+            kv.get(k).release()
+        kv.delete(keys)
         put_s = _timed(lambda: [kv.put(k, data, tier="cpu") for k in keys])
 
         def get_cpu() -> None:
@@ -289,7 +294,7 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
         get_s = _timed(get_nvme)
         note = direct[2] + ("" if all(paths) else "; some objects were not file regions")
         rows.append(Row("nvme tier", "put (fsync)", _gbps(total, put_s), "direct-I/O write", direct[0], note))
-        rows.append(Row("nvme tier", "get (cold, mmap)", _gbps(total, get_s), "direct-I/O read", direct[1], note))
+        rows.append(Row("nvme tier", "get (cold, no promote)", _gbps(total, get_s), "direct-I/O read", direct[1], note))
         extra["nvme_read_fraction_of_direct_io"] = rows[-1].ratio
         for p in paths:
             if p:
@@ -310,6 +315,9 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 torch.cuda.synchronize()
 
             d2d_s = _timed(d2d, repeat=3)
+            for k in keys:  # warm: open the IPC handle, settle the allocator
+                kv.put_tensors(k, {"x": src}, tier="gpu")
+            kv.delete(keys)
             put_s = _timed(lambda: [kv.put_tensors(k, {"x": src}, tier="gpu") for k in keys])
 
             def get_gpu() -> None:
@@ -413,7 +421,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     machine = args.machine or _socket.gethostname().split(".")[0]
     date = _dt.date.today().isoformat()
-    header = (f"kvstore data plane on {machine} ({date}): {count} x {format_size(size)} per path; "
+    header = (f"kvstore data plane on {machine} ({date}): {count} x {format_size(size)} per path, steady state; "
               f"CUDA {'yes: ' + torch.cuda.get_device_name() if cuda else 'no'}; dir {base}")
     summary = {
         "cpu_to_gpu_fraction_of_pcie": extra.get("cpu_to_gpu_fraction_of_pcie"),
