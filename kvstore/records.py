@@ -116,3 +116,6 @@ class ObjectInfo:
     last_access: float
     created: float
     leases: int = 0
+    path: str = ""  # where the primary copy lies: the NVMe object file or the shm arena file
+    offset: int = 0  # byte offset of the object in `path` (arenas)
+    backed: bool = False  # an NVMe backing copy exists (the object survives a restart)

@@ -38,7 +38,6 @@ mover is future work).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import threading
@@ -59,9 +58,10 @@ from kvstore.errors import (
     StorageError,
     UnknownKey,
 )
-from kvstore.eviction import Candidate, make_policy
-from kvstore.index import IndexRecord, ObjectIndex
+from kvstore.eviction import make_policy
+from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
+from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
     TIER_NAMES,
     Lease,
@@ -83,31 +83,6 @@ MAX_KEY_BYTES = 1024
 VERIFY_MODES = ("always", "first")
 
 
-class _Object:
-    """A committed object's mutable state (guarded by the Store's lock)."""
-
-    __slots__ = ("key", "tier", "slot", "backing", "checksum", "meta", "created", "last_access", "hits",
-                 "leases", "busy", "verified", "removed")
-
-    def __init__(self, key: bytes, tier: str, slot: Slot, checksum: int, meta: ObjectMeta,
-                 created: float, last_access: float, hits: int = 0, verified: bool = True) -> None:
-        self.key, self.tier, self.slot, self.checksum, self.meta = key, tier, slot, checksum, meta
-        self.backing: Optional[Slot] = None  # an NVMe copy kept when the object was promoted
-        self.created, self.last_access, self.hits = created, last_access, hits
-        self.leases = 0  # live client leases
-        self.busy = 0  # internal pins: a verify or promotion is running outside the lock
-        self.verified = verified  # NVMe: checksum confirmed since open
-        self.removed = False  # out of the map; free the slot when the last pin goes
-
-    @property
-    def size(self) -> int:
-        return self.slot.size
-
-    @property
-    def pinned(self) -> bool:
-        return self.leases > 0 or self.busy > 0
-
-
 class _PendingPut:
     """A reservation's state (the LeaseTable entry's payload)."""
 
@@ -116,11 +91,6 @@ class _PendingPut:
     def __init__(self, key: bytes, tier: str, slot: Slot, meta: ObjectMeta) -> None:
         self.key, self.tier, self.slot, self.meta = key, tier, slot, meta
         self.committing = False
-
-
-def object_name(key: bytes) -> str:
-    """Filesystem-safe name of a key's object (NVMe file names)."""
-    return hashlib.blake2b(key, digest_size=16).hexdigest()
 
 
 class Store:
@@ -146,12 +116,12 @@ class Store:
         self._wrap = wrap_tier
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first
-        self._objects: dict[bytes, _Object] = {}
+        self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first (filled by open)
+        self._place = Placement(self.tiers, None, self._policy, Counter(), self.dir / "objects")
         self._leases = LeaseTable(s.lease_ttl_s)
         self._reservations = LeaseTable(s.lease_ttl_s)
         self._inflight: dict[bytes, int] = {}  # key -> reservation id
-        self._counters: Counter[str] = Counter()
+        self._counters = self._place.counters
         self._index: Optional[ObjectIndex] = None
         self._dir_lock = -1
         self._open = False
@@ -177,7 +147,8 @@ class Store:
                 if "nvme" in self.tiers:
                     self._index = ObjectIndex(self.dir / "index.lmdb")
                     self._index.open()
-                    self._recover_nvme()
+                    self._place.index = self._index
+                    self._place.recover_nvme()
             except BaseException:
                 self._close_media()
                 raise
@@ -202,40 +173,6 @@ class Store:
             tier.open()
             self.tiers[tier.name] = tier
 
-    def _recover_nvme(self) -> None:
-        assert self._index is not None
-        nvme = self.tiers["nvme"]
-        root = self.dir / "objects"
-        drop: list[bytes] = []
-        live: set[str] = set()
-        for rec in self._index.items():
-            path = root / rec.file
-            try:
-                on_disk = path.stat().st_size
-            except FileNotFoundError:
-                on_disk = -1
-            if on_disk != rec.size:
-                log.warning("index: object %r file %s is %s; dropping its record", rec.key, path,
-                            "missing" if on_disk < 0 else f"{on_disk} bytes, not {rec.size}")
-                drop.append(rec.key)
-                continue
-            slot = Slot("nvme", rec.offset, rec.length, rec.size, str(path))
-            nvme.adopt(slot)
-            live.add(str(path))
-            meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
-            self._objects[rec.key] = _Object(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
-                                             rec.last_access, rec.hits, verified=False)
-        drop += self._index.bad_keys
-        self._index.delete_many(drop)
-        self._counters["recovery_dropped"] += len(drop)
-        self._counters["recovered_objects"] += len(self._objects)
-        for slot in nvme.list_sealed():
-            if slot.path not in live:
-                log.info("nvme: removing orphan object file %s (not in the index)", slot.path)
-                Path(slot.path).unlink(missing_ok=True)
-                self._counters["orphans_removed"] += 1
-        self._counters["partial_writes_removed"] += nvme.discard_unsealed()
-
     def close(self) -> None:
         """Abort open reservations, optionally write the CPU tier back to NVMe, flush and
         close the index, unmap and unlink the arenas. Idempotent."""
@@ -245,18 +182,18 @@ class Store:
             for e in self._reservations.entries():
                 self._end_reservation_locked(e, free=True)
             if self.settings.writeback_on_close and "nvme" in self.tiers:
-                for o in [o for o in self._objects.values() if o.tier != "nvme" and o.backing is None]:
+                for o in [o for o in self._place.objects.values() if o.tier != "nvme" and o.backing is None]:
                     try:
-                        self._move_locked(o, "nvme", allow_evict=False)
+                        self._place.move(o, "nvme", allow_evict=False)
                     except KVStoreError as exc:
                         log.warning("write-back of %r to nvme skipped: %s", o.key, exc)
             if self._index is not None:
                 try:
-                    self._index.put_many([self._record(o) for o in self._objects.values()
-                                          if self._durable_slot(o) is not None])
+                    self._index.put_many([self._place.record(o) for o in self._place.objects.values()
+                                          if self._place.durable_slot(o) is not None])
                 except StorageError as exc:
                     log.warning("flushing access stats to the index failed: %s", exc)
-            self._objects.clear()
+            self._place.objects.clear()
             self._inflight.clear()
             self._leases = LeaseTable(self.settings.lease_ttl_s)
             self._reservations = LeaseTable(self.settings.lease_ttl_s)
@@ -268,6 +205,7 @@ class Store:
         if self._index is not None:
             self._index.close()
             self._index = None
+            self._place.index = None
         for t in reversed(list(self.tiers.values())):
             try:
                 t.close()
@@ -298,14 +236,6 @@ class Store:
             raise InvalidRequest(f"tier {name!r} is not enabled in this daemon (enabled: {', '.join(self.tiers)})")
         return t
 
-    def _below(self, name: str) -> Optional[str]:
-        order = list(self.tiers)
-        i = order.index(name)
-        return order[i + 1] if i + 1 < len(order) else None
-
-    def _rank(self, name: str) -> int:
-        return TIER_NAMES.index(name)
-
     @staticmethod
     def _check_key(key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)):
@@ -313,135 +243,10 @@ class Store:
         if not key or len(key) > MAX_KEY_BYTES:
             raise InvalidRequest(f"key length must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
 
-    def _durable_slot(self, o: _Object) -> Optional[Slot]:
-        """The NVMe slot the index records for `o`: its own, or its backing copy."""
-        return o.slot if o.tier == "nvme" else o.backing
-
-    def _record(self, o: _Object) -> IndexRecord:
-        d = self._durable_slot(o)
-        assert d is not None, f"object {o.key!r} has no durable copy"
-        rel = os.path.relpath(d.path, self.dir / "objects")
-        m = o.meta
-        return IndexRecord(o.key, "nvme", rel, d.offset, d.length, d.size, o.checksum,
-                           m.fingerprint, m.token_count, m.cost, dict(m.extra), o.created, o.last_access, o.hits)
-
-    def _info(self, o: _Object) -> ObjectInfo:
-        return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases)
-
-    def _release_slot_if_unpinned(self, o: _Object) -> None:
-        if o.removed and not o.pinned:
-            self.tiers[o.tier].free(o.slot)
-            o.removed = False  # freed exactly once
-
-    def _drop_backing_locked(self, o: _Object) -> None:
-        """Forget the NVMe copy of a promoted object (its primary copy stays)."""
-        if o.backing is not None:
-            if self._index is not None:
-                self._index.delete(o.key)
-            self.tiers["nvme"].free(o.backing)
-            o.backing = None
-
-    def _drop_locked(self, o: _Object) -> None:
-        """Remove an object from the map and the index; free its slot now or at last unpin
-        (pins hold the primary slot only; a backing copy goes at once)."""
-        if self._objects.get(o.key) is o:
-            del self._objects[o.key]
-        if self.tiers[o.tier].durable and self._index is not None:
-            self._index.delete(o.key)
-        self._drop_backing_locked(o)
-        o.removed = True
-        self._release_slot_if_unpinned(o)
-
-    # ------------------------------------------------------------------ room and movement
-    def _allocate_locked(self, tier: str, size: int, key: bytes, exclude: frozenset = frozenset()) -> Slot:
-        """A slot of `size` bytes in `tier`, demoting/evicting unpinned objects for room."""
-        t = self.tiers[tier]
-        name = object_name(key)
-        slot = t.allocate(size, name)
-        tried = set(exclude)
-        while slot is None:
-            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits)
-                     for o in self._objects.values()
-                     if o.key not in tried and ((o.tier == tier and not o.pinned)
-                                                or (o.backing is not None and o.backing.tier == tier))]
-            if not cands:
-                pinned = sum(o.slot.length for o in self._objects.values() if o.tier == tier and o.pinned)
-                raise CapacityExhausted(
-                    f"tier {tier!r} cannot fit {size} bytes: {t.used_bytes} of {t.capacity} bytes in use, "
-                    f"{pinned} of them pinned by leases; nothing left to evict"
-                )
-            need = max(size - (t.capacity - t.used_bytes), 1)
-            for k in self._policy.choose_victims(cands, need):
-                tried.add(k)
-                o = self._objects.get(k)
-                if o is None:
-                    continue
-                if o.backing is not None and o.backing.tier == tier:
-                    self._drop_backing_locked(o)  # a copy: the object stays in its faster tier
-                else:
-                    self._demote_locked(o)
-            slot = t.allocate(size, name)
-        return slot
-
-    def _demote_locked(self, o: _Object) -> None:
-        below = self._below(o.tier)
-        if below is not None:
-            try:
-                self._move_locked(o, below, allow_evict=True)
-                self._counters["demotions"] += 1
-                return
-            except KVStoreError as exc:
-                log.info("demoting %r from %s to %s failed (%s); dropping it", o.key, o.tier, below, exc)
-        self._drop_locked(o)
-        self._counters["evictions"] += 1
-
-    def _copy(self, src: Tier, s: Slot, dst: Tier, d: Slot) -> None:
-        v = src.view(s)
-        if v is not None:
-            dst.write_from(d, v)
-            return
-        dv = dst.view(d)
-        if dv is None:
-            dv = torch.empty(s.size, dtype=torch.uint8)
-            src.read_into(s, dv)
-            dst.write_from(d, dv)
-        else:
-            src.read_into(s, dv)
-
-    def _move_locked(self, o: _Object, dst_name: str, allow_evict: bool) -> None:
-        """Move an unpinned object to another tier; on failure it stays where it was.
-        Raises CapacityExhausted, StorageError, or BadObject (a corrupt NVMe source)."""
-        src, dst = self.tiers[o.tier], self.tiers[dst_name]
-        if o.backing is not None and o.backing.tier == dst_name:  # the bytes are there already
-            old_slot, o.tier, o.slot, o.backing = o.slot, dst_name, o.backing, None
-            src.free(old_slot)
-            return
-        if allow_evict:
-            slot = self._allocate_locked(dst_name, o.size, o.key, frozenset({o.key}))
-        else:
-            slot = dst.allocate(o.size, object_name(o.key))
-            if slot is None:
-                raise CapacityExhausted(f"tier {dst_name!r} has no room for {o.size} bytes")
-        try:
-            self._copy(src, o.slot, dst, slot)
-            if src.durable and dst.checksum(slot) != o.checksum:
-                raise BadObject(f"object {o.key!r} in {o.slot.path} fails its checksum")
-            slot = dst.seal(slot, object_name(o.key))
-            old_tier, old_slot = o.tier, o.slot
-            o.tier, o.slot = dst_name, slot
-            if dst.durable:
-                assert self._index is not None
-                self._index.put(self._record(o))
-        except BaseException:
-            if o.tier == dst_name:
-                o.tier, o.slot = old_tier, old_slot
-            dst.free(slot)
-            raise
-        if src.durable:
-            o.backing = old_slot  # keep the durable copy: demoting back is free, restarts keep it
-        else:
-            src.free(old_slot)
-        o.verified = True
+    def _info(self, o: StoredObject) -> ObjectInfo:
+        r = self.tiers[o.tier].region(o.slot)
+        return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases,
+                          r.path, r.offset, o.tier == "nvme" or o.backing is not None)
 
     # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
@@ -450,7 +255,7 @@ class Store:
             self._require_open()
             out = []
             for k in keys:
-                o = self._objects.get(k)
+                o = self._place.objects.get(k)
                 out.append(LookupEntry(k, True, o.tier, o.size) if o else LookupEntry(k, False, None, 0))
             return out
 
@@ -477,14 +282,14 @@ class Store:
             t = self._tier(tier)
             if size > t.capacity:
                 raise InvalidRequest(f"object of {size} bytes exceeds the {tier!r} tier's capacity of {t.capacity} bytes")
-            o = self._objects.get(key)
+            o = self._place.objects.get(key)
             if o is not None:
                 return Reservation(0, key, o.tier, None, "exists")
             rid = self._inflight.get(key)
             if rid is not None:
                 e = self._reservations.get(rid)
                 return Reservation(0, key, e.payload.tier if e else tier, None, "in_flight")
-            slot = self._allocate_locked(tier, size, key)
+            slot = self._place.allocate(tier, size, key)
             e = self._reservations.acquire(key, client_id, _PendingPut(key, tier, slot, meta))
             self._inflight[key] = e.lease_id
             return Reservation(e.lease_id, key, tier, t.region(slot), "reserved", e.expires_at)
@@ -523,10 +328,10 @@ class Store:
                 )
             slot = t.seal(slot, object_name(p.key))
             now = time.time()
-            o = _Object(p.key, p.tier, slot, checksum, p.meta, now, now)
+            o = StoredObject(p.key, p.tier, slot, checksum, p.meta, now, now)
             if t.durable:
                 assert self._index is not None
-                self._index.put(self._record(o))
+                self._index.put(self._place.record(o))
         except BaseException as exc:
             with self._lock:
                 if isinstance(exc, BadObject):
@@ -539,7 +344,7 @@ class Store:
             if not self._open:  # closed while we hashed: close() freed the reservation
                 raise StorageError(f"the store at {self.dir} closed while committing key {p.key!r}")
             self._end_reservation_locked(e, free=False)
-            self._objects[p.key] = o
+            self._place.objects[p.key] = o
             self._counters["puts"] += 1
             return LookupEntry(p.key, True, p.tier, slot.size)
 
@@ -561,7 +366,7 @@ class Store:
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
             while True:
-                if key in self._objects:
+                if key in self._place.objects:
                     return True
                 left = deadline - time.monotonic()
                 if key not in self._inflight or left <= 0 or not self._open:
@@ -576,12 +381,12 @@ class Store:
         served from NVMe is checksummed first (settings.verify_nvme). A bad object is
         dropped, counted in `corrupt_dropped` and reported as a miss.
         """
-        plans: list[tuple[_Object, Optional[Slot]]] = []
+        plans: list[tuple[StoredObject, Optional[Slot]]] = []
         with self._lock:
             self._require_open()
             seen: set[bytes] = set()
             for key in keys:
-                o = self._objects.get(key)
+                o = self._place.objects.get(key)
                 if o is None or key in seen or not self.tiers[o.tier].durable:
                     continue
                 seen.add(key)
@@ -590,23 +395,24 @@ class Store:
                 o.busy += 1  # pinned before making room, so making room cannot take it
                 if promote and "cpu" in self.tiers and can_move:
                     try:
-                        dst = self._allocate_locked("cpu", o.size, o.key, frozenset({o.key}))
-                    except CapacityExhausted:
+                        dst = self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))
+                    except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
+                        log.debug("no promotion of %r: %s", key, exc)
                         dst = None
                 if dst is not None or self.settings.verify_nvme == "always" or not o.verified:
                     plans.append((o, dst))
                 else:
                     o.busy -= 1
-        outcomes = [self._verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
+        outcomes = [self._place.verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
         with self._lock:
             for (o, dst), ok in zip(plans, outcomes):
                 o.busy -= 1
-                self._settle_nvme_read_locked(o, dst, ok)
-                self._release_slot_if_unpinned(o)
+                self._place.settle_nvme_read(o, dst, ok)
+                self._place.release_slot_if_unpinned(o)
             now = time.time()
             out: list[Optional[Lease]] = []
             for key in keys:
-                o = self._objects.get(key)
+                o = self._place.objects.get(key)
                 if o is None or not o.verified:
                     self._counters["misses"] += 1
                     out.append(None)
@@ -620,36 +426,6 @@ class Store:
                                  o.checksum, e.expires_at, o.meta))
             return out
 
-    def _verify_or_copy(self, o: _Object, dst: Optional[Slot]) -> bool:
-        src = self.tiers[o.tier]
-        try:
-            if dst is None:
-                return src.checksum(o.slot) == o.checksum
-            cpu = self.tiers["cpu"]
-            self._copy(src, o.slot, cpu, dst)
-            return cpu.checksum(dst) == o.checksum
-        except StorageError as exc:
-            log.warning("reading %r from %s failed: %s", o.key, o.slot.path, exc)
-            return False
-
-    def _settle_nvme_read_locked(self, o: _Object, dst: Optional[Slot], ok: bool) -> None:
-        if not ok:
-            if dst is not None:
-                self.tiers["cpu"].free(dst)
-            if self._objects.get(o.key) is o:
-                log.warning("object %r in %s fails its checksum; dropped", o.key, o.slot.path)
-                self._drop_locked(o)
-                self._counters["corrupt_dropped"] += 1
-            return
-        o.verified = True
-        if dst is None:
-            return
-        if self._objects.get(o.key) is not o or o.tier != "nvme" or o.pinned:
-            self.tiers["cpu"].free(dst)  # deleted, moved or leased meanwhile: keep it where it is
-            return
-        o.tier, o.slot, o.backing = "cpu", dst, o.slot  # the NVMe file stays as a backing copy
-        self._counters["promotions"] += 1
-
     def release(self, lease_ids: Sequence[int]) -> None:
         """Unpin. Unknown or expired lease ids are ignored (release is idempotent)."""
         with self._lock:
@@ -658,9 +434,9 @@ class Store:
                 if e is not None:
                     self._unlease_locked(e.payload)
 
-    def _unlease_locked(self, o: _Object) -> None:
+    def _unlease_locked(self, o: StoredObject) -> None:
         o.leases -= 1
-        self._release_slot_if_unpinned(o)
+        self._place.release_slot_if_unpinned(o)
 
     def renew(self, client_id: str) -> None:
         """Extend every lease and reservation of `client_id` by lease_ttl_s."""
@@ -675,9 +451,9 @@ class Store:
         with self._lock:
             self._require_open()
             for key in keys:
-                o = self._objects.get(key)
+                o = self._place.objects.get(key)
                 if o is not None and o.leases == 0:
-                    self._drop_locked(o)
+                    self._place.drop(o)
                     n += 1
             if n:
                 self._counters["deletes"] += n
@@ -691,21 +467,21 @@ class Store:
             self._require_open()
             self._tier(tier)
             for key in keys:
-                o = self._objects.get(key)
+                o = self._place.objects.get(key)
                 if o is None:
                     continue
-                if self._rank(o.tier) <= self._rank(tier):
+                if self._place.rank(o.tier) <= self._place.rank(tier):
                     n += 1
                     continue
                 if o.pinned:
                     continue
                 try:
-                    self._move_locked(o, tier, allow_evict=True)
+                    self._place.move(o, tier, allow_evict=True)
                     self._counters["promotions"] += 1
                     n += 1
                 except BadObject as exc:
                     log.warning("%s; dropped", exc)
-                    self._drop_locked(o)
+                    self._place.drop(o)
                     self._counters["corrupt_dropped"] += 1
                 except (CapacityExhausted, StorageError) as exc:
                     log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
@@ -717,13 +493,13 @@ class Store:
         with self._lock:
             self._require_open()
             self._tier(tier)
-            victims = [o for o in self._objects.values() if o.tier == tier and not o.pinned]
-            copies = [o for o in self._objects.values() if o.backing is not None and o.backing.tier == tier]
+            victims = [o for o in self._place.objects.values() if o.tier == tier and not o.pinned]
+            copies = [o for o in self._place.objects.values() if o.backing is not None and o.backing.tier == tier]
             for o in copies:
-                self._drop_backing_locked(o)
+                self._place.drop_backing(o)
             for o in victims:
-                if self._objects.get(o.key) is o and o.tier == tier and not o.pinned:
-                    self._demote_locked(o)
+                if self._place.objects.get(o.key) is o and o.tier == tier and not o.pinned:
+                    self._place.demote(o)
             return len(victims) + len(copies)
 
     def stats(self) -> dict[str, Any]:
@@ -731,11 +507,11 @@ class Store:
         "misses", "evictions", "demotions", "promotions", "leases", "reservations",
         "corrupt_dropped", ...}."""
         with self._lock:
-            per_tier = Counter(o.tier for o in self._objects.values())
-            copies = Counter(o.backing.tier for o in self._objects.values() if o.backing is not None)
+            per_tier = Counter(o.tier for o in self._place.objects.values())
+            copies = Counter(o.backing.tier for o in self._place.objects.values() if o.backing is not None)
             tiers = [{**t.stats(), "name": name, "objects": per_tier[name], "backing_copies": copies[name]}
                      for name, t in self.tiers.items()]
-            out: dict[str, Any] = {"tiers": tiers, "objects": len(self._objects),
+            out: dict[str, Any] = {"tiers": tiers, "objects": len(self._place.objects),
                                    "leases": len(self._leases), "reservations": len(self._reservations),
                                    "eviction_policy": self._policy.name}
             for k in ("hits", "misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
@@ -752,7 +528,7 @@ class Store:
         if limit is not None and limit < 0:
             raise InvalidRequest(f"limit must be >= 0, got {limit}")
         with self._lock:
-            hits = [self._info(o) for o in self._objects.values()
+            hits = [self._info(o) for o in self._place.objects.values()
                     if (fingerprint is None or o.meta.fingerprint == fingerprint)
                     and (prefix is None or o.key.startswith(prefix))
                     and (tier is None or o.tier == tier)]
@@ -762,7 +538,7 @@ class Store:
     def object_info(self, key: bytes) -> ObjectInfo:
         """The record of one committed object; UnknownKey when absent."""
         with self._lock:
-            o = self._objects.get(key)
+            o = self._place.objects.get(key)
             if o is None:
                 raise UnknownKey(f"no object with key {bytes(key)!r}")
             return self._info(o)

@@ -3,7 +3,7 @@
 Layout::
 
     <dir>/objects/tmp/<name>-<rand>.part   a slot being written (client or daemon)
-    <dir>/objects/<nn>/<name>.obj          a sealed object (nn = first two chars of name)
+    <dir>/objects/<nn>/<name>.<rand>.obj   a sealed object (nn = first two chars of name)
 
 One file per object (rather than slab files) keeps deletion and crash recovery trivial:
 freeing is an unlink, and a file is visible at its final path only after its bytes were
@@ -139,7 +139,9 @@ class NvmeTier(Tier):
             log.warning("nvme: cannot unlink %s: %s (garbage-collected at next open)", slot.path, exc)
 
     def final_path(self, name: str) -> Path:
-        return self.root / name[:2] / f"{name}.obj"
+        """A fresh final path for an object named `name`. Unique per seal, so a file still
+        pinned by a reader of a dropped object is never replaced by a newer put's file."""
+        return self.root / name[:2] / f"{name}.{secrets.token_hex(4)}.obj"
 
     def seal(self, slot: Slot, name: str) -> Slot:
         final = self.final_path(name)

@@ -131,3 +131,15 @@ def test_many_parts_header_larger_than_first_guess_still_fits():
     blob = fmt.encode_tensors(ts, fingerprint="m" * 200, token_count=5, meta={"x": "y" * 5000})
     header, out = fmt.decode_tensors(blob)
     assert len(header.parts) == 300 and out["layer299.k"][0].item() == 299.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; this machine has none")
+def test_cuda_buffer_write_and_zero_copy_decode_stay_on_the_gpu():  # pragma: no cover - GPU only
+    ts = {"k": torch.randn(4, 8, device="cuda").to(torch.bfloat16), "T": torch.randn(2, 3, 3, device="cuda")}
+    plan = fmt.plan_blob(ts, fingerprint="f", token_count=4)
+    buf = torch.empty(plan.total_size, dtype=torch.uint8, device="cuda")
+    c = fmt.write_blob(buf, plan, ts)
+    assert c == fmt.checksum(buf.cpu())
+    _, out = fmt.decode_tensors(buf)
+    assert out["k"].is_cuda and out["k"].data_ptr() == buf.data_ptr() + plan.header.part("k").offset
+    assert torch.equal(out["k"], ts["k"]) and torch.equal(out["T"], ts["T"])

@@ -1,0 +1,276 @@
+"""Placement of committed objects across the tiers: the object map, making room
+(eviction and demotion), moving objects between tiers, dropping them, and rebuilding the
+NVMe tier from the index at open.
+
+Rules (the Store's module docstring explains them for users): each object has one
+primary copy in one tier, plus possibly an NVMe *backing copy* left behind when it was
+promoted; pinned objects (leased, or busy with an I/O outside the lock) are never moved
+or freed, and a dropped pinned object's slot is freed at its last unpin.
+
+Not thread-safe: the Store calls every method under its lock, except `copy` and
+`verify_or_copy`, which it runs outside the lock on pinned objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kvstore.errors import BadObject, CapacityExhausted, KVStoreError, StorageError
+from kvstore.eviction import Candidate, EvictionPolicy
+from kvstore.index import IndexRecord, ObjectIndex
+from kvstore.records import TIER_NAMES, ObjectMeta
+from kvstore.tiers.base import Slot, Tier
+
+log = logging.getLogger(__name__)
+
+
+class StoredObject:
+    """A committed object's mutable state (guarded by the Store's lock)."""
+
+    __slots__ = ("key", "tier", "slot", "backing", "checksum", "meta", "created", "last_access", "hits",
+                 "leases", "busy", "verified", "removed", "freed")
+
+    def __init__(self, key: bytes, tier: str, slot: Slot, checksum: int, meta: ObjectMeta,
+                 created: float, last_access: float, hits: int = 0, verified: bool = True) -> None:
+        self.key, self.tier, self.slot, self.checksum, self.meta = key, tier, slot, checksum, meta
+        self.backing: Optional[Slot] = None  # an NVMe copy kept when the object was promoted
+        self.created, self.last_access, self.hits = created, last_access, hits
+        self.leases = 0  # live client leases
+        self.busy = 0  # internal pins: a verify or promotion is running outside the lock
+        self.verified = verified  # NVMe: checksum confirmed since open
+        self.removed = False  # dropped: out of the map; its slot is freed when the last pin goes
+        self.freed = False  # the primary slot went back to its tier
+
+    @property
+    def size(self) -> int:
+        return self.slot.size
+
+    @property
+    def pinned(self) -> bool:
+        return self.leases > 0 or self.busy > 0
+
+
+def object_name(key: bytes) -> str:
+    """Filesystem-safe name of a key's object (NVMe file names)."""
+    return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
+class Placement:
+    """Where every committed object's bytes lie, and the moves that change it."""
+
+    def __init__(self, tiers: dict[str, Tier], index: Optional[ObjectIndex], policy: EvictionPolicy,
+                 counters: Counter, objects_root: Path) -> None:
+        self.tiers = tiers  # enabled tiers, fastest first
+        self.index = index  # durable records of NVMe copies (None without an NVMe tier)
+        self.policy = policy
+        self.counters = counters
+        self.objects_root = objects_root
+        self.objects: dict[bytes, StoredObject] = {}
+
+    def recover_nvme(self) -> None:
+        assert self.index is not None
+        nvme = self.tiers["nvme"]
+        root = self.objects_root
+        drop: list[bytes] = []
+        live: set[str] = set()
+        for rec in self.index.items():
+            path = root / rec.file
+            try:
+                on_disk = path.stat().st_size
+            except FileNotFoundError:
+                on_disk = -1
+            if on_disk != rec.size:
+                log.warning("index: object %r file %s is %s; dropping its record", rec.key, path,
+                            "missing" if on_disk < 0 else f"{on_disk} bytes, not {rec.size}")
+                drop.append(rec.key)
+                continue
+            slot = Slot("nvme", rec.offset, rec.length, rec.size, str(path))
+            nvme.adopt(slot)
+            live.add(str(path))
+            meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
+            self.objects[rec.key] = StoredObject(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
+                                             rec.last_access, rec.hits, verified=False)
+        drop += self.index.bad_keys
+        self.index.delete_many(drop)
+        self.counters["recovery_dropped"] += len(drop)
+        self.counters["recovered_objects"] += len(self.objects)
+        for slot in nvme.list_sealed():
+            if slot.path not in live:
+                log.info("nvme: removing orphan object file %s (not in the index)", slot.path)
+                Path(slot.path).unlink(missing_ok=True)
+                self.counters["orphans_removed"] += 1
+        self.counters["partial_writes_removed"] += nvme.discard_unsealed()
+
+    def below(self, name: str) -> Optional[str]:
+        order = list(self.tiers)
+        i = order.index(name)
+        return order[i + 1] if i + 1 < len(order) else None
+
+    def rank(self, name: str) -> int:
+        return TIER_NAMES.index(name)
+
+    def durable_slot(self, o: StoredObject) -> Optional[Slot]:
+        """The NVMe slot the index records for `o`: its own, or its backing copy."""
+        return o.slot if o.tier == "nvme" else o.backing
+
+    def record(self, o: StoredObject) -> IndexRecord:
+        d = self.durable_slot(o)
+        assert d is not None, f"object {o.key!r} has no durable copy"
+        rel = os.path.relpath(d.path, self.objects_root)
+        m = o.meta
+        return IndexRecord(o.key, "nvme", rel, d.offset, d.length, d.size, o.checksum,
+                           m.fingerprint, m.token_count, m.cost, dict(m.extra), o.created, o.last_access, o.hits)
+
+    def release_slot_if_unpinned(self, o: StoredObject) -> None:
+        if o.removed and not o.pinned and not o.freed:
+            o.freed = True  # exactly once
+            self.tiers[o.tier].free(o.slot)
+
+    def drop_backing(self, o: StoredObject) -> None:
+        """Forget the NVMe copy of a promoted object (its primary copy stays)."""
+        if o.backing is not None:
+            if self.index is not None:
+                self.index.delete(o.key)
+            self.tiers["nvme"].free(o.backing)
+            o.backing = None
+
+    def drop(self, o: StoredObject) -> None:
+        """Remove an object from the map and the index; free its slot now or at last unpin
+        (pins hold the primary slot only; a backing copy goes at once)."""
+        if o.removed:
+            return
+        if self.objects.get(o.key) is o:
+            del self.objects[o.key]
+        if self.tiers[o.tier].durable and self.index is not None:
+            self.index.delete(o.key)
+        self.drop_backing(o)  # (deletes the index record when the backing copy held it)
+        o.removed = True
+        self.release_slot_if_unpinned(o)
+
+    # ------------------------------------------------------------------ room and movement
+    def allocate(self, tier: str, size: int, key: bytes, exclude: frozenset = frozenset()) -> Slot:
+        """A slot of `size` bytes in `tier`, demoting/evicting unpinned objects for room."""
+        t = self.tiers[tier]
+        name = object_name(key)
+        slot = t.allocate(size, name)
+        tried = set(exclude)
+        while slot is None:
+            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits)
+                     for o in self.objects.values()
+                     if o.key not in tried and ((o.tier == tier and not o.pinned)
+                                                or (o.backing is not None and o.backing.tier == tier))]
+            if not cands:
+                pinned = sum(o.slot.length for o in self.objects.values() if o.tier == tier and o.pinned)
+                raise CapacityExhausted(
+                    f"tier {tier!r} cannot fit {size} bytes: {t.used_bytes} of {t.capacity} bytes in use, "
+                    f"{pinned} of them pinned by leases; nothing left to evict"
+                )
+            need = max(size - (t.capacity - t.used_bytes), 1)
+            for k in self.policy.choose_victims(cands, need):
+                tried.add(k)
+                o = self.objects.get(k)
+                if o is None:
+                    continue
+                if o.backing is not None and o.backing.tier == tier:
+                    self.drop_backing(o)  # a copy: the object stays in its faster tier
+                else:
+                    self.demote(o)
+            slot = t.allocate(size, name)
+        return slot
+
+    def demote(self, o: StoredObject) -> None:
+        below = self.below(o.tier)
+        if below is not None:
+            try:
+                self.move(o, below, allow_evict=True)
+                self.counters["demotions"] += 1
+                return
+            except KVStoreError as exc:
+                log.info("demoting %r from %s to %s failed (%s); dropping it", o.key, o.tier, below, exc)
+        self.drop(o)
+        self.counters["evictions"] += 1
+
+    def copy(self, src: Tier, s: Slot, dst: Tier, d: Slot) -> None:
+        v = src.view(s)
+        if v is not None:
+            dst.write_from(d, v)
+            return
+        dv = dst.view(d)
+        if dv is None:
+            dv = torch.empty(s.size, dtype=torch.uint8)
+            src.read_into(s, dv)
+            dst.write_from(d, dv)
+        else:
+            src.read_into(s, dv)
+
+    def move(self, o: StoredObject, dst_name: str, allow_evict: bool) -> None:
+        """Move an unpinned object to another tier; on failure it stays where it was.
+        Raises CapacityExhausted, StorageError, or BadObject (a corrupt NVMe source)."""
+        src, dst = self.tiers[o.tier], self.tiers[dst_name]
+        if o.backing is not None and o.backing.tier == dst_name:  # the bytes are there already
+            old_slot, o.tier, o.slot, o.backing = o.slot, dst_name, o.backing, None
+            src.free(old_slot)
+            return
+        if allow_evict:
+            slot = self.allocate(dst_name, o.size, o.key, frozenset({o.key}))
+        else:
+            slot = dst.allocate(o.size, object_name(o.key))
+            if slot is None:
+                raise CapacityExhausted(f"tier {dst_name!r} has no room for {o.size} bytes")
+        try:
+            self.copy(src, o.slot, dst, slot)
+            if src.durable and dst.checksum(slot) != o.checksum:
+                raise BadObject(f"object {o.key!r} in {o.slot.path} fails its checksum")
+            slot = dst.seal(slot, object_name(o.key))
+            old_tier, old_slot = o.tier, o.slot
+            o.tier, o.slot = dst_name, slot
+            if dst.durable:
+                assert self.index is not None
+                self.index.put(self.record(o))
+        except BaseException:
+            if o.tier == dst_name:
+                o.tier, o.slot = old_tier, old_slot
+            dst.free(slot)
+            raise
+        if src.durable:
+            o.backing = old_slot  # keep the durable copy: demoting back is free, restarts keep it
+        else:
+            src.free(old_slot)
+        o.verified = True
+
+    def verify_or_copy(self, o: StoredObject, dst: Optional[Slot]) -> bool:
+        src = self.tiers[o.tier]
+        try:
+            if dst is None:
+                return src.checksum(o.slot) == o.checksum
+            cpu = self.tiers["cpu"]
+            self.copy(src, o.slot, cpu, dst)
+            return cpu.checksum(dst) == o.checksum
+        except StorageError as exc:
+            log.warning("reading %r from %s failed: %s", o.key, o.slot.path, exc)
+            return False
+
+    def settle_nvme_read(self, o: StoredObject, dst: Optional[Slot], ok: bool) -> None:
+        if not ok:
+            if dst is not None:
+                self.tiers["cpu"].free(dst)
+            if self.objects.get(o.key) is o:
+                log.warning("object %r in %s fails its checksum; dropped", o.key, o.slot.path)
+                self.drop(o)
+                self.counters["corrupt_dropped"] += 1
+            return
+        o.verified = True
+        if dst is None:
+            return
+        if self.objects.get(o.key) is not o or o.tier != "nvme" or o.pinned:
+            self.tiers["cpu"].free(dst)  # deleted, moved or leased meanwhile: keep it where it is
+            return
+        o.tier, o.slot, o.backing = "cpu", dst, o.slot  # the NVMe file stays as a backing copy
+        self.counters["promotions"] += 1
