@@ -32,8 +32,11 @@ class DaemonProcess:
 
     def __init__(self, root: Path, *, cpu_capacity: str = "64MiB", nvme_capacity: str = "256MiB",
                  gpu_capacity: str = "0", lease_ttl: float = 30.0, expire_interval: float = 0.2,
-                 extra_args: Sequence[str] = (), env: Optional[dict[str, str]] = None) -> None:
+                 extra_args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
+                 entry: str = "kvstore.cli") -> None:
         self.root = Path(root)
+        # "kvstore.cli" runs `kvstore serve`; "kvstore.server" the same daemon without typer/rich
+        self.entry = entry
         self.dir = self.root / "cache"
         self._sockdir = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.socket = self._sockdir / "kvstore.sock"
@@ -60,7 +63,7 @@ class DaemonProcess:
     def start(self, timeout: float = 60.0) -> "DaemonProcess":
         self.root.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", *self.args]
+        cmd = [sys.executable, "-m", self.entry, *(["serve"] if self.entry == "kvstore.cli" else []), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=str(REPO_ROOT))
         self.wait_healthy(timeout)

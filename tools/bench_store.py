@@ -406,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         direct = direct_io_gbps(work, data, count)
         grpc_put, grpc_get = grpc_gbps(data, count, chunk, work)
         daemon = DaemonProcess(work / "daemon", cpu_capacity=str(room), nvme_capacity=str(room),
-                               gpu_capacity=str(room) if cuda else "0")
+                               gpu_capacity=str(room) if cuda else "0", entry="kvstore.server")
         with daemon:
             rows, extra = store_rows(daemon, data, count, cuda, memcpy, direct)
             p50, p99 = lookup_latency_us(daemon, 64, args.lookup_iterations)

@@ -51,7 +51,7 @@ def test_put_get_round_trip_per_tier(daemon, tier):
 
 @pytest.mark.skipif(not CUDA, reason="the GPU tier needs CUDA (not present on this machine)")
 def test_put_get_round_trip_gpu_tier(start_daemon):
-    d = start_daemon(gpu_capacity="64MiB")
+    d = start_daemon(gpu_capacity="64MiB", entry="kvstore.server")  # GPU hosts may lack the CLI's typer
     t = {"k": torch.randn(4, 128, device="cuda"), "v": torch.randn(4, 128, device="cuda").half()}
     with d.client() as kv:
         assert kv.put_tensors("rt/gpu", t, fingerprint="fp", token_count=4, tier="gpu").tier == "gpu"
