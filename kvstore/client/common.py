@@ -22,7 +22,7 @@ from kvstore.client.regions import RegionMapper
 from kvstore.client.status import not_running
 from kvstore.client.views import ObjectView
 from kvstore.errors import InvalidRequest, VersionMismatch
-from kvstore.records import Lease, LookupEntry, ObjectInfo, ObjectMeta
+from kvstore.records import Lease, LookupEntry, ObjectInfo
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import PROTOCOL_METADATA_KEY, PROTOCOL_VERSION
@@ -117,11 +117,11 @@ class ClientCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _track(self, lease_id: int) -> None:
+    def track(self, lease_id: int) -> None:
         with self._held_lock:
             self._held.add(lease_id)
 
-    def _untrack(self, lease_ids: Iterable[int]) -> None:
+    def untrack(self, lease_ids: Iterable[int]) -> None:
         with self._held_lock:
             self._held.difference_update(lease_ids)
 
@@ -136,6 +136,10 @@ class ClientCore:
                 out.append(self._pending.popleft())
             except IndexError:
                 return out
+
+    def held_ids(self) -> list[int]:
+        with self._held_lock:
+            return list(self._held)
 
     @property
     def holds_leases(self) -> bool:
@@ -174,14 +178,14 @@ class ClientCore:
 
     def make_view(self, lease: Lease, release: Any) -> ObjectView:
         """Map a lease's region and wrap it (tracks the lease until released)."""
-        self._track(lease.lease_id)
+        self.track(lease.lease_id)
         try:
             if lease.region.kind == "cuda_ipc":
                 host, device = None, self.regions.cuda_tensor(lease.region)
             else:
                 host, device = self.regions.host_array(lease.region, writable=False), None
         except BaseException:
-            self._untrack([lease.lease_id])
+            self.untrack([lease.lease_id])
             self.queue_release(lease.lease_id)
             raise
         return ObjectView(lease, host, device, release, self.queue_release,
@@ -214,6 +218,3 @@ class ClientCore:
         return pb.ListRequest(fingerprint=fingerprint or "", prefix=as_key(prefix) if prefix else b"",
                               tier=tier or "", limit=int(limit or 0))
 
-
-def meta_of(fingerprint: str, token_count: int, cost: float, extra: Optional[dict[str, Any]]) -> ObjectMeta:
-    return ObjectMeta(fingerprint=fingerprint, token_count=token_count, cost=cost, extra=dict(extra or {}))

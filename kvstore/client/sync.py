@@ -93,7 +93,7 @@ class KVStoreClient:
             return
         self._closing.set()
         try:
-            ids = self._core.take_pending() + list(self._core._held)
+            ids = self._core.take_pending() + self._core.held_ids()
             if ids:
                 self._call("Release", pb.ReleaseRequest(lease_ids=ids), timeout=CONNECT_TIMEOUT_S)
         except KVStoreError:
@@ -124,7 +124,7 @@ class KVStoreClient:
             try:
                 pending = self._core.take_pending()
                 if pending:
-                    self._core._untrack(pending)
+                    self._core.untrack(pending)
                     self._call("Release", pb.ReleaseRequest(lease_ids=pending))
                 if self._core.holds_leases:
                     self._call("Renew", pb.RenewRequest(client_id=self.client_id))
@@ -246,7 +246,7 @@ class KVStoreClient:
     # ------------------------------------------------------------------ get
 
     def _release_ids(self, lease_ids: Sequence[int]) -> None:
-        self._core._untrack(lease_ids)
+        self._core.untrack(lease_ids)
         if lease_ids and self._stub is not None:
             self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids)))
 

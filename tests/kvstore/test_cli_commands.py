@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from kvstore.testing import REPO_ROOT
