@@ -22,9 +22,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal() -> Optional[Callable[[], None]]:
+    """A preexec_fn making the child get SIGTERM when its parent dies (Linux), so a test
+    run that is killed does not leave daemons behind; None where prctl is unavailable."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class DaemonProcess:
@@ -65,7 +78,7 @@ class DaemonProcess:
         self._log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", self.entry, *(["serve"] if self.entry == "kvstore.cli" else []), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(REPO_ROOT))
+                                     cwd=str(REPO_ROOT), preexec_fn=_parent_death_signal())
         self.wait_healthy(timeout)
         return self
 

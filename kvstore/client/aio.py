@@ -24,7 +24,7 @@ import xxhash
 
 from kvstore.client.common import (
     CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, METADATA, PUT_ATTEMPTS, ClientCore, DaemonInfo,
-    KeyLike, PutResult, ShowResult, as_key, check_reachable,
+    KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
@@ -198,8 +198,7 @@ class AsyncKVStoreClient:
     async def put(self, key: KeyLike, data: Any, *, tier: Optional[str] = None, fingerprint: str = "",
                   token_count: int = 0, cost: float = 0.0, extra: Optional[Mapping[str, Any]] = None) -> PutResult:
         k = as_key(key)
-        mv = memoryview(data)
-        mv = mv.cast("B") if mv.format != "B" else mv
+        mv = as_bytes_view(data)
 
         def write(region: Any) -> int:
             self._core.regions.write(region, mv)

@@ -44,6 +44,20 @@ def as_key(key: KeyLike) -> bytes:
     raise InvalidRequest(f"a key must be bytes or str, got {type(key).__name__}")
 
 
+def as_bytes_view(data: Any) -> memoryview:
+    """A flat, contiguous byte memoryview of `data` (no copy); InvalidRequest otherwise."""
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise InvalidRequest(f"put needs a bytes-like object, got {type(data).__name__} "
+                             "(use put_tensors for tensors)") from None
+    if not mv.contiguous:
+        raise InvalidRequest("put needs a contiguous buffer")
+    if mv.nbytes == 0:
+        raise InvalidRequest("put of 0 bytes: objects must hold at least 1 byte")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
 def resolve_target(socket: Optional[Union[str, Path]] = None, tcp: Optional[str] = None) -> str:
     """The gRPC target: "unix:/abs/path" or "host:port". With neither given, the socket
     the daemon would use by default (KVSTORE_SOCKET, the config file, the per-user path)."""

@@ -27,7 +27,7 @@ import xxhash
 
 from kvstore.client.common import (
     CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, METADATA, PUT_ATTEMPTS, ClientCore, DaemonInfo,
-    KeyLike, PutResult, ShowResult, as_key, check_reachable,
+    KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
@@ -202,9 +202,7 @@ class KVStoreClient:
             token_count: int = 0, cost: float = 0.0, extra: Optional[Mapping[str, Any]] = None) -> PutResult:
         """Store `data` (any bytes-like object) under `key`: reserve, write in place, commit."""
         k = as_key(key)
-        mv = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-        if not mv.contiguous:
-            raise KVStoreError("put needs a contiguous buffer")
+        mv = as_bytes_view(data)
 
         def write(region: Any) -> int:
             self._core.regions.write(region, mv)

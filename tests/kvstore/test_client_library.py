@@ -157,6 +157,17 @@ def test_commit_with_a_wrong_checksum_is_bad_object_and_nothing_is_visible(daemo
         assert kv.lookup([b"bad-sum"])[0].hit
 
 
+def test_put_of_a_non_buffer_or_empty_buffer_is_a_clear_error(daemon):
+    with daemon.client() as kv:
+        with pytest.raises(InvalidRequest, match="use put_tensors"):
+            kv.put(b"t", torch.zeros(4))
+        with pytest.raises(InvalidRequest, match="0 bytes"):
+            kv.put(b"t", b"")
+        kv.put(b"typed", np.arange(4, dtype=np.float32))  # any contiguous buffer, as raw bytes
+        with kv.get(b"typed") as v:
+            assert np.frombuffer(v.memoryview, dtype=np.float32).tolist() == [0, 1, 2, 3]
+
+
 def test_client_raises_bad_object_when_its_checksum_does_not_match(daemon, monkeypatch):
     import kvstore.client.sync as sync
 
