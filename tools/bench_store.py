@@ -3,7 +3,7 @@
 Starts a real daemon (subprocess, unix socket) on a directory of your choice and
 measures, for the same bytes:
 
-  CPU tier   put / get (lease + copy out)     vs  memcpy in this process
+  CPU tier   put / get (batched lease + copy out)  vs  memcpy in this process
   NVMe tier  put (fsync'ed) / get (cold)      vs  dd-style O_DIRECT write+fsync / read, same directory
   GPU tier   put / get into a GPU tensor      vs  device-to-device copy            (CUDA only)
   CPU tier   get into a GPU tensor            vs  pinned host-to-device copy       (CUDA only)
@@ -242,10 +242,11 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
         kv.delete(keys)
         put_s = _timed(lambda: [kv.put(k, data, tier="cpu") for k in keys])
 
-        def get_cpu() -> None:
-            for k in keys:
-                with kv.get(k) as v:
-                    np.copyto(out, v.array)
+        def get_cpu() -> None:  # one batched Get, copy every object out, one batched Release
+            views = kv.get_many(keys)
+            for v in views:
+                np.copyto(out, v.array)
+            kv.release_many(views)
 
         get_s = _timed(get_cpu, repeat=2)
         rows.append(Row("cpu tier", "put", _gbps(total, put_s), "memcpy", memcpy))
@@ -264,10 +265,11 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 torch.cuda.synchronize()
 
             def get_to_gpu() -> None:
-                for k in keys:
-                    with kv.get(k) as v:
-                        dst.copy_(v.tensor(), non_blocking=True)
-                        torch.cuda.synchronize()
+                views = kv.get_many(keys)
+                for v in views:
+                    dst.copy_(v.tensor(), non_blocking=True)
+                torch.cuda.synchronize()
+                kv.release_many(views)
 
             h2d_s = _timed(h2d, repeat=3)
             g2g_s = _timed(get_to_gpu, repeat=3)
@@ -287,9 +289,10 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 _drop_cache(p)
 
         def get_nvme() -> None:
-            for k in keys:
-                with kv.get(k, promote=False) as v:
-                    np.copyto(out, v.array)
+            views = kv.get_many(keys, promote=False)
+            for v in views:
+                np.copyto(out, v.array)
+            kv.release_many(views)
 
         get_s = _timed(get_nvme)
         note = direct[2] + ("" if all(paths) else "; some objects were not file regions")
@@ -299,7 +302,7 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
         for p in paths:
             if p:
                 _drop_cache(p)
-        get_s = _timed(lambda: [kv.get(k).release() for k in keys])  # promote: the daemon reads into its arena
+        get_s = _timed(lambda: kv.release_many(kv.get_many(keys)))  # promote: the daemon reads into its arena
         rows.append(Row("nvme tier", "get (cold, promote to cpu)", _gbps(total, get_s), "direct-I/O read", direct[1]))
         kv.delete(keys)
 
@@ -321,10 +324,11 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
             put_s = _timed(lambda: [kv.put_tensors(k, {"x": src}, tier="gpu") for k in keys])
 
             def get_gpu() -> None:
-                for k in keys:
-                    with kv.get(k) as v:
-                        dst[: v.size].copy_(v.tensor()[: dst.numel()])
+                views = kv.get_many(keys)
+                for v in views:
+                    dst.copy_(v.tensor()[: dst.numel()])
                 torch.cuda.synchronize()
+                kv.release_many(views)
 
             get_s = _timed(get_gpu, repeat=2)
             rows.append(Row("gpu tier", "put_tensors (from GPU)", _gbps(total, put_s), "D2D copy", _gbps(total, d2d_s),
