@@ -12,8 +12,8 @@ docs/results/engine-<machine>-<date>.json.
     python tools/bench_engine.py --quick               # tiny presets on the CPU, seconds
 
 A measurement whose projected time (linear extrapolation from the previous length)
-exceeds `--max-seconds-per-point`, or that would start after its preset's share of
-`--time-budget-s` is spent, is skipped and shown as "skip" with the reason in the JSON,
+exceeds `--max-seconds-per-point`, or that would start after its share of
+`--time-budget-s` is spent (shared evenly by the presets left, then by the paths), is skipped and shown as "skip" with the reason in the JSON,
 never guessed. Prefill is timed as one single-shot `ModelRunner.prefill` call of the
 whole prompt (median of `--repeats`; the fast path gets an untimed run at each length
 first, so Triton autotuning is not timed); decode as `--decode-steps` batched steps over
@@ -299,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     results: list[PresetResult] = []
     for i, cfg in enumerate(presets):
-        budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i))
+        preset_budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i))
         t0 = time.perf_counter()
         loaded = load_model(cfg.name, device=device, dtype=dtype)
         model = loaded.model
@@ -307,7 +307,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = PresetResult(cfg.name, cfg.family, list(cfg.layers), sum(p.numel() for p in model.parameters()),
                            time.perf_counter() - t0)
         vocab = cfg.vocab_size
-        for name in chosen:
+        for j, name in enumerate(chosen):
+            budget = Budget(preset_budget.left() / (len(chosen) - j))  # each path gets its share
             probe = ModelRunner(model, _manager(model, 16, 1), backend=paths[name])
             pr = PathResult(backend=probe.backend)
             del probe
