@@ -346,8 +346,8 @@ class LLMEngine:
         params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
     ) -> list[RequestOutput]:
         """Run the given prompts to completion (together, continuously batched) and
-        return their final outputs in input order. Other requests already in the engine
-        run too, but their outputs are not returned."""
+        return their final outputs in input order. If one prompt is refused, none runs.
+        Other requests already in the engine run too, but their outputs are not returned."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params] * len(prompts)
@@ -355,7 +355,15 @@ class LLMEngine:
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.add_request(p, sp))
+        except BaseException:  # all or nothing: withdraw the ones already queued
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while wanted - final.keys():

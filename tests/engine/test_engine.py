@@ -215,3 +215,10 @@ def test_a_failing_prefill_fails_only_its_request():
     assert finals["doomed"].finish_reason == "abort" and "segment store unreachable" in finals["doomed"].error
     assert finals["fine"].error is None and len(finals["fine"].token_ids) == 4
     assert engine.cache_usage() == 0.0
+
+
+def test_generate_refusing_one_prompt_runs_none():
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match="segments"):
+        engine.generate(["fine", [{"text": 3}]], GREEDY)
+    assert not engine.has_unfinished() and engine.cache_usage() == 0.0
