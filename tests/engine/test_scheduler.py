@@ -11,7 +11,7 @@ import random
 import pytest
 
 from engine.cache.manager import PAGED, STATE, CacheConfig, CacheManager, LayerCacheSpec
-from engine.errors import CapacityError, PlanError
+from engine.errors import CapacityError, InvalidRequestError, PlanError
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlan
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus
@@ -220,7 +220,7 @@ class _SplicePlanner:
 
 def test_planner_reuse_is_free_of_token_budget_and_freed_requests_are_reported():
     planner = _SplicePlanner(reuse=30)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, prefill_chunk_size=8), make_pool(), planner)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk_size=8), make_pool(), planner)
     req = make_request(0, 34, 2)
     sched.add_request(req)
     driver = Driver(sched)
@@ -262,3 +262,10 @@ def test_a_bad_plan_fails_only_its_request_and_leaves_no_cache_behind():
     assert out.refused == [bad] and bad.finish_reason is FinishReason.ABORT
     assert "plan for 1 tokens, request has 5" in bad.error
     assert out.admitted == [good] and pool.num_used_slots == 1
+
+
+def test_config_rejects_a_budget_below_the_batch_limit_naming_the_field():
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens.*below max_num_seqs=8"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(InvalidRequestError, match="prefill_chunk_size"):
+        SchedulerConfig(prefill_chunk_size=0)
