@@ -167,12 +167,19 @@ class LLMEngine:
             prompt = [{"text": prompt, "cache": False}]
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise InvalidRequestError("prompt", "must be a string or a non-empty list of segments")
-        ids: list[int] = []
+        # The prompt is [BOS] + each segment's tokens. A segment is tokenized alone and
+        # without BOS, so its token ids are the same wherever it appears (the PIC cache
+        # key is the segment's own tokens); the BOS at position 0 belongs to no segment.
+        bos = self.tokenizer.bos_id
+        ids: list[int] = [] if bos is None else [bos]
         segments: list[PromptSegment] = []
         for i, seg in enumerate(prompt):
             if isinstance(seg, PromptSegment):
                 text, cache = seg.text, seg.cache
             elif isinstance(seg, dict):
+                unknown = set(seg) - {"text", "cache"}
+                if unknown:
+                    raise InvalidRequestError(f"segments[{i}].{sorted(unknown)[0]}", "unknown segment field (allowed: text, cache)")
                 text, cache = seg.get("text"), seg.get("cache", False)
             else:
                 raise InvalidRequestError(f"segments[{i}]", f"must be a {{text, cache}} object, got {type(seg).__name__}")
@@ -180,12 +187,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"segments[{i}].text", f"must be a string, got {type(text).__name__}")
             if not isinstance(cache, bool):
                 raise InvalidRequestError(f"segments[{i}].cache", f"must be true or false, got {cache!r}")
-            # Each segment is tokenized alone, so its token ids do not depend on its
-            # neighbours (a PIC cache key is the segment's own tokens).
-            seg_ids = self.tokenizer.encode(text, add_bos=(i == 0))
+            seg_ids = self.tokenizer.encode(text, add_bos=False)
             segments.append(PromptSegment(text, cache, len(ids), len(ids) + len(seg_ids)))
             ids.extend(seg_ids)
-        if not ids:
+        if not any(s.num_tokens for s in segments):
             raise InvalidRequestError("segments", "the prompt has no tokens")
         return ids, segments
 

@@ -103,7 +103,8 @@ def test_segments_reach_the_planner_with_their_token_ranges_and_match_the_joined
     engine = make_engine(planner=planner)
     segs = [{"text": "System: be brief. ", "cache": True}, {"text": "Doc: ü", "cache": True}, {"text": " Q?", "cache": False}]
     (seg_out,) = engine.generate([segs], GREEDY)
-    assert planner.seen == [[("System: be brief. ", True, 0, 19), ("Doc: ü", True, 19, 26), (" Q?", False, 26, 29)]]
+    # BOS at position 0 belongs to no segment; each segment's range covers its own bytes
+    assert planner.seen == [[("System: be brief. ", True, 1, 19), ("Doc: ü", True, 19, 26), (" Q?", False, 26, 29)]]
     (plain_out,) = engine.generate(["System: be brief. Doc: ü Q?"], GREEDY)
     assert seg_out.token_ids == plain_out.token_ids  # byte tokens: segmenting changes nothing
 
