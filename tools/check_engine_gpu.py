@@ -6,8 +6,8 @@ For each preset (default: every "tiny" preset), with identical weights:
      decode, and a batched decode of three sequences of different lengths;
   2. GPU torch path vs the CPU torch path (fp32 only): single-shot prefill logits.
 Prints the max abs difference and the max abs logit of each comparison, and PASS/FAIL
-against a relative tolerance (fp32: 2e-3 of the logit scale, allowing TF32 in kernels;
-bf16: 6e-2). `--bench` adds each "bench" preset (bf16, random weights) at a 2048-token
+against a tolerance relative to the logit scale: fla vs torch 1e-2 in fp32 (fla's Triton
+kernels use TF32 dots) and 8e-2 in bf16; GPU torch vs CPU torch 1e-4 (TF32 disabled). `--bench` adds each "bench" preset (bf16, random weights) at a 2048-token
 prefill + 8 decode steps, fla vs torch.
 
 Run on the GPU box from the repository root (fla-core and einops installed):
@@ -30,7 +30,8 @@ from engine.models.weights import build_model
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sequence import Sequence
 
-TOL = {torch.float32: 2e-3, torch.bfloat16: 6e-2}
+TOL = {torch.float32: 1e-2, torch.bfloat16: 8e-2}
+TOL_GPU_VS_CPU = 1e-4
 
 
 def make_runner(model, backend: str, max_tokens: int) -> ModelRunner:
@@ -96,7 +97,8 @@ def check_preset(name: str, dtype: torch.dtype, n_tokens: int, decode_steps: int
         r = make_runner(cpu_model, "torch", n_tokens + 64)
         s = r.cache.allocate(Sequence("cpu"))
         cpu_logits = r.prefill(s, ids, all_logits=True)
-        results.append(compare(name, "float32 gpu-torch-vs-cpu-torch prefill", torch_out["prefill"], cpu_logits, tol))
+        results.append(compare(name, "float32 gpu-torch-vs-cpu-torch prefill", torch_out["prefill"], cpu_logits,
+                               TOL_GPU_VS_CPU))
     del model
     torch.cuda.empty_cache()
     return results
@@ -116,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         print("fla-core does not import (install the fla-core and einops wheels): cannot compare paths",
               file=sys.stderr)
         return 2
-    print(f"# torch {torch.__version__}, device {torch.cuda.get_device_name()}", file=sys.stderr)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the torch path in fp32 stays fp32
+    torch.backends.cudnn.allow_tf32 = False
+    import fla
+
+    print(f"# torch {torch.__version__}, fla-core {getattr(fla, '__version__', '?')}, "
+          f"device {torch.cuda.get_device_name()}", file=sys.stderr)
     names = args.presets or [c.name for c in list_presets("tiny")]
     jobs = [(n, torch.float32, args.tokens, 16, True) for n in names]
     jobs += [(n, torch.bfloat16, args.tokens, 16, False) for n in names]
