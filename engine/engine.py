@@ -33,7 +33,7 @@ import torch
 
 from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
-from engine.runtime.planner import ApplyStep, PrefillPlanner
+from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlanner
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
 from engine.runtime.sampling import FINISH_STOP, SamplingParams, check_stop, make_generator, sample
 from engine.runtime.scheduler import CachePool, Scheduler, SchedulerConfig
@@ -104,10 +104,20 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._ids = itertools.count()
         self.eos_token_id: Optional[int] = tokenizer.eos_id
+        # Synchronize the device after each prefill-plan step so `prefill_split` times are
+        # exact on CUDA (costs a little overlap; off by default).
+        self.sync_timings = False
 
     @property
     def planner(self) -> PrefillPlanner:
         return self.scheduler.planner
+
+    def set_planner(self, planner: PrefillPlanner) -> None:
+        """Replace the prefill planner (e.g. a PIC planner built on this engine's runner and
+        model fingerprint). Only while no request is in the engine."""
+        if self.has_unfinished():
+            raise InvalidRequestError("planner", "cannot be replaced while requests are in the engine")
+        self.scheduler.planner = planner
 
     @property
     def device(self) -> torch.device:
@@ -269,23 +279,28 @@ class LLMEngine:
         progress = req.progress
         tokens = req.prefill_token_ids()
         logits = None
+        split = req.timeline.prefill_split
         while not progress.done:
             step = progress.current
+            if isinstance(step, ComputeStep) and grant <= 0:
+                break
+            t0 = time.perf_counter()
             if isinstance(step, ApplyStep):
                 step.apply(self.runner, req)
                 held = req.seq.num_computed_tokens
                 if held != step.end:
                     raise PlanError(f"apply step {step.label!r} left the caches at {held} tokens, not {step.end}")
                 progress.skip_apply()
-                continue
-            if grant <= 0:
-                break
-            start = step.start + progress.offset
-            n = min(grant, step.end - start)
-            logits = self.runner.prefill(req.seq, tokens[start : start + n], start_pos=start)
-            progress.advance(n)
-            grant -= n
-            self.stats.num_prompt_tokens_computed += n
+            else:
+                start = step.start + progress.offset
+                n = min(grant, step.end - start)
+                logits = self.runner.prefill(req.seq, tokens[start : start + n], start_pos=start)
+                progress.advance(n)
+                grant -= n
+                self.stats.num_prompt_tokens_computed += n
+            if self.sync_timings and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            split[step.label] = split.get(step.label, 0.0) + time.perf_counter() - t0
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:

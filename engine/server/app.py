@@ -55,6 +55,7 @@ def _timings(out: RequestOutput) -> dict[str, Any]:
         "e2e_ms": ms(tl.e2e),
         "decode_tokens_per_s": tl.decode_tokens_per_s,
         "reused_prompt_tokens": out.num_reused_tokens,
+        "prefill_split_ms": {k: ms(v) for k, v in tl.prefill_split.items()},
     }
 
 

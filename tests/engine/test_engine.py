@@ -132,7 +132,8 @@ class ReplayPlanner(FullRecomputePlanner):
 
 def test_planner_apply_steps_fill_caches_and_count_as_reused():
     planner = ReplayPlanner(k=20)
-    engine = make_engine(planner=planner, prefill_chunk_size=4)
+    engine = make_engine(prefill_chunk_size=4)
+    engine.set_planner(planner)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     (out,) = engine.generate([PROMPTS[2]], params)
     (ref,) = make_engine().generate([PROMPTS[2]], params)
@@ -140,6 +141,11 @@ def test_planner_apply_steps_fill_caches_and_count_as_reused():
     assert planner.applied == 1 and planner.done == [out.request_id]
     assert out.num_reused_tokens == 20 and engine.stats.num_prompt_tokens_reused == 20
     assert engine.stats.num_prompt_tokens_computed == out.num_prompt_tokens - 20
+    assert set(out.timeline.prefill_split) == {"replay", "compute"}  # the time split follows step labels
+    assert all(t > 0 for t in out.timeline.prefill_split.values())
+    engine.add_request("busy", GREEDY)
+    with pytest.raises(InvalidRequestError, match="planner"):
+        engine.set_planner(FullRecomputePlanner())
 
 
 def test_abort_finishes_the_request_and_frees_its_cache():
