@@ -269,3 +269,13 @@ def test_config_rejects_a_budget_below_the_batch_limit_naming_the_field():
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(InvalidRequestError, match="prefill_chunk_size"):
         SchedulerConfig(prefill_chunk_size=0)
+
+
+def test_admission_keeps_a_watermark_of_blocks_unless_the_pool_is_idle():
+    pool = make_pool(num_blocks=100, num_slots=4)  # 1% watermark: 1 block
+    assert pool.watermark_blocks == 1
+    assert pool.can_allocate(400)  # idle: the whole pool may go to one request
+    seq = pool.allocate("a", 4)  # 1 block
+    assert not pool.can_allocate(396)  # 99 blocks free, 99 needed: would leave no headroom
+    assert pool.can_allocate(392)
+    pool.free(seq)
