@@ -88,11 +88,14 @@ class LLMEngine:
         planner: Optional[PrefillPlanner] = None,
         model_name: str = "model",
         loaded_model: Any = None,
+        max_model_len: Optional[int] = None,
     ) -> None:
         self.runner = runner
         # engine.models.weights.LoadedModel when built from a preset or directory:
         # its `fingerprint` keys cached segments, its `source` says where weights came from.
         self.loaded_model = loaded_model
+        # longest prompt + output of one request (the model's context); None: unchecked
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.pool = pool
         self.scheduler = Scheduler(scheduler_config, pool, planner)
@@ -151,6 +154,18 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside the vocabulary [0, {vocab})")
+        if self.max_model_len is not None:
+            if len(token_ids) >= self.max_model_len:
+                field = "prompt_token_ids" if prompt_token_ids is not None else "prompt"
+                raise InvalidRequestError(
+                    field, f"{len(token_ids)} tokens leave no room in the model's context of {self.max_model_len}"
+                )
+            if len(token_ids) + params.max_new_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    "max_new_tokens",
+                    f"{params.max_new_tokens} new tokens after a {len(token_ids)}-token prompt exceed the "
+                    f"model's context of {self.max_model_len}",
+                )
         timeline = RequestTimeline(arrival_time if arrival_time is not None else time.perf_counter())
         req = Request(request_id, token_ids, segments, params, timeline=timeline)
         self.scheduler.add_request(req)  # may raise CapacityError

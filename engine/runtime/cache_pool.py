@@ -22,18 +22,16 @@ from engine.runtime.sequence import Sequence
 class ManagedCachePool:
     """Adapts a `CacheManager` to the scheduler's `CachePool` protocol."""
 
-    def __init__(self, manager: CacheManager, max_model_len: Optional[int] = None, watermark: float = 0.01) -> None:
+    def __init__(self, manager: CacheManager, watermark: float = 0.01) -> None:
         self.manager = manager
-        self.max_model_len = max_model_len
         self.watermark_blocks = math.ceil(watermark * manager.blocks.num_blocks) if manager.has_paged else 0
 
     def max_tokens_per_sequence(self) -> Optional[int]:
-        limits = []
-        if self.manager.has_paged:
-            limits.append(self.manager.blocks.num_blocks * self.manager.block_size)
-        if self.max_model_len is not None:
-            limits.append(self.max_model_len)
-        return min(limits) if limits else None
+        """Positions one sequence could hold with the whole block pool (None: the model
+        has no full-attention layer, so only the context length bounds a sequence)."""
+        if not self.manager.has_paged:
+            return None
+        return self.manager.blocks.num_blocks * self.manager.block_size
 
     def can_allocate(self, num_tokens: int) -> bool:
         if not self.manager.can_allocate(num_tokens):

@@ -184,6 +184,10 @@ def test_bad_requests_are_refused_with_the_field_named():
         engine.add_request(prompt_token_ids=[1, 99999])
     with pytest.raises(CapacityError, match="at most 128"):  # (64 tokens + 4 spare slots) rounded to blocks
         engine.add_request("x" * 100, SamplingParams(max_new_tokens=100))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens: 250 new tokens after a 11-token prompt exceed"):
+        engine.add_request("x" * 10, SamplingParams(max_new_tokens=250))
+    with pytest.raises(InvalidRequestError, match="prompt: 301 tokens leave no room"):
+        engine.add_request("x" * 300)
     rid = engine.add_request("ok", GREEDY, request_id="mine")
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("ok", GREEDY, request_id=rid)

@@ -148,6 +148,7 @@ def test_segments_field_is_an_alternative_to_prompt(server, reference):
         ({"segments": [{"text": "a"}, {"cache": True}]}, "segments[1].text"),
         ({"prompt": "x", "segments": [{"text": "y"}]}, "prompt"),
         ({"prompt": [1, 2, 70000]}, "prompt"),
+        ({"prompt": "x", "max_tokens": 9000}, "max_tokens"),
     ],
 )
 def test_bad_request_gets_400_naming_the_field(server, body, field):
