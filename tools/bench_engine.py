@@ -13,7 +13,8 @@ docs/results/engine-<machine>-<date>.json.
 
 A measurement whose projected time (linear extrapolation from the previous length)
 exceeds `--max-seconds-per-point`, or that would start after its share of
-`--time-budget-s` is spent (shared evenly by the presets left, then by the paths), is skipped and shown as "skip" with the reason in the JSON,
+`--time-budget-s` is spent (shared evenly by the presets left, then by the paths; warm-up
+compile time credited back up to WARMUP_CREDIT_S; nothing starts after 1.5x the budget), is skipped and shown as "skip" with the reason in the JSON,
 never guessed. Prefill is timed as one single-shot `ModelRunner.prefill` call of the
 whole prompt (median of `--repeats`; the fast path gets an untimed run at each length
 first, so Triton autotuning is not timed); decode as `--decode-steps` batched steps over
