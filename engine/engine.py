@@ -34,7 +34,7 @@ import torch
 from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
 from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlanner
-from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
+from engine.runtime.request import FinishReason, PromptSegment, Request, RequestTimeline
 from engine.runtime.sampling import FINISH_STOP, SamplingParams, check_stop, make_generator, sample
 from engine.runtime.scheduler import CachePool, Scheduler, SchedulerConfig
 
