@@ -39,6 +39,19 @@ KvTokensOpt = typer.Option(None, "--kv-cache-tokens", help="Full-attention posit
 MaxLenOpt = typer.Option(None, "--max-model-len", help="Longest prompt + output (default: the model's limit).")
 
 
+# EngineConfig / LoadSpec field -> the option that sets it (for error messages)
+OPTION_OF = {
+    "max_num_seqs": "--max-batch",
+    "max_num_batched_tokens": "--max-batched-tokens",
+    "prefill_chunk_size": "--chunk-size",
+    "max_tokens": "--max-new-tokens",
+}
+
+
+def _option(field: str) -> str:
+    return OPTION_OF.get(field, "--" + field.replace("_", "-"))
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -60,7 +73,7 @@ def _build(preset: str, cfg):
     try:
         return build_engine(preset, cfg)
     except InvalidRequestError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+        _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
         _fail(str(exc))
 
@@ -129,7 +142,7 @@ def generate(
     try:
         (out,) = engine.generate([prompt], params)
     except InvalidRequestError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+        _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
         _fail(str(exc))
     tl = out.timeline
@@ -203,7 +216,7 @@ def bench(
     try:
         spec.validate()
     except InvalidRequestError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+        _fail(f"{_option(exc.field)}: {exc.message}")
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, None))
     try:

@@ -12,8 +12,9 @@ docs/results/engine-<machine>-<date>.json.
     python tools/bench_engine.py --quick               # tiny presets on the CPU, seconds
 
 A measurement whose projected time (linear extrapolation from the previous length)
-exceeds `--max-seconds-per-point`, or that would start after its preset's share of
-`--time-budget-s` is spent, is skipped and shown as "skip" with the reason in the JSON,
+exceeds `--max-seconds-per-point`, or that would start after its share of
+`--time-budget-s` is spent (shared evenly by the presets left, then by the paths; warm-up
+compile time credited back up to WARMUP_CREDIT_S; nothing starts after 1.5x the budget), is skipped and shown as "skip" with the reason in the JSON,
 never guessed. Prefill is timed as one single-shot `ModelRunner.prefill` call of the
 whole prompt (median of `--repeats`; the fast path gets an untimed run at each length
 first, so Triton autotuning is not timed); decode as `--decode-steps` batched steps over
@@ -99,14 +100,29 @@ def _free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-class Budget:
-    """Wall-clock deadline of one preset's measurements."""
+WARMUP_CREDIT_S = 90.0  # first-call compile/autotune time forgiven per path, at most
 
-    def __init__(self, seconds: float) -> None:
+
+class Budget:
+    """Wall-clock share of one path's measurements. Untimed warm-ups (Triton compiling
+    and autotuning fla's kernels on first use) are credited back up to WARMUP_CREDIT_S,
+    never past `hard_deadline` (the whole run's limit)."""
+
+    def __init__(self, seconds: float, hard_deadline: float = math.inf, parent: Optional["Budget"] = None) -> None:
         self.deadline = time.perf_counter() + seconds
+        self.hard_deadline = hard_deadline
+        self.parent = parent  # a preset's budget: credit given to one path is not taken from the next
+        self._credit = WARMUP_CREDIT_S
 
     def left(self) -> float:
-        return self.deadline - time.perf_counter()
+        return min(self.deadline, self.hard_deadline) - time.perf_counter()
+
+    def credit(self, seconds: float) -> None:
+        granted = min(seconds, self._credit)
+        self._credit -= granted
+        self.deadline += granted
+        if self.parent is not None:
+            self.parent.deadline += granted
 
 
 def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: float, out: PathResult,
@@ -116,7 +132,7 @@ def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: 
     mgr = _manager(model, 512, 1)
     runner = ModelRunner(model, mgr, backend=backend)
     seq = mgr.allocate(Sequence("warmup"))
-    runner.prefill(seq, torch.randint(0, vocab, (256,), generator=gen), 0)
+    budget.credit(_timed(lambda: runner.prefill(seq, torch.randint(0, vocab, (256,), generator=gen), 0), device))
     mgr.free(seq)
     del runner, mgr
     last: Optional[tuple[int, float]] = None
@@ -138,8 +154,9 @@ def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: 
         try:
             if backend != "torch":  # untimed run: Triton kernels autotune per shape
                 seq = mgr.allocate(Sequence(f"w{length}"))
-                runner.prefill(seq, ids, 0)
+                warm = _timed(lambda: runner.prefill(seq, ids, 0), device)
                 mgr.free(seq)
+                budget.credit(warm)
             for r in range(repeats):
                 seq = mgr.allocate(Sequence(f"p{length}-{r}"))
                 times.append(_timed(lambda: runner.prefill(seq, ids, 0), device))
@@ -175,14 +192,14 @@ def bench_decode(model, backend: str, batches: list[int], context: int, steps: i
                 t_fill += _timed(lambda: filler.prefill(s, torch.randint(0, vocab, (context,), generator=gen), 0), device)
                 if t_fill > max_s:
                     raise TimeoutError(f"filling {batch} contexts took over {max_s:.0f}s")
-            last = torch.randint(0, vocab, (batch,), generator=gen).tolist()
-            runner.decode(seqs, last)  # warm-up step
+            last = torch.randint(0, vocab, (batch,), generator=gen).to(device)
+            budget.credit(_timed(lambda: runner.decode(seqs, last), device))  # warm-up step
             n = 0
             _sync(device)
             t0 = time.perf_counter()
             while n < steps:
-                logits = runner.decode(seqs, last)
-                last = logits.argmax(-1).tolist()  # the sampled tokens feed the next step, as in serving
+                # greedy tokens feed the next step and stay on the device (no per-step host sync)
+                last = runner.decode(seqs, last).argmax(-1)
                 n += 1
                 if time.perf_counter() - t0 > min(max_s, max(budget.left(), 1.0)):
                     break
@@ -297,9 +314,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--paths: {p!r} is not engine or torch")
 
     started = time.perf_counter()
+    hard_deadline = started + 1.5 * total_budget  # nothing new starts after this, warm-up credit or not
     results: list[PresetResult] = []
     for i, cfg in enumerate(presets):
-        budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i))
+        preset_budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i), hard_deadline)
         t0 = time.perf_counter()
         loaded = load_model(cfg.name, device=device, dtype=dtype)
         model = loaded.model
@@ -307,7 +325,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = PresetResult(cfg.name, cfg.family, list(cfg.layers), sum(p.numel() for p in model.parameters()),
                            time.perf_counter() - t0)
         vocab = cfg.vocab_size
-        for name in chosen:
+        for j, name in enumerate(chosen):
+            budget = Budget(preset_budget.left() / (len(chosen) - j), hard_deadline, preset_budget)  # its share
             probe = ModelRunner(model, _manager(model, 16, 1), backend=paths[name])
             pr = PathResult(backend=probe.backend)
             del probe

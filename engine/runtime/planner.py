@@ -30,6 +30,10 @@ The order of calls, per request:
 4. `on_request_freed(request)` when the request's caches are released (finish, abort
    or preemption), so the planner can drop what it holds for it.
 
+The engine adds the wall time of every step to `request.timeline.prefill_split[label]`
+(see `LLMEngine.sync_timings` for exact figures on CUDA), so a planner's labels become
+the request's time split (load/compose, seam, suffix).
+
 `FullRecomputePlanner` is the default: one compute step over every token.
 """
 from __future__ import annotations
@@ -45,10 +49,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ComputeStep:
-    """Run prompt positions `[start, end)` through the model."""
+    """Run prompt positions `[start, end)` through the model. `label` names the step in
+    the request's time split (e.g. "seam", "suffix")."""
 
     start: int
     end: int
+    label: str = "compute"
 
     @property
     def num_tokens(self) -> int:
