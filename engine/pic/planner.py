@@ -80,15 +80,14 @@ class _ReportingPlanner:
         self.reports = ReportBook()
 
     def _new_builder(self, request: Request) -> PlanBuilder:
-        report = PrefillReport(request.request_id, self.name, len(request.prefill_token_ids()))
-        return PlanBuilder(report, self.device, self.config.sync_timing)
+        return PlanBuilder(PrefillReport(request.request_id, self.name, len(request.prefill_token_ids())))
 
     def take_report(self, request_id: str) -> Optional[PrefillReport]:
         """The report of a request whose prefill completed (each report is returned once)."""
         return self.reports.take(request_id)
 
     def _finish(self, request: Request, builder: PlanBuilder) -> None:
-        builder.finish()
+        builder.finish(request.timeline.prefill_split)
         self.reports.add(builder.report)
 
     def on_prefill_done(self, request: Request) -> None:
@@ -113,7 +112,6 @@ class FullPlanner(_ReportingPlanner):
 
     def plan(self, request: Request) -> PrefillPlan:
         b = self._new_builder(request)
-        b.apply(0, lambda runner, req: None, "lookup", "start")
         b.compute(len(request.prefill_token_ids()), "suffix")
         request.planner_state[_STATE_KEY] = _RequestState(b, [], [])
         return b.build()
@@ -144,30 +142,44 @@ class PicPlanner(_ReportingPlanner):
         return segment_key(self.fingerprint, content, variant)
 
     def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
-        """("compute", start, end, kind) and ("splice", SpliceUnit) items in prompt order."""
+        """("compute", end, kind) and ("splice", SpliceUnit) items in prompt order.
+
+        Positions no segment covers (the BOS the engine puts before the first segment)
+        are computed, except the anchor in front of a first placement, which the splice
+        covers."""
         a = len(self.anchor_ids)
+        anchored = ids[:a] == self.anchor_ids
         segments = [s for s in segments if s.num_tokens > 0]
         items: list[tuple] = []
+        pos = 0  # end of the items so far
+
+        def compute(end: int, kind: str) -> None:
+            nonlocal pos
+            if end > pos:
+                items.append(("compute", end, kind))
+                pos = end
+
         for i, s in enumerate(segments):
-            if not s.cache or i == len(segments) - 1:
-                items.append(("compute", s.token_start, s.token_end, "suffix"))
-                continue
-            first = self.config.keep_end_state and s.token_start == 0 and ids[:a] == self.anchor_ids
-            offset = a if (s.token_start == 0 and ids[:a] == self.anchor_ids) else s.token_start
+            # a segment that starts the prompt and holds the anchor itself: content after it
+            offset = a if (s.token_start == 0 and anchored) else s.token_start
             n = s.token_end - offset
-            if n <= 0:
-                items.append(("compute", s.token_start, s.token_end, "suffix"))
+            if not s.cache or i == len(segments) - 1 or n <= 0:
+                compute(s.token_end, "suffix")
                 continue
             split = min(n, self.seam)
-            unit = SpliceUnit(offset, s.token_end, split, first, self.key(ids[offset:s.token_end], split))
-            if first:
-                items.append(("splice", unit))
-            elif split >= n:
-                items.append(("compute", s.token_start, s.token_end, "seam"))
-            else:
-                if split:
-                    items.append(("compute", s.token_start, offset + split, "seam"))
-                items.append(("splice", unit))
+            key = self.key(ids[offset:s.token_end], split)
+            if self.config.keep_end_state and anchored and offset == a and i == 0:
+                items.append(("splice", SpliceUnit(offset, s.token_end, split, True, key)))
+                pos = s.token_end
+                continue
+            compute(offset, "suffix")  # positions before the content (BOS, uncovered gaps)
+            if split >= n:
+                compute(s.token_end, "seam")
+                continue
+            compute(offset + split, "seam")
+            items.append(("splice", SpliceUnit(offset, s.token_end, split, False, key)))
+            pos = s.token_end
+        compute(len(ids), "suffix")
         return items
 
     def plan(self, request: Request) -> PrefillPlan:
@@ -176,15 +188,15 @@ class PicPlanner(_ReportingPlanner):
         b = self._new_builder(request)
         units = [it[1] for it in items if it[0] == "splice"]
         state = _RequestState(b, units, ids)
-        b.apply(0, self._lookup, "lookup", "look up segment signatures")
-        b.apply(0, self._compute_misses, "miss", "compute missing segments alone")
+        b.apply(0, self._lookup, "lookup")
+        b.apply(0, self._compute_misses, "miss")
         run: list[SpliceUnit] = []
         for it in items:
             if it[0] == "splice":
                 run.append(it[1])
                 continue
             self._flush(b, run)
-            b.compute(it[2], it[3])
+            b.compute(it[1], it[2])
         self._flush(b, run)
         request.planner_state[_STATE_KEY] = state
         return b.build()
@@ -195,8 +207,7 @@ class PicPlanner(_ReportingPlanner):
             return
         units = tuple(run)
         run.clear()
-        label = f"splice {len(units)} segment(s) at {units[0].offset}"
-        b.apply(units[-1].end, lambda runner, req, _u=units: self._splice(runner, req, _u), "load", label)
+        b.apply(units[-1].end, lambda runner, req, _u=units: self._splice(runner, req, _u), "load")
 
     # --------------------------------------------------------------- apply steps
     def _lookup(self, runner, request: Request) -> None:
