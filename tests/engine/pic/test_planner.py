@@ -177,3 +177,24 @@ def test_signatures_without_end_states_place_the_first_segment_like_a_later_one(
     _, truth = naive_recurrence(family, inp)
     state = runner.cache.layer(0).state[got.seq.slot]
     assert ((state - truth[0]).norm() / truth[0].norm()).item() < 1e-5
+
+
+def test_edge_layouts_plan_validly_and_match_full_recompute(model_of, runner_of, planner_of):
+    # a cached segment that ends the prompt is computed (its last token's logits are the
+    # first output); empty segments are skipped; an all-uncached prompt is computed whole
+    model = model_of([GDN, FULL])
+    a, b = rand_ids(10, 1), rand_ids(12, 2)
+    planner = planner_of(model, seam=3)
+    runner = runner_of(model, num_slots=8)
+    for segments in ([(a, True), (b, True)], [(a, True), ([], True), (b, False)], [(a, False), (b, False)],
+                     [([], False), (a, True), (rand_ids(2, 3), False)]):
+        for _ in ("cold", "warm"):
+            req = make_request(segments)
+            got = execute(planner, runner, req)
+            full = plain_prefill(runner, req.prompt_token_ids, [req.num_prompt_tokens])
+            torch.testing.assert_close(got.logits[-1], full.logits[-1], rtol=1e-4, atol=1e-4)
+            runner.cache.free(got.seq)
+            runner.cache.free(full.seq)
+        report = planner.take_report(req.request_id)  # the warm run
+        assert report.miss_tokens == 0
+        assert report.reused_tokens + report.recomputed_tokens == req.num_prompt_tokens
