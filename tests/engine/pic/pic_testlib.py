@@ -10,11 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import AttentionConfig, LinearConfig, ModelConfig
-from engine.models.weights import build_model
-from engine.pic.config import PicConfig
-from engine.pic.planner import make_planner
 from engine.runtime.planner import ApplyStep
 from engine.runtime.request import PromptSegment, Request
 from engine.runtime.runner import ModelRunner
