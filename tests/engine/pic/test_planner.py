@@ -198,3 +198,15 @@ def test_edge_layouts_plan_validly_and_match_full_recompute(model_of, runner_of,
         report = planner.take_report(req.request_id)  # the warm run
         assert report.miss_tokens == 0
         assert report.reused_tokens + report.recomputed_tokens == req.num_prompt_tokens
+
+
+def test_bf16_stored_states_stay_close_to_float32_ones(model_of, runner_of, planner_of):
+    model = model_of([GDN, GLA, FULL])
+    docs, q = [rand_ids(n, 40 + n) for n in (16, 18)], rand_ids(4, 5)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        planner = planner_of(model, seam=4, state_dtype=dtype)
+        out[dtype] = execute(planner, runner_of(model), make_request([(d, True) for d in docs] + [(q, False)])).logits
+        sig = next(iter(planner.cache._entries.values()))[0]
+        assert sig.layers[0].state.dtype == getattr(torch, dtype)
+    torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=1e-3)
