@@ -41,7 +41,8 @@ from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import PromptSegment, Request
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_STATE_KEY = "pic"
+#: key of a planner's per-request state in `Request.planner_state`
+STATE_KEY = "pic"
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class _RequestState:
     held: list[bytes] = field(default_factory=list)
 
 
-class _ReportingPlanner:
+class ReportingPlanner:
     """Shared by every planner here: per-request reports, kept for `take_report`."""
 
     name = "base"
@@ -91,13 +92,13 @@ class _ReportingPlanner:
         self.reports.add(builder.report)
 
     def on_prefill_done(self, request: Request) -> None:
-        state = request.planner_state.get(_STATE_KEY)
+        state = request.planner_state.get(STATE_KEY)
         if state is not None:
             self._finish(request, state.builder)
             self._release(state)
 
     def on_request_freed(self, request: Request) -> None:
-        state = request.planner_state.pop(_STATE_KEY, None)
+        state = request.planner_state.pop(STATE_KEY, None)
         if state is not None:
             self._release(state)
 
@@ -105,7 +106,7 @@ class _ReportingPlanner:
         return None
 
 
-class FullPlanner(_ReportingPlanner):
+class FullPlanner(ReportingPlanner):
     """`full`: compute every prompt token."""
 
     name = "full"
@@ -113,11 +114,11 @@ class FullPlanner(_ReportingPlanner):
     def plan(self, request: Request) -> PrefillPlan:
         b = self._new_builder(request)
         b.compute(len(request.prefill_token_ids()), "suffix")
-        request.planner_state[_STATE_KEY] = _RequestState(b, [], [])
+        request.planner_state[STATE_KEY] = _RequestState(b, [], [])
         return b.build()
 
 
-class PicPlanner(_ReportingPlanner):
+class PicPlanner(ReportingPlanner):
     """`pic` and `naive` (module docstring)."""
 
     def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str,
@@ -198,7 +199,7 @@ class PicPlanner(_ReportingPlanner):
             self._flush(b, run)
             b.compute(it[1], it[2])
         self._flush(b, run)
-        request.planner_state[_STATE_KEY] = state
+        request.planner_state[STATE_KEY] = state
         return b.build()
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
@@ -211,7 +212,7 @@ class PicPlanner(_ReportingPlanner):
 
     # --------------------------------------------------------------- apply steps
     def _lookup(self, runner, request: Request) -> None:
-        state: _RequestState = request.planner_state[_STATE_KEY]
+        state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
         seen: set[bytes] = set()
         a = len(self.anchor_ids)
@@ -228,7 +229,7 @@ class PicPlanner(_ReportingPlanner):
                 report.add_hit(u.num_tokens + a if u.first else u.num_tokens - u.split)
 
     def _compute_misses(self, runner, request: Request) -> None:
-        state: _RequestState = request.planner_state[_STATE_KEY]
+        state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
         for u in state.missing:
             sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
@@ -240,7 +241,7 @@ class PicPlanner(_ReportingPlanner):
             report.add_miss(len(self.anchor_ids) + u.num_tokens)
 
     def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
-        state: _RequestState = request.planner_state[_STATE_KEY]
+        state: _RequestState = request.planner_state[STATE_KEY]
         pieces = [SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode) for u in units]
         splice(runner.cache, runner.model, request.seq, pieces, kernel=self.config.kernel)
 

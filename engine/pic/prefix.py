@@ -29,7 +29,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.pic.config import PicConfig
 from engine.pic.errors import SplicePlacementError
-from engine.pic.planner import _STATE_KEY, _ReportingPlanner
+from engine.pic.planner import STATE_KEY, ReportingPlanner
 from engine.pic.report import PlanBuilder
 from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import Request
@@ -190,7 +190,7 @@ class _PrefixState:
     tip: Optional[PrefixNode] = None  # deepest node of this request's prefix so far
 
 
-class PrefixPlanner(_ReportingPlanner):
+class PrefixPlanner(ReportingPlanner):
     """`prefix` (module docstring)."""
 
     name = "prefix"
@@ -217,7 +217,7 @@ class PrefixPlanner(_ReportingPlanner):
         state = _PrefixState(b, list(path), path[-1] if path else self.tree.root)
         for node in path:
             node.pins += 1
-        request.planner_state[_STATE_KEY] = state
+        request.planner_state[STATE_KEY] = state
         if path:
             checkpoints = [n.checkpoint for n in path]
             b.apply(checkpoints[-1].end, lambda runner, req, _c=checkpoints: restore_checkpoints(
@@ -232,7 +232,7 @@ class PrefixPlanner(_ReportingPlanner):
         return b.build()
 
     def _checkpoint(self, runner, request: Request, start: int, end: int) -> None:
-        state: _PrefixState = request.planner_state[_STATE_KEY]
+        state: _PrefixState = request.planner_state[STATE_KEY]
         if state.tip is None:  # an earlier checkpoint of this request did not fit
             return
         cp = capture_checkpoint(runner.cache, request.seq, start, end)
