@@ -1,0 +1,219 @@
+"""The parts of the kvstore client that do not depend on sync vs asyncio: resolving where
+the daemon listens, request building, response decoding, lease bookkeeping, and the
+records the client API returns.
+
+Owns: `ClientCore`, which `KVStoreClient` (sync) and `AsyncKVStoreClient` (asyncio)
+both build on, so the two offer the same API with the same semantics.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket as _socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from kvstore.client.regions import RegionMapper
+from kvstore.client.status import not_running
+from kvstore.client.views import ObjectView
+from kvstore.errors import InvalidRequest, VersionMismatch
+from kvstore.records import Lease, LookupEntry, ObjectInfo, ObjectMeta
+from kvstore.rpc import codec
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.service import PROTOCOL_METADATA_KEY, PROTOCOL_VERSION
+
+KeyLike = Union[bytes, bytearray, memoryview, str]
+DEFAULT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
+DEFAULT_MAX_MESSAGE = 64 << 20
+METADATA = ((PROTOCOL_METADATA_KEY, str(PROTOCOL_VERSION)),)
+PUT_ATTEMPTS = 8
+
+
+def as_key(key: KeyLike) -> bytes:
+    """bytes of a key given as bytes-like or str (UTF-8)."""
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return bytes(key)
+    raise InvalidRequest(f"a key must be bytes or str, got {type(key).__name__}")
+
+
+def resolve_target(socket: Optional[Union[str, Path]] = None, tcp: Optional[str] = None) -> str:
+    """The gRPC target: "unix:/abs/path" or "host:port". With neither given, the socket
+    the daemon would use by default (KVSTORE_SOCKET, the config file, the per-user path)."""
+    if tcp:
+        from kvstore.config import parse_hostport
+
+        host, port = parse_hostport(tcp, "tcp")
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if socket is None:
+        from kvstore.config import load_config
+
+        socket = load_config().socket
+    return f"unix:{Path(socket).expanduser().absolute()}"
+
+
+def check_reachable(target: str) -> None:
+    """Fail fast with DaemonNotRunning when a unix socket does not exist at all."""
+    if target.startswith("unix:"):
+        path = target[5:]
+        if not os.path.exists(path):
+            raise not_running(target, "the socket does not exist")
+
+
+@dataclass(frozen=True)
+class DaemonInfo:
+    protocol_version: int
+    daemon_version: str
+    pid: int
+    lease_ttl_s: float
+    max_message_bytes: int
+    max_batch: int
+    max_key_bytes: int
+    tiers: tuple[str, ...]
+    default_tier: str
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What a put did: "stored" (this call wrote it) or "exists" (already there, or
+    written concurrently by another client)."""
+
+    key: bytes
+    tier: str
+    size: int
+    status: str
+    checksum: int = 0
+
+
+@dataclass(frozen=True)
+class ShowResult:
+    info: ObjectInfo
+    is_blob: bool
+    header: Optional[dict[str, Any]]
+    parts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ClientCore:
+    """State and pure logic shared by the sync and asyncio clients."""
+
+    def __init__(self, socket: Optional[Union[str, Path]], tcp: Optional[str], client_id: Optional[str],
+                 timeout: float, max_message_size: int) -> None:
+        self.target = resolve_target(socket, tcp)
+        self.client_id = client_id or f"{_socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.timeout = timeout
+        self.max_message_size = max_message_size
+        self.regions = RegionMapper()
+        self.info: Optional[DaemonInfo] = None
+        self._held: set[int] = set()
+        self._held_lock = threading.Lock()
+        self._pending: collections.deque[int] = collections.deque()
+
+    # ------------------------------------------------------------------ leases
+
+    def _track(self, lease_id: int) -> None:
+        with self._held_lock:
+            self._held.add(lease_id)
+
+    def _untrack(self, lease_ids: Iterable[int]) -> None:
+        with self._held_lock:
+            self._held.difference_update(lease_ids)
+
+    def queue_release(self, lease_id: int) -> None:
+        """Called by a view's finalizer (any thread, possibly inside GC): defer the RPC."""
+        self._pending.append(lease_id)
+
+    def take_pending(self) -> list[int]:
+        out = []
+        while True:
+            try:
+                out.append(self._pending.popleft())
+            except IndexError:
+                return out
+
+    @property
+    def holds_leases(self) -> bool:
+        return bool(self._held)
+
+    @property
+    def keepalive_interval(self) -> float:
+        ttl = self.info.lease_ttl_s if self.info else 30.0
+        return max(0.05, min(ttl / 3.0, 10.0))
+
+    # ------------------------------------------------------------------ requests
+
+    @staticmethod
+    def meta_pb(fingerprint: str, token_count: int, cost: float, extra: Optional[dict[str, Any]]) -> pb.ObjectMeta:
+        return pb.ObjectMeta(fingerprint=fingerprint, token_count=int(token_count), cost=float(cost),
+                             extra_json=json.dumps(extra, sort_keys=True) if extra else "")
+
+    def reserve_request(self, key: bytes, size: int, tier: Optional[str], meta: pb.ObjectMeta) -> pb.ReserveRequest:
+        return pb.ReserveRequest(key=key, size=size, tier=tier or "", meta=meta, client_id=self.client_id)
+
+    def get_request(self, keys: Sequence[bytes], promote: bool) -> pb.GetRequest:
+        return pb.GetRequest(keys=list(keys), client_id=self.client_id, no_promote=not promote)
+
+    # ------------------------------------------------------------------ responses
+
+    def set_info(self, m: pb.InfoResponse) -> DaemonInfo:
+        if m.protocol_version != PROTOCOL_VERSION:
+            raise VersionMismatch(f"the daemon at {self.target} speaks kvstore protocol {m.protocol_version}, "
+                                  f"this client speaks {PROTOCOL_VERSION}; upgrade the older side")
+        self.info = DaemonInfo(
+            protocol_version=m.protocol_version, daemon_version=m.daemon_version, pid=m.pid,
+            lease_ttl_s=m.lease_ttl_s, max_message_bytes=m.max_message_bytes, max_batch=m.max_batch,
+            max_key_bytes=m.max_key_bytes, tiers=tuple(m.tiers), default_tier=m.default_tier,
+        )
+        return self.info
+
+    def make_view(self, lease: Lease, release: Any) -> ObjectView:
+        """Map a lease's region and wrap it (tracks the lease until released)."""
+        self._track(lease.lease_id)
+        try:
+            if lease.region.kind == "cuda_ipc":
+                host, device = None, self.regions.cuda_tensor(lease.region)
+            else:
+                host, device = self.regions.host_array(lease.region, writable=False), None
+        except BaseException:
+            self._untrack([lease.lease_id])
+            self.queue_release(lease.lease_id)
+            raise
+        return ObjectView(lease, host, device, release, self.queue_release,
+                          before_tensor=lambda: self.regions.pin_arena_of(lease.region))
+
+    @staticmethod
+    def leases(m: pb.GetResponse) -> list[Optional[Lease]]:
+        return [codec.lease_from_pb(x) for x in m.leases]
+
+    @staticmethod
+    def lookups(m: pb.LookupResponse) -> list[LookupEntry]:
+        return [codec.lookup_entry_from_pb(e) for e in m.entries]
+
+    @staticmethod
+    def objects(m: pb.ListResponse) -> list[ObjectInfo]:
+        return [codec.object_info_from_pb(o) for o in m.objects]
+
+    @staticmethod
+    def show_result(m: pb.ShowResponse) -> ShowResult:
+        return ShowResult(
+            info=codec.object_info_from_pb(m.info), is_blob=m.is_blob,
+            header=json.loads(m.header_json) if m.header_json else None,
+            parts=[{"name": p.name, "layer": p.layer, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset,
+                    "length": p.length} for p in m.parts],
+        )
+
+    @staticmethod
+    def list_request(fingerprint: Optional[str], prefix: Optional[KeyLike], tier: Optional[str],
+                     limit: Optional[int]) -> pb.ListRequest:
+        return pb.ListRequest(fingerprint=fingerprint or "", prefix=as_key(prefix) if prefix else b"",
+                              tier=tier or "", limit=int(limit or 0))
+
+
+def meta_of(fingerprint: str, token_count: int, cost: float, extra: Optional[dict[str, Any]]) -> ObjectMeta:
+    return ObjectMeta(fingerprint=fingerprint, token_count=token_count, cost=cost, extra=dict(extra or {}))

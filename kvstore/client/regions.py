@@ -1,0 +1,221 @@
+"""Client-side access to the bytes a Region names: the daemon's shared-memory arena, NVMe
+object files, and the GPU arena over CUDA IPC.
+
+Owns: mapping each shm arena once per client and caching the mapping (re-mapped when the
+daemon restarted and the arena file is a new one), pinning that mapping with
+cudaHostRegister where CUDA is present (so copies to the GPU run at PCIe speed), mapping
+object files for in-place reads and writes, and opening CUDA IPC handles once.
+
+Buffers come back as numpy uint8 arrays that alias the mapping. Whatever is derived from
+one (a memoryview, `torch.from_numpy`, slices) keeps that array, and so the mapping, alive;
+`ObjectView` ties its lease to the same array, so a lease is held while any view of its
+bytes exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from kvstore.errors import BadObject, InvalidRequest, KVStoreError
+from kvstore.records import Region
+
+log = logging.getLogger("kvstore.client")
+
+IO_CHUNK = 64 << 20  # bytes per pwrite when writing a file region
+
+
+@dataclass
+class _Arena:
+    ino: tuple[int, int]
+    mm: mmap.mmap
+    array: np.ndarray
+    pinned: bool
+
+
+def _cuda_ready(import_torch: bool = True) -> bool:
+    """True when torch has a CUDA device. With import_torch=False, a process that has not
+    imported torch counts as CUDA-less (importing torch costs seconds; a CLI has no use
+    for it)."""
+    if not import_torch and "torch" not in sys.modules:
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class RegionMapper:
+    """Maps regions into this process. Thread-safe; one per client."""
+
+    def __init__(self, pin: Optional[bool] = None) -> None:
+        self._arenas: dict[str, _Arena] = {}
+        self._lock = threading.Lock()
+        self._pin = pin
+
+    # ------------------------------------------------------------------ shm arena
+
+    def _arena(self, path: str) -> _Arena:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise KVStoreError(f"shared-memory arena {path} does not exist (did the daemon stop?)") from None
+        ino = (st.st_dev, st.st_ino)
+        with self._lock:
+            arena = self._arenas.get(path)
+            if arena is not None and arena.ino == ino:
+                return arena
+            if arena is not None:  # the daemon restarted: a new arena file at the same path
+                self._drop(path)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except PermissionError:
+                raise KVStoreError(f"no permission to map the daemon's arena {path} (it belongs to another user)") \
+                    from None
+            try:
+                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            array = np.frombuffer(mm, dtype=np.uint8)
+            arena = _Arena(ino, mm, array, self._maybe_pin(array, import_torch=False))
+            self._arenas[path] = arena
+            return arena
+
+    def pin_arena_of(self, region: Region) -> None:
+        """Pin the arena behind a shm region (once) if CUDA is usable: called before a
+        view's bytes are handed out as a tensor, so host-to-device copies run pinned."""
+        if region.kind != "shm":
+            return
+        with self._lock:
+            arena = self._arenas.get(region.path)
+            if arena is not None and not arena.pinned:
+                arena.pinned = self._maybe_pin(arena.array, import_torch=True)
+
+    def _maybe_pin(self, array: np.ndarray, import_torch: bool) -> bool:
+        pin = self._pin if self._pin is not None else _cuda_ready(import_torch)
+        if not pin or array.size == 0:
+            return False
+        try:  # pragma: no cover - GPU only
+            import torch
+
+            rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+            ok = (rc.value if hasattr(rc, "value") else int(rc)) == 0
+            if not ok:
+                log.warning("cudaHostRegister of the arena mapping failed (%s); host-to-device copies unpinned", rc)
+            return ok
+        except Exception as exc:  # pragma: no cover - GPU only
+            log.warning("cudaHostRegister of the arena mapping failed: %s", exc)
+            return False
+
+    def _drop(self, path: str) -> None:
+        arena = self._arenas.pop(path)
+        if arena.pinned:  # pragma: no cover - GPU only
+            try:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(arena.array.ctypes.data)
+            except Exception:
+                pass
+        del arena  # the mmap closes when the last view of it is gone
+
+    @staticmethod
+    def _check_bounds(region: Region, size: int) -> None:
+        if region.offset + region.length > size:
+            raise BadObject(f"region [{region.offset}, +{region.length}) lies past the end of {region.path} "
+                            f"({size} bytes)")
+
+    # ------------------------------------------------------------------ public
+
+    def host_array(self, region: Region, *, writable: bool) -> np.ndarray:
+        """A uint8 array aliasing a shm or file region's bytes (read-only unless `writable`)."""
+        if region.kind == "shm":
+            arena = self._arena(region.path)
+            self._check_bounds(region, arena.array.size)
+            out = arena.array[region.offset: region.offset + region.length]
+            if not writable:
+                out = out.view()
+                out.flags.writeable = False
+            return out
+        if region.kind == "file":
+            return self._file_array(region, writable=writable)
+        if region.kind == "cuda_ipc":
+            raise InvalidRequest("this object lives in the GPU tier; use .tensor() (a CUDA tensor), not host memory")
+        raise InvalidRequest(f"unknown region kind {region.kind!r}")
+
+    def _file_array(self, region: Region, *, writable: bool) -> np.ndarray:
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        try:
+            fd = os.open(region.path, flags)
+        except FileNotFoundError:
+            raise KVStoreError(f"object file {region.path} is gone (evicted or deleted under the lease?)") from None
+        try:
+            size = os.fstat(fd).st_size
+            self._check_bounds(region, size)
+            start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, region.offset + region.length - start, mmap.MAP_SHARED, prot, offset=start)
+        finally:
+            os.close(fd)
+        if not writable and hasattr(mm, "madvise"):
+            try:  # start reading the whole object ahead: a cold NVMe read then streams
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+                mm.madvise(mmap.MADV_WILLNEED)
+            except OSError:
+                pass
+        arr = np.frombuffer(mm, dtype=np.uint8)[region.offset - start:]
+        if not writable:
+            arr.flags.writeable = False
+        return arr
+
+    def write(self, region: Region, data: memoryview) -> None:
+        """Copy `data` (exactly region.length bytes) into the region, in place."""
+        if data.nbytes != region.length:
+            raise InvalidRequest(f"writing {data.nbytes} bytes into a region of {region.length}")
+        if region.kind == "shm":
+            dst = self.host_array(region, writable=True)
+            dst[:] = np.frombuffer(data, dtype=np.uint8)
+        elif region.kind == "file":
+            fd = os.open(region.path, os.O_WRONLY)
+            try:
+                done = 0
+                while done < data.nbytes:
+                    n = os.pwrite(fd, data[done: done + IO_CHUNK], region.offset + done)
+                    if n <= 0:
+                        raise KVStoreError(f"short write to {region.path} at {region.offset + done}")
+                    done += n
+            finally:
+                os.close(fd)
+        elif region.kind == "cuda_ipc":
+            import torch
+
+            dst = self.cuda_tensor(region)
+            dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
+            torch.cuda.current_stream(dst.device).synchronize()
+        else:
+            raise InvalidRequest(f"unknown region kind {region.kind!r}")
+
+    def cuda_tensor(self, region: Region) -> Any:
+        """A CUDA uint8 tensor aliasing a cuda_ipc region (the arena's handle is opened
+        once per process and cached by kvstore.tiers.gpu_arena)."""
+        if region.kind != "cuda_ipc":
+            raise InvalidRequest(f"region kind {region.kind!r} is not a CUDA region")
+        if not _cuda_ready():
+            raise KVStoreError("this object lives in the daemon's GPU tier but CUDA is not available in this process")
+        from kvstore.tiers.gpu_arena import open_cuda_region
+
+        return open_cuda_region(region)
+
+    def close(self) -> None:
+        with self._lock:
+            for path in list(self._arenas):
+                self._drop(path)
+

@@ -1,0 +1,336 @@
+"""The kvstore daemon process: one Store behind a gRPC server, and its lifecycle.
+
+Owns: turning a `Config` into `StoreSettings`, start-up checks (one daemon per socket,
+guarded by a lock file; shared-memory room for the CPU arena), the gRPC server (unix
+socket with mode 0600 in a 0700 directory, optional TCP, message-size limits, standard
+grpc.health.v1 health checking), the background thread that expires dead leases and
+reservations, the optional Prometheus endpoint, and graceful shutdown on SIGTERM/SIGINT:
+stop accepting, let in-flight RPCs finish (a short grace), abort open reservations,
+optionally write the CPU tier back to NVMe, flush and close the index, remove the socket.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import grpc
+
+from kvstore.config import Config, ConfigError, ensure_socket_dir, format_size, resolve_gpu_capacity
+from kvstore.errors import AlreadyExists
+from kvstore.rpc import codec
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.service import (
+    HEALTH_CHECK_METHOD, HEALTH_SERVING, PROTOCOL_VERSION, channel_options, generic_handler,
+)
+from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.servicer import KVStoreServicer
+
+log = logging.getLogger("kvstore.server")
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+def daemon_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hypercache")
+    except Exception:  # running from a checkout, not installed
+        return "0.1.0+checkout"
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch is a dependency
+        return False
+
+
+def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_available) -> Any:
+    """The StoreSettings a config describes (GPU capacity resolved against CUDA presence)."""
+    from kvstore.store import StoreSettings
+
+    return StoreSettings(
+        dir=Path(config.dir),
+        cpu_capacity=config.cpu_capacity,
+        nvme_capacity=config.nvme_capacity,
+        gpu_capacity=resolve_gpu_capacity(config, cuda_available),
+        shm_name=config.shm_name,
+        lease_ttl_s=config.lease_ttl,
+        eviction=config.eviction,
+        default_tier=config.default_tier,
+        writeback_on_close=config.writeback_on_close,
+        verify_nvme=config.verify_nvme,
+    )
+
+
+def check_shm_room(cpu_capacity: int, shm_dir: Path = SHM_DIR) -> None:
+    """Refuse a CPU arena larger than the free space of /dev/shm (writes past it would
+    kill the daemon and its clients with SIGBUS)."""
+    if cpu_capacity <= 0 or not shm_dir.is_dir():
+        return
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if cpu_capacity > free:
+        raise ConfigError(
+            f"cpu_capacity {format_size(cpu_capacity)} exceeds the free space in {shm_dir} ({format_size(free)}); "
+            f"pass a smaller --cpu-capacity or enlarge {shm_dir}"
+        )
+
+
+class _SocketLock:
+    """An flock on SOCKET.lock: held for the daemon's life, so a second daemon on the same
+    socket fails fast instead of unlinking the first one's socket."""
+
+    def __init__(self, socket: Path) -> None:
+        self.path = Path(str(socket) + ".lock")
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            raise AlreadyExists(
+                f"a kvstore daemon (pid {owner or '?'}) already serves {self.path.with_suffix('')}; "
+                "stop it first or pass another --socket"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                self.path.unlink(missing_ok=True)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _health_handler() -> grpc.GenericRpcHandler:
+    """grpc.health.v1 health: the grpcio-health-checking servicer when installed, else a
+    wire-compatible Check that answers SERVING (see kvstore.rpc.service)."""
+
+    def check(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return bytes([0x08, HEALTH_SERVING])
+
+    method = HEALTH_CHECK_METHOD.rsplit("/", 1)[1]
+    handler = grpc.unary_unary_rpc_method_handler(check)  # raw bytes in and out
+    return grpc.method_handlers_generic_handler(HEALTH_CHECK_METHOD.split("/")[1], {method: handler})
+
+
+class Daemon:
+    """One running daemon. `start()` opens the store and starts serving; `stop()` shuts it
+    down gracefully; `serve_forever()` does both around waiting for SIGTERM/SIGINT."""
+
+    def __init__(self, config: Config, store_factory: Optional[Callable[[Any], Any]] = None) -> None:
+        self.config = config
+        self._store_factory = store_factory
+        self.store: Any = None
+        self.server: Optional[grpc.Server] = None
+        self.metrics: Optional[DaemonMetrics] = None
+        self.metrics_port: Optional[int] = None
+        self.tcp_port: Optional[int] = None
+        self._health: Any = None
+        self._lock = _SocketLock(config.socket)
+        self._stopping = threading.Event()
+        self._expirer: Optional[threading.Thread] = None
+        self._stopped = False
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        cfg = self.config
+        ensure_socket_dir(cfg.socket)
+        self._lock.acquire()
+        try:
+            self._start_locked()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _start_locked(self) -> None:
+        cfg = self.config
+        settings = store_settings(cfg)
+        check_shm_room(settings.cpu_capacity)
+        if self._store_factory is not None:
+            self.store = self._store_factory(settings)
+        else:
+            from kvstore.store import Store
+
+            self.store = Store(settings)
+        self.store.open()
+        tiers = codec.tiers_enabled(
+            (("gpu", settings.gpu_capacity), ("cpu", settings.cpu_capacity), ("nvme", settings.nvme_capacity)))
+        if not tiers:
+            raise ConfigError("every tier has capacity 0; give at least one of --cpu-capacity, --nvme-capacity, "
+                              "--gpu-capacity a size")
+        default_tier = cfg.default_tier if cfg.default_tier in tiers else tiers[0]
+        limits = codec.Limits(max_batch=cfg.max_batch, max_key_bytes=cfg.max_key_bytes, tiers=tiers,
+                              default_tier=default_tier)
+        info = pb.InfoResponse(
+            protocol_version=PROTOCOL_VERSION, daemon_version=daemon_version(), pid=os.getpid(),
+            lease_ttl_s=cfg.lease_ttl, max_message_bytes=cfg.max_message_size, max_batch=cfg.max_batch,
+            max_key_bytes=cfg.max_key_bytes, tiers=list(tiers), default_tier=default_tier,
+        )
+        self.metrics = DaemonMetrics(self.store.stats)
+        servicer = KVStoreServicer(self.store, limits, self.metrics, info)
+
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="kvstore-rpc"),
+            options=channel_options(cfg.max_message_size) + [("grpc.so_reuseport", 0)],
+        )
+        self.server.add_generic_rpc_handlers((generic_handler(servicer.handlers()),))
+        self._add_health()
+
+        sock = Path(cfg.socket).absolute()
+        if sock.exists() or sock.is_symlink():
+            sock.unlink()  # stale: we hold the lock, so no live daemon owns it
+        old_umask = os.umask(0o177)
+        try:
+            bound = self.server.add_insecure_port(f"unix:{sock}")
+        finally:
+            os.umask(old_umask)
+        if bound == 0:
+            raise ConfigError(f"cannot listen on unix socket {sock}")
+        tcp = cfg.tcp_address()
+        if tcp is not None:
+            host, port = tcp
+            target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self.tcp_port = self.server.add_insecure_port(target)
+            if self.tcp_port == 0:
+                raise ConfigError(f"cannot listen on TCP {cfg.tcp} (address in use or not local?)")
+        self.server.start()
+        os.chmod(sock, 0o600)
+
+        self._expirer = threading.Thread(target=self._expire_loop, name="kvstore-expire", daemon=True)
+        self._expirer.start()
+        if cfg.metrics_port:
+            self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
+        log.info(
+            "kvstore daemon ready: socket=%s%s pid=%d tiers=%s dir=%s%s", sock,
+            f" tcp={cfg.tcp}" if tcp else "", os.getpid(),
+            ",".join(f"{t}={format_size(c)}" for t, c in (("gpu", settings.gpu_capacity),
+                                                           ("cpu", settings.cpu_capacity),
+                                                           ("nvme", settings.nvme_capacity)) if c),
+            cfg.dir, f" metrics=http://{cfg.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "",
+        )
+
+    def _add_health(self) -> None:
+        try:
+            from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        except Exception:  # grpcio-health-checking missing or built for another protobuf
+            log.debug("grpc_health not importable; serving the built-in grpc.health.v1 Check")
+            assert self.server is not None
+            self.server.add_generic_rpc_handlers((_health_handler(),))
+            return
+        self._health = health.HealthServicer()
+        for service in ("", "kvstore.v1.KVStore"):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+
+    def _expire_loop(self) -> None:
+        interval = self.config.expire_interval
+        while not self._stopping.wait(interval):
+            try:
+                self.store.expire()
+            except Exception:
+                log.exception("store.expire() failed; will retry in %.3gs", interval)
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Graceful shutdown (idempotent): NOT_SERVING, stop accepting, wait up to `grace`
+        for in-flight RPCs, then close the store (aborts reservations, flushes the index)."""
+        if self._stopped or not self._lock.held:  # never started (or another daemon owns the socket)
+            return
+        self._stopped = True
+        log.info("kvstore daemon shutting down")
+        if self._health is not None:
+            try:
+                self._health.enter_graceful_shutdown()
+            except Exception:  # older grpc_health without it
+                pass
+        self._stopping.set()
+        if self.server is not None:
+            self.server.stop(grace).wait(grace + 1.0)
+        self._teardown()
+        log.info("kvstore daemon stopped")
+
+    def _teardown(self) -> None:
+        """Release what start() acquired; only ever runs while holding the socket lock."""
+        if not self._lock.held:
+            return
+        self._stopping.set()
+        if self._expirer is not None:
+            self._expirer.join(timeout=self.config.expire_interval + 1.0)
+        if self.metrics is not None:
+            self.metrics.stop_http()
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                log.exception("closing the store failed")
+        try:
+            sock = Path(self.config.socket)
+            if sock.is_socket():
+                sock.unlink()
+        except OSError:
+            pass
+        self._lock.release()
+
+    # ------------------------------------------------------------------ main loop
+
+    def serve_forever(self) -> None:
+        """Start, wait for SIGTERM or SIGINT, stop. Call from the main thread."""
+        done = threading.Event()
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            if done.is_set():
+                log.warning("second %s: already shutting down", signal.Signals(signum).name)
+                return
+            log.info("received %s", signal.Signals(signum).name)
+            done.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            while not done.wait(1.0):
+                pass
+        finally:
+            self.stop()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def serve(config: Config) -> None:
+    """Run a daemon for `config` until SIGTERM/SIGINT (the body of `kvstore serve`)."""
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    Daemon(config).serve_forever()
+
+
+__all__ = ["Daemon", "serve", "store_settings", "check_shm_room"]

@@ -1,0 +1,235 @@
+"""The gRPC servicer: each RPC of kvstore.v1.KVStore as a thin call into one `Store`.
+
+Owns: request validation (through kvstore.rpc.codec) before the Store sees a request,
+the mapping of kvstore errors to gRPC status codes (with the error class code in the
+trailing metadata "kvstore-error-code"), the protocol-version check, per-RPC latency
+metrics, and the Show RPC's header read. A bad request gets INVALID_ARGUMENT with a
+message naming the bad value; an unexpected exception gets INTERNAL and is logged with
+its traceback; either way the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import time
+from typing import Any, Callable, Optional
+
+import grpc
+
+from kvstore import errors
+from kvstore.rpc import codec
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, PROTOCOL_VERSION, MalformedRequest
+from kvstore.server.metrics import DaemonMetrics
+
+log = logging.getLogger("kvstore.server")
+
+# kvstore error class -> gRPC status code.
+STATUS_BY_ERROR: dict[type, grpc.StatusCode] = {
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnknownKey: grpc.StatusCode.NOT_FOUND,
+    errors.CapacityExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.BadObject: grpc.StatusCode.DATA_LOSS,
+    errors.VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.DaemonNotRunning: grpc.StatusCode.UNAVAILABLE,
+}
+_STORAGE_ERROR = getattr(errors, "StorageError", None)
+if _STORAGE_ERROR is not None:
+    STATUS_BY_ERROR[_STORAGE_ERROR] = grpc.StatusCode.UNAVAILABLE
+
+SHOW_CLIENT_ID = "kvstore-daemon-show"
+
+
+def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+class KVStoreServicer:
+    """Implements every RPC of the service over `store` (a kvstore.store.Store)."""
+
+    def __init__(self, store: Any, limits: codec.Limits, metrics: DaemonMetrics, info: pb.InfoResponse) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self._info = info
+
+    # ------------------------------------------------------------------ plumbing
+
+    def handlers(self) -> dict[str, Callable]:
+        """RPC name -> handler(request, context), each wrapped in error mapping and metrics."""
+        names = ("Info", "Lookup", "Reserve", "Commit", "Abort", "WaitFor", "Get", "Release", "Renew",
+                 "Delete", "Prefetch", "Evict", "Stats", "List", "Show")
+        return {name: self._wrap(name, getattr(self, name)) for name in names}
+
+    def _wrap(self, name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
+        def handler(request: Any, context: grpc.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code: Optional[str] = None
+            try:
+                self._check_protocol(context)
+                if isinstance(request, MalformedRequest):
+                    raise errors.InvalidRequest(request.reason)
+                return fn(request, context)
+            except errors.KVStoreError as exc:
+                code = exc.code
+                context.set_trailing_metadata(((ERROR_CODE_METADATA_KEY, exc.code),))
+                log.debug("%s -> %s: %s", name, exc.code, exc)
+                context.abort(status_for(exc), str(exc))
+            except Exception as exc:  # a bug: report it, keep serving
+                code = "INTERNAL"
+                log.exception("%s failed with an unexpected error", name)
+                context.set_trailing_metadata(((ERROR_CODE_METADATA_KEY, errors.KVStoreError.code),))
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(exc).__name__}: {exc}")
+            finally:
+                self.metrics.observe(name, time.perf_counter() - start, code)
+
+        return handler
+
+    @staticmethod
+    def _check_protocol(context: grpc.ServicerContext) -> None:
+        for key, value in context.invocation_metadata() or ():
+            if key == PROTOCOL_METADATA_KEY and value != str(PROTOCOL_VERSION):
+                raise errors.VersionMismatch(
+                    f"client speaks kvstore protocol {value}, this daemon speaks {PROTOCOL_VERSION}; "
+                    "upgrade the older side"
+                )
+
+    # ------------------------------------------------------------------ RPCs
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        return self._info
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        keys = codec.check_keys(request.keys, self.limits)
+        entries = self.store.lookup(keys)
+        return pb.LookupResponse(entries=[codec.lookup_entry_to_pb(e) for e in entries])
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        key = codec.check_key(request.key, self.limits)
+        tier = codec.check_tier(request.tier, self.limits, default=self.limits.default_tier)
+        if request.size == 0:
+            raise errors.InvalidRequest(f"size must be > 0 bytes for key {codec.key_text(key)!r}")
+        meta = codec.meta_from_pb(request.meta)
+        client_id = codec.check_client_id(request.client_id, required=False)
+        res = self.store.reserve(key, int(request.size), tier, meta, client_id=client_id)
+        return codec.reservation_to_pb(res)
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        if request.reservation_id == 0:
+            raise errors.InvalidRequest("reservation_id is required (the id Reserve returned)")
+        entry = self.store.commit(int(request.reservation_id), int(request.checksum))
+        return pb.CommitResponse(entry=codec.lookup_entry_to_pb(entry))
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        if request.reservation_id == 0:
+            raise errors.InvalidRequest("reservation_id is required (the id Reserve returned)")
+        self.store.abort(int(request.reservation_id))
+        return pb.AbortResponse()
+
+    def WaitFor(self, request: pb.WaitForRequest, context: grpc.ServicerContext) -> pb.WaitForResponse:
+        key = codec.check_key(request.key, self.limits)
+        timeout = codec.check_timeout(request.timeout_s)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = max(0.0, min(timeout, remaining - 0.05))
+        return pb.WaitForResponse(present=bool(self.store.wait_for(key, timeout)))
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+        keys = codec.check_keys(request.keys, self.limits)
+        client_id = codec.check_client_id(request.client_id, required=True)
+        leases = self.store.get(keys, client_id, promote=not request.no_promote)
+        return pb.GetResponse(leases=[codec.lease_to_pb(x) for x in leases])
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        if len(request.lease_ids) > self.limits.max_batch:
+            raise errors.InvalidRequest(
+                f"batch of {len(request.lease_ids)} lease ids is over the limit of {self.limits.max_batch}")
+        self.store.release([int(i) for i in request.lease_ids])
+        return pb.ReleaseResponse()
+
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
+        self.store.renew(codec.check_client_id(request.client_id, required=True))
+        return pb.RenewResponse()
+
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        keys = codec.check_keys(request.keys, self.limits)
+        return pb.DeleteResponse(deleted=int(self.store.delete(keys)))
+
+    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        keys = codec.check_keys(request.keys, self.limits)
+        tier = codec.check_tier(request.tier, self.limits, default=self.limits.tiers[0])
+        return pb.PrefetchResponse(in_tier=int(self.store.prefetch(keys, tier)))
+
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        tier = codec.check_tier(request.tier, self.limits)
+        return pb.EvictResponse(moved=int(self.store.evict_tier(tier)))
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        return codec.stats_to_pb(self.store.stats())
+
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        tier = codec.check_tier(request.tier, self.limits, default="") if request.tier else None
+        if request.prefix and len(request.prefix) > self.limits.max_key_bytes:
+            raise errors.InvalidRequest(f"prefix is {len(request.prefix)} bytes, over the key limit of "
+                                        f"{self.limits.max_key_bytes}")
+        limit = min(request.limit or self.limits.list_limit, self.limits.list_limit)
+        objs = self.store.list_objects(
+            fingerprint=request.fingerprint or None, prefix=bytes(request.prefix) or None, tier=tier, limit=limit)
+        return pb.ListResponse(objects=[codec.object_info_to_pb(o) for o in objs])
+
+    def Show(self, request: pb.ShowRequest, context: grpc.ServicerContext) -> pb.ShowResponse:
+        key = codec.check_key(request.key, self.limits)
+        info = self.store.object_info(key)
+        out = pb.ShowResponse(info=codec.object_info_to_pb(info))
+        header = self._read_header(key)
+        if header is not None:
+            out.is_blob = True
+            d = header.to_dict()
+            out.header_json = json.dumps(d, sort_keys=True, default=str)
+            for p in header.parts:
+                out.parts.add(name=p.name, layer=p.layer, dtype=p.dtype, shape=list(p.shape), offset=p.offset,
+                              length=p.length)
+        return out
+
+    def _read_header(self, key: bytes) -> Any:
+        """The object's blob header, or None when it is not a blob or its bytes are on the GPU."""
+        from kvstore import format as fmt  # torch import, only when Show is used
+
+        leases = self.store.get([key], SHOW_CLIENT_ID, promote=False)
+        lease = leases[0] if leases else None
+        if lease is None:
+            raise errors.UnknownKey(f"key {codec.key_text(key)!r} is not in the store")
+        try:
+            region = lease.region
+            if region.kind not in ("shm", "file") or region.length < fmt.PREAMBLE_SIZE + fmt.TRAILER_SIZE:
+                return None
+            fd = os.open(region.path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if region.offset + region.length > size:
+                    raise errors.BadObject(f"object {codec.key_text(key)!r} lies past the end of {region.path}")
+                start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+                mm = mmap.mmap(fd, region.offset + region.length - start, prot=mmap.PROT_READ, offset=start)
+                mv = memoryview(mm)[region.offset - start:]
+                try:
+                    return fmt.read_header(mv) if fmt.is_blob(mv) else None
+                except (errors.BadObject, errors.VersionMismatch) as exc:
+                    log.info("Show %s: not a readable blob: %s", codec.key_text(key), exc)
+                    return None
+                finally:
+                    try:
+                        mv.release()
+                        mm.close()
+                    except BufferError:  # a view still alive somewhere; the GC unmaps it
+                        pass
+            finally:
+                os.close(fd)
+        finally:
+            self.store.release([lease.lease_id])

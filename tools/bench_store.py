@@ -1,0 +1,441 @@
+"""Benchmark of the kvstore data plane against the bare hardware paths, in one run.
+
+Starts a real daemon (subprocess, unix socket) on a directory of your choice and
+measures, for the same bytes:
+
+  CPU tier   put / get (lease + copy out)     vs  memcpy in this process
+  NVMe tier  put (fsync'ed) / get (cold)      vs  dd-style O_DIRECT write+fsync / read, same directory
+  GPU tier   put / get into a GPU tensor      vs  device-to-device copy            (CUDA only)
+  CPU tier   get into a GPU tensor            vs  pinned host-to-device copy       (CUDA only)
+  gRPC       the same bytes inside gRPC messages to a sink process (put / get)
+  lookup     p50 / p99 latency of a 64-key batch Lookup over the unix socket
+
+Prints one table (last). With --json, also writes docs/results/store-<machine>-<date>.json
+whose `summary` holds cpu_to_gpu_fraction_of_pcie (null without CUDA),
+nvme_read_fraction_of_direct_io and lookup_p99_us.
+
+    python tools/bench_store.py                       # defaults: 8 x 64MiB objects per path
+    python tools/bench_store.py --dir /mnt/nvme/kvbench --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import mmap
+import os
+import platform
+import shutil
+import socket as _socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from kvstore.config import format_size, parse_size  # noqa: E402
+from kvstore.testing import DaemonProcess  # noqa: E402
+
+DIRECT_BLOCK = 16 << 20  # bytes per O_DIRECT request in the dd-style baseline
+SINK_SERVICE = "bench.Sink"
+
+
+@dataclass
+class Row:
+    path: str
+    op: str
+    gbps: Optional[float]
+    baseline: str
+    baseline_gbps: Optional[float]
+    note: str = ""
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.gbps is None or not self.baseline_gbps:
+            return None
+        return self.gbps / self.baseline_gbps
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _timed(fn: Callable[[], Any], repeat: int = 1) -> float:
+    """Best-of-`repeat` wall time of fn()."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _drop_cache(path: str) -> None:
+    """Evict a (clean, fsync'ed) file's pages from the page cache so the next read hits the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+def memcpy_gbps(src: np.ndarray, dst: np.ndarray, repeat: int) -> float:
+    np.copyto(dst, src)  # warm both buffers
+    return _gbps(src.nbytes, _timed(lambda: np.copyto(dst, src), repeat))
+
+
+def direct_io_gbps(directory: Path, data: np.ndarray, count: int) -> tuple[float, float, str]:
+    """dd-style: O_DIRECT writes (+ fsync) and cold O_DIRECT reads of `count` files of
+    data.nbytes each in `directory`. Falls back to buffered I/O + fadvise(DONTNEED) where
+    the file system refuses O_DIRECT (tmpfs, some overlays); the note says which ran."""
+    size = data.nbytes
+    buf = mmap.mmap(-1, max(DIRECT_BLOCK, 4096))  # page-aligned: O_DIRECT needs aligned memory
+    view = np.frombuffer(buf, dtype=np.uint8)
+    files = [directory / f"direct-{i}.bin" for i in range(count)]
+    flag = getattr(os, "O_DIRECT", 0)
+    note = "O_DIRECT"
+    try:
+        fd = os.open(files[0], os.O_WRONLY | os.O_CREAT | flag, 0o600)
+        os.close(fd)
+    except OSError:
+        flag, note = 0, "buffered + fadvise(DONTNEED): O_DIRECT unsupported here"
+
+    def write_all() -> None:
+        for f in files:
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+            try:
+                off = 0
+                while off < size:
+                    n = min(DIRECT_BLOCK, size - off)
+                    nal = (n + 4095) // 4096 * 4096
+                    view[:n] = data[off: off + n]
+                    os.pwrite(fd, memoryview(buf)[:nal], off)
+                    off += n
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def read_all() -> None:
+        out = np.empty(size, dtype=np.uint8)
+        for f in files:
+            fd = os.open(f, os.O_RDONLY | flag)
+            try:
+                off = 0
+                while off < size:
+                    n = os.preadv(fd, [memoryview(buf)[: min(DIRECT_BLOCK, (size - off + 4095) // 4096 * 4096)]],
+                                  off)
+                    take = min(n, size - off)
+                    out[off: off + take] = view[:take]
+                    off += take
+                    if n == 0:
+                        break
+            finally:
+                os.close(fd)
+
+    w = _timed(write_all)
+    for f in files:
+        _drop_cache(str(f))
+    r = _timed(read_all)
+    for f in files:
+        f.unlink()
+    buf.close()
+    return _gbps(size * count, w), _gbps(size * count, r), note
+
+
+# ---------------------------------------------------------------------------- gRPC sink
+
+
+def run_sink(sock: str, chunk: int) -> None:
+    """`--grpc-sink`: a process answering Put (bytes in) and Get (chunk bytes out)."""
+    import grpc
+
+    payload = os.urandom(chunk)
+    handlers = {
+        "Put": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
+        "Get": grpc.unary_unary_rpc_method_handler(lambda req, ctx: payload),
+    }
+    opts = [("grpc.max_send_message_length", chunk + 1024), ("grpc.max_receive_message_length", chunk + 1024)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=opts)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SINK_SERVICE, handlers),))
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    server.wait_for_termination()
+
+
+def grpc_gbps(data: np.ndarray, count: int, chunk: int, tmp: Path) -> tuple[float, float]:
+    import grpc
+
+    sock = str(tmp / "sink.sock")
+    proc = subprocess.Popen([sys.executable, __file__, "--grpc-sink", sock, "--grpc-chunk", str(chunk)])
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("gRPC sink did not start")
+            time.sleep(0.05)
+        opts = [("grpc.max_send_message_length", chunk + 1024), ("grpc.max_receive_message_length", chunk + 1024)]
+        with grpc.insecure_channel(f"unix:{sock}", options=opts) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            put = ch.unary_unary(f"/{SINK_SERVICE}/Put")
+            get = ch.unary_unary(f"/{SINK_SERVICE}/Get")
+            size = data.nbytes
+            mv = memoryview(data)
+
+            def put_all() -> None:
+                for _ in range(count):
+                    for off in range(0, size, chunk):
+                        put(bytes(mv[off: off + chunk]))  # a message owns its bytes: one copy in
+
+            out = np.empty(size, dtype=np.uint8)
+
+            def get_all() -> None:
+                for _ in range(count):
+                    for off in range(0, size, chunk):
+                        got = get(b"")
+                        n = min(len(got), size - off)
+                        out[off: off + n] = np.frombuffer(got, dtype=np.uint8, count=n)
+
+            put(b"")
+            p = _timed(put_all)
+            g = _timed(get_all)
+        return _gbps(size * count, p), _gbps(size * count, g)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
+               memcpy: float, direct: tuple[float, float, str]) -> tuple[list[Row], dict[str, Any]]:
+    import torch
+
+    size = data.nbytes
+    total = size * count
+    rows: list[Row] = []
+    extra: dict[str, Any] = {}
+    out = np.empty(size, dtype=np.uint8)
+    with daemon.client() as kv:
+        # CPU tier
+        keys = [f"bench/cpu/{i}".encode() for i in range(count)]
+        kv.put(b"bench/warm", data[:4096], tier="cpu")
+        put_s = _timed(lambda: [kv.put(k, data, tier="cpu") for k in keys])
+
+        def get_cpu() -> None:
+            for k in keys:
+                with kv.get(k) as v:
+                    np.copyto(out, v.array)
+
+        get_s = _timed(get_cpu, repeat=2)
+        rows.append(Row("cpu tier", "put", _gbps(total, put_s), "memcpy", memcpy))
+        rows.append(Row("cpu tier", "get (copy out)", _gbps(total, get_s), "memcpy", memcpy))
+
+        if cuda:
+            dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+            pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(torch.from_numpy(data))
+            dst.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+            def h2d() -> None:
+                for _ in range(count):
+                    dst.copy_(pinned, non_blocking=True)
+                torch.cuda.synchronize()
+
+            def get_to_gpu() -> None:
+                for k in keys:
+                    with kv.get(k) as v:
+                        dst.copy_(v.tensor(), non_blocking=True)
+                        torch.cuda.synchronize()
+
+            h2d_s = _timed(h2d, repeat=3)
+            g2g_s = _timed(get_to_gpu, repeat=3)
+            rows.append(Row("cpu tier", "get into GPU tensor", _gbps(total, g2g_s), "pinned H2D", _gbps(total, h2d_s)))
+            extra["cpu_to_gpu_fraction_of_pcie"] = rows[-1].ratio
+        kv.delete(keys)
+
+        # NVMe tier
+        keys = [f"bench/nvme/{i}".encode() for i in range(count)]
+        put_s = _timed(lambda: [kv.put(k, data, tier="nvme") for k in keys])
+        paths = []
+        for k in keys:
+            with kv.get(k, promote=False) as v:
+                paths.append(v.lease.region.path if v.lease.region.kind == "file" else None)
+        for p in paths:
+            if p:
+                _drop_cache(p)
+
+        def get_nvme() -> None:
+            for k in keys:
+                with kv.get(k, promote=False) as v:
+                    np.copyto(out, v.array)
+
+        get_s = _timed(get_nvme)
+        note = direct[2] + ("" if all(paths) else "; some objects were not file regions")
+        rows.append(Row("nvme tier", "put (fsync)", _gbps(total, put_s), "direct-I/O write", direct[0], note))
+        rows.append(Row("nvme tier", "get (cold, mmap)", _gbps(total, get_s), "direct-I/O read", direct[1], note))
+        extra["nvme_read_fraction_of_direct_io"] = rows[-1].ratio
+        for p in paths:
+            if p:
+                _drop_cache(p)
+        get_s = _timed(lambda: [kv.get(k).release() for k in keys])  # promote: the daemon reads into its arena
+        rows.append(Row("nvme tier", "get (cold, promote to cpu)", _gbps(total, get_s), "direct-I/O read", direct[1]))
+        kv.delete(keys)
+
+        # GPU tier
+        if cuda and "gpu" in (kv.info.tiers if kv.info else ()):
+            keys = [f"bench/gpu/{i}".encode() for i in range(count)]
+            src = torch.from_numpy(data).cuda()
+            dst = torch.empty_like(src)
+
+            def d2d() -> None:
+                for _ in range(count):
+                    dst.copy_(src)
+                torch.cuda.synchronize()
+
+            d2d_s = _timed(d2d, repeat=3)
+            put_s = _timed(lambda: [kv.put_tensors(k, {"x": src}, tier="gpu") for k in keys])
+
+            def get_gpu() -> None:
+                for k in keys:
+                    with kv.get(k) as v:
+                        dst[: v.size].copy_(v.tensor()[: dst.numel()])
+                torch.cuda.synchronize()
+
+            get_s = _timed(get_gpu, repeat=2)
+            rows.append(Row("gpu tier", "put_tensors (from GPU)", _gbps(total, put_s), "D2D copy", _gbps(total, d2d_s),
+                            "includes the blob checksum"))
+            rows.append(Row("gpu tier", "get into GPU tensor", _gbps(total, get_s), "D2D copy", _gbps(total, d2d_s)))
+            kv.delete(keys)
+    return rows, extra
+
+
+def lookup_latency_us(daemon: DaemonProcess, batch: int, iterations: int) -> tuple[float, float]:
+    with daemon.client() as kv:
+        keys = [f"bench/lookup/{i}".encode() for i in range(batch)]
+        for k in keys[: batch // 2]:
+            kv.put(k, b"x" * 64, tier="cpu")
+        for _ in range(50):
+            kv.lookup(keys)
+        lat = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            kv.lookup(keys)
+            lat.append((time.perf_counter() - t0) * 1e6)
+        kv.delete(keys)
+    lat.sort()
+    return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def print_table(rows: list[Row], p50: float, p99: float, header: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text where rich is absent
+        print(header)
+        for r in rows:
+            print(f"{r.path:10} {r.op:28} {r.gbps or 0:8.2f} GB/s  vs {r.baseline:18} {r.baseline_gbps or 0:8.2f} "
+                  f"GB/s  ratio {r.ratio or 0:.2f}  {r.note}")
+        print(f"lookup (64 keys) p50 {p50:.0f} us  p99 {p99:.0f} us")
+        return
+    t = Table(title=header, title_justify="left")
+    for col in ("path", "op", "GB/s", "baseline", "baseline GB/s", "ratio", "note"):
+        t.add_column(col, justify="right" if "GB/s" in col or col == "ratio" else "left")
+    for r in rows:
+        t.add_row(r.path, r.op, f"{r.gbps:.2f}" if r.gbps is not None else "-", r.baseline,
+                  f"{r.baseline_gbps:.2f}" if r.baseline_gbps else "-", f"{r.ratio:.2f}" if r.ratio else "-", r.note)
+    t.add_row("lookup", "64-key batch, unix socket", "", "", "", "", f"p50 {p50:.0f} us, p99 {p99:.0f} us")
+    Console(width=160).print(t)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="64MiB", help="object size (default 64MiB)")
+    ap.add_argument("--count", type=int, default=8, help="objects per path (default 8)")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="directory for the NVMe tier and the direct-I/O baseline (default: ~/.cache/kvstore-bench)")
+    ap.add_argument("--grpc-chunk", default="4MiB", help="bytes per gRPC message in the gRPC baseline")
+    ap.add_argument("--lookup-iterations", type=int, default=2000)
+    ap.add_argument("--json", action="store_true", help="also write docs/results/store-<machine>-<date>.json")
+    ap.add_argument("--machine", default=None, help="machine name for the JSON file (default: hostname)")
+    ap.add_argument("--grpc-sink", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    chunk = parse_size(args.grpc_chunk, "--grpc-chunk")
+    if args.grpc_sink:
+        run_sink(args.grpc_sink, chunk)
+        return 0
+
+    import torch
+
+    size, count = parse_size(args.size, "--size"), args.count
+    cuda = torch.cuda.is_available()
+    base = (args.dir or Path.home() / ".cache" / "kvstore-bench").expanduser()
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    data = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    room = size * count + (64 << 20)
+    try:
+        memcpy = memcpy_gbps(data, np.empty_like(data), repeat=5)
+        direct = direct_io_gbps(work, data, count)
+        grpc_put, grpc_get = grpc_gbps(data, count, chunk, work)
+        daemon = DaemonProcess(work / "daemon", cpu_capacity=str(room), nvme_capacity=str(room),
+                               gpu_capacity=str(room) if cuda else "0")
+        with daemon:
+            rows, extra = store_rows(daemon, data, count, cuda, memcpy, direct)
+            p50, p99 = lookup_latency_us(daemon, 64, args.lookup_iterations)
+        cpu_put = next(r.gbps for r in rows if r.path == "cpu tier" and r.op == "put")
+        cpu_get = next(r.gbps for r in rows if r.path == "cpu tier" and r.op.startswith("get (copy"))
+        rows.append(Row("gRPC bytes", "put (in messages)", grpc_put, "cpu tier put", cpu_put,
+                        f"{format_size(chunk)} messages"))
+        rows.append(Row("gRPC bytes", "get (in messages)", grpc_get, "cpu tier get", cpu_get,
+                        f"{format_size(chunk)} messages"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    machine = args.machine or _socket.gethostname().split(".")[0]
+    date = _dt.date.today().isoformat()
+    header = (f"kvstore data plane on {machine} ({date}): {count} x {format_size(size)} per path; "
+              f"CUDA {'yes: ' + torch.cuda.get_device_name() if cuda else 'no'}; dir {base}")
+    summary = {
+        "cpu_to_gpu_fraction_of_pcie": extra.get("cpu_to_gpu_fraction_of_pcie"),
+        "nvme_read_fraction_of_direct_io": extra.get("nvme_read_fraction_of_direct_io"),
+        "lookup_p50_us": p50,
+        "lookup_p99_us": p99,
+    }
+    if args.json:
+        out = ROOT / "docs" / "results" / f"store-{machine}-{date}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "machine": machine, "date": date, "python": platform.python_version(), "torch": torch.__version__,
+            "cuda_device": torch.cuda.get_device_name() if cuda else None, "object_bytes": size, "objects": count,
+            "dir": str(base), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows],
+            "lookup": {"batch": 64, "iterations": args.lookup_iterations, "p50_us": p50, "p99_us": p99},
+            "summary": summary,
+        }
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out.relative_to(ROOT)}")
+    print_table(rows, p50, p99, header)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
