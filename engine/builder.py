@@ -1,0 +1,134 @@
+"""Building a ready `LLMEngine` from a preset name or a weights directory.
+
+`EngineConfig` holds the serving knobs (device, dtype, batch and token budgets, cache
+size); `build_engine` loads the model, sizes and creates its caches, and wires runner,
+cache pool, scheduler and planner together. The CLI and the benchmarks build engines
+only through here.
+
+Cache sizing: `kv_cache_tokens` is the number of full-attention positions all live
+requests may hold together (paged KV). Left unset, it is sized from memory: on CUDA,
+`gpu_memory_utilization` of the free memory after the model loaded, less a reserve for
+activations; on the CPU, `max_num_seqs * max_model_len` capped at `CPU_DEFAULT_KV_TOKENS`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.cache.manager import CacheConfig, CacheManager, cache_specs
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.runtime.cache_pool import ManagedCachePool
+from engine.runtime.planner import PrefillPlanner
+from engine.runtime.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 1 << 16
+ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on the GPU for prefill activations
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving knobs. `device`/`dtype` "auto": CUDA and bfloat16 when a GPU is present,
+    else CPU and float32."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    block_size: int = 16
+    kv_cache_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_chunk_size=self.prefill_chunk_size,
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidRequestError("device", f"unknown device {name!r} ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device", f"{name!r} asked for, but CUDA is not available here")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InvalidRequestError("dtype", f"{name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _kv_cache_tokens(model: torch.nn.Module, cfg: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype) -> int:
+    if cfg.kv_cache_tokens is not None:
+        if cfg.kv_cache_tokens < 1:
+            raise InvalidRequestError("kv_cache_tokens", f"must be >= 1, got {cfg.kv_cache_tokens}")
+        return cfg.kv_cache_tokens
+    if device.type != "cuda":
+        return min(cfg.max_num_seqs * max_model_len, CPU_DEFAULT_KV_TOKENS)
+    probe = CacheManager(cache_specs(model), CacheConfig(block_size=cfg.block_size, num_blocks=0, num_slots=1), device, dtype)
+    per_block = probe.bytes_per_block()
+    if per_block == 0:
+        return cfg.max_num_seqs * max_model_len  # no full-attention layers: blocks cost nothing
+    free, _total = torch.cuda.mem_get_info(device)
+    budget = free * cfg.gpu_memory_utilization - ACTIVATION_RESERVE_BYTES - probe.bytes_per_slot() * cfg.max_num_seqs
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise InvalidRequestError("gpu_memory_utilization", f"leaves no memory for the KV cache ({free / 2**30:.1f} GiB free)")
+    return min(blocks * cfg.block_size, cfg.max_num_seqs * max_model_len)
+
+
+def build_engine(
+    preset_or_dir: str,
+    config: EngineConfig = EngineConfig(),
+    planner: Optional[PrefillPlanner] = None,
+) -> LLMEngine:
+    """Load the model named by a preset (or a saved weights directory) and return an
+    idle engine serving it."""
+    from engine.models.weights import load_model
+    from engine.runtime.runner import ModelRunner
+    from engine.tokenizer import load_tokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model(preset_or_dir, device=device, dtype=dtype)
+    model, mcfg = loaded.model, loaded.config
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_model_len > mcfg.max_position_embeddings:
+        raise InvalidRequestError(
+            "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings {mcfg.max_position_embeddings}"
+        )
+    tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)
+    cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
+    manager = CacheManager.for_model(model, cache_cfg)
+    runner = ModelRunner(model, manager)
+    pool = ManagedCachePool(manager, max_model_len=max_model_len)
+    log.info(
+        "engine for %s on %s/%s: %d KV blocks of %d, %d slots",
+        mcfg.name, device, dtype, cache_cfg.num_blocks, cache_cfg.block_size, cache_cfg.num_slots,
+    )
+    return LLMEngine(
+        runner,
+        load_tokenizer("byte"),
+        pool,
+        scheduler_config=config.scheduler_config(),
+        planner=planner,
+        model_name=mcfg.name,
+        loaded_model=loaded,
+    )

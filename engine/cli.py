@@ -1,0 +1,231 @@
+"""`kvengine`: the engine's command line (typer). Entry point `main`; also runnable as
+`python -m engine.cli`.
+
+    kvengine serve --preset NAME [--host H --port P --device D --dtype T --max-batch N ...]
+    kvengine generate --preset NAME "PROMPT" [--max-new-tokens N --temperature T --top-p P --seed S]
+    kvengine presets [--json]
+    kvengine bench --preset NAME [--num-requests N --prompt-len L --max-new-tokens M --request-rate R --json]
+
+These command and option names are an interface that scripts depend on; keep them.
+Bad input exits with status 2 and a message naming the option.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+from engine.errors import ConfigError, EngineError, InvalidRequestError
+
+app = typer.Typer(
+    name="kvengine",
+    help="Hybrid-attention inference engine: serve, generate, list presets, benchmark.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+PresetOpt = typer.Option(..., "--preset", help="Preset name (see `kvengine presets`) or a saved model directory.")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
+MaxBatchOpt = typer.Option(32, "--max-batch", help="Requests holding caches at once (decode batch limit).")
+BudgetOpt = typer.Option(2048, "--max-batched-tokens", help="Token budget of one scheduler step.")
+ChunkOpt = typer.Option(512, "--chunk-size", help="Most prompt tokens one request computes per step.")
+KvTokensOpt = typer.Option(None, "--kv-cache-tokens", help="Full-attention positions over all requests (default: sized from memory).")
+MaxLenOpt = typer.Option(None, "--max-model-len", help="Longest prompt + output (default: the model's limit).")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _engine_config(device: str, dtype: str, max_batch: int, max_batched_tokens: int, chunk_size: int,
+                   kv_cache_tokens: Optional[int], max_model_len: Optional[int]):
+    from engine.builder import EngineConfig
+
+    return EngineConfig(
+        device=device, dtype=dtype, max_num_seqs=max_batch, max_num_batched_tokens=max_batched_tokens,
+        prefill_chunk_size=chunk_size, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
+    )
+
+
+def _build(preset: str, cfg):
+    from engine.builder import build_engine
+
+    try:
+        return build_engine(preset, cfg)
+    except InvalidRequestError as exc:
+        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+    except EngineError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table.")) -> None:
+    """List the model presets: name, family, scale (tiny or bench) and layer pattern."""
+    from engine.models.presets import list_presets, preset_info
+
+    rows = [preset_info(cfg) for cfg in list_presets()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "family", "scale", "parameters", "layers")
+    for r in rows:
+        params = r.get("parameters")
+        table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
+                      _layer_pattern(r["layers"]))
+    Console().print(table)
+
+
+def _runs(layers: list[str]) -> str:
+    out: list[list] = []
+    for kind in layers:
+        if out and out[-1][0] == kind:
+            out[-1][1] += 1
+        else:
+            out.append([kind, 1])
+    return ", ".join(kind if n == 1 else f"{kind} x{n}" for kind, n in out)
+
+
+def _layer_pattern(layers: list[str]) -> str:
+    """Compact form of a layer list: "(gdn x3, full) x6", or runs when not periodic."""
+    n = len(layers)
+    for period in range(1, n // 2 + 1):
+        if n % period == 0 and layers == layers[:period] * (n // period):
+            return f"({_runs(layers[:period])}) x{n // period}"
+    return _runs(layers)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    preset: str = PresetOpt,
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+) -> None:
+    """Generate from one prompt; print the text and its timings."""
+    from engine.runtime.sampling import SamplingParams
+
+    if not prompt:
+        _fail("PROMPT: must not be empty")
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    except ConfigError as exc:
+        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+    engine = _build(preset, _engine_config(device, dtype, 1, 2048, 2048, None, None))
+    try:
+        (out,) = engine.generate([prompt], params)
+    except InvalidRequestError as exc:
+        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+    except EngineError as exc:
+        _fail(str(exc))
+    tl = out.timeline
+    timings = {
+        "prompt_tokens": out.num_prompt_tokens,
+        "output_tokens": len(out.token_ids),
+        "ttft_ms": round(tl.ttft * 1e3, 3),
+        "decode_tokens_per_s": None if tl.decode_tokens_per_s is None else round(tl.decode_tokens_per_s, 2),
+        "total_ms": round(tl.e2e * 1e3, 3),
+        "finish_reason": out.finish_reason,
+    }
+    if as_json:
+        typer.echo(json.dumps({"text": out.text, **timings}))
+        return
+    typer.echo(out.text)
+    dtps = "n/a" if timings["decode_tokens_per_s"] is None else f"{timings['decode_tokens_per_s']:.1f}"
+    typer.echo(
+        f"[prompt tokens: {timings['prompt_tokens']} | output tokens: {timings['output_tokens']} | "
+        f"TTFT: {timings['ttft_ms']:.1f} ms | decode: {dtps} tokens/s | finish: {out.finish_reason}]",
+        err=True,
+    )
+
+
+@app.command()
+def serve(
+    preset: str = PresetOpt,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="0 picks a free port (printed)."),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    max_batch: int = MaxBatchOpt,
+    max_batched_tokens: int = BudgetOpt,
+    chunk_size: int = ChunkOpt,
+    kv_cache_tokens: Optional[int] = KvTokensOpt,
+    max_model_len: Optional[int] = MaxLenOpt,
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.server.app import serve as run_server
+
+    engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
+                                           kv_cache_tokens, max_model_len))
+    try:
+        run_server(engine, host, port)
+    except OSError as exc:
+        _fail(f"--host/--port: cannot listen on {host}:{port} ({exc})", 1)
+
+
+@app.command()
+def bench(
+    preset: str = PresetOpt,
+    num_requests: int = typer.Option(16, "--num-requests", min=1),
+    prompt_len: int = typer.Option(256, "--prompt-len", min=1),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
+    request_rate: Optional[float] = typer.Option(None, "--request-rate", help="Poisson arrivals per second (default: all at once)."),
+    seed: int = typer.Option(0, "--seed"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    max_batch: int = MaxBatchOpt,
+    max_batched_tokens: int = BudgetOpt,
+    chunk_size: int = ChunkOpt,
+    kv_cache_tokens: Optional[int] = KvTokensOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Synthetic load: N requests of a given prompt length; TTFT p50/p99 and throughput."""
+    from engine.bench import LoadSpec, run_load
+
+    spec = LoadSpec(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                    request_rate=request_rate, seed=seed)
+    try:
+        spec.validate()
+    except InvalidRequestError as exc:
+        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+    engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
+                                           kv_cache_tokens, None))
+    try:
+        report = run_load(engine, spec)
+    except EngineError as exc:
+        _fail(str(exc), 1)
+    result = {"preset": preset, "device": str(engine.device), **spec.__dict__, **report.as_dict()}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(
+        f"{preset}: {report.num_requests} requests x {prompt_len} prompt tokens -> {max_new_tokens} new tokens "
+        f"in {report.duration_s:.2f} s on {engine.device}\n"
+        f"  TTFT ms   p50 {report.ttft_ms_p50:.1f}  p99 {report.ttft_ms_p99:.1f}  mean {report.ttft_ms_mean:.1f}\n"
+        f"  TPOT ms   p50 {report.tpot_ms_p50:.2f}   e2e ms p50 {report.e2e_ms_p50:.1f}  p99 {report.e2e_ms_p99:.1f}\n"
+        f"  throughput {report.requests_per_s:.2f} req/s, {report.output_tokens_per_s:.1f} output tok/s, "
+        f"{report.total_tokens_per_s:.1f} total tok/s, {report.num_preemptions} preemptions"
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""`LLMEngine`: requests in, tokens out, one scheduler step at a time.
+
+The engine owns the model runner, the cache pool, the scheduler and the prefill
+planner, and runs each step the scheduler builds:
+
+    add_request(prompt | segments, SamplingParams) -> request id
+    step() -> [RequestOutput]      # new tokens and finished flags of this step
+    abort(request id)
+    generate([...]) -> [RequestOutput]   # offline convenience: run until done
+
+A step runs the batched decode of every decoding request (one `ModelRunner.decode`
+call over sequences of different lengths), then each granted prefill chunk through the
+request's `PrefillPlan` (engine.runtime.planner: `ApplyStep`s fill cache positions
+without compute, `ComputeStep`s go through `ModelRunner.prefill`), sampling the first
+token when a plan completes. Every request keeps its `RequestTimeline` (arrival,
+scheduled, first token, each token, finish), so TTFT and throughput come from real runs.
+
+Position-independent caching plugs in as the `planner` argument; the prompt's segments
+(text, cache flag, token range) stay on the `Request` for it. Not thread-safe: one
+thread drives an engine (engine.server.worker runs it for the HTTP server).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+
+from engine.errors import ConfigError, InvalidRequestError, RequestNotFoundError
+from engine.runtime.detokenizer import OutputText
+from engine.runtime.planner import ApplyStep, PrefillPlanner
+from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
+from engine.runtime.sampling import FINISH_STOP, SamplingParams, check_stop, make_generator, sample
+from engine.runtime.scheduler import CachePool, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+SegmentInput = Union[PromptSegment, dict]
+PromptInput = Union[str, Sequence[SegmentInput]]
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `text`/`token_ids` are the whole output so
+    far; `new_text`/`new_token_ids` what this step added (text withheld while it might
+    still become a stop string is released later)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str]
+    num_prompt_tokens: int
+    timeline: RequestTimeline
+    error: Optional[str] = None
+    num_reused_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (for /metrics and the bench)."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_reused: int = 0
+    num_generated_tokens: int = 0
+    num_finished: int = 0
+    num_preemptions: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Continuous-batching generation over one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        tokenizer: Any,
+        pool: CachePool,
+        scheduler_config: SchedulerConfig = SchedulerConfig(),
+        planner: Optional[PrefillPlanner] = None,
+        model_name: str = "model",
+        loaded_model: Any = None,
+    ) -> None:
+        self.runner = runner
+        # engine.models.weights.LoadedModel when built from a preset or directory:
+        # its `fingerprint` keys cached segments, its `source` says where weights came from.
+        self.loaded_model = loaded_model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.scheduler = Scheduler(scheduler_config, pool, planner)
+        self.model_name = model_name
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._texts: dict[str, OutputText] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
+        self._ids = itertools.count()
+        self.eos_token_id: Optional[int] = tokenizer.eos_id
+
+    @property
+    def planner(self) -> PrefillPlanner:
+        return self.scheduler.planner
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Optional[PromptInput] = None,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        arrival_time: Optional[float] = None,
+    ) -> str:
+        """Queue a request; returns its id. `prompt` is a string (one uncached segment)
+        or a list of segments `{"text": str, "cache": bool}`; or pass `prompt_token_ids`
+        instead. Raises `InvalidRequestError` (naming the field) for bad input and
+        `CapacityError` for a request that can never fit the cache."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        token_ids, segments = self._tokenize(prompt, prompt_token_ids)
+        vocab = self.runner.model.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside the vocabulary [0, {vocab})")
+        timeline = RequestTimeline(arrival_time if arrival_time is not None else time.perf_counter())
+        req = Request(request_id, token_ids, segments, params, timeline=timeline)
+        self.scheduler.add_request(req)  # may raise CapacityError
+        self._requests[request_id] = req
+        self._texts[request_id] = OutputText(self.tokenizer, params.stop_strings)
+        gen = make_generator(params, self.device)
+        if gen is not None:
+            self._generators[request_id] = gen
+        return request_id
+
+    def _tokenize(
+        self, prompt: Optional[PromptInput], prompt_token_ids: Optional[Sequence[int]]
+    ) -> tuple[list[int], list[PromptSegment]]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt or prompt_token_ids")
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+            if not ids:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            return ids, [PromptSegment(text="", cache=False, token_start=0, token_end=len(ids))]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            prompt = [{"text": prompt, "cache": False}]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise InvalidRequestError("prompt", "must be a string or a non-empty list of segments")
+        ids: list[int] = []
+        segments: list[PromptSegment] = []
+        for i, seg in enumerate(prompt):
+            if isinstance(seg, PromptSegment):
+                text, cache = seg.text, seg.cache
+            elif isinstance(seg, dict):
+                text, cache = seg.get("text"), seg.get("cache", False)
+            else:
+                raise InvalidRequestError(f"segments[{i}]", f"must be a {{text, cache}} object, got {type(seg).__name__}")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"segments[{i}].text", f"must be a string, got {type(text).__name__}")
+            if not isinstance(cache, bool):
+                raise InvalidRequestError(f"segments[{i}].cache", f"must be true or false, got {cache!r}")
+            # Each segment is tokenized alone, so its token ids do not depend on its
+            # neighbours (a PIC cache key is the segment's own tokens).
+            seg_ids = self.tokenizer.encode(text, add_bos=(i == 0))
+            segments.append(PromptSegment(text, cache, len(ids), len(ids) + len(seg_ids)))
+            ids.extend(seg_ids)
+        if not ids:
+            raise InvalidRequestError("segments", "the prompt has no tokens")
+        return ids, segments
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its final output (finish_reason "abort") comes with the next
+        `step()`. Raises `RequestNotFoundError` for an unknown or finished id."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(request_id)
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._pending.append(self._finalize(req, [], ""))
+
+    def get_request(self, request_id: str) -> Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(request_id)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def cache_usage(self) -> float:
+        return self.pool.usage()
+
+    # ---- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of every request it touched."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(sched.preempted)
+        for req in sched.refused:
+            outputs.append(self._finalize(req, [], ""))
+        if sched.decodes:
+            seqs = [r.seq for r in sched.decodes]
+            last = [r.output_token_ids[-1] for r in sched.decodes]
+            logits = self.runner.decode(seqs, last)
+            tokens = self._sample(logits, sched.decodes)
+            for req, tok in zip(sched.decodes, tokens):
+                outputs.append(self._append_token(req, tok))
+        for chunk in sched.prefills:
+            req = chunk.request
+            logits = self._run_prefill(req, chunk.num_tokens)
+            if req.progress.done:
+                req.num_reused_tokens = req.plan.num_reused_tokens
+                self.stats.num_prompt_tokens_reused += req.num_reused_tokens
+                self.scheduler.mark_prefilled(req)
+                self.planner.on_prefill_done(req)
+                if req.sampling.max_new_tokens == 0:  # prefill only (e.g. to warm a cache)
+                    self.scheduler.finish(req, FinishReason.LENGTH)
+                    outputs.append(self._finalize(req, [], ""))
+                    continue
+                tok = self._sample(logits.reshape(1, -1), [req])[0]
+                outputs.append(self._append_token(req, tok))
+        return outputs
+
+    def _run_prefill(self, req: Request, grant: int) -> Optional[torch.Tensor]:
+        """Advance `req`'s plan by up to `grant` compute tokens (apply steps run as they
+        are reached). Returns the logits of the last computed token."""
+        progress = req.progress
+        tokens = req.prefill_token_ids()
+        logits = None
+        while not progress.done:
+            step = progress.current
+            if isinstance(step, ApplyStep):
+                step.apply(self.runner, req)
+                progress.skip_apply()
+                continue
+            if grant <= 0:
+                break
+            start = step.start + progress.offset
+            n = min(grant, step.end - start)
+            logits = self.runner.prefill(req.seq, tokens[start : start + n], start_pos=start)
+            progress.advance(n)
+            grant -= n
+            self.stats.num_prompt_tokens_computed += n
+        return logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        params = [r.sampling for r in reqs]
+        gens = [self._generators.get(r.request_id) for r in reqs]
+        return sample(logits, params, gens).tolist()
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        req.output_token_ids.append(token)
+        req.timeline.token_times.append(now)
+        if req.timeline.first_token is None:
+            req.timeline.first_token = now
+        self.stats.num_generated_tokens += 1
+        text = self._texts[req.request_id]
+        # EOS / stop ids / max_new_tokens by the sampling module's rule; stop strings by
+        # the incremental text (they may span tokens); a stop string beats the length limit.
+        verdict = check_stop(req.sampling, token, req.num_output_tokens, self.eos_token_id)
+        reason: Optional[FinishReason] = None
+        if verdict == FINISH_STOP:
+            reason = FinishReason.STOP
+        elif text.append([token]):
+            reason = FinishReason.STOP
+        elif verdict is not None:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return self._output(req, [token], text.take_delta())
+        self.scheduler.finish(req, reason)
+        return self._finalize(req, [token], "")
+
+    def _finalize(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        req.timeline.finished = time.perf_counter()
+        text = self._texts.pop(req.request_id)
+        self._requests.pop(req.request_id, None)
+        self._generators.pop(req.request_id, None)
+        self.stats.num_finished += 1
+        reason = req.finish_reason.value if req.finish_reason else "abort"
+        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+        out = self._output(req, new_ids, new_text + text.flush(), text_obj=text)
+        return out
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str, text_obj: Optional[OutputText] = None) -> RequestOutput:
+        text = text_obj if text_obj is not None else self._texts[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            token_ids=list(req.output_token_ids),
+            text=text.text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            timeline=req.timeline,
+            error=req.error,
+            num_reused_tokens=req.num_reused_tokens,
+        )
+
+    # ---- offline convenience ----------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Iterable[PromptInput],
+        params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+    ) -> list[RequestOutput]:
+        """Run the given prompts to completion (together, continuously batched) and
+        return their final outputs in input order. Other requests already in the engine
+        run too, but their outputs are not returned."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while wanted - final.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,123 @@
+"""`kvengine` as users run it: `python -m engine.cli ...` in a subprocess (presets,
+generate, serve), and in-process through typer's CliRunner where only the command's
+logic matters (bad options, bench, JSON output). The presets JSON schema, generate on a
+tiny preset (text equals the engine's greedy output), bad options rejected by name,
+bench's report, and serve answering over HTTP until SIGTERM."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engine.builder import EngineConfig, build_engine
+from engine.cli import app
+from engine.runtime.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def kvengine_in_process(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def kvengine(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_presets_json_lists_name_family_scale_and_layer_pattern():
+    res = kvengine("presets", "--json")
+    assert res.returncode == 0, res.stderr
+    presets = json.loads(res.stdout)
+    assert isinstance(presets, list) and presets
+    for p in presets:
+        assert isinstance(p["name"], str) and isinstance(p["family"], str)
+        assert p["scale"] in ("tiny", "bench")
+        assert p["layers"] and all(isinstance(kind, str) for kind in p["layers"])
+    names = [p["name"] for p in presets]
+    assert len(names) == len(set(names))
+    for family in {p["family"] for p in presets}:
+        assert {p["scale"] for p in presets if p["family"] == family} == {"tiny", "bench"}
+
+
+def test_generate_prints_the_greedy_text_and_timings():
+    res = kvengine_in_process("generate", "--preset", "ring-tiny", "Once upon a time", "--max-new-tokens", "6", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    engine = build_engine("ring-tiny", EngineConfig(device="cpu", dtype="float32", max_num_seqs=1))
+    (expected,) = engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=6))
+    assert out["text"] == expected.text
+    assert out["prompt_tokens"] == expected.num_prompt_tokens and out["output_tokens"] == len(expected.token_ids)
+    assert out["ttft_ms"] > 0
+    plain = kvengine("generate", "--preset", "ring-tiny", "Once upon a time", "--max-new-tokens", "6")
+    assert plain.returncode == 0 and plain.stdout.rstrip("\n") == expected.text
+    assert re.search(r"prompt tokens: \d+ .*TTFT: [0-9.]+ ms .*decode: [0-9.]+ tokens/s", plain.stderr)
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["generate", "--preset", "ring-tiny", "hi", "--top-p", "3"], "--top-p"),
+        (["generate", "--preset", "no-such-preset", "hi"], "no-such-preset"),
+        (["generate", "--preset", "ring-tiny", "hi", "--dtype", "float8"], "--dtype"),
+        (["bench", "--preset", "ring-tiny", "--request-rate", "-1"], "--request-rate"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_option(args, named):
+    res = kvengine_in_process(*args)
+    assert res.exit_code == 2, res.output
+    assert named in res.stderr
+
+
+def test_bench_reports_ttft_percentiles_and_throughput():
+    res = kvengine_in_process("bench", "--preset", "gla-tiny", "--num-requests", "3", "--prompt-len", "16",
+                              "--max-new-tokens", "4", "--max-batch", "2", "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["num_requests"] == 3 and rep["output_tokens"] == 12 and rep["prompt_tokens"] == 48
+    assert 0 < rep["ttft_ms_p50"] <= rep["ttft_ms_p99"]
+    assert rep["output_tokens_per_s"] > 0 and rep["requests_per_s"] > 0
+
+
+def test_serve_answers_over_http_and_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--preset", "gemma3-tiny", "--port", "0", "--max-batch", "2",
+         "--kv-cache-tokens", "512", "--device", "cpu"],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"on (http://[\d.]+:\d+)", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = m.group(1)
+        with urllib.request.urlopen(url + "/health", timeout=30) as resp:
+            assert json.loads(resp.read())["model"] == "gemma3-tiny"
+        req = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": "hi", "max_tokens": 3, "temperature": 0}).encode())
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            body = json.loads(resp.read())
+        assert body["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0
