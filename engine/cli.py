@@ -5,6 +5,7 @@
     kvengine generate --preset NAME "PROMPT" [--max-new-tokens N --temperature T --top-p P --seed S]
     kvengine presets [--json]
     kvengine bench --preset NAME [--num-requests N --prompt-len L --max-new-tokens M --request-rate R --json]
+    kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json]
 
 These command and option names are an interface that scripts depend on; keep them.
 Bad input exits with status 2 and a message naming the option.
@@ -221,6 +222,53 @@ def bench(
         f"  throughput {report.requests_per_s:.2f} req/s, {report.output_tokens_per_s:.1f} output tok/s, "
         f"{report.total_tokens_per_s:.1f} total tok/s, {report.num_preemptions} preemptions"
     )
+
+
+@app.command("run")
+def run_cmd(
+    preset: str = PresetOpt,
+    requests: str = typer.Option(..., "--requests", help="JSONL file, one {id, segments: [{text, cache}]} per line."),
+    method: str = typer.Option("pic", "--method", help="full, prefix, naive or pic."),
+    seam: int = typer.Option(16, "--seam", min=0, help="pic: tokens recomputed in context at the head of each spliced segment after the first."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=0),
+    as_json: bool = typer.Option(False, "--json", help="One JSON line per request instead of a table."),
+    swa_seam: str = typer.Option("window", "--swa-seam", help="SWA seam policy: window (max(seam, window)) or seam."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    chunk_size: int = ChunkOpt,
+) -> None:
+    """Run segmented requests in file order with one prefill method (position-independent
+    caching or a baseline); print reuse and timing per request."""
+    from engine.pic.config import PicConfig
+    from engine.pic.errors import PicConfigError
+    from engine.pic.run import attach_planner, print_table, read_requests, run_requests
+
+    try:
+        config = PicConfig(method=method, seam=seam, swa_seam=swa_seam)
+    except PicConfigError as exc:
+        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+    try:
+        reqs = read_requests(requests)
+    except InvalidRequestError as exc:
+        _fail(f"--requests: {exc}")
+    engine = _build(preset, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))
+    planner = attach_planner(engine, config)
+    records = []
+    try:
+        for rec in run_requests(engine, planner, reqs, max_new_tokens, tuple(stop or ())):
+            records.append(rec)
+            if as_json:
+                typer.echo(json.dumps(rec))
+    except InvalidRequestError as exc:
+        _fail(f"{exc.field}: {exc.message}", 1)
+    except EngineError as exc:
+        _fail(str(exc), 1)
+    if not as_json:
+        stats = planner.cache.stats().as_dict() if hasattr(planner, "cache") else (
+            planner.tree.stats() if hasattr(planner, "tree") else None)
+        print_table(records, f"{preset} method={method}" + (f" seam={planner.seam}" if hasattr(planner, "seam") else ""),
+                    stats)
 
 
 def main() -> None:

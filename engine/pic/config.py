@@ -1,0 +1,88 @@
+"""`PicConfig`: the knobs of position-independent caching and of its baselines, one frozen
+dataclass shared by the planners, the CLI (`kvengine run`) and the quality harness.
+
+Methods (one flag each, all in the same engine):
+- `full`: recompute every prompt token (no reuse).
+- `prefix`: prefix caching over segment boundaries with state checkpoints (engine.pic.prefix).
+- `naive`: splice every cached segment as computed alone; no seam; linear states added
+  without their transition operator (S = S_prev + E), the HYPIC "naive addition" baseline.
+- `pic`: splice with a seam of `seam` tokens recomputed in context at the head of every
+  segment after the first, linear states composed exactly (S = T_tail S_seam + E_tail).
+
+The SWA seam policy (`swa_seam`) decides the seam of models with sliding-window layers:
+`"window"` (default) recomputes max(seam, window) tokens, so every token whose SWA window
+reaches into the previous segment is recomputed in context; `"seam"` uses `seam` alone.
+See docs/pic.md for why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.pic.errors import PicConfigError
+
+METHODS = ("full", "prefix", "naive", "pic")
+SWA_SEAM_POLICIES = ("window", "seam")
+ANCHORS = ("bos", "none")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+DEFAULT_SEAM = 16
+DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
+DEFAULT_PREFIX_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class PicConfig:
+    """Options of the PIC planner and its baselines.
+
+    method: one of METHODS. seam: tokens recomputed in context at the head of each
+    spliced segment after the first (`pic` only). swa_seam: SWA seam policy (module
+    docstring). anchor: `"bos"` computes every segment alone behind the tokenizer's BOS
+    (the token a prompt starts with), `"none"` alone from position 0 with nothing before
+    it. state_dtype: dtype of cached linear states E and dense transition operators
+    (composition always runs in float32). kernel: `"auto"` runs the Triton kernels on
+    CUDA and their torch references on the CPU; `"triton"` forces Triton (the interpreter
+    on the CPU); `"torch"` forces the references. signature_cache_bytes /
+    prefix_cache_bytes: capacity of the in-process caches. sync_timing: synchronise the
+    device at every timing mark (exact time split on a GPU, at a small cost).
+    """
+
+    method: str = "pic"
+    seam: int = DEFAULT_SEAM
+    swa_seam: str = "window"
+    anchor: str = "bos"
+    state_dtype: str = "float32"
+    kernel: str = "auto"
+    signature_cache_bytes: int = DEFAULT_SIGNATURE_CACHE_BYTES
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    sync_timing: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise PicConfigError(f"method={self.method!r} must be one of {', '.join(METHODS)}")
+        if not isinstance(self.seam, int) or isinstance(self.seam, bool) or self.seam < 0:
+            raise PicConfigError(f"seam={self.seam!r} must be an int >= 0")
+        if self.swa_seam not in SWA_SEAM_POLICIES:
+            raise PicConfigError(f"swa_seam={self.swa_seam!r} must be one of {', '.join(SWA_SEAM_POLICIES)}")
+        if self.anchor not in ANCHORS:
+            raise PicConfigError(f"anchor={self.anchor!r} must be one of {', '.join(ANCHORS)}")
+        if self.kernel not in KERNEL_BACKENDS:
+            raise PicConfigError(f"kernel={self.kernel!r} must be one of {', '.join(KERNEL_BACKENDS)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise PicConfigError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
+        for name in ("signature_cache_bytes", "prefix_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise PicConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
+
+    def effective_seam(self, window: int | None) -> int:
+        """Seam length of a segment after the first, before clipping to its length: the
+        configured seam for `pic` (max with the SWA window under the "window" policy when
+        the model has sliding-window layers), 0 for `naive`."""
+        if self.method == "naive":
+            return 0
+        if window and self.swa_seam == "window":
+            return max(self.seam, window)
+        return self.seam

@@ -1,0 +1,258 @@
+"""The prefill planners of `kvengine run --method full|prefix|naive|pic`, plugged into the
+scheduler's prefill-planner hook (engine.runtime.planner), and `make_planner`.
+
+`PicPlanner` (methods `pic` and `naive`) plans a request from its segments:
+
+- the first segment, when cached and right behind the anchor (BOS), is spliced whole
+  from its signature: the alone pass is the real computation of those positions;
+- every later cached segment gets a seam: its first `split = min(n, seam)` tokens
+  are computed in context (through every layer, against the spliced K/V and the
+  composed states), then its tail [split, n) is spliced (`engine.pic.splice`);
+  with `naive` the seam is 0 and states are added without T;
+- uncached segments, and the last segment of the prompt (its last token's logits
+  are the first output), are computed in context.
+
+Every plan starts with two zero-width apply steps: `lookup` (one `get` per distinct
+segment) and `miss` (each missing segment is computed alone, put into the signature
+cache, then spliced exactly as a hit would be: a cold and a warm request take the same
+path). Signatures are keyed by `segment_key(fingerprint, content tokens,
+signature_variant(anchor, split))`, so the same segment reuses one signature at any
+offset and in any order. Accounting and timing: engine.pic.report.
+
+`FullPlanner` computes everything (with the same report); the prefix planner lives in
+engine.pic.prefix. Planners are called from the engine loop's thread only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from engine.models.config import SWA, ModelConfig
+from engine.pic.compute import compute_signature
+from engine.pic.config import PicConfig
+from engine.pic.errors import PicConfigError
+from engine.pic.report import PlanBuilder, PrefillReport, ReportBook
+from engine.pic.signature import SegmentSignature
+from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, segment_key, signature_variant
+from engine.pic.splice import SplicePiece, splice
+from engine.runtime.planner import PrefillPlan
+from engine.runtime.request import PromptSegment, Request
+
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STATE_KEY = "pic"
+
+
+@dataclass(frozen=True)
+class SpliceUnit:
+    """A cached segment to splice: content tokens at [offset, end) of the prompt."""
+
+    offset: int
+    end: int
+    split: int
+    first: bool
+    key: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.offset
+
+
+@dataclass
+class _RequestState:
+    builder: PlanBuilder
+    units: list[SpliceUnit]
+    token_ids: list[int]
+    signatures: dict[bytes, SegmentSignature] = field(default_factory=dict)
+    missing: list[SpliceUnit] = field(default_factory=list)
+    held: list[bytes] = field(default_factory=list)
+
+
+class _ReportingPlanner:
+    """Shared by every planner here: per-request reports, kept for `take_report`."""
+
+    name = "base"
+
+    def __init__(self, config: PicConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.reports = ReportBook()
+
+    def _new_builder(self, request: Request) -> PlanBuilder:
+        report = PrefillReport(request.request_id, self.name, len(request.prefill_token_ids()))
+        return PlanBuilder(report, self.device, self.config.sync_timing)
+
+    def take_report(self, request_id: str) -> Optional[PrefillReport]:
+        """The report of a request whose prefill completed (each report is returned once)."""
+        return self.reports.take(request_id)
+
+    def _finish(self, request: Request, builder: PlanBuilder) -> None:
+        builder.finish()
+        self.reports.add(builder.report)
+
+    def on_prefill_done(self, request: Request) -> None:
+        state = request.planner_state.get(_STATE_KEY)
+        if state is not None:
+            self._finish(request, state.builder)
+            self._release(state)
+
+    def on_request_freed(self, request: Request) -> None:
+        state = request.planner_state.pop(_STATE_KEY, None)
+        if state is not None:
+            self._release(state)
+
+    def _release(self, state) -> None:
+        return None
+
+
+class FullPlanner(_ReportingPlanner):
+    """`full`: compute every prompt token."""
+
+    name = "full"
+
+    def plan(self, request: Request) -> PrefillPlan:
+        b = self._new_builder(request)
+        b.apply(0, lambda runner, req: None, "lookup", "start")
+        b.compute(len(request.prefill_token_ids()), "suffix")
+        request.planner_state[_STATE_KEY] = _RequestState(b, [], [])
+        return b.build()
+
+
+class PicPlanner(_ReportingPlanner):
+    """`pic` and `naive` (module docstring)."""
+
+    def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str,
+                 anchor_ids: Sequence[int], cache: SignatureCache, device: torch.device) -> None:
+        super().__init__(config, device)
+        if config.method not in ("pic", "naive"):
+            raise PicConfigError(f"PicPlanner serves methods pic and naive, not {config.method!r}")
+        self.name = config.method
+        self.fingerprint = fingerprint
+        self.anchor_ids = [int(t) for t in anchor_ids]
+        self.cache = cache
+        window = model_config.attention.sliding_window if SWA in model_config.layers else None
+        self.seam = config.effective_seam(window)
+        self.linear_mode = "add" if config.method == "naive" else "compose"
+        self.state_dtype = STATE_DTYPES[config.state_dtype]
+
+    # ------------------------------------------------------------------ planning
+    def key(self, content: Sequence[int], split: int) -> bytes:
+        return segment_key(self.fingerprint, content, signature_variant(self.anchor_ids, split))
+
+    def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
+        """("compute", start, end, kind) and ("splice", SpliceUnit) items in prompt order."""
+        a = len(self.anchor_ids)
+        segments = [s for s in segments if s.num_tokens > 0]
+        items: list[tuple] = []
+        for i, s in enumerate(segments):
+            if not s.cache or i == len(segments) - 1:
+                items.append(("compute", s.token_start, s.token_end, "suffix"))
+                continue
+            first = s.token_start == 0 and ids[:a] == self.anchor_ids
+            offset = a if first else s.token_start
+            n = s.token_end - offset
+            if n <= 0:
+                items.append(("compute", s.token_start, s.token_end, "suffix"))
+                continue
+            split = min(n, self.seam)
+            unit = SpliceUnit(offset, s.token_end, split, first, self.key(ids[offset:s.token_end], split))
+            if first:
+                items.append(("splice", unit))
+            elif split >= n:
+                items.append(("compute", s.token_start, s.token_end, "seam"))
+            else:
+                items.append(("compute", s.token_start, offset + split, "seam"))
+                items.append(("splice", unit))
+        return items
+
+    def plan(self, request: Request) -> PrefillPlan:
+        ids = list(request.prefill_token_ids())
+        items = self._layout(ids, request.prefill_segments())
+        b = self._new_builder(request)
+        units = [it[1] for it in items if it[0] == "splice"]
+        state = _RequestState(b, units, ids)
+        b.apply(0, self._lookup, "lookup", "look up segment signatures")
+        b.apply(0, self._compute_misses, "miss", "compute missing segments alone")
+        run: list[SpliceUnit] = []
+        for it in items:
+            if it[0] == "splice":
+                run.append(it[1])
+                continue
+            self._flush(b, run)
+            b.compute(it[2], it[3])
+        self._flush(b, run)
+        request.planner_state[_STATE_KEY] = state
+        return b.build()
+
+    def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
+        """One apply step splicing a run of contiguous units (batched kernels)."""
+        if not run:
+            return
+        units = tuple(run)
+        run.clear()
+        label = f"splice {len(units)} segment(s) at {units[0].offset}"
+        b.apply(units[-1].end, lambda runner, req, _u=units: self._splice(runner, req, _u), "load", label)
+
+    # --------------------------------------------------------------- apply steps
+    def _lookup(self, runner, request: Request) -> None:
+        state: _RequestState = request.planner_state[_STATE_KEY]
+        report = state.builder.report
+        seen: set[bytes] = set()
+        a = len(self.anchor_ids)
+        for u in state.units:
+            if u.key not in seen:
+                seen.add(u.key)
+                sig = self.cache.get(u.key)
+                if sig is None:
+                    state.missing.append(u)
+                    continue
+                state.held.append(u.key)
+                state.signatures[u.key] = sig.to(runner.cache.device)
+            if u.key in state.signatures:
+                report.add_hit(u.num_tokens + a if u.first else u.num_tokens - u.split)
+
+    def _compute_misses(self, runner, request: Request) -> None:
+        state: _RequestState = request.planner_state[_STATE_KEY]
+        report = state.builder.report
+        for u in state.missing:
+            sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
+                                    backend=runner.backend, state_dtype=self.state_dtype)
+            sig.meta["fingerprint"] = self.fingerprint
+            self.cache.put(u.key, sig)
+            state.signatures[u.key] = sig
+            report.add_miss(len(self.anchor_ids) + u.num_tokens)
+
+    def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
+        state: _RequestState = request.planner_state[_STATE_KEY]
+        pieces = [SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode) for u in units]
+        splice(runner.cache, runner.model, request.seq, pieces, kernel=self.config.kernel)
+
+    def _release(self, state: _RequestState) -> None:
+        for key in state.held:
+            self.cache.release(key)
+        state.held.clear()
+
+
+def anchor_for(config: PicConfig, tokenizer) -> list[int]:
+    """The anchor tokens every segment is computed behind: [BOS] or nothing."""
+    if config.anchor == "bos" and getattr(tokenizer, "bos_id", None) is not None:
+        return [int(tokenizer.bos_id)]
+    return []
+
+
+def make_planner(config: PicConfig, model, fingerprint: str, tokenizer,
+                 signature_cache: Optional[SignatureCache] = None, prefix_tree=None):
+    """The planner of `config.method` for `model` (a HybridDecoder). `signature_cache`
+    (pic, naive) defaults to an in-process LRU of `config.signature_cache_bytes`;
+    `prefix_tree` (prefix) to a new `PrefixTree` of `config.prefix_cache_bytes`."""
+    device = model.device
+    if config.method == "full":
+        return FullPlanner(config, device)
+    if config.method == "prefix":
+        from engine.pic.prefix import PrefixPlanner, PrefixTree
+
+        tree = prefix_tree if prefix_tree is not None else PrefixTree(config.prefix_cache_bytes)
+        return PrefixPlanner(config, tree, device)
+    cache = signature_cache if signature_cache is not None else InMemorySignatureCache(config.signature_cache_bytes)
+    return PicPlanner(config, model.config, fingerprint, anchor_for(config, tokenizer), cache, device)

@@ -1,0 +1,249 @@
+"""Prefix caching for hybrid models, the `prefix` baseline: a radix tree over segment
+boundaries whose nodes hold state checkpoints (Marconi / SGLang style).
+
+A node is one segment appended to its parent's prefix; its `BoundaryCheckpoint` holds
+what a request needs to continue from the end of that prefix: the full-attention K/V of
+the node's own positions (a path's nodes together hold the whole prefix's K/V), and at
+the boundary itself the sliding-window rows of the last `window` positions, every linear
+layer's state and conv tail. Linear states cannot be rolled back, so a prefix is reusable
+only up to a boundary that has a checkpoint; this is why boundaries sit at segment ends.
+
+`PrefixPlanner` matches the request's leading cached segments (never its last segment,
+whose last token must be computed), restores the deepest matched checkpoint, computes
+the rest, and snapshots a checkpoint after each further leading cached segment (a
+zero-width apply step at the boundary). Checkpointed positions are reused verbatim, so a
+matched prefix gives the same outputs as full recomputation.
+
+Eviction: least recently used leaves first, until the bytes held fit `capacity_bytes`;
+nodes in use by a live request are pinned and never evicted.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
+from engine.pic.config import PicConfig
+from engine.pic.errors import SplicePlacementError
+from engine.pic.planner import _STATE_KEY, _ReportingPlanner
+from engine.pic.report import PlanBuilder
+from engine.runtime.planner import PrefillPlan
+from engine.runtime.request import Request
+
+
+@dataclass
+class BoundaryCheckpoint:
+    """Cache contents for positions [start, end) (full K/V) and at `end` (the rest)."""
+
+    start: int
+    end: int
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    ring: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)  # k, v, first position
+    states: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        tensors = [t for pair in self.kv.values() for t in pair]
+        tensors += [t for k, v, _ in self.ring.values() for t in (k, v)]
+        tensors += [t for pair in self.states.values() for t in pair if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def capture_checkpoint(manager, seq, start: int, end: int) -> BoundaryCheckpoint:
+    """Copy what `seq`'s caches hold for [start, end) and at `end`."""
+    if seq.num_computed_tokens != end:
+        raise SplicePlacementError(f"checkpoint at {end} but the caches hold {seq.num_computed_tokens} positions")
+    cp = BoundaryCheckpoint(start, end)
+    for i, cache in enumerate(manager.layers):
+        if isinstance(cache, PagedKVCache):
+            k, v = cache.gather(manager.flat_slots(seq, start, end))
+            cp.kv[i] = (k.clone(), v.clone())
+        elif isinstance(cache, WindowRingCache):
+            first = max(0, end - cache.window)
+            k, v = cache.read(seq.slot, torch.arange(first, end, device=cache.k.device))
+            cp.ring[i] = (k.clone(), v.clone(), first)
+        elif isinstance(cache, StateSlotCache):
+            tail = cache.get_conv_tail(seq.slot)
+            cp.states[i] = (cache.get_state(seq.slot).clone(), None if tail is None else tail.clone())
+    return cp
+
+
+def restore_checkpoints(manager, seq, path: list[BoundaryCheckpoint]) -> None:
+    """Write a path of checkpoints (root side first) into `seq`, which holds nothing yet."""
+    if seq.num_computed_tokens != 0:
+        raise SplicePlacementError(f"restore into caches that hold {seq.num_computed_tokens} positions")
+    end = path[-1].end
+    manager.ensure_capacity(seq, end)
+    last = path[-1]
+    for i, cache in enumerate(manager.layers):
+        if isinstance(cache, PagedKVCache):
+            for cp in path:
+                k, v = cp.kv[i]
+                cache.write(manager.flat_slots(seq, cp.start, cp.end), k, v)
+        elif isinstance(cache, WindowRingCache):
+            k, v, first = last.ring[i]
+            cache.write(seq.slot, torch.arange(first, end, device=cache.k.device), k, v)
+        elif isinstance(cache, StateSlotCache):
+            state, tail = last.states[i]
+            cache.set_state(seq.slot, state)
+            if tail is not None:
+                cache.set_conv_tail(seq.slot, tail)
+    seq.num_computed_tokens = end
+
+
+class PrefixNode:
+    """One segment edge of the radix tree."""
+
+    __slots__ = ("edge", "parent", "children", "checkpoint", "last_used", "pins", "nbytes")
+
+    def __init__(self, edge: tuple[int, ...], parent: Optional["PrefixNode"],
+                 checkpoint: Optional[BoundaryCheckpoint]) -> None:
+        self.edge = edge
+        self.parent = parent
+        self.children: dict[tuple[int, ...], PrefixNode] = {}
+        self.checkpoint = checkpoint
+        self.last_used = 0
+        self.pins = 0
+        self.nbytes = 0 if checkpoint is None else checkpoint.nbytes()
+
+
+class PrefixTree:
+    """Radix tree of segment-boundary checkpoints, LRU-evicted by bytes (module docstring)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.root = PrefixNode((), None, None)
+        self.bytes = 0
+        self.num_nodes = 0
+        self._clock = itertools.count(1)
+        self.lookups = self.hit_segments = self.hit_tokens = self.inserts = self.evictions = 0
+
+    def match(self, edges: list[tuple[int, ...]]) -> list[PrefixNode]:
+        """The longest chain of nodes whose edges equal `edges[0], edges[1], ...`."""
+        self.lookups += 1
+        node, path = self.root, []
+        for edge in edges:
+            child = node.children.get(edge)
+            if child is None:
+                break
+            child.last_used = next(self._clock)
+            path.append(child)
+            node = child
+        self.hit_segments += len(path)
+        self.hit_tokens += path[-1].checkpoint.end if path else 0
+        return path
+
+    def insert(self, parent: PrefixNode, edge: tuple[int, ...], checkpoint: BoundaryCheckpoint) -> Optional[PrefixNode]:
+        """Add (or refresh) the child `edge` of `parent`; None if it cannot fit."""
+        existing = parent.children.get(edge)
+        if existing is not None:
+            existing.last_used = next(self._clock)
+            return existing
+        node = PrefixNode(edge, parent, checkpoint)
+        if node.nbytes > self.capacity_bytes:
+            return None
+        parent.pins += 1  # the parent must survive the eviction that makes room for its child
+        try:
+            self._evict(self.capacity_bytes - node.nbytes)
+        finally:
+            parent.pins -= 1
+        if self.bytes + node.nbytes > self.capacity_bytes:
+            return None
+        node.last_used = next(self._clock)
+        parent.children[edge] = node
+        self.bytes += node.nbytes
+        self.num_nodes += 1
+        self.inserts += 1
+        return node
+
+    def _evict(self, limit: int) -> None:
+        while self.bytes > limit:
+            leaves = [n for n in self._nodes() if not n.children and n.pins == 0]
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda n: n.last_used)
+            del victim.parent.children[victim.edge]
+            self.bytes -= victim.nbytes
+            self.num_nodes -= 1
+            self.evictions += 1
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def stats(self) -> dict:
+        return {"nodes": self.num_nodes, "bytes": self.bytes, "capacity_bytes": self.capacity_bytes,
+                "lookups": self.lookups, "hit_segments": self.hit_segments, "hit_tokens": self.hit_tokens,
+                "inserts": self.inserts, "evictions": self.evictions}
+
+
+@dataclass
+class _PrefixState:
+    builder: PlanBuilder
+    pinned: list[PrefixNode] = field(default_factory=list)
+    tip: Optional[PrefixNode] = None  # deepest node of this request's prefix so far
+
+
+class PrefixPlanner(_ReportingPlanner):
+    """`prefix` (module docstring)."""
+
+    name = "prefix"
+
+    def __init__(self, config: PicConfig, tree: PrefixTree, device: torch.device) -> None:
+        super().__init__(config, device)
+        self.tree = tree
+
+    def plan(self, request: Request) -> PrefillPlan:
+        ids = list(request.prefill_token_ids())
+        segments = [s for s in request.prefill_segments() if s.num_tokens > 0]
+        leading = []
+        for s in segments[:-1]:
+            if not s.cache:
+                break
+            leading.append(s)
+        b = self._new_builder(request)
+        t0 = time.perf_counter()
+        path = self.tree.match([tuple(ids[s.token_start:s.token_end]) for s in leading])
+        b.report.lookup_ms += (time.perf_counter() - t0) * 1e3
+        state = _PrefixState(b, list(path), path[-1] if path else self.tree.root)
+        for node in path:
+            node.pins += 1
+        request.planner_state[_STATE_KEY] = state
+        if path:
+            checkpoints = [n.checkpoint for n in path]
+            b.apply(checkpoints[-1].end, lambda runner, req, _c=checkpoints: restore_checkpoints(
+                runner.cache, req.seq, _c), "load", f"restore prefix of {len(path)} segment(s)")
+            for s in leading[:len(path)]:
+                b.report.add_hit(s.num_tokens)
+        else:
+            b.apply(0, lambda runner, req: None, "lookup", "start")
+        for s in leading[len(path):]:
+            b.compute(s.token_end, "suffix")
+            b.report.miss_segments += 1
+            b.apply(s.token_end, lambda runner, req, _s=s: self._checkpoint(runner, req, _s), "checkpoint",
+                    f"checkpoint at {s.token_end}")
+        b.compute(len(ids), "suffix")
+        return b.build()
+
+    def _checkpoint(self, runner, request: Request, seg) -> None:
+        state: _PrefixState = request.planner_state[_STATE_KEY]
+        if state.tip is None:  # an earlier checkpoint of this request did not fit
+            return
+        cp = capture_checkpoint(runner.cache, request.seq, seg.token_start, seg.token_end)
+        edge = tuple(request.prefill_token_ids()[seg.token_start:seg.token_end])
+        node = self.tree.insert(state.tip, edge, cp)
+        state.tip = node
+        if node is not None:
+            node.pins += 1
+            state.pinned.append(node)
+
+    def _release(self, state: _PrefixState) -> None:
+        for node in state.pinned:
+            node.pins -= 1
+        state.pinned.clear()
