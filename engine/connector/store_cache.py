@@ -75,6 +75,7 @@ CLAIM_BYTES = 1
 OWNED = "owned"  # this engine computes the segment and stores it
 WAITED = "waited"  # another engine computed it while this one waited: `segment` holds it
 PRESENT = "present"  # it landed before the claim: `segment` holds it
+INFLIGHT = "in_flight"  # another engine computes it: `wait_inflight(claim)` next
 COMPUTE = "compute"  # compute it here without a claim (dedup off, daemon away, wait timed out)
 
 
@@ -268,7 +269,11 @@ class StoreSignatureCache(SignatureCache):
 
     # ------------------------------------------------------------------ claims
     def claim(self, key: bytes) -> Claim:
-        """Decide who computes the missing segment `key` (module docstring)."""
+        """Decide who computes the missing segment `key` (module docstring). Never
+        waits: an `INFLIGHT` answer is followed by `wait_inflight`, so an engine first
+        claims all its misses, computes its own, and only then waits for the others'
+        (two engines that each claimed a segment the other needs cannot wait on each
+        other)."""
         if not self.config.dedup:
             return Claim(key, COMPUTE)
         ck = claim_key(key)
@@ -297,14 +302,21 @@ class StoreSignatureCache(SignatureCache):
             self.metrics.inc("claims")
             return claim
         # "in_flight": another engine computes it ("exists" cannot happen: claims are never committed)
+        return Claim(key, INFLIGHT)
+
+    def wait_inflight(self, claim: Claim) -> Claim:
+        """Wait (at most `inflight_wait_s`) for the engine computing `claim.key`, then
+        load it: `WAITED` with the segment, or `COMPUTE` when it did not arrive."""
+        key = claim.key
         self.metrics.inc("inflight_waits")
         t0 = time.perf_counter()
         try:
-            self.link.call("wait_for", lambda c: c.wait_for(ck, timeout=self.config.inflight_wait_s))
+            self.link.call("wait_for", lambda c: c.wait_for(claim_key(key), timeout=self.config.inflight_wait_s))
         except StoreUnavailable:
+            self.metrics.inc("inflight_wait_misses")
             return Claim(key, COMPUTE, wait_ms=(time.perf_counter() - t0) * 1e3)
         except KVStoreError as exc:
-            log.warning("waiting for segment %s failed (%s); computing it", key.hex()[:16], exc)
+            log.warning("waiting for segment %s failed (%s); loading or computing it", key.hex()[:16], exc)
         seg = self.acquire(key, wait_device=False)
         wait_ms = (time.perf_counter() - t0) * 1e3
         if seg is not None:
