@@ -12,12 +12,13 @@ hits to the CPU arena), then per segment, by where its bytes lie:
 | GPU arena (CUDA IPC) | - | zero-copy views over the IPC mapping (same device; else a device-to-device copy) |
 | NVMe file | views over the mapped file (page cache) | kvikio read straight into device memory when kvikio is importable, else promoted to the CPU arena by the Get |
 
-The batch is published (`LoadBatch.wait` returns) as soon as every copy is *issued*;
-each `LoadedSegment` carries the CUDA event its copies complete on, and its consumer
-makes the compute stream wait on that event just before the splice that reads it
-(`LoadedSegment.wait_device`), so copies of later segments run while earlier segments
-are spliced and their seams computed. Leases of copied segments are released by the
-loader thread after the copies finish.
+A batch is published in stages: the Lookup answer first (`wait_lookup`: the planner
+learns its misses and starts computing them while the hits load), then each segment
+as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries the CUDA
+event its copies complete on, and its consumer makes the compute stream wait on that
+event just before the splice that reads it (`LoadedSegment.wait_device`), so later
+segments decode and copy while earlier ones are spliced and their seams computed.
+Leases of copied segments are released by the loader thread once the copies finish.
 
 `hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
 promote NVMe hits to the CPU tier ahead of use; it takes no lease.
@@ -109,20 +110,25 @@ class LoadedSegment:
 
 
 class LoadBatch:
-    """The loads of one request (or one synchronous get)."""
+    """The loads of one request (or one synchronous get), published in two stages: the
+    Lookup answer (`wait_lookup`: which keys are hits), then each segment as soon as
+    it is placed (`wait_key`), so the engine can splice the first segments while the
+    loader still decodes and copies later ones."""
 
     def __init__(self, request_id: Optional[str], keys: Sequence[bytes]) -> None:
         self.request_id = request_id
         self.keys = list(dict.fromkeys(keys))
-        self.future: cf.Future = cf.Future()
         self.submitted = time.perf_counter()
         self.started: Optional[float] = None
         self.finished: Optional[float] = None  # every copy complete
         self.unavailable = False  # the daemon could not be reached
         self.error: Optional[str] = None
-        self.wait_ms = 0.0
-        self.tiers: dict[bytes, str] = {}
-        self._lock = threading.Lock()
+        self.wait_ms = 0.0  # time callers blocked in wait_lookup / wait_key
+        self.tiers: dict[bytes, str] = {}  # hits at lookup -> tier
+        self._cond = threading.Condition()
+        self._looked_up = False
+        self._done = False  # every key placed or failed
+        self._placed: set[bytes] = set()  # keys whose outcome is known
         self._results: dict[bytes, LoadedSegment] = {}
         self._abandoned = False
 
@@ -133,44 +139,66 @@ class LoadBatch:
             return 0.0
         return (self.finished - self.submitted) * 1e3
 
-    def wait(self, timeout: float) -> bool:
-        """Block until the batch is published (copies issued); False on timeout. The time
-        blocked is added to `wait_ms`."""
+    @property
+    def hits(self) -> set[bytes]:
+        """Keys the Lookup found (valid once `wait_lookup` returned True)."""
+        return set(self.tiers)
+
+    def _wait(self, ready, timeout: float) -> bool:
         t0 = time.perf_counter()
-        try:
-            self.future.result(timeout=timeout)
-            ok = True
-        except cf.TimeoutError:
-            ok = False
+        with self._cond:
+            ok = self._cond.wait_for(ready, timeout=timeout)
         self.wait_ms += (time.perf_counter() - t0) * 1e3
         return ok
 
+    def wait_lookup(self, timeout: float) -> bool:
+        """Block until the Lookup answered (or the batch failed); False on timeout."""
+        return self._wait(lambda: self._looked_up, timeout)
+
+    def wait_key(self, key: bytes, timeout: float) -> bool:
+        """Block until `key`'s outcome is known (loaded, missing or failed); False on timeout."""
+        return self._wait(lambda: self._done or key in self._placed, timeout)
+
+    def wait_all(self, timeout: float) -> bool:
+        return self._wait(lambda: self._done, timeout)
+
     def take(self, key: bytes) -> Optional[LoadedSegment]:
-        """Hand the loaded segment of `key` to the caller (once); None on a miss or if
-        the batch is not published."""
-        if not self.future.done():
-            return None
-        with self._lock:
+        """Hand the loaded segment of `key` to the caller (once); None on a miss or when
+        its outcome is not known yet."""
+        with self._cond:
             return self._results.pop(key, None)
 
     def abandon(self) -> None:
-        """Nobody will take the remaining results: release their leases now or when the
-        batch is published."""
-        with self._lock:
+        """Nobody will take the remaining results: release their leases now, and those
+        placed later as they are placed."""
+        with self._cond:
             self._abandoned = True
             rest, self._results = list(self._results.values()), {}
         for seg in rest:
             seg.release()
 
-    def _publish(self, results: dict[bytes, LoadedSegment]) -> None:
-        with self._lock:
+    # ------------------------------------------------------------------ loader side
+    def _set_looked_up(self, tiers: dict[bytes, str]) -> None:
+        with self._cond:
+            self.tiers = tiers
+            self._looked_up = True
+            self._cond.notify_all()
+
+    def _place(self, key: bytes, seg: Optional[LoadedSegment]) -> None:
+        with self._cond:
             abandoned = self._abandoned
-            if not abandoned:
-                self._results = results
-        if abandoned:
-            for seg in results.values():
-                seg.release()
-        self.future.set_result(None)
+            if seg is not None and not abandoned:
+                self._results[key] = seg
+            self._placed.add(key)
+            self._cond.notify_all()
+        if seg is not None and abandoned:
+            seg.release()
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._looked_up = True
+            self._done = True
+            self._cond.notify_all()
 
 
 class SegmentLoader:
@@ -200,13 +228,13 @@ class SegmentLoader:
         batch = LoadBatch(request_id, keys)
         if not batch.keys:
             batch.started = batch.finished = batch.submitted
-            batch.future.set_result(None)
+            batch._finish()
             return batch
         try:
             self._pool.submit(self._run, batch)
         except RuntimeError:  # shut down
             batch.unavailable = True
-            batch._publish({})
+            batch._finish()
         return batch
 
     def load_now(self, keys: Sequence[bytes]) -> LoadBatch:
@@ -239,9 +267,9 @@ class SegmentLoader:
 
     def _run(self, batch: LoadBatch) -> None:
         batch.started = time.perf_counter()
-        results: dict[bytes, LoadedSegment] = {}
+        segments: list[LoadedSegment] = []
         try:
-            results = self._load(batch)
+            self._load(batch, segments)
         except StoreUnavailable as exc:
             batch.unavailable = True
             batch.error = str(exc)
@@ -253,8 +281,7 @@ class SegmentLoader:
             self.metrics.inc("store_errors")
             batch.error = repr(exc)
             log.exception("loading %d segments failed", len(batch.keys))
-        segments = list(results.values())
-        batch._publish(results)
+        batch._finish()
         for seg in segments:  # copies were issued; finish them here, off the engine thread
             if seg.ready is not None:  # pragma: no cover - GPU only
                 seg.ready.synchronize()
@@ -265,7 +292,7 @@ class SegmentLoader:
         if batch.request_id is not None and batch.keys:
             self.metrics.inc("load_ms_total", batch.load_ms)
 
-    def _load(self, batch: LoadBatch) -> dict[bytes, LoadedSegment]:
+    def _load(self, batch: LoadBatch, segments: list[LoadedSegment]) -> None:
         keys = batch.keys
         t0 = time.perf_counter()
         entries = self.link.call("lookup", lambda kv: kv.lookup(keys))
@@ -273,9 +300,9 @@ class SegmentLoader:
         self.metrics.inc("lookup_keys", len(keys))
         hits = [e for e in entries if e.hit]
         self.metrics.inc("lookup_hits", len(hits))
+        batch._set_looked_up({e.key: e.tier or "cpu" for e in hits})
         if not hits:
-            return {}
-        batch.tiers = {e.key: e.tier or "cpu" for e in hits}
+            return
         direct = [e.key for e in hits if e.tier == "nvme" and self._kvikio is not None]
         promoted = [e.key for e in hits if e.key not in set(direct)]
         views: list[tuple[bytes, Optional[ObjectView]]] = []
@@ -286,9 +313,9 @@ class SegmentLoader:
             got = self.link.call("get", lambda kv: kv.get_many(direct, promote=False))
             views += list(zip(direct, got))
         rpc_share = (time.perf_counter() - t0) * 1e3 / max(1, len(views))
-        results: dict[bytes, LoadedSegment] = {}
-        for key, view in views:
+        for i, (key, view) in enumerate(views):
             if view is None:  # evicted between lookup and get
+                batch._place(key, None)
                 continue
             t1 = time.perf_counter()
             try:
@@ -297,12 +324,18 @@ class SegmentLoader:
                 self.metrics.inc("store_errors")
                 log.warning("segment %s could not be loaded (%s); it will be recomputed", key.hex()[:16], exc)
                 view.release()
+                batch._place(key, None)
                 continue
+            except BaseException:
+                for _, rest in views[i:]:
+                    if rest is not None:
+                        rest.release()
+                raise
             seg.load_ms = rpc_share + (time.perf_counter() - t1) * 1e3
             if seg.tier == "nvme" and seg.served_tier != "nvme":
                 self.metrics.inc("promotions")
-            results[key] = seg
-        return results
+            segments.append(seg)
+            batch._place(key, seg)
 
     def _place(self, key: bytes, view: ObjectView, tier: str) -> LoadedSegment:
         """Decode one leased blob and put its signature where the engine reads it."""

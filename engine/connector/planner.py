@@ -8,16 +8,17 @@ What it adds to `PicPlanner`, in the order of a request's life:
    next few *queued* requests are looked up and hinted to the daemon (NVMe -> CPU
    promotion), so their loads are cheap by the time they are admitted. Requests
    admitted together load in admission order while earlier ones prefill.
-2. `lookup` step: takes each segment from the batch (blocking only if the batch is not
-   published yet; the time blocked is the request's `load_wait_ms`). The device copies
-   may still be running.
+2. `lookup` step: waits only for the batch's Lookup answer (which segments are hits),
+   so the `miss` step runs while the hits load.
 3. `miss` step: claims every missing segment through the daemon first, computes the
    ones this engine won (queuing each put as soon as its alone pass is done: other
    engines may be waiting for it), then waits (bounded) for the ones another engine is
    computing, and computes those that did not arrive.
-4. each `load` (splice) step: the compute stream waits on the events of exactly the
-   segments it splices, so the copies of later segments run while earlier segments are
-   spliced and seams computed.
+4. each `load` (splice) step takes its segments from the loader (blocking only until
+   that segment is placed; time blocked is the request's `load_wait_ms`) and makes the
+   compute stream wait on the events of exactly those segments, so later segments
+   decode and copy while earlier ones are spliced and seams computed. A hit that could
+   not be loaded after all (evicted between Lookup and Get) is computed there.
 5. prefill done or request freed: leases released, the request's store report kept.
 
 `take_store_report(request_id)` returns the connector's side of a request (`StoreReport`):
@@ -72,6 +73,8 @@ class StoreReport:
     fallback: bool = False  # the daemon was unavailable: served by recomputation
     batch: Optional[LoadBatch] = None
     loaded: dict[bytes, LoadedSegment] = field(default_factory=dict, repr=False)  # key -> segment spliced
+    pending: dict[bytes, list] = field(default_factory=dict, repr=False)  # hits at lookup, not taken yet
+    late_misses: int = 0  # hits at lookup that could not be loaded (evicted, corrupt): computed at splice
 
     @property
     def load_ms(self) -> float:
@@ -88,7 +91,7 @@ class StoreReport:
             "store_load_wait_ms": round(self.load_wait_ms, 3),
             "store_load_overlap": overlap_fraction(load, self.load_wait_ms + self.device_wait_ms),
             "store_copies_pending_at_use": self.copies_pending_at_use,
-            "store_fallback": self.fallback,
+            "store_late_misses": self.late_misses, "store_fallback": self.fallback,
         }
 
 
@@ -145,23 +148,32 @@ class StorePicPlanner(PicPlanner):
 
     # --------------------------------------------------------------- apply steps
     def _lookup(self, runner, request: Request) -> None:
+        """Waits only for the Lookup answer: misses go to the `miss` step (computed while
+        the hits load); hits are taken at their splice (`_splice`)."""
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         report = state.builder.report
+        batch = sr.batch
+        hits: set[bytes] = set()
+        if batch is not None:
+            if batch.wait_lookup(self.store.config.load_timeout_s):
+                hits = batch.hits
+            else:
+                self.store.metrics.inc("load_timeouts")
+                log.warning("lookup for request %s not answered after %.1f s; recomputing its segments",
+                            request.request_id, self.store.config.load_timeout_s)
+            sr.fallback = batch.unavailable
         seen: set[bytes] = set()
         for u in state.units:
             if u.key not in seen:
                 seen.add(u.key)
-                seg = self.store.acquire(u.key, request.request_id, wait_device=False)
-                if seg is None:
+                if u.key not in hits:
                     state.missing.append(u)
                     continue
-                self._use(state, sr, u.key, seg)
-            if u.key in state.signatures:
+                sr.pending[u.key] = []
+            if u.key in sr.pending:
+                sr.pending[u.key].append(u)
                 report.add_hit(self._reused(u))
-        if sr.batch is not None:
-            sr.load_wait_ms = sr.batch.wait_ms
-            sr.fallback = sr.batch.unavailable
 
     def _reused(self, u: SpliceUnit) -> int:
         return u.num_tokens + len(self.anchor_ids) if u.first else u.num_tokens - u.split
@@ -216,12 +228,16 @@ class StorePicPlanner(PicPlanner):
         self.store.store(u.key, sig, claim=claim if claim.status == OWNED else None, cost=float(alone))
 
     def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
-        sr: Optional[StoreReport] = request.planner_state.get(_STORE_KEY)
+        state: _RequestState = request.planner_state[_PIC_KEY]
+        sr: StoreReport = request.planner_state[_STORE_KEY]
         for u in units:
-            seg = sr.loaded.get(u.key) if sr is not None else None
+            if u.key not in state.signatures and u.key in sr.pending:
+                self._take(runner, request, state, sr, u.key)
+        for u in units:
+            seg = sr.loaded.get(u.key)
             if seg is None or seg.ready is None:
                 continue
-            if seg.pending and sr is not None:  # pragma: no cover - GPU only
+            if seg.pending:  # pragma: no cover - GPU only
                 sr.copies_pending_at_use += 1
                 if self.config.sync_timing:
                     t0 = time.perf_counter()
@@ -229,6 +245,21 @@ class StorePicPlanner(PicPlanner):
                     sr.device_wait_ms += (time.perf_counter() - t0) * 1e3
             seg.wait_device()
         super()._splice(runner, request, units)
+
+    def _take(self, runner, request: Request, state: _RequestState, sr: StoreReport, key: bytes) -> None:
+        """Take a looked-up hit from the loader (waiting for it if needed); a hit that
+        could not be loaded after all is computed here and its accounting corrected."""
+        counted = sr.pending.pop(key)
+        seg = self.store.acquire(key, request.request_id, wait_device=False)
+        if seg is not None:
+            self._use(state, sr, key, seg)
+            return
+        report = state.builder.report
+        for u in counted:
+            report.hit_segments -= 1
+            report.reused_tokens -= self._reused(u)
+        sr.late_misses += 1
+        self._compute(runner, state, sr, counted[0], Claim(key, COMPUTE))
 
     # ------------------------------------------------------------------ lifecycle
     def on_prefill_done(self, request: Request) -> None:

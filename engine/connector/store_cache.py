@@ -237,7 +237,7 @@ class StoreSignatureCache(SignatureCache):
 
     def _load(self, key: bytes, batch: Optional[LoadBatch]) -> Optional[LoadedSegment]:
         if batch is not None:
-            if not batch.wait(self.config.load_timeout_s):
+            if not batch.wait_key(key, self.config.load_timeout_s):
                 self.metrics.inc("load_timeouts")
                 log.warning("loads of request %s not done after %.1f s; recomputing", batch.request_id,
                             self.config.load_timeout_s)
