@@ -162,7 +162,8 @@ class PicPlanner(_ReportingPlanner):
             elif split >= n:
                 items.append(("compute", s.token_start, s.token_end, "seam"))
             else:
-                items.append(("compute", s.token_start, offset + split, "seam"))
+                if split:
+                    items.append(("compute", s.token_start, offset + split, "seam"))
                 items.append(("splice", unit))
         return items
 
