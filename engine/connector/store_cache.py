@@ -376,12 +376,16 @@ class StoreSignatureCache(SignatureCache):
         return self.putter.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish queued puts, release every lease, disconnect."""
+        """Finish queued puts, drop claims still held, release every lease, disconnect."""
         if self._closed:
             return
         self._closed = True
         self.putter.close(timeout)
         self.loader.close()
+        with self._lock:
+            claims = list(self._claims.values())
+        for claim in claims:  # computed but never stored: let the waiters go now
+            self.drop_claim(claim)
         with self._lock:
             batches, self._batches = list(self._batches.values()), {}
             resident, self._resident = list(self._resident.values()), {}
