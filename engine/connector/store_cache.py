@@ -244,7 +244,11 @@ class StoreSignatureCache(SignatureCache):
                 return None
             if batch.unavailable:
                 self.metrics.inc("fallback_segments")
-            return batch.take(key)
+                return None
+            seg = batch.take(key)
+            if seg is not None or key in batch.tiers:
+                return seg  # loaded, or a hit at lookup that could not be loaded
+            # a miss at the batch's lookup: it may have landed since (another engine)
         if not self.link.available:
             self.metrics.inc("fallback_segments")
             return None
