@@ -69,7 +69,8 @@ class StoreReport:
     wait_inflight_ms: float = 0.0
     load_wait_ms: float = 0.0  # engine loop blocked on this request's loads
     copies_pending_at_use: int = 0  # device copies not finished when their splice began
-    device_wait_ms: float = 0.0  # measured only with PicConfig.sync_timing
+    device_wait_ms: float = 0.0  # splice waiting for device copies (measured only with PicConfig.sync_timing)
+    take_wait_ms: float = 0.0  # splice steps waiting for the loader to place their segments
     fallback: bool = False  # the daemon was unavailable: served by recomputation
     batch: Optional[LoadBatch] = None
     loaded: dict[bytes, LoadedSegment] = field(default_factory=dict, repr=False)  # key -> segment spliced
@@ -90,6 +91,7 @@ class StoreReport:
             "store_wait_inflight_ms": round(self.wait_inflight_ms, 3), "store_load_ms": round(load, 3),
             "store_load_wait_ms": round(self.load_wait_ms, 3),
             "store_load_overlap": overlap_fraction(load, self.load_wait_ms + self.device_wait_ms),
+            "store_take_wait_ms": round(self.take_wait_ms, 3), "store_device_wait_ms": round(self.device_wait_ms, 3),
             "store_copies_pending_at_use": self.copies_pending_at_use,
             "store_late_misses": self.late_misses, "store_fallback": self.fallback,
         }
@@ -250,7 +252,9 @@ class StorePicPlanner(PicPlanner):
         """Take a looked-up hit from the loader (waiting for it if needed); a hit that
         could not be loaded after all is computed here and its accounting corrected."""
         counted = sr.pending.pop(key)
+        t0 = time.perf_counter()
         seg = self.store.acquire(key, request.request_id, wait_device=False)
+        sr.take_wait_ms += (time.perf_counter() - t0) * 1e3
         if seg is not None:
             self._use(state, sr, key, seg)
             return
