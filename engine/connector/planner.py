@@ -171,6 +171,7 @@ class StorePicPlanner(PicPlanner):
                 seen.add(u.key)
                 if u.key not in hits:
                     state.missing.append(u)
+                    self.store.metrics.inc("misses")
                     continue
                 sr.pending[u.key] = []
             if u.key in sr.pending:
