@@ -22,7 +22,7 @@ unless `--socket` names a running one. The table prints last; `--json [PATH]` wr
 the whole run to PATH (default docs/results/serving-<date>.json) with `summary`
 (tools/servebench/report.py). Sizing for the ~8-minute GPU run: `--n` requests per
 workload (5), workloads capped by `--max-tokens` (none: bench-scale lengths, ~5.5k
-tokens, rag ~13k), QPS search over `--qps-trials` (4) trials of `--qps-requests` (10)
+tokens, rag ~13k), QPS search over `--qps-trials` (4) trials of `--qps-requests` (8)
 requests, `--share-requests` (6) requests in the sharing experiment. `--quick` runs
 the sharing experiment for its first preset only.
 """
@@ -58,12 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slo-ms", type=float, default=None, help="TTFT SLO (p99) for the QPS search")
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x idle full-recompute rag p50")
     ap.add_argument("--qps-trials", type=int, default=None, help="rates tried per method (default 4; quick 3)")
-    ap.add_argument("--qps-requests", type=int, default=None, help="requests per rate (default 10; quick 4)")
+    ap.add_argument("--qps-requests", type=int, default=None, help="requests per rate (default 8; quick 4)")
     ap.add_argument("--share-requests", type=int, default=None,
                     help="sharing experiment requests (default 6; quick 4, first preset only)")
     ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown")
     ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
-    ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 24GiB; quick 512MiB)")
+    ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
     ap.add_argument("--gpu-capacity", default=None, help="daemon GPU tier (default 16GiB with CUDA, else 0)")
     ap.add_argument("--nvme-capacity", default=None, help="daemon NVMe tier (default 40GiB; quick 1GiB)")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
@@ -74,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.presets = [p for p in (args.presets or (QUICK_PRESETS if q else GPU_PRESETS)).split(",") if p]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.skip = {s for s in args.skip.split(",") if s}
-    defaults = dict(n=(2, 5), max_tokens=(450, None), docs=("2-3", None), qps_trials=(3, 4), qps_requests=(4, 10),
-                    share_requests=(4, 6), cpu_capacity=("512MiB", "24GiB"), nvme_capacity=("1GiB", "40GiB"),
+    defaults = dict(n=(2, 5), max_tokens=(450, None), docs=("2-3", None), qps_trials=(3, 4), qps_requests=(4, 8),
+                    share_requests=(4, 6), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
                     device=("cpu", "auto"))
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
@@ -169,6 +169,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
             log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
                 f"private {out['sharing']['private']['hit_rate']:.2f}")
         out["connector"] = h.store.metrics.snapshot()
+        out["purged_objects"] = h.purge()  # room for the next preset
     finally:
         h.close()
         del engine

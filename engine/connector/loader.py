@@ -59,6 +59,13 @@ def _kvikio():
         return None
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current>, so device comparisons with tensors' devices hold."""
+    if device.type == "cuda" and device.index is None:  # pragma: no cover - GPU only
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass
 class LoadedSegment:
     """One loaded signature. `view` is the lease while the signature aliases store memory
@@ -86,7 +93,7 @@ class LoadedSegment:
         block), and tell the allocator the tensors are used on that stream."""
         if self.ready is None:
             return
-        stream = torch.cuda.current_stream(self.ready.device if hasattr(self.ready, "device") else None)
+        stream = torch.cuda.current_stream(self.signature.device)
         stream.wait_event(self.ready)
         with self._lock:
             if self._stream_recorded:
@@ -209,7 +216,7 @@ class SegmentLoader:
         self.link = link
         self.metrics = metrics
         self.fingerprint = fingerprint
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         self.verify = verify
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-load")
         self._hints = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-hint")

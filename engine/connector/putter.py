@@ -47,6 +47,7 @@ class PutJob:
     cost: float = 0.0
     tier: Optional[str] = None
     event: Any = None  # CUDA event the signature's tensors are complete on
+    device: Any = None  # their CUDA device (with `event`)
     release_claim: Optional[Callable[[], None]] = None
     done: Optional[Callable[[str], None]] = None
     queued_at: float = field(default_factory=time.perf_counter)
@@ -162,7 +163,7 @@ class SignaturePutter:
         if job.event is None:
             return self.link.call("put", put)
         if self._stream is None:  # pragma: no cover - GPU only
-            self._stream = torch.cuda.Stream(job.event.device if hasattr(job.event, "device") else None)
+            self._stream = torch.cuda.Stream(job.device)
         with torch.cuda.stream(self._stream):  # pragma: no cover - GPU only
             self._stream.wait_event(job.event)
             return self.link.call("put", put)

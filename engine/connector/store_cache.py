@@ -372,7 +372,8 @@ class StoreSignatureCache(SignatureCache):
         release = None
         if claim is not None and claim.owned:
             release = lambda c=claim: self.drop_claim(c)  # noqa: E731
-        job = PutJob(key, blob, cost=cost, tier=self.config.put_tier, event=event, release_claim=release)
+        job = PutJob(key, blob, cost=cost, tier=self.config.put_tier, event=event, device=signature.device,
+                     release_claim=release)
         return self.putter.submit(job)
 
     def flush(self, timeout: float = 30.0) -> bool:

@@ -104,6 +104,19 @@ class Harness:
             self.store.flush()
             self.store.link.call("delete", lambda kv: kv.delete(keys))
 
+    def purge(self) -> int:
+        """Delete every object of this engine's model from the daemon (frees the tiers
+        between presets); returns how many were deleted."""
+        fp = self.engine.loaded_model.fingerprint
+        store = self.store
+        store.flush()
+        deleted = 0
+        while True:
+            objs = store.link.call("list", lambda kv: kv.list(fingerprint=fp, limit=1000))
+            if not objs:
+                return deleted
+            deleted += store.link.call("delete", lambda kv: kv.delete([o.key for o in objs]))
+
     def close(self) -> None:
         for p in (self._store_planner, self._timed_planner):
             if p is not None:
