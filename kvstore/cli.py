@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -221,10 +221,13 @@ class _file_bytes:
         return self._mv
 
     def __exit__(self, *exc: Any) -> None:
-        if self._mv is not None:
-            self._mv.release()
-        if self._mm is not None:
-            self._mm.close()
+        try:
+            if self._mv is not None:
+                self._mv.release()
+            if self._mm is not None:
+                self._mm.close()
+        except BufferError:  # a failing put's traceback still refers to the bytes; exit unmaps
+            pass
 
 
 @app.command("get")

@@ -22,9 +22,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal() -> Optional[Callable[[], None]]:
+    """A preexec_fn making the child get SIGTERM when its parent dies (Linux), so a test
+    run that is killed does not leave daemons behind; None where prctl is unavailable."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class DaemonProcess:
@@ -32,8 +45,11 @@ class DaemonProcess:
 
     def __init__(self, root: Path, *, cpu_capacity: str = "64MiB", nvme_capacity: str = "256MiB",
                  gpu_capacity: str = "0", lease_ttl: float = 30.0, expire_interval: float = 0.2,
-                 extra_args: Sequence[str] = (), env: Optional[dict[str, str]] = None) -> None:
+                 extra_args: Sequence[str] = (), env: Optional[dict[str, str]] = None,
+                 entry: str = "kvstore.cli") -> None:
         self.root = Path(root)
+        # "kvstore.cli" runs `kvstore serve`; "kvstore.server" the same daemon without typer/rich
+        self.entry = entry
         self.dir = self.root / "cache"
         self._sockdir = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.socket = self._sockdir / "kvstore.sock"
@@ -60,9 +76,9 @@ class DaemonProcess:
     def start(self, timeout: float = 60.0) -> "DaemonProcess":
         self.root.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", *self.args]
+        cmd = [sys.executable, "-m", self.entry, *(["serve"] if self.entry == "kvstore.cli" else []), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(REPO_ROOT))
+                                     cwd=str(REPO_ROOT), preexec_fn=_parent_death_signal())
         self.wait_healthy(timeout)
         return self
 

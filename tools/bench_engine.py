@@ -12,10 +12,14 @@ docs/results/engine-<machine>-<date>.json.
     python tools/bench_engine.py --quick               # tiny presets on the CPU, seconds
 
 A measurement whose projected time (linear extrapolation from the previous length)
-exceeds `--max-seconds-per-point` is skipped and shown as "skip", never guessed.
-Prefill is timed as one single-shot `ModelRunner.prefill` call of the whole prompt
-(median of `--repeats`, after a warm-up); decode as `--decode-steps` batched steps over
-sequences holding `--decode-context` tokens each.
+exceeds `--max-seconds-per-point`, or that would start after its share of
+`--time-budget-s` is spent (shared evenly by the presets left, then by the paths; warm-up
+compile time credited back up to WARMUP_CREDIT_S; nothing starts after 1.5x the budget), is skipped and shown as "skip" with the reason in the JSON,
+never guessed. Prefill is timed as one single-shot `ModelRunner.prefill` call of the
+whole prompt (median of `--repeats`; the fast path gets an untimed run at each length
+first, so Triton autotuning is not timed); decode as `--decode-steps` batched steps over
+sequences holding `--decode-context` tokens each (contexts are filled through the fast
+path for both paths: the caches have one layout, only the timed decode differs).
 """
 from __future__ import annotations
 
@@ -96,18 +100,47 @@ def _free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+WARMUP_CREDIT_S = 90.0  # first-call compile/autotune time forgiven per path, at most
+
+
+class Budget:
+    """Wall-clock share of one path's measurements. Untimed warm-ups (Triton compiling
+    and autotuning fla's kernels on first use) are credited back up to WARMUP_CREDIT_S,
+    never past `hard_deadline` (the whole run's limit)."""
+
+    def __init__(self, seconds: float, hard_deadline: float = math.inf, parent: Optional["Budget"] = None) -> None:
+        self.deadline = time.perf_counter() + seconds
+        self.hard_deadline = hard_deadline
+        self.parent = parent  # a preset's budget: credit given to one path is not taken from the next
+        self._credit = WARMUP_CREDIT_S
+
+    def left(self) -> float:
+        return min(self.deadline, self.hard_deadline) - time.perf_counter()
+
+    def credit(self, seconds: float) -> None:
+        granted = min(seconds, self._credit)
+        self._credit -= granted
+        self.deadline += granted
+        if self.parent is not None:
+            self.parent.deadline += granted
+
+
 def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: float, out: PathResult,
-                  device: torch.device, vocab: int) -> None:
+                  device: torch.device, vocab: int, budget: Budget) -> None:
     gen = torch.Generator().manual_seed(0)
     # warm-up: kernels compile / autotune on a short prompt first
     mgr = _manager(model, 512, 1)
     runner = ModelRunner(model, mgr, backend=backend)
     seq = mgr.allocate(Sequence("warmup"))
-    runner.prefill(seq, torch.randint(0, vocab, (256,), generator=gen), 0)
+    budget.credit(_timed(lambda: runner.prefill(seq, torch.randint(0, vocab, (256,), generator=gen), 0), device))
     mgr.free(seq)
     del runner, mgr
     last: Optional[tuple[int, float]] = None
     for length in lengths:
+        if budget.left() <= 0:
+            out.prefill_s[length] = None
+            out.prefill_skip_reason[length] = "time budget spent"
+            continue
         if last is not None:
             projected = last[1] * length / last[0]
             if projected > max_s:
@@ -119,6 +152,11 @@ def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: 
         ids = torch.randint(0, vocab, (length,), generator=gen)
         times = []
         try:
+            if backend != "torch":  # untimed run: Triton kernels autotune per shape
+                seq = mgr.allocate(Sequence(f"w{length}"))
+                warm = _timed(lambda: runner.prefill(seq, ids, 0), device)
+                mgr.free(seq)
+                budget.credit(warm)
             for r in range(repeats):
                 seq = mgr.allocate(Sequence(f"p{length}-{r}"))
                 times.append(_timed(lambda: runner.prefill(seq, ids, 0), device))
@@ -137,35 +175,40 @@ def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: 
 
 
 def bench_decode(model, backend: str, batches: list[int], context: int, steps: int, max_s: float,
-                 out: PathResult, device: torch.device, vocab: int) -> None:
+                 out: PathResult, device: torch.device, vocab: int, budget: Budget) -> None:
     gen = torch.Generator().manual_seed(1)
     for batch in batches:
+        if budget.left() <= 0:
+            out.decode_tokens_per_s[batch] = None
+            out.decode_skip_reason[batch] = "time budget spent"
+            continue
         mgr = _manager(model, context + steps + 2, batch)
         runner = ModelRunner(model, mgr, backend=backend)
+        filler = ModelRunner(model, mgr, backend="auto")  # same caches, fastest prefill
         try:
             seqs = [mgr.allocate(Sequence(f"d{batch}-{i}")) for i in range(batch)]
             t_fill = 0.0
             for s in seqs:
-                t_fill += _timed(lambda: runner.prefill(s, torch.randint(0, vocab, (context,), generator=gen), 0), device)
+                t_fill += _timed(lambda: filler.prefill(s, torch.randint(0, vocab, (context,), generator=gen), 0), device)
                 if t_fill > max_s:
                     raise TimeoutError(f"filling {batch} contexts took over {max_s:.0f}s")
-            last = torch.randint(0, vocab, (batch,), generator=gen).tolist()
-            runner.decode(seqs, last)  # warm-up step
+            last = torch.randint(0, vocab, (batch,), generator=gen).to(device)
+            budget.credit(_timed(lambda: runner.decode(seqs, last), device))  # warm-up step
             n = 0
             _sync(device)
             t0 = time.perf_counter()
             while n < steps:
-                logits = runner.decode(seqs, last)
-                last = logits.argmax(-1).tolist()  # the sampled tokens feed the next step, as in serving
+                # greedy tokens feed the next step and stay on the device (no per-step host sync)
+                last = runner.decode(seqs, last).argmax(-1)
                 n += 1
-                if time.perf_counter() - t0 > max_s:
+                if time.perf_counter() - t0 > min(max_s, max(budget.left(), 1.0)):
                     break
             _sync(device)
             out.decode_tokens_per_s[batch] = batch * n / (time.perf_counter() - t0)
         except (TimeoutError, torch.OutOfMemoryError) as exc:
             out.decode_tokens_per_s[batch] = None
             out.decode_skip_reason[batch] = str(exc).splitlines()[0][:80]
-        del runner, mgr
+        del runner, filler, mgr
         _free_memory(device)
 
 
@@ -175,6 +218,18 @@ def machine_name(device: torch.device) -> str:
     else:
         name = f"cpu-{platform.machine()}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _versions() -> dict[str, Optional[str]]:
+    from importlib import metadata
+
+    out: dict[str, Optional[str]] = {"torch": torch.__version__, "python": platform.python_version()}
+    for pkg in ("triton", "fla-core"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 def _fmt_s(v: Optional[float]) -> str:
@@ -223,6 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None, help="prefill repeats per length (median)")
     ap.add_argument("--max-seconds-per-point", type=float, default=None)
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="wall-clock budget of the whole run, shared evenly by the presets left")
     ap.add_argument("--paths", default="engine,torch", help="engine (fla/SDPA) and/or torch (plain torch ops)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
@@ -240,7 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     context = args.decode_context or (64 if quick else 2048)
     steps = args.decode_steps or (4 if quick else 32)
     repeats = args.repeats or (1 if quick else 2)
-    max_s = args.max_seconds_per_point or (30.0 if quick else 20.0)
+    max_s = args.max_seconds_per_point or (30.0 if quick else 15.0)
+    total_budget = args.time_budget_s or (300.0 if quick else 330.0)
     scale = "tiny" if quick else "bench"
     presets = [p for p in list_presets() if p.scale == scale]
     if args.presets:
@@ -256,8 +314,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--paths: {p!r} is not engine or torch")
 
     started = time.perf_counter()
+    hard_deadline = started + 1.5 * total_budget  # nothing new starts after this, warm-up credit or not
     results: list[PresetResult] = []
-    for cfg in presets:
+    for i, cfg in enumerate(presets):
+        preset_budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i), hard_deadline)
         t0 = time.perf_counter()
         loaded = load_model(cfg.name, device=device, dtype=dtype)
         model = loaded.model
@@ -265,14 +325,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = PresetResult(cfg.name, cfg.family, list(cfg.layers), sum(p.numel() for p in model.parameters()),
                            time.perf_counter() - t0)
         vocab = cfg.vocab_size
-        for name in chosen:
+        for j, name in enumerate(chosen):
+            budget = Budget(preset_budget.left() / (len(chosen) - j), hard_deadline, preset_budget)  # its share
             probe = ModelRunner(model, _manager(model, 16, 1), backend=paths[name])
             pr = PathResult(backend=probe.backend)
             del probe
             print(f"[{time.perf_counter() - started:6.1f}s] {cfg.name}: {name} path ({pr.backend}) prefill", flush=True)
-            bench_prefill(model, paths[name], lengths, repeats, max_s, pr, device, vocab)
+            bench_prefill(model, paths[name], lengths, repeats, max_s, pr, device, vocab, budget)
             print(f"[{time.perf_counter() - started:6.1f}s] {cfg.name}: {name} path decode", flush=True)
-            bench_decode(model, paths[name], batches, context, steps, max_s, pr, device, vocab)
+            bench_decode(model, paths[name], batches, context, steps, max_s, pr, device, vocab, budget)
             res.paths[name] = pr
         results.append(res)
         del model, loaded
@@ -290,10 +351,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "machine": machine,
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__,
             "command": " ".join(["python", "tools/bench_engine.py", *(argv if argv is not None else sys.argv[1:])]),
+            "versions": _versions(),
             "settings": {"lengths": lengths, "batches": batches, "decode_context": context, "decode_steps": steps,
-                         "repeats": repeats, "max_seconds_per_point": max_s},
+                         "repeats": repeats, "max_seconds_per_point": max_s, "time_budget_s": total_budget},
             "results": [asdict(r) for r in results],
             "wall_s": time.perf_counter() - started,
         }

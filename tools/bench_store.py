@@ -3,7 +3,7 @@
 Starts a real daemon (subprocess, unix socket) on a directory of your choice and
 measures, for the same bytes:
 
-  CPU tier   put / get (lease + copy out)     vs  memcpy in this process
+  CPU tier   put / get (batched lease + copy out)  vs  memcpy in this process
   NVMe tier  put (fsync'ed) / get (cold)      vs  dd-style O_DIRECT write+fsync / read, same directory
   GPU tier   put / get into a GPU tensor      vs  device-to-device copy            (CUDA only)
   CPU tier   get into a GPU tensor            vs  pinned host-to-device copy       (CUDA only)
@@ -153,7 +153,7 @@ def direct_io_gbps(directory: Path, data: np.ndarray, count: int) -> tuple[float
     r = _timed(read_all)
     for f in files:
         f.unlink()
-    buf.close()
+    del view  # the mapping is freed with its last view
     return _gbps(size * count, w), _gbps(size * count, r), note
 
 
@@ -234,13 +234,19 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
     with daemon.client() as kv:
         # CPU tier
         keys = [f"bench/cpu/{i}".encode() for i in range(count)]
-        kv.put(b"bench/warm", data[:4096], tier="cpu")
+        # Steady state: a first pass faults the arena's pages into this client's mapping
+        # (a long-lived engine pays that once); the timed pass reuses the same extents.
+        for k in keys:
+            kv.put(k, data, tier="cpu")
+            kv.get(k).release()
+        kv.delete(keys)
         put_s = _timed(lambda: [kv.put(k, data, tier="cpu") for k in keys])
 
-        def get_cpu() -> None:
-            for k in keys:
-                with kv.get(k) as v:
-                    np.copyto(out, v.array)
+        def get_cpu() -> None:  # one batched Get, copy every object out, one batched Release
+            views = kv.get_many(keys)
+            for v in views:
+                np.copyto(out, v.array)
+            kv.release_many(views)
 
         get_s = _timed(get_cpu, repeat=2)
         rows.append(Row("cpu tier", "put", _gbps(total, put_s), "memcpy", memcpy))
@@ -259,10 +265,11 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 torch.cuda.synchronize()
 
             def get_to_gpu() -> None:
-                for k in keys:
-                    with kv.get(k) as v:
-                        dst.copy_(v.tensor(), non_blocking=True)
-                        torch.cuda.synchronize()
+                views = kv.get_many(keys)
+                for v in views:
+                    dst.copy_(v.tensor(), non_blocking=True)
+                torch.cuda.synchronize()
+                kv.release_many(views)
 
             h2d_s = _timed(h2d, repeat=3)
             g2g_s = _timed(get_to_gpu, repeat=3)
@@ -282,19 +289,20 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 _drop_cache(p)
 
         def get_nvme() -> None:
-            for k in keys:
-                with kv.get(k, promote=False) as v:
-                    np.copyto(out, v.array)
+            views = kv.get_many(keys, promote=False)
+            for v in views:
+                np.copyto(out, v.array)
+            kv.release_many(views)
 
         get_s = _timed(get_nvme)
         note = direct[2] + ("" if all(paths) else "; some objects were not file regions")
         rows.append(Row("nvme tier", "put (fsync)", _gbps(total, put_s), "direct-I/O write", direct[0], note))
-        rows.append(Row("nvme tier", "get (cold, mmap)", _gbps(total, get_s), "direct-I/O read", direct[1], note))
+        rows.append(Row("nvme tier", "get (cold, no promote)", _gbps(total, get_s), "direct-I/O read", direct[1], note))
         extra["nvme_read_fraction_of_direct_io"] = rows[-1].ratio
         for p in paths:
             if p:
                 _drop_cache(p)
-        get_s = _timed(lambda: [kv.get(k).release() for k in keys])  # promote: the daemon reads into its arena
+        get_s = _timed(lambda: kv.release_many(kv.get_many(keys)))  # promote: the daemon reads into its arena
         rows.append(Row("nvme tier", "get (cold, promote to cpu)", _gbps(total, get_s), "direct-I/O read", direct[1]))
         kv.delete(keys)
 
@@ -310,13 +318,17 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 torch.cuda.synchronize()
 
             d2d_s = _timed(d2d, repeat=3)
+            for k in keys:  # warm: open the IPC handle, settle the allocator
+                kv.put_tensors(k, {"x": src}, tier="gpu")
+            kv.delete(keys)
             put_s = _timed(lambda: [kv.put_tensors(k, {"x": src}, tier="gpu") for k in keys])
 
             def get_gpu() -> None:
-                for k in keys:
-                    with kv.get(k) as v:
-                        dst[: v.size].copy_(v.tensor()[: dst.numel()])
+                views = kv.get_many(keys)
+                for v in views:
+                    dst.copy_(v.tensor()[: dst.numel()])
                 torch.cuda.synchronize()
+                kv.release_many(views)
 
             get_s = _timed(get_gpu, repeat=2)
             rows.append(Row("gpu tier", "put_tensors (from GPU)", _gbps(total, put_s), "D2D copy", _gbps(total, d2d_s),
@@ -398,7 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         direct = direct_io_gbps(work, data, count)
         grpc_put, grpc_get = grpc_gbps(data, count, chunk, work)
         daemon = DaemonProcess(work / "daemon", cpu_capacity=str(room), nvme_capacity=str(room),
-                               gpu_capacity=str(room) if cuda else "0")
+                               gpu_capacity=str(room) if cuda else "0", entry="kvstore.server")
         with daemon:
             rows, extra = store_rows(daemon, data, count, cuda, memcpy, direct)
             p50, p99 = lookup_latency_us(daemon, 64, args.lookup_iterations)
@@ -413,7 +425,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     machine = args.machine or _socket.gethostname().split(".")[0]
     date = _dt.date.today().isoformat()
-    header = (f"kvstore data plane on {machine} ({date}): {count} x {format_size(size)} per path; "
+    header = (f"kvstore data plane on {machine} ({date}): {count} x {format_size(size)} per path, steady state; "
               f"CUDA {'yes: ' + torch.cuda.get_device_name() if cuda else 'no'}; dir {base}")
     summary = {
         "cpu_to_gpu_fraction_of_pcie": extra.get("cpu_to_gpu_fraction_of_pcie"),

@@ -24,7 +24,7 @@ import xxhash
 
 from kvstore.client.common import (
     CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, METADATA, PUT_ATTEMPTS, ClientCore, DaemonInfo,
-    KeyLike, PutResult, ShowResult, as_key, check_reachable,
+    KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
@@ -86,7 +86,7 @@ class AsyncKVStoreClient:
                 pass
             self._keepalive = None
         try:
-            ids = self._core.take_pending() + list(self._core._held)
+            ids = self._core.take_pending() + self._core.held_ids()
             if ids:
                 await self._call("Release", pb.ReleaseRequest(lease_ids=ids), timeout=CONNECT_TIMEOUT_S)
         except KVStoreError:
@@ -124,7 +124,7 @@ class AsyncKVStoreClient:
     async def _flush_pending(self) -> None:
         pending = self._core.take_pending()
         if pending:
-            self._core._untrack(pending)
+            self._core.untrack(pending)
             await self._call("Release", pb.ReleaseRequest(lease_ids=pending))
 
     async def renew(self) -> None:
@@ -198,8 +198,7 @@ class AsyncKVStoreClient:
     async def put(self, key: KeyLike, data: Any, *, tier: Optional[str] = None, fingerprint: str = "",
                   token_count: int = 0, cost: float = 0.0, extra: Optional[Mapping[str, Any]] = None) -> PutResult:
         k = as_key(key)
-        mv = memoryview(data)
-        mv = mv.cast("B") if mv.format != "B" else mv
+        mv = as_bytes_view(data)
 
         def write(region: Any) -> int:
             self._core.regions.write(region, mv)
@@ -236,14 +235,14 @@ class AsyncKVStoreClient:
     # ------------------------------------------------------------------ get
 
     async def _release_ids(self, lease_ids: Sequence[int]) -> None:
-        self._core._untrack(lease_ids)
+        self._core.untrack(lease_ids)
         if lease_ids and self._stub is not None:
             await self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids)))
 
     def _release_soon(self, lease_id: int) -> None:
         """ObjectView.release() is synchronous: queue the RPC for the keepalive, or send it
         now as a task when called on the loop."""
-        self._core._untrack([lease_id])
+        self._core.untrack([lease_id])
         self._core.queue_release(lease_id)
         loop = self._loop
         if loop is not None and not loop.is_closed():

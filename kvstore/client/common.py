@@ -22,7 +22,7 @@ from kvstore.client.regions import RegionMapper
 from kvstore.client.status import not_running
 from kvstore.client.views import ObjectView
 from kvstore.errors import InvalidRequest, VersionMismatch
-from kvstore.records import Lease, LookupEntry, ObjectInfo, ObjectMeta
+from kvstore.records import Lease, LookupEntry, ObjectInfo
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import PROTOCOL_METADATA_KEY, PROTOCOL_VERSION
@@ -42,6 +42,20 @@ def as_key(key: KeyLike) -> bytes:
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
     raise InvalidRequest(f"a key must be bytes or str, got {type(key).__name__}")
+
+
+def as_bytes_view(data: Any) -> memoryview:
+    """A flat, contiguous byte memoryview of `data` (no copy); InvalidRequest otherwise."""
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise InvalidRequest(f"put needs a bytes-like object, got {type(data).__name__} "
+                             "(use put_tensors for tensors)") from None
+    if not mv.contiguous:
+        raise InvalidRequest("put needs a contiguous buffer")
+    if mv.nbytes == 0:
+        raise InvalidRequest("put of 0 bytes: objects must hold at least 1 byte")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
 def resolve_target(socket: Optional[Union[str, Path]] = None, tcp: Optional[str] = None) -> str:
@@ -117,11 +131,11 @@ class ClientCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _track(self, lease_id: int) -> None:
+    def track(self, lease_id: int) -> None:
         with self._held_lock:
             self._held.add(lease_id)
 
-    def _untrack(self, lease_ids: Iterable[int]) -> None:
+    def untrack(self, lease_ids: Iterable[int]) -> None:
         with self._held_lock:
             self._held.difference_update(lease_ids)
 
@@ -136,6 +150,10 @@ class ClientCore:
                 out.append(self._pending.popleft())
             except IndexError:
                 return out
+
+    def held_ids(self) -> list[int]:
+        with self._held_lock:
+            return list(self._held)
 
     @property
     def holds_leases(self) -> bool:
@@ -174,14 +192,14 @@ class ClientCore:
 
     def make_view(self, lease: Lease, release: Any) -> ObjectView:
         """Map a lease's region and wrap it (tracks the lease until released)."""
-        self._track(lease.lease_id)
+        self.track(lease.lease_id)
         try:
             if lease.region.kind == "cuda_ipc":
                 host, device = None, self.regions.cuda_tensor(lease.region)
             else:
                 host, device = self.regions.host_array(lease.region, writable=False), None
         except BaseException:
-            self._untrack([lease.lease_id])
+            self.untrack([lease.lease_id])
             self.queue_release(lease.lease_id)
             raise
         return ObjectView(lease, host, device, release, self.queue_release,
@@ -214,6 +232,3 @@ class ClientCore:
         return pb.ListRequest(fingerprint=fingerprint or "", prefix=as_key(prefix) if prefix else b"",
                               tier=tier or "", limit=int(limit or 0))
 
-
-def meta_of(fingerprint: str, token_count: int, cost: float, extra: Optional[dict[str, Any]]) -> ObjectMeta:
-    return ObjectMeta(fingerprint=fingerprint, token_count=token_count, cost=cost, extra=dict(extra or {}))

@@ -27,7 +27,7 @@ import xxhash
 
 from kvstore.client.common import (
     CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, METADATA, PUT_ATTEMPTS, ClientCore, DaemonInfo,
-    KeyLike, PutResult, ShowResult, as_key, check_reachable,
+    KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
@@ -93,7 +93,7 @@ class KVStoreClient:
             return
         self._closing.set()
         try:
-            ids = self._core.take_pending() + list(self._core._held)
+            ids = self._core.take_pending() + self._core.held_ids()
             if ids:
                 self._call("Release", pb.ReleaseRequest(lease_ids=ids), timeout=CONNECT_TIMEOUT_S)
         except KVStoreError:
@@ -124,7 +124,7 @@ class KVStoreClient:
             try:
                 pending = self._core.take_pending()
                 if pending:
-                    self._core._untrack(pending)
+                    self._core.untrack(pending)
                     self._call("Release", pb.ReleaseRequest(lease_ids=pending))
                 if self._core.holds_leases:
                     self._call("Renew", pb.RenewRequest(client_id=self.client_id))
@@ -202,9 +202,7 @@ class KVStoreClient:
             token_count: int = 0, cost: float = 0.0, extra: Optional[Mapping[str, Any]] = None) -> PutResult:
         """Store `data` (any bytes-like object) under `key`: reserve, write in place, commit."""
         k = as_key(key)
-        mv = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-        if not mv.contiguous:
-            raise KVStoreError("put needs a contiguous buffer")
+        mv = as_bytes_view(data)
 
         def write(region: Any) -> int:
             self._core.regions.write(region, mv)
@@ -246,7 +244,7 @@ class KVStoreClient:
     # ------------------------------------------------------------------ get
 
     def _release_ids(self, lease_ids: Sequence[int]) -> None:
-        self._core._untrack(lease_ids)
+        self._core.untrack(lease_ids)
         if lease_ids and self._stub is not None:
             self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids)))
 

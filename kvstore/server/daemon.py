@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Optional

@@ -51,7 +51,7 @@ def test_put_get_round_trip_per_tier(daemon, tier):
 
 @pytest.mark.skipif(not CUDA, reason="the GPU tier needs CUDA (not present on this machine)")
 def test_put_get_round_trip_gpu_tier(start_daemon):
-    d = start_daemon(gpu_capacity="64MiB")
+    d = start_daemon(gpu_capacity="64MiB", entry="kvstore.server")  # GPU hosts may lack the CLI's typer
     t = {"k": torch.randn(4, 128, device="cuda"), "v": torch.randn(4, 128, device="cuda").half()}
     with d.client() as kv:
         assert kv.put_tensors("rt/gpu", t, fingerprint="fp", token_count=4, tier="gpu").tier == "gpu"
@@ -155,6 +155,17 @@ def test_commit_with_a_wrong_checksum_is_bad_object_and_nothing_is_visible(daemo
             kv.get(b"bad-sum")
         kv.put(b"bad-sum", b"z" * 4096)  # the key is free again for a correct put
         assert kv.lookup([b"bad-sum"])[0].hit
+
+
+def test_put_of_a_non_buffer_or_empty_buffer_is_a_clear_error(daemon):
+    with daemon.client() as kv:
+        with pytest.raises(InvalidRequest, match="use put_tensors"):
+            kv.put(b"t", torch.zeros(4))
+        with pytest.raises(InvalidRequest, match="0 bytes"):
+            kv.put(b"t", b"")
+        kv.put(b"typed", np.arange(4, dtype=np.float32))  # any contiguous buffer, as raw bytes
+        with kv.get(b"typed") as v:
+            assert np.frombuffer(v.memoryview, dtype=np.float32).tolist() == [0, 1, 2, 3]
 
 
 def test_client_raises_bad_object_when_its_checksum_does_not_match(daemon, monkeypatch):

@@ -123,3 +123,16 @@ def test_state_slot_and_ring_hooks_write_where_the_contract_says(make_config, ma
     got, _ = ring.read(a.slot, torch.arange(7, 12))
     assert torch.equal(got, k[-5:])
     assert torch.equal(ring.k[a.slot, 7 % 5], k[-5])
+
+
+def test_shared_blocks_stay_allocated_until_every_owner_frees(make_config, make_model):
+    cm = manager(make_config, make_model, layers=("full",))
+    a, b = cm.allocate(Sequence("a")), cm.allocate(Sequence("b"))
+    cm.ensure_capacity(a, 8)
+    cm.share_blocks(b, a.block_table[:1])
+    cm.ensure_capacity(b, 6)
+    assert b.block_table[0] == a.block_table[0] and cm.blocks.num_free == 7
+    cm.free(a)
+    assert cm.blocks.num_free == 8
+    cm.free(b)
+    assert cm.blocks.num_free == 10

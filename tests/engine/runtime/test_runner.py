@@ -124,3 +124,25 @@ def test_runner_rejects_noncontiguous_chunks_empty_chunks_and_full_pools(models,
         runner.decode([seq, seq], [1, 2])
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 260\)"):
         runner.prefill(seq, [300])
+
+
+@pytest.mark.parametrize("preset", ["qwen3next-tiny", "nemotronh-tiny"])
+def test_one_scratch_prefill_yields_a_segments_linear_summary(preset, models, make_runner):
+    """The PIC workflow: prefill a segment alone; the hook's inputs give each linear layer's
+    (T, E, conv tail) and E / tail equal what the state slots now hold."""
+    from engine.models.layers.linear_base import LinearMixer
+
+    model = models[preset]
+    runner = make_runner(model)
+    seq = runner.cache.allocate(Sequence("segment"))
+    inputs = {}
+    runner.prefill(seq, token_ids(21, 5), mixer_input_hook=lambda i, h: inputs.__setitem__(i, h.clone()))
+    linear = [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, LinearMixer)]
+    assert linear and set(linear) <= set(inputs)
+    for i in linear:
+        with torch.no_grad():
+            summary = model.mixer(i).summarize_segment(inputs[i])
+        cache = runner.cache.layer(i)
+        torch.testing.assert_close(summary.end_state, cache.get_state(seq.slot), **TOL)
+        torch.testing.assert_close(summary.conv_tail, cache.get_conv_tail(seq.slot))
+        assert summary.transition.shape == ((4, 32, 32) if preset.startswith("qwen") else (8,))

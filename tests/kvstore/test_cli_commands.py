@@ -1,0 +1,163 @@
+"""The `kvstore` command line (kvstore/cli.py), run as `python -m kvstore.cli` against a
+real daemon: data commands, JSON output contracts, one-line failures, no-daemon message."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from kvstore.testing import REPO_ROOT
+
+
+def _ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
+
+
+def _one_line_failure(done: subprocess.CompletedProcess) -> str:
+    err = done.stderr.decode()
+    assert done.returncode != 0
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("kvstore: error: ")
+    return err
+
+
+def test_put_then_get_round_trips_a_file_to_a_file_and_to_stdout(daemon, tmp_path):
+    src = tmp_path / "in.bin"
+    src.write_bytes(os.urandom(200_000))
+    for tier in ("cpu", "nvme"):
+        out = json.loads(_ok(daemon.cli("put", f"cli/{tier}", str(src), "--tier", tier, "--json")))
+        assert out == {"key": f"cli/{tier}", "tier": tier, "size": 200_000, "status": "stored"}
+        dst = tmp_path / f"out-{tier}.bin"
+        _ok(daemon.cli("get", f"cli/{tier}", "-o", str(dst)))
+        assert dst.read_bytes() == src.read_bytes()
+        assert daemon.cli("get", f"cli/{tier}").stdout == src.read_bytes()
+    assert "already present" in _ok(daemon.cli("put", "cli/cpu", str(src)))
+
+
+def test_inspect_json_has_the_documented_fields(daemon, tmp_path):
+    (tmp_path / "f").write_bytes(b"x" * 5000)
+    _ok(daemon.cli("put", "inspect/a", str(tmp_path / "f")))
+    _ok(daemon.cli("get", "inspect/a", "-o", str(tmp_path / "g")))
+    stats = json.loads(_ok(daemon.cli("inspect", "--json")))
+    for field in ("tiers", "hits", "misses", "evictions"):
+        assert field in stats
+    assert [t["name"] for t in stats["tiers"]] == ["cpu", "nvme"]
+    for t in stats["tiers"]:
+        assert set(t) >= {"name", "capacity_bytes", "used_bytes", "objects"}
+        assert isinstance(t["capacity_bytes"], int) and isinstance(t["objects"], int)
+    assert stats["tiers"][0]["capacity_bytes"] == 32 << 20
+    assert stats["hits"] >= 1 and any(o["key"] == "inspect/a" for o in stats["top_objects"])
+    table = _ok(daemon.cli("inspect"))
+    assert "hit rate" in table and "cpu" in table and "top" in table
+
+
+def test_evict_moves_unleased_objects_one_tier_down(daemon, tmp_path):
+    (tmp_path / "f").write_bytes(b"e" * 3000)
+    _ok(daemon.cli("put", "evict/a", str(tmp_path / "f"), "--tier", "cpu"))
+    moved = json.loads(_ok(daemon.cli("evict", "--tier", "cpu", "--json")))
+    assert moved["tier"] == "cpu" and moved["moved"] >= 1
+    listed = json.loads(_ok(daemon.cli("ls", "--prefix", "evict/", "--json")))
+    assert [(o["key"], o["tier"]) for o in listed] == [("evict/a", "nvme")]
+
+
+def test_ls_filters_and_rm(daemon, tmp_path):
+    (tmp_path / "f").write_bytes(b"l" * 100)
+    for name, tier in (("ls/a", "cpu"), ("ls/b", "nvme"), ("other/c", "cpu")):
+        _ok(daemon.cli("put", name, str(tmp_path / "f"), "--tier", tier, "--fingerprint", "fp-ls"))
+    keys = lambda *a: sorted(o["key"] for o in json.loads(_ok(daemon.cli("ls", "--json", *a))))  # noqa: E731
+    assert keys("--prefix", "ls/") == ["ls/a", "ls/b"]
+    assert keys("--prefix", "ls/", "--tier", "nvme") == ["ls/b"]
+    assert keys("--fingerprint", "fp-ls") == ["ls/a", "ls/b", "other/c"]
+    assert json.loads(_ok(daemon.cli("rm", "ls/a", "ls/b", "ls/none", "--json"))) == {"requested": 3, "deleted": 2}
+    assert keys("--prefix", "ls/") == []
+    assert "ls/a" not in _ok(daemon.cli("ls"))
+
+
+def test_show_prints_the_record_and_for_a_blob_its_header_and_parts(daemon, tmp_path):
+    from kvstore.format import encode_tensors
+
+    blob = encode_tensors({"k": torch.zeros(2, 8), "v": torch.ones(2, 8, dtype=torch.float16)},
+                          fingerprint="fp-show", token_count=2, layers={"k": 3, "v": 3})
+    (tmp_path / "blob").write_bytes(bytes(blob))
+    (tmp_path / "raw").write_bytes(b"not a blob")
+    _ok(daemon.cli("put", "show/blob", str(tmp_path / "blob")))
+    _ok(daemon.cli("put", "show/raw", str(tmp_path / "raw")))
+    shown = json.loads(_ok(daemon.cli("show", "show/blob", "--json")))
+    assert shown["is_blob"] and shown["header"]["fingerprint"] == "fp-show"
+    assert [(p["name"], p["layer"], p["dtype"], p["shape"]) for p in shown["parts"]] == [
+        ("k", 3, "float32", [2, 8]), ("v", 3, "float16", [2, 8])]
+    assert shown["object"]["size"] == len(blob)
+    raw = json.loads(_ok(daemon.cli("show", "show/raw", "--json")))
+    assert raw["is_blob"] is False and raw["parts"] == []
+    assert "float16" in _ok(daemon.cli("show", "show/blob"))
+
+
+def test_binary_keys_use_the_hex_prefix(daemon, tmp_path):
+    (tmp_path / "f").write_bytes(b"bin")
+    _ok(daemon.cli("put", "hex:00ff10", str(tmp_path / "f")))
+    listed = json.loads(_ok(daemon.cli("ls", "--json", "--prefix", "hex:00ff")))
+    assert [o["key"] for o in listed] == ["hex:00ff10"]
+    with daemon.client() as kv:
+        assert kv.lookup([b"\x00\xff\x10"])[0].hit
+
+
+def test_failures_are_one_line_with_a_reason_and_non_zero_exit(daemon, tmp_path):
+    assert "not in the store" in _one_line_failure(daemon.cli("get", "no/such/key"))
+    assert "unknown tier 'tape'" in _one_line_failure(daemon.cli("evict", "--tier", "tape"))
+    assert "is not a file" in _one_line_failure(daemon.cli("put", "k", str(tmp_path / "missing")))
+    (tmp_path / "empty").write_bytes(b"")
+    assert "empty" in _one_line_failure(daemon.cli("put", "k", str(tmp_path / "empty")))
+    big = tmp_path / "big"
+    with open(big, "wb") as fh:
+        fh.truncate(64 << 20)
+    assert "capacity" in _one_line_failure(daemon.cli("put", "big", str(big), "--tier", "cpu"))
+
+
+def test_client_commands_say_plainly_that_no_daemon_runs_and_how_to_start_one(tmp_path):
+    sock = tmp_path / "no.sock"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KVSTORE_CONFIG": os.devnull}
+    for args in (["inspect", "--json"], ["ls"], ["get", "k"], ["put", "k", __file__], ["rm", "k"],
+                 ["evict", "--tier", "cpu"], ["show", "k"]):
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--socket", str(sock)],
+                              capture_output=True, env=env, cwd=REPO_ROOT, timeout=60)
+        assert done.returncode == 3, args
+        err = _one_line_failure(done)
+        assert "no kvstore daemon is running" in err and f"kvstore serve --socket {sock}" in err
+
+
+def test_config_prints_effective_values_and_their_sources(tmp_path):
+    toml = tmp_path / "kv.toml"
+    toml.write_text('nvme_capacity = "3GiB"\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KVSTORE_CPU_CAPACITY": "768MiB", "KVSTORE_CONFIG": str(toml)}
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "config", "--json"], capture_output=True, env=env,
+                          cwd=REPO_ROOT, timeout=60)
+    out = json.loads(_ok(done))
+    assert out["config"]["cpu_capacity"] == 768 << 20 and out["sources"]["cpu_capacity"] == "env:KVSTORE_CPU_CAPACITY"
+    assert out["config"]["nvme_capacity"] == 3 << 30 and out["sources"]["nvme_capacity"] == f"file:{toml}"
+    assert out["sources"]["eviction"] == "default"
+    env["KVSTORE_CPU_CAPACITY"] = "lots"
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "config"], capture_output=True, env=env,
+                          cwd=REPO_ROOT, timeout=60)
+    assert "cpu_capacity (from KVSTORE_CPU_CAPACITY)" in _one_line_failure(done)
+
+
+def test_serve_rejects_a_bad_flag_value_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KVSTORE_CONFIG": os.devnull}
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--socket", str(tmp_path / "s.sock"),
+                           "--cpu-capacity", "12 parsecs"], capture_output=True, env=env, cwd=REPO_ROOT, timeout=60)
+    assert "cpu_capacity (from --cpu-capacity): invalid size '12 parsecs'" in _one_line_failure(done)
+
+
+def test_bench_reports_put_and_get_throughput_per_tier(daemon):
+    rows = json.loads(_ok(daemon.cli("bench", "--size", "256KiB", "--count", "2", "--json")))
+    assert [r["tier"] for r in rows] == ["cpu", "nvme"]
+    for r in rows:
+        assert r["put_GBps"] > 0 and r["get_GBps"] > 0 and r["objects"] == 2
+    with daemon.client() as kv:
+        assert not kv.list(prefix=b"bench-"), "bench must delete its objects"
