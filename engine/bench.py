@@ -16,8 +16,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-import numpy as np
-
 from engine.engine import LLMEngine, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.runtime.sampling import SamplingParams
@@ -66,8 +64,16 @@ class LoadReport:
         return asdict(self)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else math.nan
+def percentile(values: list[float], q: float) -> float:
+    """q-th percentile with linear interpolation between order statistics (numpy's
+    default method); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def make_prompt_token_ids(engine: LLMEngine, length: int, rng: random.Random) -> list[int]:
@@ -134,12 +140,12 @@ def run_load(engine: LLMEngine, spec: LoadSpec) -> LoadReport:
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         duration_s=duration,
-        ttft_ms_p50=_percentile(ttft, 50),
-        ttft_ms_p99=_percentile(ttft, 99),
-        ttft_ms_mean=float(np.mean(ttft)),
-        tpot_ms_p50=_percentile(tpot, 50),
-        e2e_ms_p50=_percentile(e2e, 50),
-        e2e_ms_p99=_percentile(e2e, 99),
+        ttft_ms_p50=percentile(ttft, 50),
+        ttft_ms_p99=percentile(ttft, 99),
+        ttft_ms_mean=sum(ttft) / len(ttft),
+        tpot_ms_p50=percentile(tpot, 50),
+        e2e_ms_p50=percentile(e2e, 50),
+        e2e_ms_p99=percentile(e2e, 99),
         requests_per_s=spec.num_requests / duration,
         output_tokens_per_s=output_tokens / duration,
         total_tokens_per_s=(prompt_tokens + output_tokens) / duration,

@@ -118,7 +118,7 @@ def build_engine(
     cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
     manager = CacheManager.for_model(model, cache_cfg)
     runner = ModelRunner(model, manager)
-    pool = ManagedCachePool(manager, max_model_len=max_model_len)
+    pool = ManagedCachePool(manager)
     log.info(
         "engine for %s on %s/%s: %d KV blocks of %d, %d slots",
         mcfg.name, device, dtype, cache_cfg.num_blocks, cache_cfg.block_size, cache_cfg.num_slots,
@@ -131,4 +131,5 @@ def build_engine(
         planner=planner,
         model_name=mcfg.name,
         loaded_model=loaded,
+        max_model_len=max_model_len,
     )

@@ -50,6 +50,19 @@ StoreOpt = typer.Option(
          "without it the engine keeps them in its own process.")
 
 
+# EngineConfig / LoadSpec field -> the option that sets it (for error messages)
+OPTION_OF = {
+    "max_num_seqs": "--max-batch",
+    "max_num_batched_tokens": "--max-batched-tokens",
+    "prefill_chunk_size": "--chunk-size",
+    "max_tokens": "--max-new-tokens",
+}
+
+
+def _option(field: str) -> str:
+    return OPTION_OF.get(field, "--" + field.replace("_", "-"))
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -71,7 +84,7 @@ def _build(preset: str, cfg):
     try:
         return build_engine(preset, cfg)
     except InvalidRequestError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+        _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
         _fail(str(exc))
 
@@ -140,7 +153,7 @@ def generate(
     try:
         (out,) = engine.generate([prompt], params)
     except InvalidRequestError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+        _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
         _fail(str(exc))
     tl = out.timeline
@@ -244,7 +257,7 @@ def bench(
     try:
         spec.validate()
     except InvalidRequestError as exc:
-        _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
+        _fail(f"{_option(exc.field)}: {exc.message}")
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, None))
     try:

@@ -12,7 +12,9 @@ A step runs the batched decode of every decoding request (one `ModelRunner.decod
 call over sequences of different lengths), then each granted prefill chunk through the
 request's `PrefillPlan` (engine.runtime.planner: `ApplyStep`s fill cache positions
 without compute, `ComputeStep`s go through `ModelRunner.prefill`), sampling the first
-token when a plan completes. Every request keeps its `RequestTimeline` (arrival,
+token when a plan completes. A prefill that raises fails only its own request (its
+final output carries `error`); a failing decode batch propagates (the caller, e.g. the
+server's engine loop, stops). Every request keeps its `RequestTimeline` (arrival,
 scheduled, first token, each token, finish), so TTFT and throughput come from real runs.
 
 Position-independent caching plugs in as the `planner` argument; the prompt's segments
@@ -29,10 +31,10 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from engine.errors import ConfigError, InvalidRequestError, RequestNotFoundError
+from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
-from engine.runtime.planner import ApplyStep, PrefillPlanner
-from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus, RequestTimeline
+from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlanner
+from engine.runtime.request import FinishReason, PromptSegment, Request, RequestTimeline
 from engine.runtime.sampling import FINISH_STOP, SamplingParams, check_stop, make_generator, sample
 from engine.runtime.scheduler import CachePool, Scheduler, SchedulerConfig
 
@@ -86,11 +88,14 @@ class LLMEngine:
         planner: Optional[PrefillPlanner] = None,
         model_name: str = "model",
         loaded_model: Any = None,
+        max_model_len: Optional[int] = None,
     ) -> None:
         self.runner = runner
         # engine.models.weights.LoadedModel when built from a preset or directory:
         # its `fingerprint` keys cached segments, its `source` says where weights came from.
         self.loaded_model = loaded_model
+        # longest prompt + output of one request (the model's context); None: unchecked
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.pool = pool
         self.scheduler = Scheduler(scheduler_config, pool, planner)
@@ -102,10 +107,20 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._ids = itertools.count()
         self.eos_token_id: Optional[int] = tokenizer.eos_id
+        # Synchronize the device after each prefill-plan step so `prefill_split` times are
+        # exact on CUDA (costs a little overlap; off by default).
+        self.sync_timings = False
 
     @property
     def planner(self) -> PrefillPlanner:
         return self.scheduler.planner
+
+    def set_planner(self, planner: PrefillPlanner) -> None:
+        """Replace the prefill planner (e.g. a PIC planner built on this engine's runner and
+        model fingerprint). Only while no request is in the engine."""
+        if self.has_unfinished():
+            raise InvalidRequestError("planner", "cannot be replaced while requests are in the engine")
+        self.scheduler.planner = planner
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +154,18 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad} outside the vocabulary [0, {vocab})")
+        if self.max_model_len is not None:
+            if len(token_ids) >= self.max_model_len:
+                field = "prompt_token_ids" if prompt_token_ids is not None else "prompt"
+                raise InvalidRequestError(
+                    field, f"{len(token_ids)} tokens leave no room in the model's context of {self.max_model_len}"
+                )
+            if len(token_ids) + params.max_new_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    "max_new_tokens",
+                    f"{params.max_new_tokens} new tokens after a {len(token_ids)}-token prompt exceed the "
+                    f"model's context of {self.max_model_len}",
+                )
         timeline = RequestTimeline(arrival_time if arrival_time is not None else time.perf_counter())
         req = Request(request_id, token_ids, segments, params, timeline=timeline)
         self.scheduler.add_request(req)  # may raise CapacityError
@@ -165,12 +192,19 @@ class LLMEngine:
             prompt = [{"text": prompt, "cache": False}]
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise InvalidRequestError("prompt", "must be a string or a non-empty list of segments")
-        ids: list[int] = []
+        # The prompt is [BOS] + each segment's tokens. A segment is tokenized alone and
+        # without BOS, so its token ids are the same wherever it appears (the PIC cache
+        # key is the segment's own tokens); the BOS at position 0 belongs to no segment.
+        bos = self.tokenizer.bos_id
+        ids: list[int] = [] if bos is None else [bos]
         segments: list[PromptSegment] = []
         for i, seg in enumerate(prompt):
             if isinstance(seg, PromptSegment):
                 text, cache = seg.text, seg.cache
             elif isinstance(seg, dict):
+                unknown = set(seg) - {"text", "cache"}
+                if unknown:
+                    raise InvalidRequestError(f"segments[{i}].{sorted(unknown)[0]}", "unknown segment field (allowed: text, cache)")
                 text, cache = seg.get("text"), seg.get("cache", False)
             else:
                 raise InvalidRequestError(f"segments[{i}]", f"must be a {{text, cache}} object, got {type(seg).__name__}")
@@ -178,12 +212,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"segments[{i}].text", f"must be a string, got {type(text).__name__}")
             if not isinstance(cache, bool):
                 raise InvalidRequestError(f"segments[{i}].cache", f"must be true or false, got {cache!r}")
-            # Each segment is tokenized alone, so its token ids do not depend on its
-            # neighbours (a PIC cache key is the segment's own tokens).
-            seg_ids = self.tokenizer.encode(text, add_bos=(i == 0))
+            seg_ids = self.tokenizer.encode(text, add_bos=False)
             segments.append(PromptSegment(text, cache, len(ids), len(ids) + len(seg_ids)))
             ids.extend(seg_ids)
-        if not ids:
+        if not any(s.num_tokens for s in segments):
             raise InvalidRequestError("segments", "the prompt has no tokens")
         return ids, segments
 
@@ -235,7 +267,14 @@ class LLMEngine:
                 outputs.append(self._append_token(req, tok))
         for chunk in sched.prefills:
             req = chunk.request
-            logits = self._run_prefill(req, chunk.num_tokens)
+            try:
+                logits = self._run_prefill(req, chunk.num_tokens)
+            except Exception as exc:  # one request's prefill (or its planner's apply step) failed
+                log.exception("prefill of request %s failed", req.request_id)
+                req.error = f"prefill failed: {type(exc).__name__}: {exc}"
+                self.scheduler.finish(req, FinishReason.ABORT)
+                outputs.append(self._finalize(req, [], ""))
+                continue
             if req.progress.done:
                 req.num_reused_tokens = req.plan.num_reused_tokens
                 self.stats.num_prompt_tokens_reused += req.num_reused_tokens
@@ -255,20 +294,28 @@ class LLMEngine:
         progress = req.progress
         tokens = req.prefill_token_ids()
         logits = None
+        split = req.timeline.prefill_split
         while not progress.done:
             step = progress.current
+            if isinstance(step, ComputeStep) and grant <= 0:
+                break
+            t0 = time.perf_counter()
             if isinstance(step, ApplyStep):
                 step.apply(self.runner, req)
+                held = req.seq.num_computed_tokens
+                if held != step.end:
+                    raise PlanError(f"apply step {step.label!r} left the caches at {held} tokens, not {step.end}")
                 progress.skip_apply()
-                continue
-            if grant <= 0:
-                break
-            start = step.start + progress.offset
-            n = min(grant, step.end - start)
-            logits = self.runner.prefill(req.seq, tokens[start : start + n], start_pos=start)
-            progress.advance(n)
-            grant -= n
-            self.stats.num_prompt_tokens_computed += n
+            else:
+                start = step.start + progress.offset
+                n = min(grant, step.end - start)
+                logits = self.runner.prefill(req.seq, tokens[start : start + n], start_pos=start)
+                progress.advance(n)
+                grant -= n
+                self.stats.num_prompt_tokens_computed += n
+            if self.sync_timings and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            split[step.label] = split.get(step.label, 0.0) + time.perf_counter() - t0
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
@@ -334,8 +381,8 @@ class LLMEngine:
         params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
     ) -> list[RequestOutput]:
         """Run the given prompts to completion (together, continuously batched) and
-        return their final outputs in input order. Other requests already in the engine
-        run too, but their outputs are not returned."""
+        return their final outputs in input order. If one prompt is refused, none runs.
+        Other requests already in the engine run too, but their outputs are not returned."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params] * len(prompts)
@@ -343,7 +390,15 @@ class LLMEngine:
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.add_request(p, sp))
+        except BaseException:  # all or nothing: withdraw the ones already queued
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while wanted - final.keys():

@@ -4,8 +4,11 @@ model's `CacheManager`.
 A sequence costs one request slot (its linear-layer states and window rings) plus
 paged-KV blocks for its full-attention layers, one block per `block_size` positions.
 The scheduler allocates a whole prefill at admission and grows sequences one position
-per decode step; this class answers whether that fits and does it. The manager stays
-the owner of every tensor; this class only decides and delegates.
+per decode step; this class answers whether that fits and does it. Admission keeps a
+watermark of free blocks (default 1% of the pool, as vLLM does) while other sequences
+run, so running decodes can grow without an immediate preemption; an idle pool admits
+anything that fits. The manager stays the owner of every tensor; this class only
+decides and delegates.
 """
 from __future__ import annotations
 
@@ -19,20 +22,23 @@ from engine.runtime.sequence import Sequence
 class ManagedCachePool:
     """Adapts a `CacheManager` to the scheduler's `CachePool` protocol."""
 
-    def __init__(self, manager: CacheManager, max_model_len: Optional[int] = None) -> None:
+    def __init__(self, manager: CacheManager, watermark: float = 0.01) -> None:
         self.manager = manager
-        self.max_model_len = max_model_len
+        self.watermark_blocks = math.ceil(watermark * manager.blocks.num_blocks) if manager.has_paged else 0
 
     def max_tokens_per_sequence(self) -> Optional[int]:
-        limits = []
-        if self.manager.has_paged:
-            limits.append(self.manager.blocks.num_blocks * self.manager.block_size)
-        if self.max_model_len is not None:
-            limits.append(self.max_model_len)
-        return min(limits) if limits else None
+        """Positions one sequence could hold with the whole block pool (None: the model
+        has no full-attention layer, so only the context length bounds a sequence)."""
+        if not self.manager.has_paged:
+            return None
+        return self.manager.blocks.num_blocks * self.manager.block_size
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.manager.can_allocate(num_tokens)
+        if not self.manager.can_allocate(num_tokens):
+            return False
+        if self.num_used_slots == 0:
+            return True
+        return self.manager.blocks.num_free - self.blocks_for(num_tokens) >= self.watermark_blocks
 
     def allocate(self, request_id: str, num_tokens: int) -> Sequence:
         seq = self.manager.allocate(Sequence(request_id))

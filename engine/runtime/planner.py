@@ -11,7 +11,8 @@ from empty to holding every token of `request.prefill_token_ids()`.
   chunks (its token budget and chunk size); each chunk costs its token count.
 - `ApplyStep(start, end, apply)`: fill positions `[start, end)` without running them
   through the model (splice cached K/V, compose linear states, load from the store);
-  `apply(runner, request)` does it and costs no token budget. An apply step may also
+  `apply(runner, request)` does it, costs no token budget, and must leave
+  `request.seq.num_computed_tokens == end` (the engine checks). An apply step may also
   cover zero positions (for example: compose a state split at a seam).
 
 Rules every plan obeys (checked by `PrefillPlan.validate`): steps are contiguous from
@@ -29,6 +30,10 @@ The order of calls, per request:
 4. `on_request_freed(request)` when the request's caches are released (finish, abort
    or preemption), so the planner can drop what it holds for it.
 
+The engine adds the wall time of every step to `request.timeline.prefill_split[label]`
+(see `LLMEngine.sync_timings` for exact figures on CUDA), so a planner's labels become
+the request's time split (load/compose, seam, suffix).
+
 `FullRecomputePlanner` is the default: one compute step over every token.
 """
 from __future__ import annotations
@@ -44,10 +49,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ComputeStep:
-    """Run prompt positions `[start, end)` through the model."""
+    """Run prompt positions `[start, end)` through the model. `label` names the step in
+    the request's time split (e.g. "seam", "suffix")."""
 
     start: int
     end: int
+    label: str = "compute"
 
     @property
     def num_tokens(self) -> int:

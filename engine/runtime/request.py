@@ -64,6 +64,8 @@ class RequestTimeline:
     first_token: Optional[float] = None
     finished: Optional[float] = None
     token_times: list[float] = field(default_factory=list)
+    # seconds spent per prefill-plan step label ("compute", or a planner's own labels)
+    prefill_split: dict[str, float] = field(default_factory=dict)
 
     @property
     def ttft(self) -> Optional[float]:
@@ -96,6 +98,7 @@ class RequestTimeline:
             "queue_s": self.queue_time,
             "e2e_s": self.e2e,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "prefill_split_s": dict(self.prefill_split),
         }
 
 

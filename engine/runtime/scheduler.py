@@ -56,6 +56,12 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(name, f"must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # else some decodes would wait on others
+            raise InvalidRequestError(
+                "max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: every running "
+                "request must be able to decode in each step",
+            )
 
 
 class CachePool(Protocol):

@@ -55,6 +55,7 @@ def _timings(out: RequestOutput) -> dict[str, Any]:
         "e2e_ms": ms(tl.e2e),
         "decode_tokens_per_s": tl.decode_tokens_per_s,
         "reused_prompt_tokens": out.num_reused_tokens,
+        "prefill_split_ms": {k: ms(v) for k, v in tl.prefill_split.items()},
     }
 
 
@@ -98,8 +99,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         first = await outputs.__anext__()
     except InvalidRequestError as exc:
         metrics.observe_rejected("invalid")
-        # the engine names its own argument; the API field for token ids is `prompt`
-        field = "prompt" if exc.field == "prompt_token_ids" else exc.field
+        # the engine names its own arguments; map them to this API's fields
+        field = {"prompt_token_ids": "prompt", "max_new_tokens": "max_tokens"}.get(exc.field, exc.field)
         return _json_error(400, f"{field}: {exc.message}", field)
     except CapacityError as exc:
         metrics.observe_rejected("capacity")

@@ -77,6 +77,7 @@ def test_generate_prints_the_greedy_text_and_timings():
         (["generate", "--preset", "no-such-preset", "hi"], "no-such-preset"),
         (["generate", "--preset", "ring-tiny", "hi", "--dtype", "float8"], "--dtype"),
         (["bench", "--preset", "ring-tiny", "--request-rate", "-1"], "--request-rate"),
+        (["bench", "--preset", "ring-tiny", "--max-batch", "8", "--max-batched-tokens", "4"], "--max-batched-tokens"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(args, named):

@@ -69,9 +69,9 @@ def test_concurrent_mixed_length_requests_match_each_alone():
 
 
 def test_preemption_under_a_small_cache_changes_no_token():
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     roomy = make_engine().generate(PROMPTS, params)
-    tight = make_engine(kv_cache_tokens=96)  # 6 blocks + 4 spare: cannot hold all four at once
+    tight = make_engine(kv_cache_tokens=96)  # 10 blocks = 160 positions; the four need 275
     outs = tight.generate(PROMPTS, params)
     assert tight.stats.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
@@ -103,7 +103,8 @@ def test_segments_reach_the_planner_with_their_token_ranges_and_match_the_joined
     engine = make_engine(planner=planner)
     segs = [{"text": "System: be brief. ", "cache": True}, {"text": "Doc: ü", "cache": True}, {"text": " Q?", "cache": False}]
     (seg_out,) = engine.generate([segs], GREEDY)
-    assert planner.seen == [[("System: be brief. ", True, 0, 19), ("Doc: ü", True, 19, 26), (" Q?", False, 26, 29)]]
+    # BOS at position 0 belongs to no segment; each segment's range covers its own bytes
+    assert planner.seen == [[("System: be brief. ", True, 1, 19), ("Doc: ü", True, 19, 26), (" Q?", False, 26, 29)]]
     (plain_out,) = engine.generate(["System: be brief. Doc: ü Q?"], GREEDY)
     assert seg_out.token_ids == plain_out.token_ids  # byte tokens: segmenting changes nothing
 
@@ -131,7 +132,8 @@ class ReplayPlanner(FullRecomputePlanner):
 
 def test_planner_apply_steps_fill_caches_and_count_as_reused():
     planner = ReplayPlanner(k=20)
-    engine = make_engine(planner=planner, prefill_chunk_size=4)
+    engine = make_engine(prefill_chunk_size=4)
+    engine.set_planner(planner)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     (out,) = engine.generate([PROMPTS[2]], params)
     (ref,) = make_engine().generate([PROMPTS[2]], params)
@@ -139,6 +141,11 @@ def test_planner_apply_steps_fill_caches_and_count_as_reused():
     assert planner.applied == 1 and planner.done == [out.request_id]
     assert out.num_reused_tokens == 20 and engine.stats.num_prompt_tokens_reused == 20
     assert engine.stats.num_prompt_tokens_computed == out.num_prompt_tokens - 20
+    assert set(out.timeline.prefill_split) == {"replay", "compute"}  # the time split follows step labels
+    assert all(t > 0 for t in out.timeline.prefill_split.values())
+    engine.add_request("busy", GREEDY)
+    with pytest.raises(InvalidRequestError, match="planner"):
+        engine.set_planner(FullRecomputePlanner())
 
 
 def test_abort_finishes_the_request_and_frees_its_cache():
@@ -177,6 +184,10 @@ def test_bad_requests_are_refused_with_the_field_named():
         engine.add_request(prompt_token_ids=[1, 99999])
     with pytest.raises(CapacityError, match="at most 128"):  # (64 tokens + 4 spare slots) rounded to blocks
         engine.add_request("x" * 100, SamplingParams(max_new_tokens=100))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens: 250 new tokens after a 11-token prompt exceed"):
+        engine.add_request("x" * 10, SamplingParams(max_new_tokens=250))
+    with pytest.raises(InvalidRequestError, match="prompt: 301 tokens leave no room"):
+        engine.add_request("x" * 300)
     rid = engine.add_request("ok", GREEDY, request_id="mine")
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("ok", GREEDY, request_id=rid)
@@ -188,3 +199,37 @@ def test_prefill_only_request_finishes_without_tokens():
     (out,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=0))
     assert out.finished and out.token_ids == [] and out.finish_reason == "length"
     assert engine.stats.num_prompt_tokens_computed == out.num_prompt_tokens
+
+
+class FailingPlanner(FullRecomputePlanner):
+    """An apply step that raises for one request, as a failed cache load would."""
+
+    def plan(self, request):
+        if request.request_id != "doomed":
+            return super().plan(request)
+        n = len(request.prefill_token_ids())
+
+        def load(runner, req):
+            raise OSError("segment store unreachable")
+
+        return PrefillPlan((ApplyStep(0, 1, load), ComputeStep(1, n)), n)
+
+
+def test_a_failing_prefill_fails_only_its_request():
+    engine = make_engine(planner=FailingPlanner())
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="doomed")
+    engine.add_request(PROMPTS[1], params, request_id="fine")
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["doomed"].finish_reason == "abort" and "segment store unreachable" in finals["doomed"].error
+    assert finals["fine"].error is None and len(finals["fine"].token_ids) == 4
+    assert engine.cache_usage() == 0.0
+
+
+def test_generate_refusing_one_prompt_runs_none():
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match="segments"):
+        engine.generate(["fine", [{"text": 3}]], GREEDY)
+    assert not engine.has_unfinished() and engine.cache_usage() == 0.0

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from engine.cache.manager import PAGED, STATE, CacheConfig, CacheManager, LayerCacheSpec
-from engine.errors import CapacityError, PlanError
+from engine.errors import CapacityError, InvalidRequestError, PlanError
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlan
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestStatus
@@ -21,13 +21,13 @@ from engine.runtime.scheduler import Scheduler, SchedulerConfig
 BLOCK = 4
 
 
-def make_pool(num_blocks=64, num_slots=8, max_model_len=None):
+def make_pool(num_blocks=64, num_slots=8):
     specs = [
         LayerCacheSpec(PAGED, num_kv_heads=1, head_dim=4),
         LayerCacheSpec(STATE, state_shape=(1, 2, 2), conv_tail_shape=(2, 3)),
     ]
     manager = CacheManager(specs, CacheConfig(block_size=BLOCK, num_blocks=num_blocks, num_slots=num_slots))
-    return ManagedCachePool(manager, max_model_len=max_model_len)
+    return ManagedCachePool(manager)
 
 
 def make_request(i, prompt_len, max_tokens):
@@ -166,10 +166,7 @@ def test_request_larger_than_the_whole_cache_is_refused_with_the_numbers():
     sched = Scheduler(SchedulerConfig(), make_pool(num_blocks=4))  # 16 positions
     with pytest.raises(CapacityError, match=r"needs 20 cache positions \(12 prompt \+ 8 max_new_tokens\).*at most 16"):
         sched.add_request(make_request(0, 12, 8))
-    sched2 = Scheduler(SchedulerConfig(), make_pool(num_blocks=400, max_model_len=10))
-    with pytest.raises(CapacityError, match="at most 10"):
-        sched2.add_request(make_request(0, 8, 4))
-    assert not sched.has_unfinished() and not sched2.has_unfinished()
+    assert not sched.has_unfinished()
 
 
 def test_batch_limit_caps_requests_holding_caches():
@@ -220,7 +217,7 @@ class _SplicePlanner:
 
 def test_planner_reuse_is_free_of_token_budget_and_freed_requests_are_reported():
     planner = _SplicePlanner(reuse=30)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, prefill_chunk_size=8), make_pool(), planner)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk_size=8), make_pool(), planner)
     req = make_request(0, 34, 2)
     sched.add_request(req)
     driver = Driver(sched)
@@ -262,3 +259,20 @@ def test_a_bad_plan_fails_only_its_request_and_leaves_no_cache_behind():
     assert out.refused == [bad] and bad.finish_reason is FinishReason.ABORT
     assert "plan for 1 tokens, request has 5" in bad.error
     assert out.admitted == [good] and pool.num_used_slots == 1
+
+
+def test_config_rejects_a_budget_below_the_batch_limit_naming_the_field():
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens.*below max_num_seqs=8"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(InvalidRequestError, match="prefill_chunk_size"):
+        SchedulerConfig(prefill_chunk_size=0)
+
+
+def test_admission_keeps_a_watermark_of_blocks_unless_the_pool_is_idle():
+    pool = make_pool(num_blocks=100, num_slots=4)  # 1% watermark: 1 block
+    assert pool.watermark_blocks == 1
+    assert pool.can_allocate(400)  # idle: the whole pool may go to one request
+    seq = pool.allocate("a", 4)  # 1 block
+    assert not pool.can_allocate(396)  # 99 blocks free, 99 needed: would leave no headroom
+    assert pool.can_allocate(392)
+    pool.free(seq)

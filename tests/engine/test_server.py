@@ -3,6 +3,7 @@ tiny preset through the engine loop thread, driven by a plain HTTP client (urlli
 Completions (plain, streamed, segmented), 400s naming the field, 503 for a request that
 can never fit, /health, /metrics, concurrency, and abort on client disconnect."""
 import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -23,11 +24,9 @@ CONFIG = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_bat
                       prefill_chunk_size=16, kv_cache_tokens=1024)
 
 
-@pytest.fixture(scope="module")
-def server():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = build_engine(PRESET, CONFIG)
+@contextlib.contextmanager
+def running_server(engine):
+    """Serve `engine` on a free localhost port from a background event loop thread."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     info = {}
@@ -44,10 +43,25 @@ def server():
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert started.wait(60), "server did not start"
-    yield f"http://127.0.0.1:{info['port']}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
+    try:
+        yield f"http://127.0.0.1:{info['port']}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(one_thread):
+    with running_server(build_engine(PRESET, CONFIG)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +148,7 @@ def test_segments_field_is_an_alternative_to_prompt(server, reference):
         ({"segments": [{"text": "a"}, {"cache": True}]}, "segments[1].text"),
         ({"prompt": "x", "segments": [{"text": "y"}]}, "prompt"),
         ({"prompt": [1, 2, 70000]}, "prompt"),
+        ({"prompt": "x", "max_tokens": 9000}, "max_tokens"),
     ],
 )
 def test_bad_request_gets_400_naming_the_field(server, body, field):
@@ -191,3 +206,20 @@ def test_client_disconnect_mid_stream_aborts_the_request(server):
         time.sleep(0.1)
     assert (metric_value(text, 'kvengine_requests_total{finish_reason="abort"}') or 0) == before + 1
     assert metric_value(text, "kvengine_num_requests_running") == 0
+
+
+def test_a_failed_engine_step_gives_500_and_unhealthy(monkeypatch):
+    engine = build_engine(PRESET, CONFIG)
+
+    def broken_decode(seqs, last_tokens):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "decode", broken_decode)
+    with running_server(engine) as url:
+        status, err = post(url, {"prompt": "hi", "max_tokens": 5})
+        assert status == 500 and "device lost" in err["error"]["message"]
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url + "/health", timeout=30)
+        assert info.value.code == 503 and "device lost" in json.loads(info.value.read())["error"]
+        status, err = post(url, {"prompt": "again", "max_tokens": 5})
+        assert status == 503 and err["error"]["type"] == "engine_stopped"
