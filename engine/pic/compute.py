@@ -15,7 +15,6 @@ The last block's MLP is skipped: nothing a signature holds depends on it.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from engine.models.decoder import HybridDecoder
 from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
-from engine.models.layers.linear_ops import RecurrenceInputs, transition_operator
+from engine.models.layers.linear_ops import RecurrenceInputs
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
@@ -34,16 +33,19 @@ LOG_FLOAT32_TINY = math.log(torch.finfo(torch.float32).tiny)
 
 @torch.inference_mode()
 def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids: Sequence[int] = (),
-                      split: int = 0, backend: str = "torch",
-                      state_dtype: torch.dtype = torch.float32) -> SegmentSignature:
+                      split: int = 0, backend: str = "torch", state_dtype: torch.dtype = torch.float32,
+                      keep_end_state: bool = True) -> SegmentSignature:
     """The signature of `token_ids` computed alone behind `anchor_ids` (module docstring).
     `split`: seam length; tokens [split, n) form the reusable tail. `backend`: the
-    linear-layer backend of the runner ("torch" or "fla")."""
+    linear-layer backend of the runner ("torch" or "fla"). `keep_end_state`: keep each
+    linear layer's end state E (needed only to place the segment first)."""
     n, a = len(token_ids), len(anchor_ids)
     if n < 1:
         raise SignatureFormatError("a segment needs at least one token")
     if split < 0:
         raise SignatureFormatError(f"split={split} must be >= 0")
+    if not keep_end_state and split >= n:
+        raise SignatureFormatError(f"without end states a signature needs a tail, but split={split} >= n={n}")
     device = model.device
     ids = torch.tensor([*anchor_ids, *token_ids], dtype=torch.long, device=device)
     model._check_ids(ids)
@@ -57,7 +59,7 @@ def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids
         h = block.mixer_norm(x)
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):
-            mixed, part = _linear_alone(mixer, h, tail0, backend, state_dtype)
+            mixed, part = _linear_alone(mixer, h, tail0, backend, state_dtype, keep_end_state)
         elif isinstance(mixer, Attention):
             mixed, part = _attention_alone(mixer, h, positions)
         else:  # pragma: no cover - every mixer is one of the two
@@ -79,7 +81,8 @@ def _attention_alone(mixer: Attention, h: torch.Tensor, positions: torch.Tensor)
     return out, AttentionPart("swa", k[total - m:].clone(), v[total - m:].clone(), total - m)
 
 
-def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str, state_dtype: torch.dtype):
+def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str, state_dtype: torch.dtype,
+                  keep_end_state: bool):
     total = h.shape[0]
     conv_in, extras = mixer.project(h[None])
     conv_tail = None
@@ -114,6 +117,8 @@ def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str,
     )
     if same:
         part.tail_state = part.state
+    if not keep_end_state:
+        part.state, part.tail_state_is_state = None, False
     return out, part
 
 
@@ -126,22 +131,9 @@ def _tail_transition(mixer: LinearMixer, tail: RecurrenceInputs, backend: str):
     live = log_sum >= LOG_FLOAT32_TINY
     if not bool(live.any()):
         return None, ()
-    dense = delta_transition(mixer, tail, backend)[0]  # [H, dk, dk]
+    dense = mixer.transition_operator(tail, backend)[0]  # [H, dk, dk]; fla on the GPU
     live &= dense.abs().amax(dim=(1, 2)) > 0
     heads = tuple(int(i) for i in torch.nonzero(live).flatten().tolist())
     if not heads:
         return None, ()
     return dense[list(heads)].contiguous(), heads
-
-
-def delta_transition(mixer: LinearMixer, inp: RecurrenceInputs, backend: str) -> torch.Tensor:
-    """Dense `[B, H, dk, dk]` float32 T of a gated-delta-rule span: the recurrence run from
-    S0 = I with v = 0 (fla's chunk kernel on the GPU, the torch chunked form elsewhere)."""
-    if backend == "fla":
-        from engine.models.layers import fla_backend
-
-        b, t, hh, dk, _ = inp.shape
-        eye = torch.eye(dk, dtype=torch.float32, device=inp.k.device).expand(b, hh, dk, dk).contiguous()
-        probe = replace(inp, v=torch.zeros(b, t, hh, dk, dtype=inp.v.dtype, device=inp.v.device))
-        return fla_backend.fla_chunk("delta", probe, eye)[1]
-    return transition_operator("delta", inp, chunk_size=mixer.chunk_size)

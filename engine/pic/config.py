@@ -45,6 +45,10 @@ class PicConfig:
     on the CPU); `"torch"` forces the references. signature_cache_bytes /
     prefix_cache_bytes: capacity of the in-process caches. sync_timing: synchronise the
     device at every timing mark (exact time split on a GPU, at a small cost).
+    keep_end_state: signatures keep each linear layer's end state E, so a segment that
+    starts the prompt is spliced whole (bit-exact, nothing computed); False saves a third
+    of the linear bytes and places a first segment like any other (anchor and seam
+    computed, tail spliced).
     """
 
     method: str = "pic"
@@ -56,6 +60,7 @@ class PicConfig:
     signature_cache_bytes: int = DEFAULT_SIGNATURE_CACHE_BYTES
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     sync_timing: bool = False
+    keep_end_state: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

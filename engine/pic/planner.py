@@ -138,7 +138,10 @@ class PicPlanner(_ReportingPlanner):
 
     # ------------------------------------------------------------------ planning
     def key(self, content: Sequence[int], split: int) -> bytes:
-        return segment_key(self.fingerprint, content, signature_variant(self.anchor_ids, split))
+        variant = signature_variant(self.anchor_ids, split)
+        if not self.config.keep_end_state:
+            variant += ";end_state=0"
+        return segment_key(self.fingerprint, content, variant)
 
     def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
         """("compute", start, end, kind) and ("splice", SpliceUnit) items in prompt order."""
@@ -149,8 +152,8 @@ class PicPlanner(_ReportingPlanner):
             if not s.cache or i == len(segments) - 1:
                 items.append(("compute", s.token_start, s.token_end, "suffix"))
                 continue
-            first = s.token_start == 0 and ids[:a] == self.anchor_ids
-            offset = a if first else s.token_start
+            first = self.config.keep_end_state and s.token_start == 0 and ids[:a] == self.anchor_ids
+            offset = a if (s.token_start == 0 and ids[:a] == self.anchor_ids) else s.token_start
             n = s.token_end - offset
             if n <= 0:
                 items.append(("compute", s.token_start, s.token_end, "suffix"))
@@ -218,7 +221,8 @@ class PicPlanner(_ReportingPlanner):
         report = state.builder.report
         for u in state.missing:
             sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
-                                    backend=runner.backend, state_dtype=self.state_dtype)
+                                    backend=runner.backend, state_dtype=self.state_dtype,
+                                    keep_end_state=self.config.keep_end_state)
             sig.meta["fingerprint"] = self.fingerprint
             self.cache.put(u.key, sig)
             state.signatures[u.key] = sig

@@ -13,7 +13,7 @@ recomputed in context when the segment is spliced after another one, and a tail
 |---|---|---|---|
 | full attention | `k`, `v` | `[a+n, Hkv, D]` | K rotated at its alone position, V |
 | sliding window | `k`, `v` | `[m, Hkv, D]`, m = min(a+n, w) | the last m alone positions (`first_pos` = a+n-m) |
-| linear | `state` | `[H, dk, dv]` | E: the state at the end of the alone pass (anchor included) |
+| linear | `state` | `[H, dk, dv]` | E: the state at the end of the alone pass (anchor included); optional |
 | linear | `tail_state` | `[H, dk, dv]` | E_tail: the state over tail tokens only, from zero |
 | linear | `tail_transition` | scalar `[H]`, diag `[H, dk]` (log-decay sums), delta `[h', dk, dk]` | T_tail over the tail tokens |
 | linear | `conv_tail` | `[C, r]`, r = min(a+n, conv-1) | the last r pre-conv inputs |
@@ -22,7 +22,9 @@ Delta-rule operators are stored only for the heads whose decay product over the 
 not underflowed (`live_heads`); a forgotten head's T is exactly 0 (its norm is bounded by
 exp(sum of log decays) < the smallest normal float32), and a layer whose heads are all
 forgotten stores no T at all. When a = 0 and split = 0 the tail is the whole alone pass,
-so `tail_state` is `state` (stored once).
+so `tail_state` is `state` (stored once). E serves only a segment placed first (right
+behind the anchor); a signature computed with `keep_end_state=False` omits it (a third
+of the linear bytes) and is then placed like any later segment.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class LinearPart:
     """What one linear-attention layer needs (module docstring)."""
 
     family: str
-    state: torch.Tensor
+    state: Optional[torch.Tensor]
     tail_state: Optional[torch.Tensor]
     tail_transition: Optional[torch.Tensor]
     live_heads: Optional[tuple[int, ...]] = None  # delta only
@@ -67,18 +69,25 @@ class LinearPart:
     tail_state_is_state: bool = False
 
     @property
+    def _ref(self) -> torch.Tensor:
+        t = self.state if self.state is not None else self.tail_state
+        if t is None:
+            raise SignatureFormatError("a linear part needs a state or a tail state")
+        return t
+
+    @property
     def num_heads(self) -> int:
-        return int(self.state.shape[0])
+        return int(self._ref.shape[0])
 
     def transition_f32(self) -> torch.Tensor:
         """T_tail in the form kernels.state_compose takes, float32: log sums `[H]` /
         `[H, dk]`, or the dense `[H, dk, dk]` with forgotten heads as exact zeros."""
         if self.family != "delta":
             return self.tail_transition.float()
-        h, dk = self.num_heads, int(self.state.shape[1])
-        dense = torch.zeros(h, dk, dk, dtype=torch.float32, device=self.state.device)
+        h, dk = self.num_heads, int(self._ref.shape[1])
+        dense = torch.zeros(h, dk, dk, dtype=torch.float32, device=self._ref.device)
         if self.tail_transition is not None and self.live_heads:
-            idx = torch.tensor(self.live_heads, dtype=torch.long, device=self.state.device)
+            idx = torch.tensor(self.live_heads, dtype=torch.long, device=self._ref.device)
             dense[idx] = self.tail_transition.float()
         return dense
 
@@ -126,6 +135,11 @@ class SegmentSignature:
         return self.num_tokens - self.tail_start
 
     @property
+    def has_end_state(self) -> bool:
+        """Whether every linear layer keeps E (needed to place the segment first)."""
+        return all(p.state is not None for p in self.layers if isinstance(p, LinearPart))
+
+    @property
     def alone_len(self) -> int:
         """Positions of the alone pass: anchor plus segment."""
         return self.anchor_len + self.num_tokens
@@ -133,7 +147,7 @@ class SegmentSignature:
     @property
     def device(self) -> torch.device:
         for part in self.layers:
-            t = part.k if isinstance(part, AttentionPart) else part.state
+            t = part.k if isinstance(part, AttentionPart) else part._ref
             return t.device
         return torch.device("cpu")
 
@@ -188,6 +202,7 @@ class SegmentSignature:
                 put(i, "conv_tail", part.conv_tail)
                 layers_meta.append({
                     "kind": "linear", "family": part.family,
+                    "state": "none" if part.state is None else "stored",
                     "tail_state": "state" if part.tail_state_is_state else
                     ("own" if part.tail_state is not None else "none"),
                     "transition": "none" if part.tail_transition is None else "stored",
@@ -220,7 +235,7 @@ class SegmentSignature:
                 family = lm["family"]
                 if family not in FAMILIES:
                     raise SignatureFormatError(f"layer {i}: family {family!r} is not one of {FAMILIES}")
-                state = need(i, "state")
+                state = need(i, "state") if lm.get("state", "stored") == "stored" else None
                 ts_mode = lm["tail_state"]
                 tail_state = state if ts_mode == "state" else (need(i, "tail_state") if ts_mode == "own" else None)
                 trans = need(i, "tail_transition") if lm["transition"] == "stored" else None

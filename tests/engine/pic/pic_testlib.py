@@ -98,3 +98,12 @@ def rand_ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
+
+def layer0_inputs(model, ids):
+    """Recurrence inputs of layer 0 over the whole prompt (context-free: embeddings)."""
+    with torch.no_grad():
+        h = model.blocks[0].mixer_norm(model.embed(torch.tensor(ids)))
+        mixer = model.mixer(0)
+        conv_in, extras = mixer.project(h[None])
+        conv_out, _ = mixer.apply_conv(conv_in, None)
+        return mixer.family, mixer.prepare(conv_out, extras)

@@ -13,20 +13,10 @@ import torch
 from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2
 from engine.models.layers.linear_ops import apply_transition, naive_recurrence, transition_operator
 from engine.pic.signature import LinearPart
-from pic_testlib import execute, make_request, rand_ids
+from pic_testlib import execute, layer0_inputs, make_request, rand_ids
 
 KINDS = [GDN, GLA, LIGHTNING, MAMBA2]
 SEAM = 4
-
-
-def layer0_inputs(model, ids):
-    """Recurrence inputs of layer 0 over the whole prompt (context-free: embeddings)."""
-    with torch.no_grad():
-        h = model.blocks[0].mixer_norm(model.embed(torch.tensor(ids)))
-        mixer = model.mixer(0)
-        conv_in, extras = mixer.project(h[None])
-        conv_out, _ = mixer.apply_conv(conv_in, None)
-        return mixer.family, mixer.prepare(conv_out, extras)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,7 +36,7 @@ def strengthen_decay(model, kind) -> None:
         bias[::2] = -2000.0  # logsigmoid(-2000)/16 = -125 per token on half the key dims
         m.gk_up.bias.copy_(bias)
     else:
-        m.log_decay.mul_(torch.tensor([40.0, 10.0, 1.0, 0.1])[: m.log_decay.numel()])
+        m.head_log_decay = [g * f for g, f in zip(m.head_log_decay, [40.0, 10.0, 1.0, 0.1])]
 
 
 def run_pic(model, runner_of, planner_of, lengths, q_len=4, seed=0):

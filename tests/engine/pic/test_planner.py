@@ -9,7 +9,8 @@ import torch
 from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
 from engine.runtime.planner import ApplyStep
 
-from pic_testlib import execute, make_request, plain_prefill, rand_ids
+from engine.models.layers.linear_ops import naive_recurrence
+from pic_testlib import execute, layer0_inputs, make_request, plain_prefill, rand_ids
 
 MIXES = {
     "gdn": [GDN, FULL, GDN],
@@ -157,3 +158,20 @@ def test_prefix_caching_matches_full_recompute_when_the_prefix_matches(model_of,
     torch.testing.assert_close(got3.logits[-1], full3.logits[-1], rtol=1e-5, atol=1e-5)
     assert planner.take_report(third.request_id).reused_tokens == 1 + len(a)
     assert planner.tree.stats()["nodes"] == 3
+
+
+def test_signatures_without_end_states_place_the_first_segment_like_a_later_one(model_of, runner_of, planner_of):
+    model = model_of([GDN, FULL])
+    a, b, q = rand_ids(15, 1), rand_ids(13, 2), rand_ids(4, 3)
+    planner = planner_of(model, seam=4, keep_end_state=False)
+    runner = runner_of(model)
+    req = make_request([(a, True), (b, True), (q, False)])
+    got = execute(planner, runner, req)
+    report = planner.take_report(req.request_id)
+    assert report.seam_tokens == (1 + 4) + 4  # anchor and seam of the first segment are computed
+    sigs = [sig for sig, _ in planner.cache._entries.values()]
+    assert all(not sig.has_end_state and sig.bytes_by_part()["linear_state"] == 0 for sig in sigs)
+    family, inp = layer0_inputs(model, req.prompt_token_ids)
+    _, truth = naive_recurrence(family, inp)
+    state = runner.cache.layer(0).state[got.seq.slot]
+    assert ((state - truth[0]).norm() / truth[0].norm()).item() < 1e-5

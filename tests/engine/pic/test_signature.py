@@ -1,0 +1,99 @@
+"""SegmentSignature: what compute_signature extracts equals what a plain prefill writes,
+the named-tensor form round-trips, byte accounting, and format errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.pic.compute import compute_signature
+from engine.pic.errors import SignatureFormatError
+from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
+from pic_testlib import plain_prefill, rand_ids
+
+ALL_KINDS = [FULL, SWA, GDN, GLA, LIGHTNING, MAMBA2]
+
+
+def test_alone_pass_holds_exactly_what_a_plain_prefill_writes(model_of, runner_of):
+    model = model_of(ALL_KINDS)
+    seg = rand_ids(17, 1)
+    sig = compute_signature(model, seg, [256], split=5)
+    runner = runner_of(model)
+    ran = plain_prefill(runner, [256] + seg, [18])
+    cache, slot = runner.cache, ran.seq.slot
+    for i, part in enumerate(sig.layers):
+        layer = cache.layer(i)
+        if isinstance(part, AttentionPart) and part.kind == "full":
+            k, v = layer.gather(cache.flat_slots(ran.seq, 0, 18))
+            assert torch.equal(part.k, k) and torch.equal(part.v, v)
+        elif isinstance(part, AttentionPart):
+            pos = torch.arange(part.first_pos, 18)
+            k, v = layer.read(slot, pos)
+            assert part.num_rows == 6 and torch.equal(part.k, k) and torch.equal(part.v, v)
+        else:
+            assert torch.equal(part.state, layer.state[slot])
+            if layer.conv_tail is not None:
+                assert torch.equal(part.conv_tail, layer.conv_tail[slot])
+
+
+def test_named_tensor_form_round_trips_every_part(model_of):
+    model = model_of(ALL_KINDS)
+    sig = compute_signature(model, rand_ids(12, 2), [256], split=4)
+    tensors, meta, layer_of = sig.to_tensors()
+    assert all(name.startswith(f"L{layer_of[name]}.") for name in tensors)
+    back = SegmentSignature.from_tensors({k: v.clone() for k, v in tensors.items()}, meta)
+    assert (back.num_tokens, back.anchor_len, back.split) == (12, 1, 4)
+    for a, b in zip(sig.layers, back.layers):
+        assert type(a) is type(b)
+        if isinstance(a, AttentionPart):
+            assert a.first_pos == b.first_pos and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        else:
+            assert a.family == b.family and a.live_heads == b.live_heads
+            assert torch.equal(a.state, b.state) and torch.equal(a.tail_state, b.tail_state)
+            assert torch.equal(a.transition_f32(), b.transition_f32())
+    assert back.nbytes() == sig.nbytes()
+
+
+def test_bytes_by_part_counts_a_shared_tail_state_once(model_of):
+    model = model_of([GDN, FULL])
+    shared = compute_signature(model, rand_ids(10, 3), [], split=0)  # tail = the whole alone pass
+    part: LinearPart = shared.layers[0]
+    assert part.tail_state_is_state and part.tail_state is part.state
+    parts = shared.bytes_by_part()
+    assert parts["linear_tail_state"] == 0 and parts["linear_state"] == part.state.numel() * 4
+    assert parts["full_kv"] == 2 * 10 * 2 * 8 * 4
+    assert sum(parts.values()) == shared.nbytes()
+    tensors, _, _ = shared.to_tensors()
+    assert "L0.tail_state" not in tensors
+
+
+def test_signature_of_a_segment_no_longer_than_its_seam_has_no_tail(model_of):
+    sig = compute_signature(model_of([GLA, FULL]), rand_ids(4, 1), [256], split=6)
+    assert sig.tail_len == 0
+    assert sig.layers[0].tail_state is None and sig.layers[0].tail_transition is None
+
+
+def test_format_errors_name_the_problem(model_of):
+    sig = compute_signature(model_of([GDN, FULL]), rand_ids(5, 1), [256], split=2)
+    tensors, meta, _ = sig.to_tensors()
+    with pytest.raises(SignatureFormatError, match="format"):
+        SegmentSignature.from_tensors(tensors, {**meta, "format": "other-v9"})
+    del tensors["L1.v"]
+    with pytest.raises(SignatureFormatError, match="'L1.v' is missing"):
+        SegmentSignature.from_tensors(tensors, meta)
+    with pytest.raises(SignatureFormatError, match="at least one token"):
+        compute_signature(model_of([GDN, FULL]), [], [256], 0)
+
+
+def test_signature_without_end_states_round_trips_and_saves_the_state_bytes(model_of):
+    model = model_of([GDN, LIGHTNING, FULL])
+    ids = rand_ids(12, 4)
+    full = compute_signature(model, ids, [256], split=3)
+    lean = compute_signature(model, ids, [256], split=3, keep_end_state=False)
+    assert not lean.has_end_state and full.has_end_state
+    assert full.nbytes() - lean.nbytes() == full.bytes_by_part()["linear_state"]
+    tensors, meta, _ = lean.to_tensors()
+    back = SegmentSignature.from_tensors(tensors, meta)
+    assert not back.has_end_state and torch.equal(back.layers[0].tail_state, full.layers[0].tail_state)
+    with pytest.raises(SignatureFormatError, match="needs a tail"):
+        compute_signature(model, ids, [256], split=12, keep_end_state=False)
