@@ -215,7 +215,8 @@ class StorePicPlanner(PicPlanner):
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
         try:
             sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
-                                    backend=runner.backend, state_dtype=self.state_dtype)
+                                    backend=runner.backend, state_dtype=self.state_dtype,
+                                    keep_end_state=self.config.keep_end_state)
         except BaseException:
             self.store.drop_claim(claim)
             raise
