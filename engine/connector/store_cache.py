@@ -21,7 +21,8 @@ and the planner that drives it (engine.connector.planner) uses its capabilities:
     acquire(key, request_id, wait_device=False) -> LoadedSegment | None
     finish_request(request_id)  release what the request's prefetch holds, account it
     hint(keys)                  queued requests: lookup + NVMe->CPU promotion, no lease
-    claim(key) -> Claim         in-flight dedup across engines (below)
+    claim(key) -> Claim         in-flight dedup across engines (below); never waits
+    wait_inflight(claim) -> Claim   wait for a segment another engine computes
     store(key, signature, claim, cost)   put with the claim to drop once stored
     flush(), close()
 
@@ -34,9 +35,10 @@ In-flight dedup. Before computing a miss, an engine reserves the segment's *clai
   and aborts the claim reservation once the put finished (stored or failed), which
   wakes every waiter. A claim held by a dead engine expires with its reservation
   (the daemon's lease TTL: no keepalive renews it any more).
-- "in_flight": another engine is computing the segment. Wait (`WaitFor` on the claim
-  key, at most `inflight_wait_s`), then Get the segment: a hit is used like any hit; a
-  miss (the other engine failed or was too slow) is computed here.
+- "in_flight": another engine is computing the segment. `claim` answers INFLIGHT; the
+  caller computes its own misses first, then `wait_inflight` waits (`WaitFor` on the
+  claim key, at most `inflight_wait_s`) and Gets the segment: a hit is used like any
+  hit; a miss (the other engine failed or was too slow) is computed here.
 Right after winning a claim the engine looks the segment up once more: it may have
 landed between this request's lookup and the claim.
 
