@@ -196,7 +196,8 @@ def main(argv=None) -> int:
     gpu_cap = args.gpu_capacity or ("16GiB" if cuda else "0")
     if socket is None:
         daemon = DaemonProcess(Path(tempfile.mkdtemp(prefix="bench-serving-")), cpu_capacity=args.cpu_capacity,
-                               nvme_capacity=args.nvme_capacity, gpu_capacity=gpu_cap, lease_ttl=60.0)
+                               nvme_capacity=args.nvme_capacity, gpu_capacity=gpu_cap, lease_ttl=60.0,
+                               entry="kvstore.server")  # the daemon without typer/rich
         daemon.start(timeout=300)
         socket = str(daemon.socket)
         log(f"daemon at {socket} (cpu {args.cpu_capacity}, gpu {gpu_cap}, nvme {args.nvme_capacity})")
