@@ -12,7 +12,7 @@ import threading
 import time
 
 import engine.connector.planner as connector_planner
-from connector_testlib import prompt, run_one, wait_until
+from connector_testlib import GREEDY, prompt, run_one, wait_until
 from engine.server.app import METRICS_KEY, build_app
 
 
@@ -125,3 +125,24 @@ def test_a_put_failing_on_capacity_does_not_fail_the_request(start_daemon, store
             assert planner.store.flush()
     assert out.finish_reason == "length" and out.error is None and [out.token_ids] == want
     assert planner.store.metrics.snapshot()["puts_failed"]["capacity"] >= 1
+
+
+def test_requests_admitted_together_share_loads_and_match_in_process_pic(start_daemon, store_engine, memory_engine):
+    d = start_daemon()
+    prompts = [prompt((0, 1)), prompt((1, 0, 2)), prompt((2, 1), "Q: value of k1aa?\nA: ")]
+    ref_engine, ref_planner = memory_engine()
+    want = [run_one(ref_engine, ref_planner, prompts[0], "ref")[0].token_ids]
+    want += [o.token_ids for o in ref_engine.generate(prompts[1:], GREEDY)]
+    engine, planner = store_engine(d)
+    first, _, _ = run_one(engine, planner, prompts[0], "first")
+    assert planner.store.flush()
+    outs = engine.generate(prompts[1:], GREEDY)  # admitted in one step: loads overlap the other's prefill
+    assert [first.token_ids] + [o.token_ids for o in outs] == want
+    reports = [planner.take_store_report(o.request_id) for o in outs]
+    # doc 2 is computed once: by the second request; the third, admitted with it, gets it
+    # from the daemon (waiting on the claim, or finding it stored already)
+    assert [sum(r.hits_by_tier.values()) for r in reports] == [2, 2]
+    assert planner.store.metrics.get("computes") == 3
+    assert planner.store.metrics.snapshot()["overlap"] is not None
+    with d.client() as kv:
+        assert kv.stats()["leases"] == 0

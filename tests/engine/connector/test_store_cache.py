@@ -148,3 +148,15 @@ def test_a_put_failing_on_capacity_is_counted_not_raised(start_daemon, model):
         snap = cache.metrics.snapshot()
         assert snap["puts_failed"]["capacity"] == 1 and snap["puts_stored"] == 0
         assert cache.lookup([key]) == [False]
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (dict(rpc_timeout_s=0), "rpc_timeout_s"), (dict(load_timeout_s=float("nan")), "load_timeout_s"),
+    (dict(reconnect_min_s=1.0, reconnect_max_s=0.5), "reconnect_max_s"), (dict(put_queue_depth=-1), "put_queue_depth"),
+    (dict(put_tier="disk"), "put_tier"), (dict(socket=""), "socket"),
+])
+def test_bad_connector_options_are_refused_naming_the_option(bad, needle):
+    from engine.connector.errors import ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match=needle):
+        StoreConnectorConfig(**bad)
