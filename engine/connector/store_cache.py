@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -125,6 +126,7 @@ class StoreSignatureCache(SignatureCache):
         self.loader = SegmentLoader(self.link, self.metrics, fingerprint, self.device, self.config.verify)
         self.putter = SignaturePutter(self.link, self.metrics, self.config.put_queue_depth,
                                       renew_claims=self._renew_claims)
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-release")
         self._lock = threading.Lock()
         self._resident: dict[bytes, _Resident] = {}
         self._batches: dict[str, LoadBatch] = {}
@@ -169,7 +171,23 @@ class StoreSignatureCache(SignatureCache):
             if entry.refs > 0:
                 return
             del self._resident[key]
-        entry.segment.release()
+        self._release_segment(entry.segment)
+
+    def _release_segment(self, seg: LoadedSegment) -> None:
+        """Release `seg`'s lease. A lease over device memory (the GPU tier, zero copy) is
+        released only after the work queued on the compute stream so far (the splices
+        reading it) has run: the daemon may reuse those bytes as soon as it is released."""
+        if seg.view is None or seg.view.lease.region.kind != "cuda_ipc":
+            seg.release()
+            return
+        event = torch.cuda.Event()  # pragma: no cover - GPU tier only
+        event.record(torch.cuda.current_stream(seg.signature.device))
+
+        def later() -> None:  # pragma: no cover - GPU tier only
+            event.synchronize()
+            seg.release()
+
+        self._releaser.submit(later)  # pragma: no cover - GPU tier only
 
     def stats(self) -> SignatureCacheStats:
         """Gets and puts of this engine; entries, bytes, capacity and evictions of the
@@ -399,7 +417,8 @@ class StoreSignatureCache(SignatureCache):
         for b in batches:
             b.abandon()
         for r in resident:
-            r.segment.release()
+            self._release_segment(r.segment)
+        self._releaser.shutdown(wait=True)
         self.link.close()
 
     def __enter__(self) -> "StoreSignatureCache":
