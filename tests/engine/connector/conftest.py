@@ -33,7 +33,7 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     made: list[DaemonProcess] = []
 
     def start(name: str = "d", **kwargs: Any) -> DaemonProcess:
-        d = DaemonProcess(tmp_path / name, **kwargs)
+        d = DaemonProcess(tmp_path / name, entry="kvstore.server", **kwargs)  # no typer/rich needed
         made.append(d)
         return d.start()
 

@@ -114,7 +114,7 @@ def test_a_claim_held_by_a_dead_engine_expires(start_daemon, model):
 
 
 def test_a_missing_daemon_costs_only_misses_and_the_cache_connects_when_it_starts(tmp_path, model):
-    d = DaemonProcess(tmp_path / "late")
+    d = DaemonProcess(tmp_path / "late", entry="kvstore.server")
     sig, key = signature(model, list(range(60, 90)))
     cache = StoreSignatureCache(FP, "cpu", connector(d))
     try:
