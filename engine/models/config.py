@@ -1,0 +1,232 @@
+"""Model configuration: the frozen dataclasses that describe a hybrid decoder, their
+validation, and their canonical JSON form (the one hashed into the model fingerprint).
+
+A model is a stack of decoder blocks; `ModelConfig.layers` names the token mixer of each
+block (one entry per layer, in order):
+
+| kind        | mixer                                              | recurrence family |
+|-------------|----------------------------------------------------|-------------------|
+| `full`      | global causal attention (GQA, RoPE, optional gate) | -                 |
+| `swa`       | sliding-window causal attention (window w)         | -                 |
+| `gdn`       | Gated DeltaNet (Qwen3-Next style)                  | `delta`           |
+| `gla`       | Gated Linear Attention, per-key-dim decay          | `diag`            |
+| `lightning` | lightning attention, fixed per-head decay (Ring)   | `scalar`          |
+| `mamba2`    | Mamba2 SSD, data-dependent scalar decay            | `scalar`          |
+
+All linear kinds in one model share one `LinearConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import ConfigError
+
+FULL = "full"
+SWA = "swa"
+GDN = "gdn"
+GLA = "gla"
+LIGHTNING = "lightning"
+MAMBA2 = "mamba2"
+
+ATTENTION_KINDS = (FULL, SWA)
+LINEAR_KINDS = (GDN, GLA, LIGHTNING, MAMBA2)
+LAYER_KINDS = ATTENTION_KINDS + LINEAR_KINDS
+
+#: recurrence family of each linear kind (see engine/models/layers/linear_ops.py)
+RECURRENCE_FAMILY = {GDN: "delta", GLA: "diag", LIGHTNING: "scalar", MAMBA2: "scalar"}
+
+CONFIG_FORMAT_VERSION = 1
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Shapes of the full and sliding-window attention layers."""
+
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    #: RoPE is applied to the first `rotary_dim` dims of each head (0: no RoPE).
+    rotary_dim: int = 32
+    rope_theta: float = 10000.0
+    #: RoPE base of sliding-window layers (Gemma-3 uses a smaller local base); None: rope_theta.
+    swa_rope_theta: float | None = None
+    #: window w of `swa` layers: a token attends to itself and the w-1 tokens before it.
+    sliding_window: int | None = None
+    #: Qwen3-Next-style sigmoid output gate (q_proj emits the gate beside the queries).
+    output_gate: bool = False
+    #: per-head RMSNorm of q and k before RoPE (Qwen3 / Gemma-3).
+    qk_norm: bool = False
+
+    def validate(self, needs_window: bool) -> None:
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise ConfigError(f"attention heads/dims must be positive, got {self}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(
+                f"rotary_dim={self.rotary_dim} must be even and within [0, head_dim={self.head_dim}]")
+        if needs_window and (self.sliding_window is None or self.sliding_window < 1):
+            raise ConfigError(f"swa layers need sliding_window >= 1, got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Shapes of the linear-attention layers.
+
+    `num_heads` query/key heads of size `key_dim`, `num_v_heads` value heads of size
+    `value_dim` (num_v_heads a multiple of num_heads: grouped value heads, as Qwen3-Next's
+    GDN; for mamba2, num_heads is the number of B/C groups, key_dim is d_state and
+    value_dim is the SSM head dim). The recurrent state per slot is
+    `[num_v_heads, key_dim, value_dim]` float32.
+    """
+
+    num_heads: int = 2
+    num_v_heads: int = 4
+    key_dim: int = 32
+    value_dim: int = 32
+    #: short causal depthwise conv width (0: no conv). gdn and mamba2 use one; lightning and
+    #: gla use one only if this is set for them (`conv_kinds`).
+    conv_size: int = 4
+    conv_kinds: tuple[str, ...] = (GDN, MAMBA2)
+    #: chunk length of the torch chunked (parallel-within-chunk) prefill form.
+    chunk_size: int = 64
+    #: GLA: rank of the gate projection and the gate logit normaliser.
+    gla_gate_rank: int = 16
+    gla_gate_normalizer: float = 16.0
+
+    def validate(self) -> None:
+        if min(self.num_heads, self.num_v_heads, self.key_dim, self.value_dim) <= 0:
+            raise ConfigError(f"linear heads/dims must be positive, got {self}")
+        if self.num_v_heads % self.num_heads:
+            raise ConfigError(
+                f"num_v_heads={self.num_v_heads} is not a multiple of num_heads={self.num_heads}")
+        if self.conv_size < 0 or self.conv_size == 1:
+            raise ConfigError(f"conv_size must be 0 (off) or >= 2, got {self.conv_size}")
+        if self.chunk_size < 1:
+            raise ConfigError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        for kind in self.conv_kinds:
+            if kind not in LINEAR_KINDS:
+                raise ConfigError(f"conv_kinds names {kind!r}, not a linear layer kind")
+
+    def conv_width(self, kind: str) -> int:
+        """Conv width used by layers of `kind` (0 when that kind has no conv)."""
+        return self.conv_size if kind in self.conv_kinds else 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One hybrid decoder: embedding, `len(layers)` blocks (mixer + SwiGLU MLP), final
+    RMSNorm, tied or untied LM head."""
+
+    name: str = "custom"
+    family: str = "custom"
+    scale: str = "tiny"
+    vocab_size: int = 260
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    layers: tuple[str, ...] = (GDN, GDN, GDN, FULL)
+    tie_embeddings: bool = True
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    linear: LinearConfig = field(default_factory=LinearConfig)
+    #: seed of the deterministic initialisation used when no trained weights exist.
+    init_seed: int = 0
+    #: dtype the model runs in by default ("float32" on CPU tests, "bfloat16" for bench).
+    dtype: str = "float32"
+    format_version: int = CONFIG_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, tuple):
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.linear.conv_kinds, tuple):
+            object.__setattr__(self.linear, "conv_kinds", tuple(self.linear.conv_kinds))
+        self.validate()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_indices(self, *kinds: str) -> list[int]:
+        """Indices of the layers whose kind is one of `kinds`."""
+        return [i for i, k in enumerate(self.layers) if k in kinds]
+
+    @property
+    def has_attention(self) -> bool:
+        return any(k in ATTENTION_KINDS for k in self.layers)
+
+    @property
+    def has_linear(self) -> bool:
+        return any(k in LINEAR_KINDS for k in self.layers)
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        if not self.layers:
+            raise ConfigError("layers is empty: a model needs at least one layer")
+        for i, kind in enumerate(self.layers):
+            if kind not in LAYER_KINDS:
+                raise ConfigError(f"layers[{i}]={kind!r} is not one of {LAYER_KINDS}")
+        if self.scale not in ("tiny", "bench", "custom"):
+            raise ConfigError(f"scale={self.scale!r} must be 'tiny', 'bench' or 'custom'")
+        if self.vocab_size < 2 or self.hidden_size < 1 or self.intermediate_size < 1:
+            raise ConfigError(
+                f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size} must be positive")
+        if self.max_position_embeddings < 1:
+            raise ConfigError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.has_attention:
+            self.attention.validate(needs_window=SWA in self.layers)
+        if self.has_linear:
+            self.linear.validate()
+
+    # ------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        d["linear"]["conv_kinds"] = list(self.linear.conv_kinds)
+        return d
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no whitespace): the form hashed into fingerprints."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        version = d.get("format_version", CONFIG_FORMAT_VERSION)
+        if version != CONFIG_FORMAT_VERSION:
+            raise ConfigError(
+                f"config format_version={version} is not supported (this engine reads "
+                f"{CONFIG_FORMAT_VERSION})")
+        try:
+            attn = AttentionConfig(**d.pop("attention", {}))
+            lin = d.pop("linear", {})
+            if "conv_kinds" in lin:
+                lin = {**lin, "conv_kinds": tuple(lin["conv_kinds"])}
+            linear = LinearConfig(**lin)
+            return cls(attention=attn, linear=linear, **{**d, "layers": tuple(d.get("layers", ()))})
+        except TypeError as e:  # unknown or missing field
+            raise ConfigError(f"bad model config field: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from e
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (nested configs replaced whole)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,182 @@
+"""Full (global causal) and sliding-window attention: GQA, RoPE on the first `rotary_dim`
+dims (rotate-half), optional per-head q/k RMSNorm and Qwen3-Next-style sigmoid output gate.
+
+Caches (engine/cache/layer_caches.py): a full layer appends each token's K (after RoPE at
+its absolute position) and V to the paged pool; a sliding-window layer keeps the last
+`window` tokens in a per-slot ring at index `p % window`. A token at position p attends to
+positions `<= p` (full) or `(p - window, p]` (sliding window).
+
+Hooks for position-independent caching (engine/pic/):
+- `project(x, positions)` -> (q, k, v, gate): with `positions = arange(n)` it gives a
+  segment's K at base 0 (rotated) and V; `rope_shift(k, delta)` re-rotates keys by a
+  position delta (RoPE is additive in the position; only the rotary dims move).
+- full layers: `PagedKVCache.write(flat_slots, k, v)` puts K/V at any positions of a
+  request's block table; sliding-window layers: `WindowRingCache.write(slot, positions, k, v)`.
+- `attend_prefill(q, k_ctx, v_ctx, q_pos, k_pos)` and `output(o, gate)` are the rest of the
+  layer, so seam tokens can be recomputed against whatever context the pool holds.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import SWA, ModelConfig
+from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
+from engine.models.layers.norm import RMSNorm
+from engine.models.layers.rope import apply_rope, rope_inv_freq
+
+#: queries per block in masked (windowed / offset-causal) attention; bounds mask memory.
+QUERY_BLOCK = 1024
+
+
+def _expand_kv(x: torch.Tensor, groups: int, head_dim_axis: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim_axis)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """Causal (optionally windowed) attention of one batch of equally positioned sequences.
+
+    q `[B, Lq, H, D]`, k/v `[B, Lk, Hkv, D]`, q_pos `[Lq]`, k_pos `[Lk]` (ascending absolute
+    positions). Query at p sees keys at positions j with j <= p and, if `window`, p - j < window.
+    Returns `[B, Lq, H, D]`.
+    """
+    groups = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    lq, lk = qh.shape[2], kh.shape[2]
+    plain_causal = window is None and lq == lk
+    if plain_causal:
+        # positions coincide: top-left causal == the true mask; flash-eligible on GPU
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                             enable_gqa=groups > 1)
+        return out.transpose(1, 2)
+    kh, vh = _expand_kv(kh, groups, 1), _expand_kv(vh, groups, 1)
+    if window is None and q.is_cuda and bool((k_pos[-lq:] == q_pos).all()):
+        # chunk at the end of its context: lower-right causal, flash/efficient kernels
+        from torch.nn.attention.bias import causal_lower_right
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(lq, lk), scale=scale)
+        return out.transpose(1, 2)
+    outs = []
+    for a in range(0, lq, QUERY_BLOCK):
+        b = min(lq, a + QUERY_BLOCK)
+        qp = q_pos[a:b]
+        lo = 0
+        if window is not None:
+            lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
+        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+        kp = k_pos[lo:hi]
+        mask = kp[None, :] <= qp[:, None]
+        if window is not None:
+            mask &= (qp[:, None] - kp[None, :]) < window
+        outs.append(F.scaled_dot_product_attention(
+            qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi], attn_mask=mask, scale=scale))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+class Attention(TokenMixer):
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        a = cfg.attention
+        self.kind = kind
+        self.num_heads = a.num_heads
+        self.num_kv_heads = a.num_kv_heads
+        self.head_dim = a.head_dim
+        self.window = a.sliding_window if kind == SWA else None
+        self.output_gate = a.output_gate
+        self.scale = a.head_dim ** -0.5
+        q_out = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
+        kv_out = a.num_kv_heads * a.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=False)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
+        theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
+        self.register_buffer("inv_freq", rope_inv_freq(a.rotary_dim, theta), persistent=False)
+
+    # ------------------------------------------------------------ pieces (PIC hooks)
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x `[..., T, D]`, positions `[T]` -> q `[..., T, H, hd]`, k `[..., T, Hkv, hd]` (both
+        rotated to `positions`), v `[..., T, Hkv, hd]`, gate `[..., T, H, hd]` or None."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(*lead, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = q.view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        return q, k, v, gate
+
+    def rope_shift(self, k: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Re-rotate keys `[T, Hkv, hd]` by a position delta (scalar or `[T]`)."""
+        d = torch.as_tensor(delta, device=k.device).expand(k.shape[0])
+        return apply_rope(k, d, self.inv_freq)
+
+    def attend_prefill(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                       q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """One sequence: q `[n, H, hd]` against context K/V `[L, Hkv, hd]` at `k_pos`."""
+        return causal_attention(q[None], k_ctx[None], v_ctx[None], q_pos, k_pos, self.window, self.scale)[0]
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o.flatten(-2))
+
+    # ------------------------------------------------------------------ forwards
+    def forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        q, k, v, gate = self.project(x, pos)
+        o = causal_attention(q, k, v, pos, pos, self.window, self.scale)
+        return self.output(o, gate)
+
+    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache) -> torch.Tensor:
+        pos = ctx.positions
+        q, k, v, gate = self.project(x, pos)
+        if self.window is None:
+            cache.write(ctx.write_slots, k, v)
+            if ctx.start_pos == 0:
+                k_ctx, v_ctx, k_pos = k, v, pos
+            else:
+                k_ctx, v_ctx = cache.gather(ctx.context_slots)
+                k_pos = torch.arange(k_ctx.shape[0], device=x.device)
+        else:
+            first = max(0, ctx.start_pos - self.window + 1)
+            past = torch.arange(first, ctx.start_pos, device=x.device)
+            if past.numel():
+                k_past, v_past = cache.read(ctx.slot, past)
+                k_ctx, v_ctx = torch.cat([k_past, k.to(k_past.dtype)]), torch.cat([v_past, v.to(v_past.dtype)])
+                k_pos = torch.cat([past, pos])
+            else:
+                k_ctx, v_ctx, k_pos = k, v, pos
+            cache.write(ctx.slot, pos, k, v)
+        o = self.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
+        return self.output(o, gate)
+
+    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache) -> torch.Tensor:
+        pos = ctx.positions
+        q, k, v, gate = self.project(x[:, None], pos[:, None])  # [B, 1, H, hd]
+        k, v = k[:, 0], v[:, 0]
+        if self.window is None:
+            cache.write(ctx.write_slots, k, v)
+            k_ctx, v_ctx = cache.gather(ctx.context_slots)  # [B, Lmax, Hkv, hd]
+            valid = torch.arange(k_ctx.shape[1], device=x.device)[None, :] < ctx.context_lens[:, None]
+        else:
+            idx = pos % self.window
+            cache.k[ctx.slots, idx] = k.to(cache.k.dtype)
+            cache.v[ctx.slots, idx] = v.to(cache.v.dtype)
+            k_ctx, v_ctx = cache.k[ctx.slots], cache.v[ctx.slots]  # [B, w, Hkv, hd]
+            valid = torch.arange(self.window, device=x.device)[None, :] <= pos[:, None]
+        groups = self.num_heads // self.num_kv_heads
+        kh = _expand_kv(k_ctx.to(q.dtype).transpose(1, 2), groups, 1)
+        vh = _expand_kv(v_ctx.to(q.dtype).transpose(1, 2), groups, 1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=valid[:, None, None, :],
+                                           scale=self.scale)
+        return self.output(o.transpose(1, 2), gate)[:, 0]

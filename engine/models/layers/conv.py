@@ -1,0 +1,51 @@
+"""Short causal depthwise convolution with an explicit tail, so a sequence can be fed in
+chunks or one token at a time and give the same result as one pass.
+
+The tail is the last `width - 1` *pre-conv* inputs, `[B, channels, width - 1]` (zeros at the
+start of a sequence, which is the causal zero padding). This is the contract's conv-tail
+layout (`conv_tail[num_slots, channels, conv_size - 1]`); for PIC a segment's tail is its last
+`width - 1` inputs and splicing feeds the previous segment's tail in front of it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShortConv(nn.Module):
+    def __init__(self, channels: int, width: int, bias: bool = False, activation: str | None = "silu") -> None:
+        super().__init__()
+        if width < 2:
+            raise ValueError(f"ShortConv width={width} must be >= 2")
+        if activation not in (None, "silu"):
+            raise ValueError(f"ShortConv activation={activation!r} must be None or 'silu'")
+        self.channels = channels
+        self.width = width
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(channels, width))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+
+    def zero_tail(self, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(batch, self.channels, self.width - 1, device=device, dtype=dtype)
+
+    def _act(self, y: torch.Tensor) -> torch.Tensor:
+        return F.silu(y) if self.activation == "silu" else y
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, C]`, tail `[B, C, width-1]` or None (zeros) -> (y `[B, T, C]`, new tail)."""
+        b, t, c = x.shape
+        if tail is None:
+            tail = self.zero_tail(b, x.device, x.dtype)
+        xx = torch.cat([tail.to(x.dtype), x.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
+        y = F.conv1d(xx, self.weight[:, None, :].to(x.dtype), self.bias, groups=c)  # [B, C, T]
+        new_tail = xx[:, :, xx.shape[2] - (self.width - 1):]
+        return self._act(y.transpose(1, 2)), new_tail.contiguous()
+
+    def step(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per sequence: x `[B, C]`, tail `[B, C, width-1]` -> (y `[B, C]`, new tail)."""
+        window = torch.cat([tail.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, W]
+        y = (window * self.weight.to(x.dtype)).sum(-1)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return self._act(y), window[:, :, 1:].contiguous()

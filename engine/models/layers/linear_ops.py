@@ -1,0 +1,226 @@
+"""The linear-attention recurrences in pure torch: a naive token-by-token loop (the test
+reference), a chunked parallel-within-chunk form (the CPU prefill path), and the
+segment transition operator T that position-independent caching needs.
+
+All three families share one recurrence over a state S of shape `[B, H, K, V]` (float32;
+fla's `[N, H, K, V]` orientation):
+
+    S_t = T_t S_{t-1} + u_t,         o_t = S_t^T (scale * q_t)
+
+| family   | T_t                                  | u_t                | log_decay shape |
+|----------|--------------------------------------|--------------------|-----------------|
+| `scalar` | exp(g_t) I                           | k_t v_t^T          | `[B, T, H]`     |
+| `diag`   | diag(exp(g_t))                       | k_t v_t^T          | `[B, T, H, K]`  |
+| `delta`  | exp(g_t) (I - beta_t k_t k_t^T)      | beta_t k_t v_t^T   | `[B, T, H]`     |
+
+Inputs are time-first `[B, T, H, D]` like fla. Every exponent computed here is a difference
+of cumulative log decays taken over j <= i, so it is <= 0: long sequences whose decay
+products underflow give zeros, never inf or NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+FAMILIES = ("scalar", "diag", "delta")
+
+
+@dataclass
+class RecurrenceInputs:
+    """Per-token inputs of one linear layer's recurrence (time-first)."""
+
+    q: torch.Tensor  # [B, T, H, K]
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, H, V]
+    log_decay: torch.Tensor  # [B, T, H] (scalar, delta) or [B, T, H, K] (diag); <= 0, float32
+    beta: torch.Tensor | None = None  # [B, T, H] (delta only)
+    scale: float = 1.0
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        b, t, h, kd = self.k.shape
+        return b, t, h, kd, self.v.shape[-1]
+
+    def slice_time(self, start: int, end: int) -> "RecurrenceInputs":
+        return replace(
+            self,
+            q=self.q[:, start:end], k=self.k[:, start:end], v=self.v[:, start:end],
+            log_decay=self.log_decay[:, start:end],
+            beta=None if self.beta is None else self.beta[:, start:end],
+        )
+
+
+def _check_family(family: str, inp: RecurrenceInputs) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"recurrence family={family!r} must be one of {FAMILIES}")
+    want = 4 if family == "diag" else 3
+    if inp.log_decay.dim() != want:
+        raise ValueError(f"{family} log_decay must have {want} dims, got shape {tuple(inp.log_decay.shape)}")
+    if family == "delta" and inp.beta is None:
+        raise ValueError("delta family needs beta")
+
+
+def _initial(inp: RecurrenceInputs, initial_state: torch.Tensor | None) -> torch.Tensor:
+    b, _, h, kd, vd = inp.shape
+    if initial_state is None:
+        return torch.zeros(b, h, kd, vd, dtype=torch.float32, device=inp.k.device)
+    if tuple(initial_state.shape) != (b, h, kd, vd):
+        raise ValueError(f"initial_state shape {tuple(initial_state.shape)} != {(b, h, kd, vd)}")
+    return initial_state.to(torch.float32)
+
+
+def naive_recurrence(family: str, inp: RecurrenceInputs,
+                     initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token loop, float32. Returns (o `[B, T, H, V]` in v's dtype, S `[B, H, K, V]`)."""
+    _check_family(family, inp)
+    s = _initial(inp, initial_state).clone()
+    q = inp.q.to(torch.float32) * inp.scale
+    k, v = inp.k.to(torch.float32), inp.v.to(torch.float32)
+    g = inp.log_decay.to(torch.float32)
+    outs = []
+    for t in range(q.shape[1]):
+        kt, vt = k[:, t], v[:, t]
+        if family == "diag":
+            s = torch.exp(g[:, t])[..., :, None] * s
+        else:
+            s = torch.exp(g[:, t])[..., None, None] * s
+        if family == "delta":
+            beta = inp.beta[:, t].to(torch.float32)[..., None]
+            vt = beta * (vt - torch.einsum("bhkv,bhk->bhv", s, kt))
+        s = s + kt[..., :, None] * vt[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    o = torch.stack(outs, dim=1) if outs else inp.v.new_zeros(inp.v.shape).float()
+    return o.to(inp.v.dtype), s
+
+
+def recurrent_step(family: str, inp: RecurrenceInputs,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step (T == 1) for a batch of sequences; same maths as the naive loop."""
+    if inp.q.shape[1] != 1:
+        raise ValueError(f"recurrent_step takes one token per sequence, got T={inp.q.shape[1]}")
+    return naive_recurrence(family, inp, state)
+
+
+def _cumulative(g: torch.Tensor, dim: int):
+    """Within-chunk cumulative log decay G, pairwise differences G_i - G_j (time axes i, j)
+    and G_last - G_j. Summed and differenced in float64: G grows like (chunk x |log decay|),
+    and float32 differences of two large sums would lose the small exponents that matter."""
+    big = g.to(torch.float64).cumsum(dim)
+    if dim == -1:
+        diff = big[..., :, None] - big[..., None, :]
+        to_end = big[..., -1:] - big
+    else:  # dim == -2, g [..., L, K]
+        diff = big[..., :, None, :] - big[..., None, :, :]
+        to_end = big[..., -1:, :] - big
+    return big.to(g.dtype), diff.to(g.dtype), to_end.to(g.dtype)
+
+
+def _chunk_scalar(q, k, v, g, s):
+    # q, k [B,H,L,K]; v [B,H,L,V]; g [B,H,L]; s [B,H,K,V]
+    big_g, diff, to_end = _cumulative(g, -1)
+    n = g.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
+    decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
+    attn = (q @ k.transpose(-1, -2)) * decay
+    o = (q * torch.exp(big_g)[..., None]) @ s + attn @ v
+    s = torch.exp(big_g[..., -1:])[..., None] * s + (k * torch.exp(to_end)[..., None]).transpose(-1, -2) @ v
+    return o, s
+
+
+def _chunk_diag(q, k, v, g, s):
+    # g [B,H,L,K]
+    big_g, diff, to_end = _cumulative(g, -2)  # diff [B,H,L,L,K]
+    n = g.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()[..., None]
+    decay = torch.exp(diff.masked_fill(~causal, float("-inf")))
+    attn = torch.einsum("bhik,bhjk,bhijk->bhij", q, k, decay)
+    o = (q * torch.exp(big_g)) @ s + attn @ v
+    s = torch.exp(big_g[..., -1:, :]).transpose(-1, -2) * s + (k * torch.exp(to_end)).transpose(-1, -2) @ v
+    return o, s
+
+
+def _chunk_delta(q, k, v, g, beta, s):
+    # WY/UT form. u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t); S_t = exp(g_t) S_{t-1} + k_t u_t^T.
+    # (I + L) U = diag(beta) V - diag(beta * Gamma) K S0, L_ij = beta_i (Gamma_i/Gamma_j) k_i.k_j, j < i.
+    big_g, diff, to_end = _cumulative(g, -1)
+    n = g.shape[-1]
+    incl = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
+    strict = incl.clone()
+    strict.fill_diagonal_(False)
+    decay_incl = torch.exp(diff.masked_fill(~incl, float("-inf")))
+    decay_strict = torch.exp(diff.masked_fill(~strict, float("-inf")))
+    gamma = torch.exp(big_g)
+    lower = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay_strict
+    eye = torch.eye(n, dtype=q.dtype, device=q.device)
+    a = eye + lower
+    w = torch.linalg.solve_triangular(a, (beta * gamma)[..., None] * k, upper=False, unitriangular=True)
+    u0 = torch.linalg.solve_triangular(a, beta[..., None] * v, upper=False, unitriangular=True)
+    u = u0 - w @ s
+    o = (q * gamma[..., None]) @ s + ((q @ k.transpose(-1, -2)) * decay_incl) @ u
+    s = torch.exp(big_g[..., -1:])[..., None] * s + (k * torch.exp(to_end)[..., None]).transpose(-1, -2) @ u
+    return o, s
+
+
+def chunked_recurrence(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | None = None,
+                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parallel-within-chunk form, float32; equals `naive_recurrence` up to rounding.
+    Returns (o `[B, T, H, V]` in v's dtype, S `[B, H, K, V]` float32)."""
+    _check_family(family, inp)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    s = _initial(inp, initial_state)
+    f32 = torch.float32
+    q = (inp.q.to(f32) * inp.scale).transpose(1, 2)
+    k = inp.k.to(f32).transpose(1, 2)
+    v = inp.v.to(f32).transpose(1, 2)
+    g = inp.log_decay.to(f32).transpose(1, 2)
+    beta = inp.beta.to(f32).transpose(1, 2) if inp.beta is not None else None
+    t_total = q.shape[2]
+    outs = []
+    for c0 in range(0, t_total, chunk_size):
+        c1 = min(t_total, c0 + chunk_size)
+        qc, kc, vc, gc = q[:, :, c0:c1], k[:, :, c0:c1], v[:, :, c0:c1], g[:, :, c0:c1]
+        if family == "scalar":
+            o, s = _chunk_scalar(qc, kc, vc, gc, s)
+        elif family == "diag":
+            o, s = _chunk_diag(qc, kc, vc, gc, s)
+        else:
+            o, s = _chunk_delta(qc, kc, vc, gc, beta[:, :, c0:c1], s)
+        outs.append(o)
+    if outs:
+        o = torch.cat(outs, dim=2).transpose(1, 2)
+    else:
+        o = torch.zeros_like(inp.v, dtype=f32)
+    return o.to(inp.v.dtype), s
+
+
+def transition_operator(family: str, inp: RecurrenceInputs, chunk_size: int = 64,
+                        naive: bool = False) -> torch.Tensor:
+    """The segment's cumulative transition T (so that S_end = T S_start + E, E = end state from 0).
+
+    scalar: total log decay `[B, H]`; diag: total log decay `[B, H, K]`;
+    delta: dense `[B, H, K, K]` float32 = prod_t exp(g_t)(I - beta_t k_t k_t^T) (later
+    tokens on the left), computed by running the same recurrence from S0 = I with v = 0.
+    """
+    _check_family(family, inp)
+    if family in ("scalar", "diag"):
+        return inp.log_decay.to(torch.float32).sum(dim=1)
+    b, t, h, kd, _ = inp.shape
+    eye = torch.eye(kd, dtype=torch.float32, device=inp.k.device).expand(b, h, kd, kd).contiguous()
+    zero_v = torch.zeros(b, t, h, kd, dtype=torch.float32, device=inp.k.device)
+    probe = replace(inp, v=zero_v)
+    if naive:
+        return naive_recurrence(family, probe, eye)[1]
+    return chunked_recurrence(family, probe, eye, chunk_size)[1]
+
+
+def apply_transition(family: str, transition: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """T applied to a state `[B, H, K, V]` (float32): the linear part of composition."""
+    if family == "scalar":
+        return torch.exp(transition)[..., None, None] * state
+    if family == "diag":
+        return torch.exp(transition)[..., :, None] * state
+    if family == "delta":
+        return transition @ state
+    raise ValueError(f"recurrence family={family!r} must be one of {FAMILIES}")

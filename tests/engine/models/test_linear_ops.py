@@ -1,0 +1,130 @@
+"""The torch linear-attention forms against the naive token loop, the transition operator
+against composition, and the delta rule against fla's kernel (conventions pinned)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers.linear_ops import (FAMILIES, RecurrenceInputs, apply_transition, chunked_recurrence,
+                                             naive_recurrence, recurrent_step, transition_operator)
+
+B, H, K, V = 2, 3, 8, 6
+
+
+def random_inputs(family: str, t: int, decay_strength: float = 1.0, seed: int = 0) -> RecurrenceInputs:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, t, H, K, generator=g)
+    k = F.normalize(torch.randn(B, t, H, K, generator=g), dim=-1)
+    v = torch.randn(B, t, H, V, generator=g)
+    shape = (B, t, H, K) if family == "diag" else (B, t, H)
+    log_decay = F.logsigmoid(torch.randn(shape, generator=g) + 2.0) * decay_strength
+    beta = torch.rand(B, t, H, generator=g) if family == "delta" else None
+    return RecurrenceInputs(q=q, k=k, v=v, log_decay=log_decay, beta=beta, scale=K ** -0.5)
+
+
+def random_state(seed: int = 1) -> torch.Tensor:
+    return torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
+def test_chunked_form_equals_naive_loop_from_a_nonzero_state(family, chunk_size):
+    inp = random_inputs(family, 45)
+    s0 = random_state()
+    o_ref, s_ref = naive_recurrence(family, inp, s0)
+    o, s = chunked_recurrence(family, inp, s0, chunk_size)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_form_stays_exact_when_decay_products_underflow(family):
+    # log decays of about -40 per token: exp of a 64-token chunk's cumulative sum is far below
+    # float32's smallest normal; the form must give the loop's numbers, not inf/NaN
+    inp = random_inputs(family, 300, decay_strength=300.0, seed=3)
+    s0 = random_state()
+    o_ref, s_ref = naive_recurrence(family, inp, s0)
+    o, s = chunked_recurrence(family, inp, s0, 64)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_sequence_with_mild_decay_matches_loop(family):
+    inp = random_inputs(family, 700, decay_strength=0.05, seed=4)
+    o_ref, s_ref = naive_recurrence(family, inp)
+    o, s = chunked_recurrence(family, inp, None, 64)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recurrent_step_chain_equals_loop(family):
+    inp = random_inputs(family, 12)
+    s = random_state()
+    o_ref, s_ref = naive_recurrence(family, inp, s)
+    outs = []
+    for t in range(12):
+        o, s = recurrent_step(family, inp.slice_time(t, t + 1), s)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, dim=1), o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decay_strength", [0.2, 200.0])
+def test_transition_operator_composes_two_segments_exactly(family, decay_strength):
+    inp = random_inputs(family, 40, decay_strength=decay_strength, seed=5)
+    s0 = random_state()
+    seg1, seg2 = inp.slice_time(0, 17), inp.slice_time(17, 40)
+    _, s_whole = naive_recurrence(family, inp, s0)
+    t1, e1 = transition_operator(family, seg1), naive_recurrence(family, seg1)[1]
+    t2, e2 = transition_operator(family, seg2), naive_recurrence(family, seg2)[1]
+    composed = apply_transition(family, t2, apply_transition(family, t1, s0) + e1) + e2
+    torch.testing.assert_close(composed, s_whole, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_transition_chunked_equals_naive_and_is_dense():
+    inp = random_inputs("delta", 70, seed=6)
+    t_chunk = transition_operator("delta", inp, chunk_size=16)
+    t_naive = transition_operator("delta", inp, naive=True)
+    assert t_chunk.shape == (B, H, K, K) and t_chunk.dtype == torch.float32
+    torch.testing.assert_close(t_chunk, t_naive, rtol=1e-5, atol=1e-6)
+
+
+def test_scalar_and_diag_transitions_are_log_decay_sums():
+    for family, shape in (("scalar", (B, H)), ("diag", (B, H, K))):
+        inp = random_inputs(family, 9)
+        t = transition_operator(family, inp)
+        assert t.shape == shape
+        torch.testing.assert_close(t, inp.log_decay.sum(1))
+
+
+def test_delta_rule_matches_fla_fused_recurrent_kernel():
+    """Pins our state orientation, decay-before-update order and scale against fla-core's
+    fused_recurrent_gated_delta_rule (run by the Triton interpreter on CPU)."""
+    fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule",
+                                  reason="fla-core is not installed in this environment")
+    inp = random_inputs("delta", 11, seed=7)
+    s0 = random_state()
+    o_ref, s_ref = naive_recurrence("delta", inp, s0)
+    o_chunk, s_chunk = chunked_recurrence("delta", inp, s0, 4)
+    o_fla, s_fla = fla_gdn.fused_recurrent_gated_delta_rule(
+        inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous(), g=inp.log_decay.contiguous(),
+        beta=inp.beta.contiguous(), scale=inp.scale, initial_state=s0.clone(), output_final_state=True)
+    torch.testing.assert_close(o_fla, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_fla, s_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o_chunk, o_fla, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_chunk, s_fla, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_family_and_shapes_are_rejected_by_name():
+    inp = random_inputs("scalar", 4)
+    with pytest.raises(ValueError, match="family='nope'"):
+        naive_recurrence("nope", inp)
+    with pytest.raises(ValueError, match="diag log_decay must have 4 dims"):
+        chunked_recurrence("diag", inp)
+    with pytest.raises(ValueError, match="initial_state shape"):
+        naive_recurrence("scalar", inp, torch.zeros(1, 1, 1, 1))

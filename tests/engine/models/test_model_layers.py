@@ -1,0 +1,155 @@
+"""Every layer kind, in a small two-layer model: the cached prefill / chunked prefill / decode
+paths equal the cache-free parallel forward, and the caches hold exactly what the maths
+needs (paged K/V at their positions, the ring's last w tokens, the naive loop's state)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.models.layers.linear_ops import naive_recurrence
+from engine.runtime.sequence import Sequence
+
+KINDS = [FULL, SWA, GDN, GLA, LIGHTNING, MAMBA2]
+TOL = dict(rtol=1e-5, atol=5e-5)
+N = 29
+
+
+def ids_for(cfg, n=N, seed=0):
+    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def mixer_inputs(model, ids):
+    """Each layer's normalised mixer input of a cache-free pass over ids (positions 0..n-1)."""
+    seen = {}
+    with torch.no_grad():
+        model(ids[None], mixer_input_hook=lambda i, h: seen.__setitem__(i, h[0]))
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_then_token_by_token_decode_equals_parallel_forward(kind, make_config, make_model, make_runner):
+    cfg = make_config([kind, kind])
+    model = make_model(cfg)
+    ids = ids_for(cfg)
+    with torch.no_grad():
+        ref = model(ids[None])[0]
+    runner = make_runner(model)
+    seq = runner.cache.allocate(Sequence("s"))
+    first = runner.prefill(seq, ids[:9])
+    torch.testing.assert_close(first, ref[8], **TOL)
+    for t in range(9, N):
+        out = runner.decode([seq], ids[t:t + 1])
+        torch.testing.assert_close(out[0], ref[t], **TOL)
+    assert seq.num_computed_tokens == N
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunks", [[1] * 6 + [23], [3, 5, 7, 14], [11, 18]])
+def test_chunked_prefill_equals_single_shot(kind, chunks, make_config, make_model, make_runner):
+    cfg = make_config([kind, kind])
+    model = make_model(cfg)
+    ids = ids_for(cfg, seed=1)
+    one = make_runner(model)
+    s1 = one.cache.allocate(Sequence("one"))
+    ref = one.prefill(s1, ids, all_logits=True)
+    many = make_runner(model)
+    s2 = many.cache.allocate(Sequence("many"))
+    outs, start = [], 0
+    for n in chunks:
+        outs.append(many.prefill(s2, ids[start:start + n], start_pos=start, all_logits=True))
+        start += n
+    torch.testing.assert_close(torch.cat(outs), ref, **TOL)
+    # caches end up the same too
+    for layer, (c1, c2) in enumerate(zip(one.cache.layers, many.cache.layers)):
+        if kind == FULL:
+            p1, p2 = one.cache.flat_slots(s1, 0, N), many.cache.flat_slots(s2, 0, N)
+            torch.testing.assert_close(c2.gather(p2)[0], c1.gather(p1)[0], **TOL)
+            torch.testing.assert_close(c2.gather(p2)[1], c1.gather(p1)[1], **TOL)
+        elif kind == SWA:
+            torch.testing.assert_close(c2.k[s2.slot], c1.k[s1.slot], **TOL)
+            torch.testing.assert_close(c2.v[s2.slot], c1.v[s1.slot], **TOL)
+        else:
+            torch.testing.assert_close(c2.state[s2.slot], c1.state[s1.slot], **TOL)
+            if c1.conv_tail is not None:
+                torch.testing.assert_close(c2.conv_tail[s2.slot], c1.conv_tail[s1.slot], **TOL)
+
+
+@pytest.mark.parametrize("kind", [FULL, SWA])
+def test_attention_caches_hold_rotated_keys_and_values_at_their_positions(kind, make_config, make_model, make_runner):
+    cfg = make_config([kind, kind])
+    model = make_model(cfg)
+    ids = ids_for(cfg, seed=2)
+    runner = make_runner(model)
+    seq = runner.cache.allocate(Sequence("s"))
+    runner.prefill(seq, ids[:13])
+    runner.prefill(seq, ids[13:])
+    inputs = mixer_inputs(model, ids)
+    pos = torch.arange(N)
+    for layer in range(2):
+        mixer = model.mixer(layer)
+        with torch.no_grad():
+            _, k, v, _ = mixer.project(inputs[layer], pos)
+        cache = runner.cache.layer(layer)
+        if kind == FULL:
+            k_c, v_c = cache.gather(runner.cache.flat_slots(seq, 0, N))
+            torch.testing.assert_close(k_c, k, **TOL)
+            torch.testing.assert_close(v_c, v, **TOL)
+        else:
+            w = cfg.attention.sliding_window
+            last = pos[-w:]
+            k_c, v_c = cache.read(seq.slot, last)
+            torch.testing.assert_close(k_c, k[-w:], **TOL)
+            torch.testing.assert_close(v_c, v[-w:], **TOL)
+            # ring index p % w holds position p: the ring is exactly the last w tokens
+            torch.testing.assert_close(cache.k[seq.slot][last % w], k[-w:], **TOL)
+
+
+def test_base_zero_keys_rerotated_equal_keys_at_true_position(make_config, make_model):
+    model = make_model(make_config([FULL]))
+    mixer = model.mixer(0)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        _, k0, _, _ = mixer.project(x, torch.arange(7))
+        _, k_true, _, _ = mixer.project(x, torch.arange(7) + 40)
+        torch.testing.assert_close(mixer.rope_shift(k0, 40), k_true, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [GDN, GLA, LIGHTNING, MAMBA2])
+def test_state_slot_equals_naive_loop_state_and_conv_tail_is_last_inputs(kind, make_config, make_model, make_runner):
+    lin = make_config([kind]).linear
+    cfg = make_config([kind, kind], linear=type(lin)(**{**lin.__dict__, "conv_kinds": (GDN, MAMBA2, GLA, LIGHTNING)}))
+    model = make_model(cfg)
+    ids = ids_for(cfg, seed=3)
+    runner = make_runner(model)
+    seq = runner.cache.allocate(Sequence("s"))
+    runner.prefill(seq, ids[:10])
+    for t in range(10, N):
+        runner.decode([seq], ids[t:t + 1])
+    inputs = mixer_inputs(model, ids)
+    for layer in range(2):
+        mixer = model.mixer(layer)
+        with torch.no_grad():
+            conv_in, extras = mixer.project(inputs[layer][None])
+            conv_out, tail = mixer.apply_conv(conv_in, None)
+            _, state = naive_recurrence(mixer.family, mixer.prepare(conv_out, extras))
+        cache = runner.cache.layer(layer)
+        torch.testing.assert_close(cache.get_state(seq.slot), state[0], **TOL)
+        width = mixer.conv.width
+        torch.testing.assert_close(cache.get_conv_tail(seq.slot), conv_in[0, -(width - 1):].t(), **TOL)
+        torch.testing.assert_close(tail[0], conv_in[0, -(width - 1):].t())
+
+
+def test_sliding_window_attends_only_within_the_window(make_config, make_model):
+    """Changing a token more than w positions back leaves a sliding-window layer's output unchanged."""
+    cfg = make_config([SWA])
+    model = make_model(cfg)
+    mixer = model.mixer(0)
+    w = cfg.attention.sliding_window
+    x = torch.randn(1, 20, cfg.hidden_size)
+    y = x.clone()
+    y[0, 19 - w] += 1.0  # the token just outside the last query's window
+    with torch.no_grad():
+        a, b = mixer.forward_train(x), mixer.forward_train(y)
+    torch.testing.assert_close(a[0, -1], b[0, -1])
+    assert not torch.allclose(a[0, 19 - w], b[0, 19 - w])
