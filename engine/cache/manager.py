@@ -156,6 +156,14 @@ class CacheManager:
         if need:
             seq.block_table.extend(self.blocks.allocate(need))
 
+    def share_blocks(self, seq: Sequence, blocks: list[int]) -> None:
+        """Append blocks another owner holds to `seq`'s table (reference counted: each is
+        freed when its last owner frees it). For prefix sharing of whole blocks; the caller
+        must not write into shared blocks."""
+        self._check_owned(seq)
+        self.blocks.incref(blocks)
+        seq.block_table.extend(blocks)
+
     def free(self, seq: Sequence) -> None:
         """Return `seq`'s blocks and slot; the handle is left empty."""
         self._check_owned(seq)
@@ -180,19 +188,29 @@ class CacheManager:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
-    def batch_context_slots(self, seqs: list[Sequence], lengths: list[int]) -> torch.Tensor | None:
+    def batch_block_tables(self, seqs: list[Sequence], lengths: list[int]) -> torch.Tensor | None:
+        """`[B, ceil(max(lengths) / block_size)]` block ids (0-padded) covering positions
+        0..len-1 of each sequence, on the cache device (the layout paged decode kernels take)."""
+        if not self.has_paged:
+            return None
+        nb = math.ceil(max(lengths) / self.block_size)
+        rows = []
+        for seq, n in zip(seqs, lengths):
+            need = math.ceil(n / self.block_size)
+            if need > len(seq.block_table):
+                raise CacheError(f"sequence {seq.seq_id!r} has too few blocks for {n} tokens")
+            rows.append(seq.block_table[:need] + [0] * (nb - need))
+        return torch.tensor(rows, dtype=torch.long).to(self.device)
+
+    def batch_context_slots(self, seqs: list[Sequence], lengths: list[int],
+                            block_tables: torch.Tensor | None = None) -> torch.Tensor | None:
         """`[B, max(lengths)]` flat slots of positions 0..len-1 per sequence, 0-padded."""
         if not self.has_paged:
             return None
         lmax = max(lengths)
-        nb = math.ceil(lmax / self.block_size)
-        table = torch.zeros(len(seqs), nb, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(seqs, lengths)):
-            need = math.ceil(n / self.block_size)
-            if need > len(seq.block_table):
-                raise CacheError(f"sequence {seq.seq_id!r} has too few blocks for {n} tokens")
-            table[i, :need] = torch.tensor(seq.block_table[:need], dtype=torch.long)
-        pos = torch.arange(lmax)
+        # only the [B, blocks] table crosses to the device; slots are expanded there
+        table = block_tables if block_tables is not None else self.batch_block_tables(seqs, lengths)
+        lens = torch.tensor(lengths, dtype=torch.long).to(self.device)
+        pos = torch.arange(lmax, device=self.device)
         flat = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        flat = torch.where(pos[None, :] < torch.tensor(lengths)[:, None], flat, torch.zeros_like(flat))
-        return flat.to(self.device)
+        return torch.where(pos[None, :] < lens[:, None], flat, torch.zeros_like(flat))

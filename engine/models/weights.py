@@ -170,23 +170,16 @@ def load_weights(directory: str | os.PathLike, device: torch.device | str = "cpu
     with torch.device("meta"):
         model = HybridDecoder(cfg)
     model = model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise WeightsError(f"{wpath} does not match its config: {e}") from e
     if missing or unexpected:
         raise WeightsError(f"{wpath} does not match its config: missing {missing}, unexpected {unexpected}")
     model.to(dtype=dt)
-    _reset_buffers(model)
     model.eval()
     fp = file_fp if all(t.dtype == dt for t in state.values()) else fingerprint(model)
     return model, fp
-
-
-def _reset_buffers(model: HybridDecoder) -> None:
-    """Recompute the non-persistent buffers (RoPE inv_freq, fixed decays) after meta init."""
-    with torch.device(model.device):
-        fresh = HybridDecoder(model.config)
-    own = dict(model.named_buffers())
-    for name, buf in fresh.named_buffers():
-        own[name].copy_(buf)
 
 
 # --------------------------------------------------------------------------- load_model

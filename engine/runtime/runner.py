@@ -20,7 +20,7 @@ import torch
 
 from engine.cache.manager import CacheManager
 from engine.errors import RuntimeStateError
-from engine.models.decoder import HybridDecoder
+from engine.models.decoder import HybridDecoder, MixerHook
 from engine.models.layers.base import DecodeContext, PrefillContext
 from engine.models.layers.fla_backend import resolve_backend
 from engine.runtime.sequence import Sequence
@@ -40,7 +40,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, token_ids: Seq[int] | torch.Tensor, start_pos: int | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, mixer_input_hook: MixerHook | None = None) -> torch.Tensor:
+        """One chunk at positions start_pos.. (see module docstring). `mixer_input_hook(layer,
+        h)` sees each layer's normalised input (PIC uses it for linear transition operators)."""
         ids = self._ids(token_ids)
         if ids.dim() != 1 or ids.numel() == 0:
             raise RuntimeStateError(f"prefill takes a non-empty 1-D chunk of token ids, got shape {tuple(ids.shape)}")
@@ -62,7 +64,8 @@ class ModelRunner:
             context_slots=self.cache.flat_slots(seq, 0, end) if start > 0 else None,
             backend=self.backend,
         )
-        logits = self.model.prefill(ids, ctx, self.cache.layers, all_logits=all_logits)
+        logits = self.model.prefill(ids, ctx, self.cache.layers, all_logits=all_logits,
+                                    mixer_input_hook=mixer_input_hook)
         seq.num_computed_tokens = end
         return logits
 
@@ -85,12 +88,15 @@ class ModelRunner:
         write = None
         if self.cache.has_paged:
             write = torch.cat([self.cache.flat_slots(s, p, p + 1) for s, p in zip(seqs, positions)])
+        lengths = [p + 1 for p in positions]
+        tables = self.cache.batch_block_tables(list(seqs), lengths)
         ctx = DecodeContext(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device),
             write_slots=write,
-            context_slots=self.cache.batch_context_slots(list(seqs), [p + 1 for p in positions]),
+            context_slots=self.cache.batch_context_slots(list(seqs), lengths, tables),
             backend=self.backend,
+            block_tables=tables,
         )
         logits = self.model.decode(ids, ctx, self.cache.layers)
         for s in seqs:

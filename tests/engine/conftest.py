@@ -23,9 +23,14 @@ def small_config(layers, **overrides) -> ModelConfig:
 
 
 @pytest.fixture(autouse=True)
-def _deterministic():
+def _deterministic_single_thread():
+    """Seeded, and one intra-op thread: these tests run many tiny ops, which on a shared
+    2-core machine are ~10x slower with torch's default thread pool spinning."""
     torch.manual_seed(1234)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ Hooks for position-independent caching (engine/pic/):
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,9 @@ from engine.models.config import SWA, ModelConfig
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rope import apply_rope, rope_inv_freq
+
+if TYPE_CHECKING:
+    from engine.cache.layer_caches import PagedKVCache, WindowRingCache
 
 #: queries per block in masked (windowed / offset-causal) attention; bounds mask memory.
 QUERY_BLOCK = 1024
@@ -45,8 +50,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     groups = q.shape[2] // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     lq, lk = qh.shape[2], kh.shape[2]
-    plain_causal = window is None and lq == lk
-    if plain_causal:
+    if window is None and lq == lk and torch.equal(q_pos, k_pos):
         # positions coincide: top-left causal == the true mask; flash-eligible on GPU
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=groups > 1)
@@ -74,6 +78,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """One query per sequence against its gathered context, GQA without expanding K/V.
+
+    q `[B, H, D]`, k/v `[B, L, Hkv, D]`, valid `[B, L]` bool -> `[B, H, D]`. Scores and
+    softmax in float32."""
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, hkv, h // hkv, d)  # query head i uses kv head i // (H / Hkv)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).to(torch.float32) * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+
+
 class Attention(TokenMixer):
     def __init__(self, cfg: ModelConfig, kind: str) -> None:
         super().__init__()
@@ -93,8 +112,18 @@ class Attention(TokenMixer):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
-        theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
-        self.register_buffer("inv_freq", rope_inv_freq(a.rotary_dim, theta), persistent=False)
+        self.rotary_dim = a.rotary_dim
+        self.rope_theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """float32 RoPE inverse frequencies on the layer's device. Not a buffer, so casting the
+        model to bf16 never degrades the angles."""
+        device = self.q_proj.weight.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
+        return self._inv_freq[device]
 
     # ------------------------------------------------------------ pieces (PIC hooks)
     def project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -137,7 +166,8 @@ class Attention(TokenMixer):
         o = causal_attention(q, k, v, pos, pos, self.window, self.scale)
         return self.output(o, gate)
 
-    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache) -> torch.Tensor:
+    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext,
+                        cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
         pos = ctx.positions
         q, k, v, gate = self.project(x, pos)
         if self.window is None:
@@ -160,7 +190,8 @@ class Attention(TokenMixer):
         o = self.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
         return self.output(o, gate)
 
-    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache) -> torch.Tensor:
+    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext,
+                       cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
         pos = ctx.positions
         q, k, v, gate = self.project(x[:, None], pos[:, None])  # [B, 1, H, hd]
         k, v = k[:, 0], v[:, 0]
@@ -174,9 +205,5 @@ class Attention(TokenMixer):
             cache.v[ctx.slots, idx] = v.to(cache.v.dtype)
             k_ctx, v_ctx = cache.k[ctx.slots], cache.v[ctx.slots]  # [B, w, Hkv, hd]
             valid = torch.arange(self.window, device=x.device)[None, :] <= pos[:, None]
-        groups = self.num_heads // self.num_kv_heads
-        kh = _expand_kv(k_ctx.to(q.dtype).transpose(1, 2), groups, 1)
-        vh = _expand_kv(v_ctx.to(q.dtype).transpose(1, 2), groups, 1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=valid[:, None, None, :],
-                                           scale=self.scale)
-        return self.output(o.transpose(1, 2), gate)[:, 0]
+        o = grouped_decode_attention(q[:, 0], k_ctx.to(q.dtype), v_ctx.to(q.dtype), valid, self.scale)
+        return self.output(o[:, None], gate)[:, 0]

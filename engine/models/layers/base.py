@@ -39,6 +39,7 @@ class DecodeContext:
     write_slots: torch.Tensor | None = None  # [B] flat paged-KV slot of each new token
     context_slots: torch.Tensor | None = None  # [B, Lmax] flat slots of positions 0..Lmax-1 (0-padded)
     backend: str = "torch"
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] block ids (for paged decode kernels)
 
     @property
     def context_lens(self) -> torch.Tensor:

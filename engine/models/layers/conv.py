@@ -45,7 +45,7 @@ class ShortConv(nn.Module):
     def step(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per sequence: x `[B, C]`, tail `[B, C, width-1]` -> (y `[B, C]`, new tail)."""
         window = torch.cat([tail.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, W]
-        y = (window * self.weight.to(x.dtype)).sum(-1)
+        y = (window.float() * self.weight.float()).sum(-1)  # accumulate in fp32, as conv1d does
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return self._act(y), window[:, :, 1:].contiguous()
+            y = y + self.bias.float()
+        return self._act(y.to(x.dtype)), window[:, :, 1:].contiguous()

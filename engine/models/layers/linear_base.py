@@ -19,13 +19,29 @@ for scalar/diag, a dense `[H, dk, dk]` for delta), and a slot is read/set throug
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.models.config import ModelConfig
 from engine.models.layers import fla_backend
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.conv import ShortConv
-from engine.models.layers.linear_ops import RecurrenceInputs, chunked_recurrence, recurrent_step
+from engine.models.layers.linear_ops import (RecurrenceInputs, chunked_recurrence, recurrent_step,
+                                             transition_operator)
+
+if TYPE_CHECKING:
+    from engine.cache.layer_caches import StateSlotCache
+
+
+@dataclass
+class LinearSegmentSummary:
+    """A segment run alone from zero state and zero conv tail (PIC's linear signature)."""
+
+    transition: torch.Tensor  # [H] scalar / [H, dk] diag log-decay sums, or [H, dk, dk] delta
+    end_state: torch.Tensor  # E: [H, dk, dv] float32
+    conv_tail: torch.Tensor | None  # [C, conv-1] last pre-conv inputs (zero-padded if n < conv-1)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -89,6 +105,26 @@ class LinearMixer(TokenMixer):
             return recurrent_step(self.family, inp, state)
         return chunked_recurrence(self.family, inp, state, self.chunk_size)
 
+    def transition_operator(self, inp: RecurrenceInputs, backend: str = "torch") -> torch.Tensor:
+        """T of the tokens in `inp` (see linear_ops.transition_operator). For the delta rule on
+        fla it runs fla's chunk kernel from S0 = I with v = 0, as HYPIC does."""
+        if backend == "fla" and self.family == "delta":
+            b, t, h, kd, _ = inp.shape
+            eye = torch.eye(kd, dtype=torch.float32, device=inp.k.device).expand(b, h, kd, kd).contiguous()
+            probe = replace(inp, v=torch.zeros(b, t, h, kd, dtype=inp.v.dtype, device=inp.v.device))
+            return fla_backend.fla_chunk("delta", probe, eye)[1]
+        return transition_operator(self.family, inp, self.chunk_size)
+
+    def summarize_segment(self, h: torch.Tensor, backend: str = "torch") -> LinearSegmentSummary:
+        """Run this layer alone over a segment's normalised inputs `h [n, D]` from zero state and
+        zero conv tail: its transition operator T, end state E and conv tail."""
+        conv_in, extras = self.project(h[None])
+        conv_out, tail = self.apply_conv(conv_in, None)
+        inp = self.prepare(conv_out, extras)
+        _, end = self.run_recurrence(inp, None, backend)
+        return LinearSegmentSummary(self.transition_operator(inp, backend)[0], end[0],
+                                    None if tail is None else tail[0])
+
     # ----------------------------------------------------------------- forwards
     def forward_train(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         conv_in, extras = self.project(x)
@@ -97,7 +133,7 @@ class LinearMixer(TokenMixer):
         o, _ = self.run_recurrence(inp, None, backend)
         return self.output(o, extras)
 
-    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache) -> torch.Tensor:
+    def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache: StateSlotCache) -> torch.Tensor:
         conv_in, extras = self.project(x[None])
         if self.conv is not None:
             conv_out, tail = self.conv(conv_in, cache.conv_tail[ctx.slot][None])
@@ -109,7 +145,7 @@ class LinearMixer(TokenMixer):
         cache.state[ctx.slot] = state[0]
         return self.output(o, extras)[0]
 
-    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache) -> torch.Tensor:
+    def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache: StateSlotCache) -> torch.Tensor:
         conv_in, extras = self.project(x[:, None])
         if self.conv is not None:
             y, tails = self.conv.step(conv_in[:, 0], cache.conv_tail[ctx.slots])

@@ -50,8 +50,8 @@ class LightningAttention(LinearMixer):
         self.norm = GatedRMSNorm(lin.value_dim, cfg.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(self.v_dim, cfg.hidden_size, bias=False)
         depth = 1.0 - layer_idx / max(1, cfg.num_layers - 1) + 1e-5
-        log_decay = -torch.tensor(alibi_slopes(lin.num_v_heads), dtype=torch.float32) * depth
-        self.register_buffer("log_decay", log_decay, persistent=False)
+        #: fixed per-head log decay (python floats: kept float32 whatever the model dtype)
+        self.head_log_decay = [-slope * depth for slope in alibi_slopes(lin.num_v_heads)]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return self.qkv_proj(x), {"g": self.g_proj(x)}
@@ -62,7 +62,8 @@ class LightningAttention(LinearMixer):
         q = self.repeat_heads(q.reshape(bsz, t, self.num_heads, self.key_dim))
         k = self.repeat_heads(k.reshape(bsz, t, self.num_heads, self.key_dim))
         v = v.reshape(bsz, t, self.num_v_heads, self.value_dim)
-        g = self.log_decay.to(conv_out.device).expand(bsz, t, self.num_v_heads)
+        g = torch.tensor(self.head_log_decay, dtype=torch.float32, device=conv_out.device)
+        g = g.expand(bsz, t, self.num_v_heads)
         return RecurrenceInputs(q=q, k=k, v=v, log_decay=g, scale=self.key_dim ** -0.5)
 
     def output(self, o: torch.Tensor, extras: dict) -> torch.Tensor:

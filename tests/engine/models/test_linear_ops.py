@@ -118,6 +118,11 @@ def test_delta_rule_matches_fla_fused_recurrent_kernel():
     torch.testing.assert_close(s_fla, s_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o_chunk, o_fla, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s_chunk, s_fla, rtol=1e-5, atol=1e-5)
+    # and through the engine's fla dispatch (the decode path on the GPU)
+    from engine.models.layers.fla_backend import fla_recurrent
+    o_eng, s_eng = fla_recurrent("delta", inp, s0)
+    torch.testing.assert_close(o_eng, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_eng, s_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_family_and_shapes_are_rejected_by_name():

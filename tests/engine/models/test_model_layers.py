@@ -153,3 +153,85 @@ def test_sliding_window_attends_only_within_the_window(make_config, make_model):
         a, b = mixer.forward_train(x), mixer.forward_train(y)
     torch.testing.assert_close(a[0, -1], b[0, -1])
     assert not torch.allclose(a[0, 19 - w], b[0, 19 - w])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parallel_forward_is_differentiable_for_training(kind, make_config, make_model):
+    model = make_model(make_config([kind]))
+    ids = ids_for(model.config, n=20)
+    logits = model(ids[None, :-1])
+    loss = torch.nn.functional.cross_entropy(logits[0], ids[1:])
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
+        [n for n, g in grads.items() if g is None]
+    assert any(float(g.abs().sum()) > 0 for n, g in grads.items() if ".mixer." in n)
+
+
+@pytest.mark.parametrize("kind", [GDN, GLA, LIGHTNING, MAMBA2])
+def test_segment_summaries_compose_to_the_state_of_the_whole_sequence(kind, make_config, make_model):
+    """S(whole) = T_2 (T_1 * 0 + E_1) + E_2 when the second segment's layer inputs are the same
+    as in the whole pass (first linear layer, conv tail of segment 1 fed in)."""
+    from engine.models.layers.linear_ops import apply_transition
+
+    cfg = make_config([kind])
+    model = make_model(cfg)
+    mixer = model.mixer(0)
+    h = torch.randn(30, cfg.hidden_size)
+    with torch.no_grad():
+        s1 = mixer.summarize_segment(h[:12])
+        # segment 2 with segment 1's conv tail in front (what PIC feeds at splice time)
+        conv_in, extras = mixer.project(h[None, 12:])
+        tail = None if s1.conv_tail is None else s1.conv_tail[None]
+        conv_out, _ = mixer.apply_conv(conv_in, tail)
+        inp2 = mixer.prepare(conv_out, extras)
+        t2 = mixer.transition_operator(inp2)[0]
+        e2 = mixer.run_recurrence(inp2, None, "torch")[1][0]
+        whole = mixer.summarize_segment(h)
+    composed = apply_transition(mixer.family, t2[None], s1.end_state[None])[0] + e2
+    torch.testing.assert_close(composed, whole.end_state, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_is_rotate_half_on_the_first_rotary_dims_only():
+    from engine.models.layers.rope import apply_rope, rope_inv_freq
+
+    x = torch.randn(3, 2, 10)  # [T, H, D], rotary_dim 6
+    pos = torch.tensor([0, 5, 1000])
+    inv = rope_inv_freq(6, 10000.0)
+    out = apply_rope(x, pos, inv)
+    half = 3
+    for t, p in enumerate(pos.tolist()):
+        for i in range(half):
+            f = 10000.0 ** (-2 * i / 6)
+            c, s = torch.cos(torch.tensor(p * f)), torch.sin(torch.tensor(p * f))
+            torch.testing.assert_close(out[t, :, i], x[t, :, i] * c - x[t, :, i + half] * s)
+            torch.testing.assert_close(out[t, :, i + half], x[t, :, i + half] * c + x[t, :, i] * s)
+    assert torch.equal(out[..., 6:], x[..., 6:])
+
+
+def test_bf16_model_keeps_float32_rope_frequencies(make_config):
+    from engine.models.weights import build_model
+
+    model = build_model(make_config([FULL]), dtype="bfloat16")
+    assert model.mixer(0).inv_freq.dtype == torch.float32
+    assert not list(model.named_buffers())
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 8])
+def test_attention_variants_without_qk_norm_and_with_gqa_match_forward(rotary_dim, make_config, make_model,
+                                                                       make_runner):
+    import dataclasses
+
+    base = make_config([FULL])
+    attn = dataclasses.replace(base.attention, qk_norm=False, output_gate=True, rotary_dim=rotary_dim,
+                               num_heads=6, num_kv_heads=2)
+    cfg = make_config([FULL, SWA], attention=attn)
+    model = make_model(cfg)
+    ids = ids_for(cfg, n=12)
+    with torch.no_grad():
+        ref = model(ids[None])[0]
+    runner = make_runner(model)
+    seq = runner.cache.allocate(Sequence("s"))
+    runner.prefill(seq, ids[:4])
+    for t in range(4, 12):
+        torch.testing.assert_close(runner.decode([seq], ids[t:t + 1])[0], ref[t], **TOL)
