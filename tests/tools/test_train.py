@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.models.weights import build_model, load_model
-from tools.train.data import (ANSWER_KIND, PAD_ID, PAD_KIND, PROMPT_KIND, BatchStream, DataConfig, build_group,
+from tools.train.data import (ANSWER_KIND, DEMO_KIND, PAD_ID, PAD_KIND, PROMPT_KIND, BatchStream, DataConfig, build_group,
                               collate, encode_request, example_config, make_example, parse_mix)
 from tools.train.errors import TrainConfigError
 from tools.train.evaluate import decode_answer, encode_prompt, eval_requests, evaluate, greedy_generate
@@ -64,6 +64,16 @@ def test_encoded_example_marks_bos_prompt_and_answers():
     assert _text(ex.ids[1:]) == req.prompt + req.answer + "\nQ: value of abcd?\nA: wxyz\n"
     no_bos = encode_request(req, (), bos=False)
     assert no_bos.ids[0] != 256 and len(no_bos) == len(req.prompt) + len(req.answer) + 1
+
+
+def test_fewshot_demonstration_outputs_are_their_own_loss_class():
+    req = sample_training_request("fewshot", random.Random(4))
+    ex = encode_request(req, (), bos=True)
+    examples = parse_examples(req)
+    assert _spans(ex, DEMO_KIND) == [o + "\n" for _, o in examples]
+    assert _spans(ex, ANSWER_KIND) == [req.answer + "\n"]
+    assert _text(ex.ids[1:]) == req.prompt + req.answer + "\n"
+    assert all(i + " -> " in "".join(_spans(ex, PROMPT_KIND)) for i, _ in examples)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -158,7 +168,7 @@ def test_loss_counts_answer_tokens_and_weights_prompt_tokens():
     parts = compute_loss(logits, ids, kinds, prompt_weight=0.0)
     assert parts.answer.item() < 1e-6 and parts.answer_count.item() == 2 and parts.answer_correct.item() == 2
     assert parts.prompt.item() == pytest.approx(math.log(260), rel=1e-5)
-    weighted = compute_loss(logits, ids, kinds, prompt_weight=0.5)
+    weighted = compute_loss(logits, ids, kinds, prompt_weight=0.5, demo_weight=3.0)  # no demo tokens here
     assert weighted.total.item() == pytest.approx(0.5 * math.log(260), rel=1e-5)
     # padding targets never count, whatever the logits say there
     logits[0, 4, :] = torch.randn(260) * 100

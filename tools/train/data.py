@@ -7,9 +7,12 @@ Example layout (ByteTokenizer ids; the engine prepends BOS to a request's first 
     [BOS] prompt bytes ... "A: " answer "\\n" ["Q: ...\\nA: " answer "\\n"] ...
 
 Every token carries a loss class (`kinds`): PAD_KIND (padding and BOS: no loss),
-PROMPT_KIND (documents and question text: weighted by `prompt_loss_weight`) and
-ANSWER_KIND (answer bytes and the newline that ends each answer). The model predicts
-token t+1 from tokens <= t, so the class of the *target* token decides its weight.
+PROMPT_KIND (documents and question text: weighted by `prompt_loss_weight`),
+ANSWER_KIND (answer bytes and the newline that ends each answer) and DEMO_KIND (the
+outputs of fewshot demonstration lines, `input -> OUTPUT`: predictable once the rule is
+seen, so each line is one more supervised rule application; `demo_loss_weight`). The
+model predicts token t+1 from tokens <= t, so the class of the *target* token decides
+its weight.
 
 Curriculum (`DataConfig.curriculum_frac`): at training progress p (0..1), an example is
 full size (the tiny workload defaults) with probability min(1, p / curriculum_frac);
@@ -48,8 +51,10 @@ from tools.workloads.errors import GenerationError
 from .errors import DataError, TrainConfigError
 from .questions import extra_questions
 
-PAD_KIND, PROMPT_KIND, ANSWER_KIND = 0, 1, 2
+PAD_KIND, PROMPT_KIND, ANSWER_KIND, DEMO_KIND = 0, 1, 2, 3
 BOS_ID, PAD_ID = ByteTokenizer.BOS, ByteTokenizer.PAD
+#: separator of a fewshot demonstration line `input -> output`
+DEMO_ARROW = " -> "
 #: Default task mixture: weighted towards the tasks the models find hardest.
 DEFAULT_MIX: Mapping[str, float] = {"fact": 1.0, "twohop": 2.0, "aggregate": 0.6, "fewshot": 1.5, "rag": 1.0}
 #: Smallest prompt of the curriculum: documents per prompt and items per document.
@@ -163,8 +168,9 @@ def _bytes(text: str) -> list[int]:
 
 
 def encode_request(request: Request, extras=(), bos: bool = True) -> Example:
-    """BOS? + prompt (PROMPT) + answer "\\n" (ANSWER) + for each extra QA: question (PROMPT)
-    + answer "\\n" (ANSWER)."""
+    """BOS? + prompt (PROMPT; in fewshot blocks the `output\\n` of each `input -> output`
+    line is DEMO) + answer "\\n" (ANSWER) + for each extra QA: question (PROMPT) + answer
+    "\\n" (ANSWER)."""
     ids: list[int] = [BOS_ID] if bos else []
     kinds: list[int] = [PAD_KIND] if bos else []
 
@@ -173,7 +179,17 @@ def encode_request(request: Request, extras=(), bos: bool = True) -> Example:
         ids.extend(b)
         kinds.extend([kind] * len(b))
 
-    put(request.prompt, PROMPT_KIND)
+    for seg in request.segments:
+        if request.task == "fewshot" and seg.cache:
+            for line in seg.text.splitlines(keepends=True):
+                head, arrow, tail = line.partition(DEMO_ARROW)
+                if arrow:
+                    put(head + arrow, PROMPT_KIND)
+                    put(tail, DEMO_KIND)
+                else:
+                    put(line, PROMPT_KIND)
+        else:
+            put(seg.text, PROMPT_KIND)
     put(request.answer + "\n", ANSWER_KIND)
     for qa in extras:
         put(qa.question, PROMPT_KIND)

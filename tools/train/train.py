@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-clip", type=float, default=TrainConfig.grad_clip)
     ap.add_argument("--prompt-loss-weight", type=float, default=TrainConfig.prompt_loss_weight,
                     help="weight of the prompt-token loss next to the answer-token loss")
+    ap.add_argument("--demo-loss-weight", type=float, default=TrainConfig.demo_loss_weight,
+                    help="weight of the loss on fewshot demonstration outputs")
     ap.add_argument("--seq-len", type=int, default=DataConfig.max_len, help="longest training sequence (tokens)")
     ap.add_argument("--extra-questions", type=int, default=DataConfig.extra_questions,
                     help="questions appended after the first answer of each example")
@@ -152,7 +154,8 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
     cfg = TrainConfig(
         preset=preset, out_dir=str(_out_dir(args, preset)), steps=args.steps, batch_size=args.batch, lr=args.lr,
         min_lr_frac=args.min_lr_frac, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, prompt_loss_weight=args.prompt_loss_weight, seed=args.seed, device=args.device,
+        grad_clip=args.grad_clip, prompt_loss_weight=args.prompt_loss_weight,
+        demo_loss_weight=args.demo_loss_weight, seed=args.seed, device=args.device,
         dtype=args.dtype, backend=args.backend, time_limit_s=args.time_limit_s, eval_every=args.eval_every,
         eval_n=args.eval_n, eval_tasks=_tasks(args.eval_tasks, "--eval-tasks"), final_eval_n=args.final_eval_n,
         final_eval_tasks=_tasks(args.final_eval_tasks, "--final-eval-tasks"), eval_seed=args.eval_seed,

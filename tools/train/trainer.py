@@ -38,7 +38,7 @@ from engine.models.presets import get_preset
 from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, build_model, load_weights, save_model
 from tools.workloads import TASKS
 
-from .data import ANSWER_KIND, PROMPT_KIND, Batch, BatchStream, DataConfig, derive_seed
+from .data import ANSWER_KIND, DEMO_KIND, PROMPT_KIND, Batch, BatchStream, DataConfig, derive_seed
 from .errors import TrainConfigError
 from .evaluate import TaskEval, eval_requests, evaluate
 
@@ -65,6 +65,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     #: weight of the mean prompt-token loss next to the mean answer-token loss
     prompt_loss_weight: float = 0.1
+    #: weight of the mean loss on fewshot demonstration outputs (data.DEMO_KIND)
+    demo_loss_weight: float = 0.5
     seed: int = 0
     device: str = "auto"
     dtype: str = "bf16"
@@ -101,10 +103,9 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "workers", "threads"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.prompt_loss_weight < 0:
-            raise TrainConfigError(
-                f"weight_decay={self.weight_decay}, grad_clip={self.grad_clip}, "
-                f"prompt_loss_weight={self.prompt_loss_weight} must be >= 0")
+        for name in ("weight_decay", "grad_clip", "prompt_loss_weight", "demo_loss_weight"):
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.dtype not in AUTOCAST_DTYPES:
             raise TrainConfigError(f"dtype={self.dtype!r} must be one of {sorted(AUTOCAST_DTYPES)}")
         if self.time_limit_s is not None and self.time_limit_s <= 0:
@@ -163,6 +164,7 @@ class LossParts:
     total: torch.Tensor
     answer: torch.Tensor
     prompt: torch.Tensor
+    demo: torch.Tensor
     answer_correct: torch.Tensor  # answer tokens predicted right (argmax), summed
     answer_count: torch.Tensor
     row_answer_ce: torch.Tensor   # [B] summed answer CE per row
@@ -170,9 +172,10 @@ class LossParts:
 
 
 def compute_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor,
-                 prompt_weight: float) -> LossParts:
-    """Mean CE over answer tokens + prompt_weight * mean CE over prompt tokens (targets are
-    ids shifted by one; a target's kind decides its class; padding and BOS never count)."""
+                 prompt_weight: float, demo_weight: float = 0.0) -> LossParts:
+    """Mean CE over answer tokens + prompt_weight * mean CE over prompt tokens + demo_weight
+    * mean CE over fewshot demonstration outputs (targets are ids shifted by one; a target's
+    kind decides its class; padding and BOS never count)."""
     logits = logits[:, :-1].float()
     target = ids[:, 1:]
     kind = kinds[:, 1:]
@@ -183,12 +186,18 @@ def compute_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor,
     n_ans = ans.sum()
     answer = (ce * ans).sum() / n_ans.clamp(min=1)
     prompt = (ce * prm).sum() / prm.sum().clamp(min=1)
-    total = answer + prompt_weight * prompt if prompt_weight else answer
+    dem = (kind == DEMO_KIND).float()
+    demo = (ce * dem).sum() / dem.sum().clamp(min=1)
+    total = answer
+    if prompt_weight:
+        total = total + prompt_weight * prompt
+    if demo_weight:
+        total = total + demo_weight * demo
     with torch.no_grad():
         correct = ((logits.argmax(-1) == target).float() * ans).sum()
         row_ce = (ce.detach() * ans).sum(1)
         row_n = ans.sum(1)
-    return LossParts(total, answer, prompt, correct, n_ans, row_ce, row_n)
+    return LossParts(total, answer, prompt, demo, correct, n_ans, row_ce, row_n)
 
 
 @dataclass
@@ -312,14 +321,14 @@ def train(cfg: TrainConfig, command: str | None = None,
             try:
                 with _autocast(device, amp):
                     logits = fwd(ids, backend=backend)
-                parts = compute_loss(logits, ids, kinds, cfg.prompt_loss_weight)
+                parts = compute_loss(logits, ids, kinds, cfg.prompt_loss_weight, cfg.demo_loss_weight)
                 opt.zero_grad(set_to_none=True)
                 parts.total.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
                 gn = float(gnorm)
             except Exception as exc:
-                if step == 0 and backend == "fla":
-                    note = f"fla backend failed on the first step ({type(exc).__name__}: {exc}); using torch"
+                if backend == "fla":
+                    note = f"fla backend failed at step {step} ({type(exc).__name__}: {exc}); using torch"
                     _say(cfg, note)
                     log["notes"].append(note)
                     backend = log["environment"]["backend"] = "torch"
@@ -341,11 +350,12 @@ def train(cfg: TrainConfig, command: str | None = None,
             correct_sum += parts.answer_correct
             count_sum += parts.answer_count
             if step % cfg.log_every == 0 or step == 1:
-                loss, ans, prm = parts.total.item(), parts.answer.item(), parts.prompt.item()
+                loss, ans, prm, dem = (parts.total.item(), parts.answer.item(), parts.prompt.item(),
+                                       parts.demo.item())
                 per_task = _per_task(batch, parts)
                 entry = {"step": step, "elapsed_s": round(clock.elapsed(), 2), "progress": round(progress, 4),
                          "lr": lr, "loss": round(loss, 4), "answer_loss": round(ans, 4),
-                         "prompt_loss": round(prm, 4), "grad_norm": round(gn, 3),
+                         "prompt_loss": round(prm, 4), "demo_loss": round(dem, 4), "grad_norm": round(gn, 3),
                          "answer_token_acc": round((correct_sum / count_sum.clamp(min=1)).item(), 4),
                          "answer_loss_by_task": per_task, "seq_len": int(batch.ids.shape[1]),
                          "tokens": tokens, "examples": examples, "data_wait_s": round(data_wait, 2),
