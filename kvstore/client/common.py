@@ -33,6 +33,10 @@ CONNECT_TIMEOUT_S = 5.0
 DEFAULT_MAX_MESSAGE = 64 << 20
 METADATA = ((PROTOCOL_METADATA_KEY, str(PROTOCOL_VERSION)),)
 PUT_ATTEMPTS = 8
+# Puts larger than this hash their bytes while copying them into the region (one pass
+# over memory, kvstore.client.regions.RegionMapper.write_hashed); smaller ones copy, then
+# hash in one call (cheaper per call, and the bytes are in cache either way).
+FUSED_HASH_MIN = 1 << 20
 
 
 def as_key(key: KeyLike) -> bytes:
