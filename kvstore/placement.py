@@ -251,6 +251,9 @@ class Placement:
             if dst is None:
                 return src.checksum(o.slot) == o.checksum
             cpu = self.tiers["cpu"]
+            dv = cpu.view(dst)
+            if dv is not None:  # read and hash in one pipelined pass over the arena copy
+                return src.read_into_hashed(o.slot, dv) == o.checksum
             self.copy(src, o.slot, cpu, dst)
             return cpu.checksum(dst) == o.checksum
         except StorageError as exc:
