@@ -251,12 +251,19 @@ class Store:
     # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
         """Presence of each key (no pin, no hit counting, no movement)."""
+        return [LookupEntry(k, True, f[0], f[1]) if f else LookupEntry(k, False, None, 0)
+                for k, f in zip(keys, self.presence(keys))]
+
+    def presence(self, keys: Sequence[bytes]) -> list[Optional[tuple[str, int]]]:
+        """`lookup` without the records: (tier, size) per present key, None per absent
+        one. The server's Lookup fast path (one dict probe per key under the lock)."""
         with self._lock:
             self._require_open()
-            out = []
+            get = self._place.objects.get
+            out: list[Optional[tuple[str, int]]] = []
             for k in keys:
-                o = self._place.objects.get(k)
-                out.append(LookupEntry(k, True, o.tier, o.size) if o else LookupEntry(k, False, None, 0))
+                o = get(k)
+                out.append((o.tier, o.slot.size) if o is not None else None)
             return out
 
     def reserve(self, key: bytes, size: int, tier: str, meta: ObjectMeta, client_id: str = "") -> Reservation:

@@ -144,7 +144,7 @@ class AsyncKVStoreClient:
         return decode_health_status(raw) == HEALTH_SERVING
 
     async def lookup(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
-        return self._core.lookups(await self._call("Lookup", pb.LookupRequest(keys=[as_key(k) for k in keys])))
+        return self._core.lookups(await self._call("Lookup", self._core.lookup_request(keys)))
 
     async def delete(self, keys: Sequence[KeyLike]) -> int:
         return (await self._call("Delete", pb.DeleteRequest(keys=[as_key(k) for k in keys]))).deleted

@@ -215,7 +215,11 @@ class ClientCore:
 
     @staticmethod
     def lookups(m: pb.LookupResponse) -> list[LookupEntry]:
-        return [codec.lookup_entry_from_pb(e) for e in m.entries]
+        return [LookupEntry(e.key, e.hit, e.tier or None, e.size) for e in m.entries]  # codec's, inlined
+
+    @staticmethod
+    def lookup_request(keys: Sequence[KeyLike]) -> pb.LookupRequest:
+        return pb.LookupRequest(keys=[k if type(k) is bytes else as_key(k) for k in keys])
 
     @staticmethod
     def objects(m: pb.ListResponse) -> list[ObjectInfo]:

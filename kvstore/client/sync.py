@@ -150,7 +150,7 @@ class KVStoreClient:
         return decode_health_status(raw) == HEALTH_SERVING
 
     def lookup(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
-        return self._core.lookups(self._call("Lookup", pb.LookupRequest(keys=[as_key(k) for k in keys])))
+        return self._core.lookups(self._call("Lookup", self._core.lookup_request(keys)))
 
     def delete(self, keys: Sequence[KeyLike]) -> int:
         return self._call("Delete", pb.DeleteRequest(keys=[as_key(k) for k in keys])).deleted

@@ -256,6 +256,16 @@ def test_unverified_cpu_object_is_verified_before_it_is_demoted_to_nvme(tmp_path
         s.close()
 
 
+def test_presence_is_lookup_without_records(store):
+    put(store, b"p", data(5000), "cpu")
+    assert store.presence([b"p", b"absent"]) == [("cpu", 5000), None]
+    hit, miss = store.lookup([b"p", b"absent"])
+    assert (hit.key, hit.hit, hit.tier, hit.size) == (b"p", True, "cpu", 5000)
+    assert (miss.key, miss.hit, miss.tier, miss.size) == (b"absent", False, None, 0)
+    with pytest.raises(Exception, match="cannot assign"):
+        hit.size = 1  # still a frozen record
+
+
 def test_leased_object_survives_eviction_pressure(tmp_path):
     with Store(make_settings(tmp_path, cpu_capacity=4 * PAGE, nvme_capacity=0)) as s:
         blob = data(PAGE)
