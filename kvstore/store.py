@@ -10,6 +10,8 @@ Lifecycle of a put (bulk bytes never pass through the Store's API)::
     res = store.reserve(key, size, "cpu", meta)      # status "reserved" -> write into res.region
     ... client writes its bytes in place (shm file / object file / CUDA IPC) ...
     store.commit(res.reservation_id, checksum)        # verified in place, then visible
+                                                      # (memory tiers over commit_verify_max_bytes:
+                                                      # verified before first served or moved)
 
 A get pins: `leases = store.get([key], client_id)`, read `lease.region`, then
 `store.release([lease.lease_id])`.
