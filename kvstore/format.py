@@ -390,8 +390,8 @@ def decode_tensors(buf: Buffer, *, check: bool = True) -> tuple[BlobHeader, dict
 
     Each tensor is a view over `buf` (same device as `buf`), valid while `buf` is. With
     `check=True` the trailer checksum is verified first (one pass over the bytes); pass
-    `check=False` when the store has verified the object already (it does on commit and
-    on first read from NVMe).
+    `check=False` when the store has verified the object already (it does before it
+    first serves an object, and on reads from NVMe).
     """
     header = verify(buf) if check else read_header(buf)
     u8 = _as_u8(buf)

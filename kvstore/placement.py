@@ -44,7 +44,7 @@ class StoredObject:
         self.created, self.last_access, self.hits = created, last_access, hits
         self.leases = 0  # live client leases
         self.busy = 0  # internal pins: a verify or promotion is running outside the lock
-        self.verified = verified  # NVMe: checksum confirmed since open
+        self.verified = verified  # checksum confirmed (since open for NVMe; after commit for large memory objects)
         self.removed = False  # dropped: out of the map; its slot is freed when the last pin goes
         self.freed = False  # the primary slot went back to its tier
 
@@ -226,8 +226,8 @@ class Placement:
                 raise CapacityExhausted(f"tier {dst_name!r} has no room for {o.size} bytes")
         try:
             self.copy(src, o.slot, dst, slot)
-            if src.durable and dst.checksum(slot) != o.checksum:
-                raise BadObject(f"object {o.key!r} in {o.slot.path} fails its checksum")
+            if (src.durable or not o.verified) and dst.checksum(slot) != o.checksum:
+                raise BadObject(f"object {o.key!r} in tier {o.tier} ({o.slot.path}) fails its checksum")
             slot = dst.seal(slot, object_name(o.key))
             old_tier, old_slot = o.tier, o.slot
             o.tier, o.slot = dst_name, slot
@@ -251,6 +251,9 @@ class Placement:
             if dst is None:
                 return src.checksum(o.slot) == o.checksum
             cpu = self.tiers["cpu"]
+            dv = cpu.view(dst)
+            if dv is not None:  # read and hash in one pipelined pass over the arena copy
+                return src.read_into_hashed(o.slot, dv) == o.checksum
             self.copy(src, o.slot, cpu, dst)
             return cpu.checksum(dst) == o.checksum
         except StorageError as exc:
@@ -258,11 +261,13 @@ class Placement:
             return False
 
     def settle_nvme_read(self, o: StoredObject, dst: Optional[Slot], ok: bool) -> None:
+        """Act on a verify (dst None) or verify-and-promote of `o` done outside the lock:
+        an NVMe hit, or a memory-tier object committed unverified."""
         if not ok:
             if dst is not None:
                 self.tiers["cpu"].free(dst)
             if self.objects.get(o.key) is o:
-                log.warning("object %r in %s fails its checksum; dropped", o.key, o.slot.path)
+                log.warning("object %r in tier %s (%s) fails its checksum; dropped", o.key, o.tier, o.slot.path)
                 self.drop(o)
                 self.counters["corrupt_dropped"] += 1
             return

@@ -31,6 +31,12 @@ class StoreSettings:
     # free when the hit is promoted, since the promoted copy is hashed in memory) or
     # "first" (only the first read since the daemon opened the object's record).
     verify_nvme: str = "always"
+    # Commit hashes memory-tier (cpu/gpu) objects of up to this many bytes in full and
+    # rejects a mismatch at once. Larger ones are committed unverified and hashed in full
+    # before they are first served (a get) or copied to another tier; a mismatch then
+    # drops them (`corrupt_dropped`). NVMe commits are always hashed in full (they are
+    # made durable). -1: hash every commit in full.
+    commit_verify_max_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,16 @@ class LookupEntry:
     hit: bool
     tier: Optional[str]
     size: int
+
+    def __init__(self, key: bytes, hit: bool, tier: Optional[str], size: int) -> None:
+        # Hand-written: the generated __init__ of a frozen dataclass goes through
+        # object.__setattr__ per field, ~4x slower, and a Lookup builds one per key on
+        # both ends of the wire (the lookup latency target is per 64-key batch).
+        d = self.__dict__
+        d["key"] = key
+        d["hit"] = hit
+        d["tier"] = tier
+        d["size"] = size
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ Lifecycle of a put (bulk bytes never pass through the Store's API)::
     res = store.reserve(key, size, "cpu", meta)      # status "reserved" -> write into res.region
     ... client writes its bytes in place (shm file / object file / CUDA IPC) ...
     store.commit(res.reservation_id, checksum)        # verified in place, then visible
+                                                      # (memory tiers over commit_verify_max_bytes:
+                                                      # verified before first served or moved)
 
 A get pins: `leases = store.get([key], client_id)`, read `lease.region`, then
 `store.release([lease.lease_id])`.
@@ -251,12 +253,19 @@ class Store:
     # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
         """Presence of each key (no pin, no hit counting, no movement)."""
+        return [LookupEntry(k, True, f[0], f[1]) if f else LookupEntry(k, False, None, 0)
+                for k, f in zip(keys, self.presence(keys))]
+
+    def presence(self, keys: Sequence[bytes]) -> list[Optional[tuple[str, int]]]:
+        """`lookup` without the records: (tier, size) per present key, None per absent
+        one. The server's Lookup fast path (one dict probe per key under the lock)."""
         with self._lock:
             self._require_open()
-            out = []
+            get = self._place.objects.get
+            out: list[Optional[tuple[str, int]]] = []
             for k in keys:
-                o = self._place.objects.get(k)
-                out.append(LookupEntry(k, True, o.tier, o.size) if o else LookupEntry(k, False, None, 0))
+                o = get(k)
+                out.append((o.tier, o.slot.size) if o is not None else None)
             return out
 
     def reserve(self, key: bytes, size: int, tier: str, meta: ObjectMeta, client_id: str = "") -> Reservation:
@@ -319,8 +328,13 @@ class Store:
             p.committing = True
             t = self.tiers[p.tier]
         slot = p.slot
+        # Large memory-tier objects are verified lazily (before first served or moved; see
+        # StoreSettings.commit_verify_max_bytes): the client hashed them while writing, and
+        # a second full pass here would halve put bandwidth. Durable commits always verify.
+        limit = self.settings.commit_verify_max_bytes
+        verify_now = t.durable or limit < 0 or slot.size <= limit
         try:  # outside the lock: hashing and fsync take time; the reservation pins the slot
-            actual = t.checksum(slot)
+            actual = t.checksum(slot) if verify_now else checksum
             if actual != checksum:
                 raise BadObject(
                     f"checksum mismatch committing key {p.key!r}: client sent {checksum:#x}, the {slot.size} "
@@ -328,7 +342,7 @@ class Store:
                 )
             slot = t.seal(slot, object_name(p.key))
             now = time.time()
-            o = StoredObject(p.key, p.tier, slot, checksum, p.meta, now, now)
+            o = StoredObject(p.key, p.tier, slot, checksum, p.meta, now, now, verified=verify_now)
             if t.durable:
                 assert self._index is not None
                 self._index.put(self._place.record(o))
@@ -378,8 +392,9 @@ class Store:
 
         With `promote`, an NVMe hit is moved to the CPU arena when room can be made
         without touching pinned objects; its copy is checksummed in memory. An object
-        served from NVMe is checksummed first (settings.verify_nvme). A bad object is
-        dropped, counted in `corrupt_dropped` and reported as a miss.
+        served from NVMe is checksummed first (settings.verify_nvme), and so is a memory
+        tier object committed unverified (its first get). A bad object is dropped,
+        counted in `corrupt_dropped` and reported as a miss.
         """
         plans: list[tuple[StoredObject, Optional[Slot]]] = []
         with self._lock:
@@ -387,19 +402,22 @@ class Store:
             seen: set[bytes] = set()
             for key in keys:
                 o = self._place.objects.get(key)
-                if o is None or key in seen or not self.tiers[o.tier].durable:
+                if o is None or key in seen:
                     continue
+                durable = self.tiers[o.tier].durable
+                if not durable and o.verified:
+                    continue  # the common case: a verified memory-tier object
                 seen.add(key)
                 dst = None
                 can_move = not o.pinned
                 o.busy += 1  # pinned before making room, so making room cannot take it
-                if promote and "cpu" in self.tiers and can_move:
+                if durable and promote and "cpu" in self.tiers and can_move:
                     try:
                         dst = self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))
                     except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
                         log.debug("no promotion of %r: %s", key, exc)
                         dst = None
-                if dst is not None or self.settings.verify_nvme == "always" or not o.verified:
+                if dst is not None or (durable and self.settings.verify_nvme == "always") or not o.verified:
                     plans.append((o, dst))
                 else:
                     o.busy -= 1

@@ -26,7 +26,8 @@ import grpc
 import xxhash
 
 from kvstore.client.common import (
-    CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, METADATA, PUT_ATTEMPTS, ClientCore, DaemonInfo,
+    CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, METADATA, PUT_ATTEMPTS, ClientCore,
+    DaemonInfo,
     KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.status import translate
@@ -149,7 +150,7 @@ class KVStoreClient:
         return decode_health_status(raw) == HEALTH_SERVING
 
     def lookup(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
-        return self._core.lookups(self._call("Lookup", pb.LookupRequest(keys=[as_key(k) for k in keys])))
+        return self._core.lookups(self._call("Lookup", self._core.lookup_request(keys)))
 
     def delete(self, keys: Sequence[KeyLike]) -> int:
         return self._call("Delete", pb.DeleteRequest(keys=[as_key(k) for k in keys])).deleted
@@ -205,8 +206,10 @@ class KVStoreClient:
         mv = as_bytes_view(data)
 
         def write(region: Any) -> int:
-            self._core.regions.write(region, mv)
-            return xxhash.xxh3_64_intdigest(mv)
+            if mv.nbytes <= FUSED_HASH_MIN:  # small: one copy, one hash call
+                self._core.regions.write(region, mv)
+                return xxhash.xxh3_64_intdigest(mv)
+            return self._core.regions.write_hashed(region, mv)  # large: hash while copying
 
         meta = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)
         return self._put(k, mv.nbytes, tier, meta, write)

@@ -81,11 +81,15 @@ class DaemonMetrics:
             "kvstore_request_errors", "RPCs that ended in an error, by method and error code",
             ["rpc", "code"], registry=self.registry,
         )
+        self._latency_by_rpc: dict[str, Any] = {}
         self._http: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
 
     def observe(self, rpc: str, seconds: float, error_code: Optional[str] = None) -> None:
-        self.latency.labels(rpc).observe(seconds)
+        child = self._latency_by_rpc.get(rpc)
+        if child is None:  # labels() takes a lock and builds a key per call: resolve once
+            child = self._latency_by_rpc.setdefault(rpc, self.latency.labels(rpc))
+        child.observe(seconds)
         if error_code is not None:
             self.errors.labels(rpc, error_code).inc()
 

@@ -128,6 +128,15 @@ class Tier(ABC):
     def checksum(self, slot: Slot) -> int:
         """`kvstore.format.checksum` of the slot's `size` bytes. Raises StorageError."""
 
+    def read_into_hashed(self, slot: Slot, dst: torch.Tensor) -> int:
+        """`read_into` a host (CPU) tensor, then the checksum of the bytes as they landed
+        in `dst`. Tiers that read in chunks override this to hash each chunk while the
+        next ones are read (one pass). Raises StorageError."""
+        self.read_into(slot, dst)
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(memoryview(dst[: slot.size].numpy()))
+
     def list_sealed(self) -> list[Slot]:
         """Durable tiers: every sealed slot found on the medium at open (for garbage
         collection against the index). Memory tiers: []."""

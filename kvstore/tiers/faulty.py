@@ -120,6 +120,10 @@ class FaultyTier(Tier):
         if corrupt:
             self.corrupt(slot)
 
+    def read_into_hashed(self, slot: Slot, dst: torch.Tensor) -> int:
+        self._maybe_fail("read_into", slot)
+        return self.inner.read_into_hashed(slot, dst)
+
     def checksum(self, slot: Slot) -> int:
         self._maybe_fail("checksum", slot)
         return self.inner.checksum(slot)

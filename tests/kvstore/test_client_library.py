@@ -157,6 +157,21 @@ def test_commit_with_a_wrong_checksum_is_bad_object_and_nothing_is_visible(daemo
         assert kv.lookup([b"bad-sum"])[0].hit
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_large_put_hashes_while_copying_and_round_trips(daemon, tier):
+    import xxhash
+
+    from kvstore.client.common import FUSED_HASH_MIN
+
+    blob = np.random.default_rng(7).integers(0, 256, FUSED_HASH_MIN + 12345, dtype=np.uint8)
+    with daemon.client() as kv:
+        res = kv.put(f"fused/{tier}".encode(), blob, tier=tier)
+        assert res.status == "stored" and res.checksum == xxhash.xxh3_64_intdigest(blob)
+        with kv.get(f"fused/{tier}".encode(), promote=False) as v:
+            assert v.lease.tier == tier and np.array_equal(v.array, blob)
+        kv.delete([f"fused/{tier}".encode()])
+
+
 def test_put_of_a_non_buffer_or_empty_buffer_is_a_clear_error(daemon):
     with daemon.client() as kv:
         with pytest.raises(InvalidRequest, match="use put_tensors"):

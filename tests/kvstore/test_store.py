@@ -217,6 +217,55 @@ def test_commit_with_wrong_checksum_is_bad_object_and_frees_the_space(store):
         store.commit(r.reservation_id, 12345)
 
 
+def test_large_cpu_object_with_a_wrong_checksum_is_never_served(tmp_path):
+    """Over commit_verify_max_bytes a memory-tier commit is verified at the first get."""
+    s = Store(make_settings(tmp_path, commit_verify_max_bytes=PAGE))
+    s.open()
+    try:
+        good, bad = data(3 * PAGE), data(3 * PAGE, 1)
+        for key, blob, sent in ((b"good", good, fmt.checksum(good)), (b"bad", bad, 12345)):
+            r = s.reserve(key, len(blob), "cpu", ObjectMeta())
+            write_region(r.region, blob)
+            s.commit(r.reservation_id, sent)  # deferred: no hash here
+        assert [e.hit for e in s.lookup([b"good", b"bad"])] == [True, True]
+        good_lease, bad_lease = s.get([b"good", b"bad"], "c")
+        assert bad_lease is None and read_region(good_lease.region) == good
+        st = s.stats()
+        assert st["corrupt_dropped"] == 1 and st["misses"] == 1 and not s.lookup([b"bad"])[0].hit
+        assert s.tiers["cpu"].used_bytes == 3 * PAGE  # the bad object's space went back at once
+        s.release([good_lease.lease_id])
+        (again,) = s.get([b"good"], "c")  # verified once: served without hashing again
+        assert read_region(again.region) == good
+        s.release([again.lease_id])
+    finally:
+        s.close()
+
+
+def test_unverified_cpu_object_is_verified_before_it_is_demoted_to_nvme(tmp_path):
+    s = Store(make_settings(tmp_path, cpu_capacity=4 * PAGE, commit_verify_max_bytes=PAGE))
+    s.open()
+    try:
+        blob = data(3 * PAGE)
+        r = s.reserve(b"bad", len(blob), "cpu", ObjectMeta())
+        write_region(r.region, blob)
+        s.commit(r.reservation_id, 12345)
+        put(s, b"next", data(2 * PAGE, 1))  # demotes "bad": its hash fails on the way down
+        assert not s.lookup([b"bad"])[0].hit
+        assert s.tiers["nvme"].used_bytes == 0 and s._index is not None and s._index.get(b"bad") is None
+    finally:
+        s.close()
+
+
+def test_presence_is_lookup_without_records(store):
+    put(store, b"p", data(5000), "cpu")
+    assert store.presence([b"p", b"absent"]) == [("cpu", 5000), None]
+    hit, miss = store.lookup([b"p", b"absent"])
+    assert (hit.key, hit.hit, hit.tier, hit.size) == (b"p", True, "cpu", 5000)
+    assert (miss.key, miss.hit, miss.tier, miss.size) == (b"absent", False, None, 0)
+    with pytest.raises(Exception, match="cannot assign"):
+        hit.size = 1  # still a frozen record
+
+
 def test_leased_object_survives_eviction_pressure(tmp_path):
     with Store(make_settings(tmp_path, cpu_capacity=4 * PAGE, nvme_capacity=0)) as s:
         blob = data(PAGE)

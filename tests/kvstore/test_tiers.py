@@ -109,6 +109,25 @@ def test_nvme_slot_is_invisible_until_sealed_then_durable_at_its_final_path(nvme
     assert nvme.used_bytes == 0 and not os.path.exists(sealed.path)
 
 
+def test_nvme_pipelined_hash_and_read_into_hashed_match_the_bytes(nvme, monkeypatch):
+    monkeypatch.setattr("kvstore.tiers.nvme.CHUNK", PAGE)  # several chunks in flight
+    monkeypatch.setattr("kvstore.tiers.nvme.HASH_CHUNK", PAGE)
+    src = payload(5 * PAGE + 7, seed=3)
+    slot = nvme.allocate(src.numel(), "pipe")
+    nvme.write_from(slot, src)
+    want = checksum(bytes(src.numpy()))
+    assert nvme.checksum(slot) == want  # unsealed: hashed while its writeback runs
+    sealed = nvme.seal(slot, "pipe")
+    dst = torch.zeros(src.numel() + 3, dtype=torch.uint8)
+    assert nvme.checksum(sealed) == want and nvme.read_into_hashed(sealed, dst) == want
+    assert torch.equal(dst[: src.numel()], src)
+    os.truncate(sealed.path, 2 * PAGE)
+    with pytest.raises(StorageError, match="short"):
+        nvme.checksum(sealed)
+    with pytest.raises(StorageError, match="short read"):
+        nvme.read_into_hashed(sealed, dst)
+
+
 def test_nvme_capacity_is_enforced_and_leftover_parts_are_discarded(nvme):
     a = nvme.allocate(10 * PAGE, "a")
     assert nvme.allocate(7 * PAGE, "b") is None
