@@ -1,0 +1,436 @@
+"""The training loop of one model: AdamW on fp32 master weights, bf16 autocast on CUDA,
+warmup + cosine learning rate over the run's progress, gradient clipping, periodic and
+final full-recompute evaluation, checkpoint (safetensors + config.json) and train_log.json.
+
+Progress p in [0, 1] drives the cosine schedule and the data curriculum:
+`p = max(step / steps, seconds since the first step ended / time left after it)`; the
+first step (which compiles and autotunes the GPU kernels) is not counted against the time
+limit's schedule, so the schedule covers the seconds that actually train. The run stops
+when p reaches 1.
+
+Robustness for a one-shot GPU run: if the first step fails on the `fla` linear-attention
+backend, the run switches to the torch backend and says so in the log; a step with a
+non-finite gradient norm is skipped (counted); an exception later in training ends the
+loop early and the model trained so far is still evaluated and saved (the log says
+`"aborted"` with the error).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.models.config import ModelConfig
+from engine.models.layers.fla_backend import resolve_backend
+from engine.models.presets import get_preset
+from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, build_model, load_weights, save_model
+from tools.workloads import TASKS
+
+from .data import ANSWER_KIND, DEMO_KIND, PROMPT_KIND, Batch, BatchStream, DataConfig, derive_seed
+from .errors import TrainConfigError
+from .evaluate import TaskEval, eval_requests, evaluate
+
+LOG_FILE = "train_log.json"
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+#: checkpoints must stay under the largest file the GPU box returns
+MAX_CHECKPOINT_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every option of one training run (the CLI maps onto it one to one)."""
+
+    preset: str
+    out_dir: str
+    steps: int = 1_000_000
+    batch_size: int = 64
+    lr: float = 2e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    #: weight of the mean prompt-token loss next to the mean answer-token loss
+    prompt_loss_weight: float = 0.1
+    #: weight of the mean loss on fewshot demonstration outputs (data.DEMO_KIND)
+    demo_loss_weight: float = 0.5
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "bf16"
+    backend: str = "auto"
+    time_limit_s: float | None = None
+    eval_every: int = 0
+    eval_n: int = 32
+    eval_tasks: tuple[str, ...] = ("fact", "twohop", "fewshot")
+    final_eval_n: int = 200
+    final_eval_tasks: tuple[str, ...] = TASKS
+    eval_seed: int = 0
+    #: make_config overrides of the evaluation pools (empty: the scale's defaults, as the
+    #: quality harness uses; set only for short CPU checks)
+    eval_overrides: tuple[tuple[str, Any], ...] = ()
+    eval_batch: int = 64
+    log_every: int = 50
+    compile: bool = False
+    workers: int = 0
+    threads: int = 0
+    #: top-level ModelConfig fields changed from the preset (CPU experiments, tests)
+    model_overrides: tuple[tuple[str, Any], ...] = ()
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> None:
+        positive = dict(steps=self.steps, batch_size=self.batch_size, eval_n=self.eval_n,
+                        final_eval_n=self.final_eval_n, eval_batch=self.eval_batch, log_every=self.log_every)
+        for name, value in positive.items():
+            if value < 1:
+                raise TrainConfigError(f"{name}={value} must be >= 1")
+        if not self.lr > 0:
+            raise TrainConfigError(f"lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr_frac <= 1:
+            raise TrainConfigError(f"min_lr_frac={self.min_lr_frac} must be in [0, 1]")
+        for name in ("warmup_steps", "eval_every", "workers", "threads"):
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("weight_decay", "grad_clip", "prompt_loss_weight", "demo_loss_weight"):
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.dtype not in AUTOCAST_DTYPES:
+            raise TrainConfigError(f"dtype={self.dtype!r} must be one of {sorted(AUTOCAST_DTYPES)}")
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise TrainConfigError(f"time_limit_s={self.time_limit_s} must be > 0")
+        for task in (*self.eval_tasks, *self.final_eval_tasks):
+            if task not in TASKS:
+                raise TrainConfigError(f"unknown evaluation task {task!r}; known: {', '.join(TASKS)}")
+        self.data.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["data"]["mix"] = dict(self.data.mix)
+        d["model_overrides"] = dict(self.model_overrides)
+        d["eval_overrides"] = dict(self.eval_overrides)
+        return d
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The preset's ModelConfig, with `model_overrides` applied (then named `<preset>-custom`)."""
+    base = get_preset(cfg.preset)
+    if not cfg.model_overrides:
+        return base
+    return base.replace(**dict(cfg.model_overrides), name=f"{base.name}-custom", scale="custom")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainConfigError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+    """Linear warmup over `warmup_steps`, times a cosine from 1 to `min_lr_frac` over progress."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    p = min(max(progress, 0.0), 1.0)
+    cosine = cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p))
+    return cfg.lr * warm * cosine
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices except the (tied) embedding, none on norms, biases,
+    decay and step parameters."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kwargs)
+
+
+@dataclass
+class LossParts:
+    total: torch.Tensor
+    answer: torch.Tensor
+    prompt: torch.Tensor
+    demo: torch.Tensor
+    answer_correct: torch.Tensor  # answer tokens predicted right (argmax), summed
+    answer_count: torch.Tensor
+    row_answer_ce: torch.Tensor   # [B] summed answer CE per row
+    row_answer_n: torch.Tensor    # [B]
+
+
+def compute_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor,
+                 prompt_weight: float, demo_weight: float = 0.0) -> LossParts:
+    """Mean CE over answer tokens + prompt_weight * mean CE over prompt tokens + demo_weight
+    * mean CE over fewshot demonstration outputs (targets are ids shifted by one; a target's
+    kind decides its class; padding and BOS never count)."""
+    logits = logits[:, :-1].float()
+    target = ids[:, 1:]
+    kind = kinds[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                         reduction="none").view_as(target)
+    ans = (kind == ANSWER_KIND).float()
+    prm = (kind == PROMPT_KIND).float()
+    n_ans = ans.sum()
+    answer = (ce * ans).sum() / n_ans.clamp(min=1)
+    prompt = (ce * prm).sum() / prm.sum().clamp(min=1)
+    dem = (kind == DEMO_KIND).float()
+    demo = (ce * dem).sum() / dem.sum().clamp(min=1)
+    total = answer
+    if prompt_weight:
+        total = total + prompt_weight * prompt
+    if demo_weight:
+        total = total + demo_weight * demo
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == target).float() * ans).sum()
+        row_ce = (ce.detach() * ans).sum(1)
+        row_n = ans.sum(1)
+    return LossParts(total, answer, prompt, demo, correct, n_ans, row_ce, row_n)
+
+
+@dataclass
+class TrainResult:
+    preset: str
+    out_dir: str
+    ok: bool
+    steps: int
+    wall_s: float
+    final_loss: float | None
+    scores: dict[str, float]
+    fingerprint: str | None
+    error: str | None = None
+
+
+class _Clock:
+    """Training progress by steps and by seconds after the first step."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def first_step_done(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def progress(self, step: int) -> float:
+        p = step / self.cfg.steps
+        if self.cfg.time_limit_s is not None and self.t_first is not None:
+            budget = self.cfg.time_limit_s - (self.t_first - self.t0)
+            if budget <= 0:
+                return 1.0
+            p = max(p, (time.perf_counter() - self.t_first) / budget)
+        return min(p, 1.0)
+
+
+def _say(cfg: TrainConfig, msg: str) -> None:
+    print(f"[{cfg.preset}] {msg}", flush=True)
+
+
+def _scores_line(evals: dict[str, TaskEval]) -> str:
+    return " ".join(f"{t}={e.score:.1f}" for t, e in evals.items())
+
+
+def _environment(device: torch.device, backend: str) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+           "backend": backend, "host_cpus": os.cpu_count()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import fla  # noqa: F401
+        env["fla"] = getattr(fla, "__version__", "unknown")
+    except Exception:
+        env["fla"] = None
+    return env
+
+
+def train(cfg: TrainConfig, command: str | None = None,
+          on_log: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train one model as `cfg` says, evaluate it, save it under cfg.out_dir with its log."""
+    cfg.validate()
+    command = command if command is not None else " ".join(sys.argv)
+    wall0 = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    mcfg = model_config(cfg)
+    model = build_model(mcfg, device, torch.float32, seed=derive_seed(cfg.seed, "init") % 2**31).train()
+    backend = resolve_backend(cfg.backend, device)
+    amp = AUTOCAST_DTYPES[cfg.dtype] if device.type == "cuda" else None
+    opt = make_optimizer(model, cfg, device)
+    fwd = torch.compile(model) if cfg.compile else model
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log: dict[str, Any] = {
+        "preset": cfg.preset, "model": mcfg.name, "command": command, "config": cfg.to_dict(),
+        "environment": _environment(device, backend), "parameters": sum(p.numel() for p in model.parameters()),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": [], "evals": [], "notes": [],
+    }
+
+    def write_log() -> None:
+        tmp = out_dir / (LOG_FILE + ".tmp")
+        tmp.write_text(json.dumps(log, indent=1) + "\n")
+        tmp.replace(out_dir / LOG_FILE)
+
+    _say(cfg, f"{mcfg.name}: {log['parameters']} parameters on {device} ({backend} linear backend, "
+              f"autocast {cfg.dtype if amp else 'off'}), batch {cfg.batch_size}, lr {cfg.lr}, "
+              f"time limit {cfg.time_limit_s}s")
+    eval_set = eval_requests(cfg.eval_tasks, cfg.eval_n, cfg.eval_seed, **dict(cfg.eval_overrides)) \
+        if cfg.eval_every else None
+    stream = BatchStream(cfg.data, cfg.batch_size, derive_seed(cfg.seed, "data"), cfg.workers)
+    clock = _Clock(cfg)
+    step, skipped, tokens, examples = 0, 0, 0, 0
+    data_wait = 0.0
+    last: LossParts | None = None
+    acc = {"loss": 0.0, "answer": 0.0, "prompt": 0.0, "n": 0}
+    correct_sum = torch.zeros((), device=device)
+    count_sum = torch.zeros((), device=device)
+    error: str | None = None
+    try:
+        while step < cfg.steps:
+            progress = clock.progress(step)
+            if progress >= 1.0:
+                break
+            t_wait = time.perf_counter()
+            batch: Batch = stream.next(progress)
+            data_wait += time.perf_counter() - t_wait
+            ids = torch.from_numpy(batch.ids.astype(np.int64)).to(device, non_blocking=True)
+            kinds = torch.from_numpy(batch.kinds).to(device, non_blocking=True)
+            lr = lr_at(cfg, step, progress)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            try:
+                with _autocast(device, amp):
+                    logits = fwd(ids, backend=backend)
+                parts = compute_loss(logits, ids, kinds, cfg.prompt_loss_weight, cfg.demo_loss_weight)
+                opt.zero_grad(set_to_none=True)
+                parts.total.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+                gn = float(gnorm)
+            except Exception as exc:
+                if backend == "fla":
+                    note = f"fla backend failed at step {step} ({type(exc).__name__}: {exc}); using torch"
+                    _say(cfg, note)
+                    log["notes"].append(note)
+                    backend = log["environment"]["backend"] = "torch"
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                raise
+            if not math.isfinite(gn):
+                skipped += 1
+                opt.zero_grad(set_to_none=True)
+                if skipped > 50 and skipped > step // 4:
+                    raise FloatingPointError(f"{skipped} of {step + 1} steps had a non-finite gradient norm")
+            else:
+                opt.step()
+            step += 1
+            clock.first_step_done()
+            tokens += batch.real_tokens
+            examples += len(batch.tasks)
+            last = parts
+            correct_sum += parts.answer_correct
+            count_sum += parts.answer_count
+            if step % cfg.log_every == 0 or step == 1:
+                loss, ans, prm, dem = (parts.total.item(), parts.answer.item(), parts.prompt.item(),
+                                       parts.demo.item())
+                per_task = _per_task(batch, parts)
+                entry = {"step": step, "elapsed_s": round(clock.elapsed(), 2), "progress": round(progress, 4),
+                         "lr": lr, "loss": round(loss, 4), "answer_loss": round(ans, 4),
+                         "prompt_loss": round(prm, 4), "demo_loss": round(dem, 4), "grad_norm": round(gn, 3),
+                         "answer_token_acc": round((correct_sum / count_sum.clamp(min=1)).item(), 4),
+                         "answer_loss_by_task": per_task, "seq_len": int(batch.ids.shape[1]),
+                         "tokens": tokens, "examples": examples, "data_wait_s": round(data_wait, 2),
+                         "skipped_steps": skipped}
+                correct_sum.zero_()
+                count_sum.zero_()
+                log["history"].append(entry)
+                if on_log is not None:
+                    on_log(entry)
+                if step == 1 or step % (cfg.log_every * 10) == 0:
+                    _say(cfg, f"step {step} t={entry['elapsed_s']:.0f}s p={progress:.2f} lr={lr:.2e} "
+                              f"loss={loss:.3f} ans={ans:.3f} acc={entry['answer_token_acc']:.3f} "
+                              f"T={entry['seq_len']} wait={data_wait:.1f}s")
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                evals = evaluate(model, eval_set, backend, amp, cfg.eval_batch, cfg.data.bos, keep_samples=0)
+                log["evals"].append({"step": step, "elapsed_s": round(clock.elapsed(), 2),
+                                     "n": cfg.eval_n, "scores": {t: round(e.score, 2) for t, e in evals.items()}})
+                _say(cfg, f"eval step {step} t={clock.elapsed():.0f}s: {_scores_line(evals)}")
+                write_log()
+    except Exception as exc:  # keep what was trained: evaluate and save it, report the error
+        error = f"{type(exc).__name__}: {exc}"
+        log["notes"].append("aborted: " + error)
+        log["traceback"] = traceback.format_exc()
+        _say(cfg, "training aborted: " + error)
+    finally:
+        stream.close()
+    train_s = clock.elapsed()
+    _say(cfg, f"trained {step} steps in {train_s:.0f}s ({examples} examples, {tokens} tokens); final eval")
+    final_set = eval_requests(cfg.final_eval_tasks, cfg.final_eval_n, cfg.eval_seed, **dict(cfg.eval_overrides))
+    final = evaluate(model, final_set, backend, amp, cfg.eval_batch, cfg.data.bos)
+    _say(cfg, f"final eval (n={cfg.final_eval_n}): {_scores_line(final)}")
+    fp = _save(model, out_dir, log)
+    final_loss = None if last is None else round(last.total.item(), 4)
+    log.update({
+        "steps": step, "skipped_steps": skipped, "examples": examples, "tokens": tokens,
+        "train_wall_s": round(train_s, 2), "wall_s": round(time.perf_counter() - wall0, 2),
+        "data_wait_s": round(data_wait, 2), "final_loss": final_loss,
+        "final_answer_loss": None if last is None else round(last.answer.item(), 4),
+        "final_eval": {"n": cfg.final_eval_n, "seed": cfg.eval_seed, "overrides": dict(cfg.eval_overrides),
+                       "scores": {t: round(e.score, 2) for t, e in final.items()},
+                       "details": {t: e.to_dict() for t, e in final.items()}},
+        "fingerprint": fp, "aborted": error is not None,
+    })
+    write_log()
+    return TrainResult(cfg.preset, str(out_dir), error is None, step, log["wall_s"], final_loss,
+                       {t: e.score for t, e in final.items()}, fp, error)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    from .evaluate import autocast_context
+    return autocast_context(device, dtype)
+
+
+def _per_task(batch: Batch, parts: LossParts) -> dict[str, float]:
+    ce = parts.row_answer_ce.tolist()
+    n = parts.row_answer_n.tolist()
+    sums: dict[str, list[float]] = {}
+    for task, c, k in zip(batch.tasks, ce, n):
+        s = sums.setdefault(task, [0.0, 0.0])
+        s[0] += c
+        s[1] += k
+    return {t: round(c / k, 4) for t, (c, k) in sorted(sums.items()) if k}
+
+
+def _save(model: torch.nn.Module, out_dir: Path, log: dict) -> str:
+    """Save fp32 weights + config on the CPU, reload them and check the fingerprint."""
+    cpu_model = build_model(model.config, "cpu", torch.float32)
+    cpu_model.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()})
+    fp = save_model(cpu_model, out_dir)
+    _, fp_loaded = load_weights(out_dir, "cpu")
+    if fp_loaded != fp:
+        raise RuntimeError(f"checkpoint in {out_dir} reloads with fingerprint {fp_loaded} != saved {fp}")
+    size = (out_dir / WEIGHTS_FILE).stat().st_size
+    log["checkpoint"] = {"dir": str(out_dir), "files": [WEIGHTS_FILE, CONFIG_FILE], "bytes": size,
+                         "dtype": "float32"}
+    if size >= MAX_CHECKPOINT_BYTES:
+        log["notes"].append(f"checkpoint is {size} bytes, over the {MAX_CHECKPOINT_BYTES}-byte limit")
+    return fp
