@@ -1,0 +1,386 @@
+"""The quality harness: task scores and fidelity of every prefill method against full
+recomputation, per model and workload (issue 5). See docs/quality.md.
+
+    python -m tools.quality [--quick] [--json] [--json-path FILE] [--markdown]
+        [--presets a,b] [--tasks fact,twohop,aggregate,fewshot,rag] [--methods full,prefix,naive,pic]
+        [--seams 0,8,16,32,64] [--swa-seam window,seam] [--n N] [--seed S] [--device cpu|cuda]
+        [--batch-size B] [--tolerance POINTS] [--docs MIN-MAX] [--facts-per-doc F] [--init-seed S]
+
+For each model, the requests of every task (`tools.workloads.iter_requests(task, n, seed)`,
+tiny scale) run under each method, in one process, one planner per (model, method) whose
+signature cache / prefix tree lives across all of them (tools/quality_measure.py says
+how). Full recomputation runs first: it is the reference of every delta, and of the
+fidelity columns (its own row is the reference itself: KL 0, top-1 100% by construction).
+
+One table, rows model x method: per task the score (points 0-100) and its delta to full
+recomputation, their average over the tasks, mean KL(full || method) in nats and top-1
+agreement (%) over the question positions (per task token-weighted, then averaged over
+tasks), the share of prompt tokens recomputed (misses' alone passes included), and
+measured milliseconds per request (prefill + batched decode share). Then, per model, the
+best PIC seam: the one that recomputes the fewest tokens among those whose average delta
+is no worse than `--tolerance` points (default 1.0); when none is, the one closest to full.
+`--json` also writes the rows and that summary to docs/results/quality-<date>.json.
+
+`--quick`: qwen3next-tiny, tasks fact and twohop, 3 requests each over short prompts (2-3
+documents of 4 facts), methods full, naive and pic with seam 16, on the CPU (under a
+minute on a 2-core machine). Any option given explicitly overrides the quick default.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as `python tools/quality.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.errors import EngineError  # noqa: E402
+from tools.quality_measure import (METHODS, SWA_SEAM_POLICIES, MethodRun, MethodSpec, QualityError,  # noqa: E402
+                                   expand_specs, open_session, run_method)
+from tools.train.evaluate import max_new_tokens  # noqa: E402
+from tools.workloads import TASKS, WorkloadError, iter_requests  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PRESETS = ("qwen3next-tiny", "ring-tiny", "gemma3-tiny", "nemotronh-tiny", "gla-tiny")
+DEFAULT_SEAMS = (0, 8, 16, 32, 64)
+DEFAULTS = dict(presets=",".join(DEFAULT_PRESETS), tasks=",".join(TASKS), methods=",".join(METHODS),
+                seams=",".join(map(str, DEFAULT_SEAMS)), swa_seam="window,seam", n=50, seed=0, device="auto",
+                batch_size=16, docs=None, facts_per_doc=None)
+QUICK = dict(presets="qwen3next-tiny", tasks="fact,twohop", methods="full,naive,pic", seams="16", n=3,
+             device="cpu", batch_size=8, docs="2-3", facts_per_doc=4)
+SCHEMA = "quality/v1"
+
+
+# ---------------------------------------------------------------------------- options
+def _csv(value: str, what: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items:
+        raise QualityError(f"--{what} is empty")
+    return items
+
+
+def _ints(value: str, what: str) -> list[int]:
+    out = []
+    for x in _csv(value, what):
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise QualityError(f"--{what}: {x!r} is not an integer") from None
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small CPU configuration (module docstring)")
+    p.add_argument("--json", action="store_true", help="write rows and summary to --json-path")
+    p.add_argument("--json-path", default=None, help="default docs/results/quality-<date>.json")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown (for docs/BENCHMARKS.md)")
+    p.add_argument("--presets", help=f"models (preset names or weight dirs); default {DEFAULTS['presets']}")
+    p.add_argument("--tasks", help=f"workloads; default {DEFAULTS['tasks']}")
+    p.add_argument("--methods", help=f"default {DEFAULTS['methods']} (full always runs: it is the reference)")
+    p.add_argument("--seams", help=f"PIC seams; default {DEFAULTS['seams']}")
+    p.add_argument("--swa-seam", help="SWA seam policies for models with sliding-window layers: window "
+                                      "(seam = max(seam, window)), seam (as given); default window,seam")
+    p.add_argument("--n", type=int, help=f"requests per task; default {DEFAULTS['n']}")
+    p.add_argument("--seed", type=int, help="workload seed; default 0")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto (cuda when available)")
+    p.add_argument("--batch-size", type=int, help="requests decoded together; default 16")
+    p.add_argument("--docs", help="workload override: documents per request, MIN-MAX")
+    p.add_argument("--facts-per-doc", type=int, help="workload override: items per document")
+    p.add_argument("--tolerance", type=float, default=1.0,
+                   help="points of average delta within which a PIC seam counts as matching full (default 1.0)")
+    p.add_argument("--init-seed", type=int, default=None,
+                   help="ignore trained weights: seeded random init (for harness checks)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    base = dict(DEFAULTS, **QUICK) if a.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    return a
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QualityError("--device cuda asked for, but CUDA is not available here")
+    return name
+
+
+def model_config_of(preset: str):
+    """The ModelConfig of a preset name or a saved weights directory (no weights loaded)."""
+    from engine.models.presets import get_preset
+    from engine.models.weights import read_config
+
+    path = Path(preset)
+    if path.is_dir():
+        return read_config(path)
+    return get_preset(preset)
+
+
+# ------------------------------------------------------------------------ aggregation
+def make_row(model: str, weights: str, run: MethodRun, tasks: Sequence[str]) -> dict:
+    """One table row from a method's outcomes (deltas are filled by `add_deltas`)."""
+    spec = run.spec
+    per_task = {}
+    for task in tasks:
+        outs = [o for o in run.outcomes if o.task == task]
+        if not outs:
+            continue
+        positions = sum(o.positions for o in outs)
+        kl = None if outs[0].kl_sum is None else sum(o.kl_sum for o in outs) / positions
+        top1 = None if outs[0].top1_hits is None else 100.0 * sum(o.top1_hits for o in outs) / positions
+        per_task[task] = {"n": len(outs), "score": sum(o.points for o in outs) / len(outs), "delta": None,
+                          "kl": kl, "top1": top1, "positions": positions}
+    outs = run.outcomes
+    prompt = sum(o.prompt_tokens for o in outs)
+    recomputed = sum(o.recomputed_tokens for o in outs)
+    prefill_ms = 1e3 * sum(o.prefill_s for o in outs) / len(outs)
+    decode_ms = 1e3 * sum(o.decode_s for o in outs) / len(outs)
+    kls = [t["kl"] for t in per_task.values()]
+    top1s = [t["top1"] for t in per_task.values()]
+    return {
+        "model": model, "weights": weights, "method": spec.method, "seam": spec.seam, "swa_seam": spec.swa_seam,
+        "label": spec.label, "tasks": per_task,
+        "avg": sum(t["score"] for t in per_task.values()) / len(per_task), "avg_delta": None,
+        "kl": None if None in kls else sum(kls) / len(kls),
+        "top1": None if None in top1s else sum(top1s) / len(top1s),
+        "requests": len(outs), "prompt_tokens": prompt, "reused_tokens": sum(o.reused_tokens for o in outs),
+        "recomputed_tokens": recomputed, "recompute_fraction": recomputed / prompt if prompt else 0.0,
+        "output_tokens": sum(o.output_tokens for o in outs),
+        "prefill_ms_per_request": prefill_ms, "decode_ms_per_request": decode_ms,
+        "ms_per_request": prefill_ms + decode_ms, "seconds": run.seconds,
+    }
+
+
+def add_deltas(rows: list[dict], full: dict) -> None:
+    """Fill each row's per-task and average deltas to the `full` row of its model."""
+    for row in rows:
+        for task, t in row["tasks"].items():
+            t["delta"] = t["score"] - full["tasks"][task]["score"]
+        row["avg_delta"] = row["avg"] - full["avg"]
+
+
+def best_pic(rows: list[dict], tolerance: float) -> Optional[dict]:
+    """The PIC row with the fewest recomputed tokens among those whose average delta is
+    >= -tolerance; if none, the one with the best average delta (ties: fewer recomputed)."""
+    pic = [r for r in rows if r["method"] == "pic"]
+    if not pic:
+        return None
+    ok = [r for r in pic if r["avg_delta"] >= -tolerance]
+    if ok:
+        return min(ok, key=lambda r: (r["recompute_fraction"], -r["avg_delta"]))
+    return max(pic, key=lambda r: (r["avg_delta"], -r["recompute_fraction"]))
+
+
+def summarize(rows: list[dict], tolerance: float) -> dict:
+    """Per model: full average, best PIC seam and its average delta, naive's and prefix's."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        by_method = {r["method"]: r for r in mine if r["method"] != "pic"}
+        best = best_pic(mine, tolerance)
+        out[model] = {
+            "weights": mine[0]["weights"],
+            "full_avg": by_method["full"]["avg"],
+            "best_pic_seam": None if best is None else best["seam"],
+            "best_pic_swa_seam": None if best is None else best["swa_seam"],
+            "best_pic_avg_delta": None if best is None else best["avg_delta"],
+            "best_pic_recompute_fraction": None if best is None else best["recompute_fraction"],
+            "best_pic_within_tolerance": None if best is None else best["avg_delta"] >= -tolerance,
+            "naive_avg_delta": by_method["naive"]["avg_delta"] if "naive" in by_method else None,
+            "prefix_avg_delta": by_method["prefix"]["avg_delta"] if "prefix" in by_method else None,
+            "pic_seams": [{"seam": r["seam"], "swa_seam": r["swa_seam"], "avg_delta": r["avg_delta"], "kl": r["kl"],
+                           "top1": r["top1"], "recompute_fraction": r["recompute_fraction"]}
+                          for r in mine if r["method"] == "pic"],
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- output
+def _signed(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.1f}"
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table_cells(row: dict, tasks: Sequence[str]) -> list[str]:
+    cells = [row["model"], row["label"]]
+    for task in tasks:
+        t = row["tasks"].get(task)
+        cells.append("-" if t is None else f"{t['score']:.1f} ({_signed(t['delta'])})")
+    cells += [f"{row['avg']:.1f} ({_signed(row['avg_delta'])})", _fmt(row["kl"], ".2e"), _fmt(row["top1"], ".1f"),
+              f"{100 * row['recompute_fraction']:.0f}",
+              f"{row['prefill_ms_per_request']:.0f}+{row['decode_ms_per_request']:.0f}"]
+    return cells
+
+
+def table_header(tasks: Sequence[str]) -> list[str]:
+    return ["model", "method", *tasks, "avg", "KL", "top-1 %", "recomp %", "ms/req"]
+
+
+def summary_lines(summary: dict, tolerance: float) -> list[str]:
+    lines = []
+    for model, s in summary.items():
+        parts = [f"{model} ({s['weights']}): full avg {s['full_avg']:.1f}"]
+        if s["best_pic_seam"] is not None:
+            rule = f", {s['best_pic_swa_seam']} rule" if s["best_pic_swa_seam"] else ""
+            why = (f"fewest recomputed tokens within {tolerance:g} points" if s["best_pic_within_tolerance"]
+                   else f"closest to full; none within {tolerance:g} points")
+            parts.append(f"best PIC seam {s['best_pic_seam']}{rule} ({why}): avg delta "
+                         f"{_signed(s['best_pic_avg_delta'])}, {100 * s['best_pic_recompute_fraction']:.0f}% "
+                         "of prompt tokens recomputed")
+        if s["naive_avg_delta"] is not None:
+            parts.append(f"naive avg delta {_signed(s['naive_avg_delta'])}")
+        if s["prefix_avg_delta"] is not None:
+            parts.append(f"prefix avg delta {_signed(s['prefix_avg_delta'])}")
+        lines.append("; ".join(parts))
+    return lines
+
+
+def print_report(rows: list[dict], summary: dict, tasks: Sequence[str], tolerance: float, markdown: bool,
+                 title: str) -> None:
+    if markdown:
+        print(f"**{title}**\n")
+        print("| " + " | ".join(table_header(tasks)) + " |")
+        print("|" + "---|" * len(table_header(tasks)))
+        for row in rows:
+            print("| " + " | ".join(table_cells(row, tasks)) + " |")
+        print()
+        for line in summary_lines(summary, tolerance):
+            print(f"- {line}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)
+    table = Table(title=title)
+    for col in table_header(tasks):
+        table.add_column(col, justify="left" if col in ("model", "method") else "right")
+    prev = None
+    for row in rows:
+        if prev is not None and row["model"] != prev:
+            table.add_section()
+        prev = row["model"]
+        table.add_row(*table_cells(row, tasks))
+    console.print(table)
+    for line in summary_lines(summary, tolerance):
+        console.print(line, highlight=False)
+
+
+def default_json_path(today: Optional[_dt.date] = None) -> Path:
+    day = (today or _dt.date.today()).isoformat()
+    return REPO_ROOT / "docs" / "results" / f"quality-{day}.json"
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+# ------------------------------------------------------------------------------ run
+def measure(args: argparse.Namespace, progress=None) -> tuple[list[dict], dict]:
+    """Every row of the table (models in order, full first) and the run's config."""
+    presets, tasks = _csv(args.presets, "presets"), _csv(args.tasks, "tasks")
+    methods, seams = _csv(args.methods, "methods"), _ints(args.seams, "seams")
+    policies = _csv(args.swa_seam, "swa-seam")
+    for t in tasks:
+        if t not in TASKS:
+            raise QualityError(f"unknown task {t!r}; expected some of {', '.join(TASKS)}")
+    if args.n < 1:
+        raise QualityError(f"--n {args.n} must be >= 1")
+    device = resolve_device(args.device)
+    overrides = {"docs": args.docs, "facts_per_doc": args.facts_per_doc}
+    requests = [r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides)]
+    max_tokens = max(r.prompt_tokens + 1 + max_new_tokens(r.metric) for r in requests)
+    plan = [(p, expand_specs(model_config_of(p), methods, seams, policies)) for p in presets]
+    total = sum(len(specs) for _, specs in plan) * len(requests)
+    bar = progress.add_task("quality", total=total) if progress is not None else None
+    rows: list[dict] = []
+    for preset, specs in plan:
+        session = open_session(preset, device, max_tokens, args.batch_size, init_seed=args.init_seed)
+        weights = session.loaded.source
+        ref = None
+        model_rows = []
+        for spec in specs:
+            if progress is not None:
+                progress.update(bar, description=f"{preset} {spec.label}")
+
+            def advance(k: int, task: str, _p=progress, _b=bar) -> None:
+                if _p is not None:
+                    _p.advance(_b, k)
+
+            if spec.method == "full":
+                run = run_method(session, spec, requests, keep_logprobs=True, on_progress=advance)
+                ref = run.question_logprobs
+                # the full row is the reference itself: KL 0 and top-1 100% by construction
+                for o in run.outcomes:
+                    o.kl_sum, o.top1_hits = 0.0, o.positions
+            else:
+                run = run_method(session, spec, requests, reference=ref, on_progress=advance)
+            model_rows.append(make_row(preset, weights, run, tasks))
+        add_deltas(model_rows, model_rows[0])
+        rows.extend(model_rows)
+        del session
+    config = {"presets": presets, "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
+              "n": args.n, "seed": args.seed, "scale": "tiny", "workload_overrides": {k: v for k, v in overrides.items()
+                                                                                     if v is not None},
+              "device": device, "batch_size": args.batch_size, "tolerance": args.tolerance,
+              "init_seed": args.init_seed, "quick": args.quick}
+    return rows, config
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        if args.no_progress:
+            rows, config = measure(args)
+        else:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TimeRemainingColumn(), console=Console(stderr=True)) as progress:
+                rows, config = measure(args, progress)
+    except (QualityError, WorkloadError, EngineError) as exc:
+        msg = exc.args[0] if exc.args else str(exc)
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    summary = summarize(rows, args.tolerance)
+    seconds = time.perf_counter() - t0
+    title = (f"quality vs full recompute: {config['n']} requests per task, seed {config['seed']}, "
+             f"{config['device']}, {seconds:.0f} s")
+    print_report(rows, summary, config["tasks"], args.tolerance, args.markdown, title)
+    if args.json:
+        path = Path(args.json_path) if args.json_path else default_json_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"schema": SCHEMA, "date": _dt.date.today().isoformat(),
+               "command": "python -m tools.quality " + shlex.join(argv), "config": config,
+               "environment": environment(config["device"]), "seconds": seconds, "rows": rows, "summary": summary}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
