@@ -100,6 +100,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="points of average delta within which a PIC seam counts as matching full (default 1.0)")
     p.add_argument("--init-seed", type=int, default=None,
                    help="ignore trained weights: seeded random init (for harness checks)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: tiny models gain nothing from intra-op threads, and on a "
+                        "busy machine 2 spinning threads ran 10-20x slower than 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **QUICK) if a.quick else DEFAULTS
@@ -159,7 +162,7 @@ def make_row(model: str, weights: str, run: MethodRun, tasks: Sequence[str]) -> 
         "recomputed_tokens": recomputed, "recompute_fraction": recomputed / prompt if prompt else 0.0,
         "output_tokens": sum(o.output_tokens for o in outs),
         "prefill_ms_per_request": prefill_ms, "decode_ms_per_request": decode_ms,
-        "ms_per_request": prefill_ms + decode_ms, "seconds": run.seconds,
+        "ms_per_request": prefill_ms + decode_ms, "seconds": run.seconds, "cpu_seconds": run.cpu_seconds,
     }
 
 
@@ -307,6 +310,9 @@ def measure(args: argparse.Namespace, progress=None) -> tuple[list[dict], dict]:
     if args.n < 1:
         raise QualityError(f"--n {args.n} must be >= 1")
     device = resolve_device(args.device)
+    if args.threads < 1:
+        raise QualityError(f"--threads {args.threads} must be >= 1")
+    torch.set_num_threads(args.threads)
     overrides = {"docs": args.docs, "facts_per_doc": args.facts_per_doc}
     requests = [r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides)]
     max_tokens = max(r.prompt_tokens + 1 + max_new_tokens(r.metric) for r in requests)
@@ -336,15 +342,25 @@ def measure(args: argparse.Namespace, progress=None) -> tuple[list[dict], dict]:
             else:
                 run = run_method(session, spec, requests, reference=ref, on_progress=advance)
             model_rows.append(make_row(preset, weights, run, tasks))
+            _log(progress, f"{preset} {spec.label}: {len(requests)} requests in {run.seconds:.1f} s "
+                           f"(process CPU {run.cpu_seconds:.1f} s)")
         add_deltas(model_rows, model_rows[0])
         rows.extend(model_rows)
         del session
     config = {"presets": presets, "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
               "n": args.n, "seed": args.seed, "scale": "tiny", "workload_overrides": {k: v for k, v in overrides.items()
                                                                                      if v is not None},
-              "device": device, "batch_size": args.batch_size, "tolerance": args.tolerance,
+              "device": device, "threads": args.threads, "batch_size": args.batch_size, "tolerance": args.tolerance,
               "init_seed": args.init_seed, "quick": args.quick}
     return rows, config
+
+
+def _log(progress, line: str) -> None:
+    """A progress line on stderr (above the bar when there is one)."""
+    if progress is not None:
+        progress.console.print(line, highlight=False)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -170,6 +170,7 @@ class RequestOutcome:
     prefill_s: float
     decode_s: float
     output_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # generated, stop token included
     #: fidelity on the question positions vs the reference (None when no reference)
     kl_sum: Optional[float] = None
     top1_hits: Optional[int] = None
@@ -185,6 +186,7 @@ class MethodRun:
     outcomes: list[RequestOutcome] = field(default_factory=list)
     question_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # process CPU time (all threads): a load-independent cost measure
 
 
 def question_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -217,25 +219,26 @@ def run_method(session: ModelSession, spec: MethodSpec, requests: Sequence[Reque
         raise QualityError(f"{spec.label}: the planner uses seam {planner.seam}, not {spec.seam}")
     stop_ids = set(tok.special_ids()) | set(tok.encode("\n"))
     run = MethodRun(spec)
-    t_run = time.perf_counter()
+    t_run, cpu_run = time.perf_counter(), time.process_time()
     for start in range(0, len(requests), session.batch_size):
         batch = list(requests[start:start + session.batch_size])
         live = []
         try:
             for r in batch:
                 live.append(_prefill_one(session, planner, r, reference, keep_logprobs, run))
-            texts, counts, decode_s = _greedy_decode(session, [x[1] for x in live], [x[2] for x in live],
+            gens, texts, decode_s = _greedy_decode(session, [x[1] for x in live], [x[2] for x in live],
                                                      [max_new_tokens(r.metric) for r in batch], stop_ids)
         finally:
             for out, res, _first in live:
                 release(planner, runner, res.request)
-        for (out, _res, _first), text, n_out, r in zip(live, texts, counts, batch):
-            out.text, out.points, out.output_tokens = text, score(r, text), n_out
+        for (out, _res, _first), ids, text, r in zip(live, gens, texts, batch):
+            out.text, out.points, out.output_tokens, out.token_ids = text, score(r, text), len(ids), ids
             out.decode_s = decode_s / len(batch)
             run.outcomes.append(out)
         if on_progress is not None:
             on_progress(len(batch), batch[-1].task)
     run.seconds = time.perf_counter() - t_run
+    run.cpu_seconds = time.process_time() - cpu_run
     return run
 
 
@@ -270,9 +273,9 @@ def _prefill_one(session: ModelSession, planner, r: Request, reference, keep_log
 
 
 def _greedy_decode(session: ModelSession, results, first_tokens: list[int], limits: list[int],
-                   stop_ids: set[int]) -> tuple[list[str], list[int], float]:
-    """Greedy continuation of prefilled requests, decoded as one batch. Returns texts
-    (special tokens dropped), token counts and the wall time."""
+                   stop_ids: set[int]) -> tuple[list[list[int]], list[str], float]:
+    """Greedy continuation of prefilled requests, decoded as one batch. Returns the
+    generated ids, their texts (special tokens dropped) and the wall time."""
     session.synchronize()
     t0 = time.perf_counter()
     gens = [[t] for t in first_tokens]
@@ -285,4 +288,4 @@ def _greedy_decode(session: ModelSession, results, first_tokens: list[int], limi
         active = [i for i in active if gens[i][-1] not in stop_ids and len(gens[i]) < limits[i]]
     session.synchronize()
     seconds = time.perf_counter() - t0
-    return [session.tokenizer.decode(g) for g in gens], [len(g) for g in gens], seconds
+    return gens, [session.tokenizer.decode(g) for g in gens], seconds
