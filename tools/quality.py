@@ -355,6 +355,16 @@ def measure(args: argparse.Namespace, progress=None) -> tuple[list[dict], dict]:
     return rows, config
 
 
+def _have_rich() -> bool:
+    """rich draws the progress bar and the table; without it (a bare GPU box) the
+    harness prints plain progress lines and a markdown table."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _log(progress, line: str) -> None:
     """A progress line on stderr (above the bar when there is one)."""
     if progress is not None:
@@ -367,8 +377,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     t0 = time.perf_counter()
+    have_rich = _have_rich()
     try:
-        if args.no_progress:
+        if args.no_progress or not have_rich:
             rows, config = measure(args)
         else:
             from rich.console import Console
@@ -386,7 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seconds = time.perf_counter() - t0
     title = (f"quality vs full recompute: {config['n']} requests per task, seed {config['seed']}, "
              f"{config['device']}, {seconds:.0f} s")
-    print_report(rows, summary, config["tasks"], args.tolerance, args.markdown, title)
+    print_report(rows, summary, config["tasks"], args.tolerance, args.markdown or not have_rich, title)
     if args.json:
         path = Path(args.json_path) if args.json_path else default_json_path()
         path.parent.mkdir(parents=True, exist_ok=True)
