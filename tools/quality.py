@@ -35,6 +35,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -44,8 +45,8 @@ if __package__ in (None, ""):  # run as `python tools/quality.py`
 import torch  # noqa: E402
 
 from engine.errors import EngineError  # noqa: E402
-from tools.quality_measure import (METHODS, SWA_SEAM_POLICIES, MethodRun, MethodSpec, QualityError,  # noqa: E402
-                                   expand_specs, open_session, run_method)
+from tools.quality_measure import (METHODS, MethodRun, QualityError, expand_specs, open_session,  # noqa: E402
+                                   run_method)
 from tools.train.evaluate import max_new_tokens  # noqa: E402
 from tools.workloads import TASKS, WorkloadError, iter_requests  # noqa: E402
 
@@ -103,6 +104,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: tiny models gain nothing from intra-op threads, and on a "
                         "busy machine 2 spinning threads ran 10-20x slower than 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="CPU: models measured at once in worker processes (e.g. 2 on an idle 2-core machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **QUICK) if a.quick else DEFAULTS
@@ -299,60 +302,146 @@ def environment(device: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ run
-def measure(args: argparse.Namespace, progress=None) -> tuple[list[dict], dict]:
-    """Every row of the table (models in order, full first) and the run's config."""
+class Reporter:
+    """Where a run reports progress: `advance(k)` requests done, `describe(text)` what
+    runs now, `log(line)` a finished row. The base prints log lines to stderr."""
+
+    def advance(self, k: int) -> None:
+        return None
+
+    def describe(self, text: str) -> None:
+        return None
+
+    def log(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
+class BarReporter(Reporter):
+    """A rich progress bar; log lines print above it."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.progress = progress
+        self.bar = progress.add_task("quality", total=total)
+
+    def advance(self, k: int) -> None:
+        self.progress.advance(self.bar, k)
+
+    def describe(self, text: str) -> None:
+        self.progress.update(self.bar, description=text)
+
+    def log(self, line: str) -> None:
+        self.progress.console.print(line, highlight=False)
+
+
+class QueueReporter(Reporter):
+    """Forwards events from a worker process to the parent's reporter."""
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+
+    def advance(self, k: int) -> None:
+        self.queue.put(("advance", k))
+
+    def describe(self, text: str) -> None:
+        self.queue.put(("describe", text))
+
+    def log(self, line: str) -> None:
+        self.queue.put(("log", line))
+
+
+@dataclass(frozen=True)
+class ModelJob:
+    """Everything one model's rows need (picklable: it is sent to worker processes)."""
+
+    preset: str
+    specs: tuple
+    requests: tuple
+    tasks: tuple
+    device: str
+    max_tokens: int
+    batch_size: int
+    threads: int
+    init_seed: Optional[int]
+
+
+def measure_model(job: ModelJob, reporter: Reporter) -> list[dict]:
+    """The rows of one model, `full` first (the reference of the others)."""
+    torch.set_num_threads(job.threads)
+    session = open_session(job.preset, job.device, job.max_tokens, job.batch_size, init_seed=job.init_seed)
+    weights = session.loaded.source
+    ref = None
+    rows = []
+    for spec in job.specs:
+        reporter.describe(f"{job.preset} {spec.label}")
+        advance = lambda k, task: reporter.advance(k)  # noqa: E731
+        if spec.method == "full":
+            run = run_method(session, spec, job.requests, keep_logprobs=True, on_progress=advance)
+            ref = run.question_logprobs
+            for o in run.outcomes:  # the reference itself: KL 0 and top-1 100% by construction
+                o.kl_sum, o.top1_hits = 0.0, o.positions
+        else:
+            run = run_method(session, spec, job.requests, reference=ref, on_progress=advance)
+        rows.append(make_row(job.preset, weights, run, job.tasks))
+        reporter.log(f"{job.preset} {spec.label}: {len(job.requests)} requests in {run.seconds:.1f} s "
+                     f"(process CPU {run.cpu_seconds:.1f} s)")
+    add_deltas(rows, rows[0])
+    return rows
+
+
+def _worker(job: ModelJob, queue) -> list[dict]:
+    return measure_model(job, QueueReporter(queue))
+
+
+def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
+    """Validate the options; one job per model, and the run's config record."""
     presets, tasks = _csv(args.presets, "presets"), _csv(args.tasks, "tasks")
     methods, seams = _csv(args.methods, "methods"), _ints(args.seams, "seams")
     policies = _csv(args.swa_seam, "swa-seam")
     for t in tasks:
         if t not in TASKS:
             raise QualityError(f"unknown task {t!r}; expected some of {', '.join(TASKS)}")
-    if args.n < 1:
-        raise QualityError(f"--n {args.n} must be >= 1")
+    for name, low in (("n", 1), ("threads", 1), ("jobs", 1), ("batch_size", 1)):
+        if getattr(args, name) < low:
+            raise QualityError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {low}")
     device = resolve_device(args.device)
-    if args.threads < 1:
-        raise QualityError(f"--threads {args.threads} must be >= 1")
-    torch.set_num_threads(args.threads)
     overrides = {"docs": args.docs, "facts_per_doc": args.facts_per_doc}
-    requests = [r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides)]
+    requests = tuple(r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides))
     max_tokens = max(r.prompt_tokens + 1 + max_new_tokens(r.metric) for r in requests)
-    plan = [(p, expand_specs(model_config_of(p), methods, seams, policies)) for p in presets]
-    total = sum(len(specs) for _, specs in plan) * len(requests)
-    bar = progress.add_task("quality", total=total) if progress is not None else None
-    rows: list[dict] = []
-    for preset, specs in plan:
-        session = open_session(preset, device, max_tokens, args.batch_size, init_seed=args.init_seed)
-        weights = session.loaded.source
-        ref = None
-        model_rows = []
-        for spec in specs:
-            if progress is not None:
-                progress.update(bar, description=f"{preset} {spec.label}")
-
-            def advance(k: int, task: str, _p=progress, _b=bar) -> None:
-                if _p is not None:
-                    _p.advance(_b, k)
-
-            if spec.method == "full":
-                run = run_method(session, spec, requests, keep_logprobs=True, on_progress=advance)
-                ref = run.question_logprobs
-                # the full row is the reference itself: KL 0 and top-1 100% by construction
-                for o in run.outcomes:
-                    o.kl_sum, o.top1_hits = 0.0, o.positions
-            else:
-                run = run_method(session, spec, requests, reference=ref, on_progress=advance)
-            model_rows.append(make_row(preset, weights, run, tasks))
-            _log(progress, f"{preset} {spec.label}: {len(requests)} requests in {run.seconds:.1f} s "
-                           f"(process CPU {run.cpu_seconds:.1f} s)")
-        add_deltas(model_rows, model_rows[0])
-        rows.extend(model_rows)
-        del session
+    jobs = [ModelJob(p, tuple(expand_specs(model_config_of(p), methods, seams, policies)), requests, tuple(tasks),
+                     device, max_tokens, args.batch_size, args.threads, args.init_seed) for p in presets]
     config = {"presets": presets, "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
-              "n": args.n, "seed": args.seed, "scale": "tiny", "workload_overrides": {k: v for k, v in overrides.items()
-                                                                                     if v is not None},
-              "device": device, "threads": args.threads, "batch_size": args.batch_size, "tolerance": args.tolerance,
-              "init_seed": args.init_seed, "quick": args.quick}
-    return rows, config
+              "n": args.n, "seed": args.seed, "scale": "tiny",
+              "workload_overrides": {k: v for k, v in overrides.items() if v is not None},
+              "device": device, "threads": args.threads, "jobs": args.jobs, "batch_size": args.batch_size,
+              "tolerance": args.tolerance, "init_seed": args.init_seed, "quick": args.quick}
+    return jobs, config
+
+
+def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int) -> list[dict]:
+    """Every model's rows, in the order of `jobs`; `parallel` > 1 measures that many models
+    at once in worker processes (CPU only: each with its own `threads`)."""
+    if parallel <= 1 or len(jobs) <= 1:
+        return [row for job in jobs for row in measure_model(job, reporter)]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, cf.ProcessPoolExecutor(min(parallel, len(jobs)), mp_context=ctx) as pool:
+        events = manager.Queue()
+        futures = [pool.submit(_worker, job, events) for job in jobs]
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.2)
+            for f in done:
+                f.result()  # a worker's error surfaces here
+            while True:
+                try:
+                    kind, value = events.get_nowait()
+                except queue_mod.Empty:
+                    break
+                getattr(reporter, kind)(value)
+        return [row for f in futures for row in f.result()]
 
 
 def _have_rich() -> bool:
@@ -365,30 +454,25 @@ def _have_rich() -> bool:
     return True
 
 
-def _log(progress, line: str) -> None:
-    """A progress line on stderr (above the bar when there is one)."""
-    if progress is not None:
-        progress.console.print(line, highlight=False)
-    else:
-        print(line, file=sys.stderr, flush=True)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     t0 = time.perf_counter()
     have_rich = _have_rich()
     try:
+        jobs, config = plan_jobs(args)
+        parallel = args.jobs if config["device"] == "cpu" else 1
         if args.no_progress or not have_rich:
-            rows, config = measure(args)
+            rows = run_jobs(jobs, Reporter(), parallel)
         else:
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
 
+            total = sum(len(j.specs) * len(j.requests) for j in jobs)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=Console(stderr=True)) as progress:
-                rows, config = measure(args, progress)
+                rows = run_jobs(jobs, BarReporter(progress, total), parallel)
     except (QualityError, WorkloadError, EngineError) as exc:
         msg = exc.args[0] if exc.args else str(exc)
         print(f"error: {msg}", file=sys.stderr)

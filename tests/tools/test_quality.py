@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.models.presets import get_preset
-from tools.quality import main, summarize
+from tools.quality import ModelJob, Reporter, main, run_jobs, summarize
 from tools.quality_measure import MethodSpec, expand_specs, open_session, run_method
 from tools.train.evaluate import encode_prompt, greedy_generate
 from tools.workloads import iter_requests
@@ -156,6 +156,17 @@ def test_quick_run_writes_the_table_and_json_rows_and_summary(tmp_path):
     assert summary["best_pic_avg_delta"] == doc["rows"][2]["avg_delta"]
 
 
+def test_models_measured_in_parallel_workers_give_the_serial_rows(requests):
+    reqs = tuple(requests[:2])
+    jobs = [ModelJob(p, tuple(expand_specs(get_preset(p), ["naive"], [], ["window"])), reqs, ("fact",), "cpu",
+                     max(r.prompt_tokens for r in reqs) + 32, 2, 1, 0) for p in ("ring-tiny", "gla-tiny")]
+    serial = run_jobs(jobs, Reporter(), parallel=1)
+    parallel = run_jobs(jobs, Reporter(), parallel=2)
+    keys = ("model", "method", "tasks", "avg", "kl", "top1", "recomputed_tokens")
+    assert [[r[k] for k in keys] for r in parallel] == [[r[k] for k in keys] for r in serial]
+    assert [r["model"] for r in serial] == ["ring-tiny", "ring-tiny", "gla-tiny", "gla-tiny"]
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--methods", "full,bogus"], "'bogus'"),
     (["--tasks", "fact,nope"], "'nope'"),
@@ -163,6 +174,7 @@ def test_quick_run_writes_the_table_and_json_rows_and_summary(tmp_path):
     (["--seams", "8,x"], "'x'"),
     (["--swa-seam", "wide"], "'wide'"),
     (["--n", "0"], "--n 0"),
+    (["--jobs", "0"], "--jobs 0"),
 ])
 def test_bad_options_exit_2_naming_the_bad_value(argv, named, capsys):
     assert main(argv + ["--no-progress", "--device", "cpu"]) == 2
