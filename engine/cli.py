@@ -247,6 +247,8 @@ def run_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON line per request instead of a table."),
     swa_seam: str = typer.Option("window", "--swa-seam", help="SWA seam policy: window (max(seam, window)) or seam."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    state_dtype: str = typer.Option("float32", "--state-dtype", help="dtype of cached linear states and delta-rule T (float32, bfloat16, float16)."),
+    cache_gib: float = typer.Option(2.0, "--cache-gib", min=0.0, help="Capacity of the in-process signature cache / prefix tree."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     chunk_size: int = ChunkOpt,
@@ -258,7 +260,9 @@ def run_cmd(
     from engine.pic.run import attach_planner, print_table, read_requests, run_requests
 
     try:
-        config = PicConfig(method=method, seam=seam, swa_seam=swa_seam)
+        cap = int(cache_gib * (1 << 30))
+        config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
+                           signature_cache_bytes=cap, prefix_cache_bytes=cap)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:

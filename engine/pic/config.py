@@ -43,8 +43,9 @@ class PicConfig:
     (composition always runs in float32). kernel: `"auto"` runs the Triton kernels on
     CUDA and their torch references on the CPU; `"triton"` forces Triton (the interpreter
     on the CPU); `"torch"` forces the references. signature_cache_bytes /
-    prefix_cache_bytes: capacity of the in-process caches. sync_timing: synchronise the
-    device at every timing mark (exact time split on a GPU, at a small cost).
+    prefix_cache_bytes: capacity of the in-process caches. sync_timing: have the engine
+    synchronise the device after every plan step (exact time split on a GPU, at a small
+    cost; `engine.pic.run.attach_planner` sets `LLMEngine.sync_timings` from it).
     keep_end_state: signatures keep each linear layer's end state E, so a segment that
     starts the prompt is spliced whole (bit-exact, nothing computed); False saves a third
     of the linear bytes and places a first segment like any other (anchor and seam

@@ -41,7 +41,8 @@ from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import PromptSegment, Request
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_STATE_KEY = "pic"
+#: key of a planner's per-request state in `Request.planner_state`
+STATE_KEY = "pic"
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class _RequestState:
     held: list[bytes] = field(default_factory=list)
 
 
-class _ReportingPlanner:
+class ReportingPlanner:
     """Shared by every planner here: per-request reports, kept for `take_report`."""
 
     name = "base"
@@ -80,25 +81,24 @@ class _ReportingPlanner:
         self.reports = ReportBook()
 
     def _new_builder(self, request: Request) -> PlanBuilder:
-        report = PrefillReport(request.request_id, self.name, len(request.prefill_token_ids()))
-        return PlanBuilder(report, self.device, self.config.sync_timing)
+        return PlanBuilder(PrefillReport(request.request_id, self.name, len(request.prefill_token_ids())))
 
     def take_report(self, request_id: str) -> Optional[PrefillReport]:
         """The report of a request whose prefill completed (each report is returned once)."""
         return self.reports.take(request_id)
 
     def _finish(self, request: Request, builder: PlanBuilder) -> None:
-        builder.finish()
+        builder.finish(request.timeline.prefill_split)
         self.reports.add(builder.report)
 
     def on_prefill_done(self, request: Request) -> None:
-        state = request.planner_state.get(_STATE_KEY)
+        state = request.planner_state.get(STATE_KEY)
         if state is not None:
             self._finish(request, state.builder)
             self._release(state)
 
     def on_request_freed(self, request: Request) -> None:
-        state = request.planner_state.pop(_STATE_KEY, None)
+        state = request.planner_state.pop(STATE_KEY, None)
         if state is not None:
             self._release(state)
 
@@ -106,20 +106,19 @@ class _ReportingPlanner:
         return None
 
 
-class FullPlanner(_ReportingPlanner):
+class FullPlanner(ReportingPlanner):
     """`full`: compute every prompt token."""
 
     name = "full"
 
     def plan(self, request: Request) -> PrefillPlan:
         b = self._new_builder(request)
-        b.apply(0, lambda runner, req: None, "lookup", "start")
         b.compute(len(request.prefill_token_ids()), "suffix")
-        request.planner_state[_STATE_KEY] = _RequestState(b, [], [])
+        request.planner_state[STATE_KEY] = _RequestState(b, [], [])
         return b.build()
 
 
-class PicPlanner(_ReportingPlanner):
+class PicPlanner(ReportingPlanner):
     """`pic` and `naive` (module docstring)."""
 
     def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str,
@@ -144,30 +143,44 @@ class PicPlanner(_ReportingPlanner):
         return segment_key(self.fingerprint, content, variant)
 
     def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
-        """("compute", start, end, kind) and ("splice", SpliceUnit) items in prompt order."""
+        """("compute", end, kind) and ("splice", SpliceUnit) items in prompt order.
+
+        Positions no segment covers (the BOS the engine puts before the first segment)
+        are computed, except the anchor in front of a first placement, which the splice
+        covers."""
         a = len(self.anchor_ids)
+        anchored = ids[:a] == self.anchor_ids
         segments = [s for s in segments if s.num_tokens > 0]
         items: list[tuple] = []
+        pos = 0  # end of the items so far
+
+        def compute(end: int, kind: str) -> None:
+            nonlocal pos
+            if end > pos:
+                items.append(("compute", end, kind))
+                pos = end
+
         for i, s in enumerate(segments):
-            if not s.cache or i == len(segments) - 1:
-                items.append(("compute", s.token_start, s.token_end, "suffix"))
-                continue
-            first = self.config.keep_end_state and s.token_start == 0 and ids[:a] == self.anchor_ids
-            offset = a if (s.token_start == 0 and ids[:a] == self.anchor_ids) else s.token_start
+            # a segment that starts the prompt and holds the anchor itself: content after it
+            offset = a if (s.token_start == 0 and anchored) else s.token_start
             n = s.token_end - offset
-            if n <= 0:
-                items.append(("compute", s.token_start, s.token_end, "suffix"))
+            if not s.cache or i == len(segments) - 1 or n <= 0:
+                compute(s.token_end, "suffix")
                 continue
             split = min(n, self.seam)
-            unit = SpliceUnit(offset, s.token_end, split, first, self.key(ids[offset:s.token_end], split))
-            if first:
-                items.append(("splice", unit))
-            elif split >= n:
-                items.append(("compute", s.token_start, s.token_end, "seam"))
-            else:
-                if split:
-                    items.append(("compute", s.token_start, offset + split, "seam"))
-                items.append(("splice", unit))
+            key = self.key(ids[offset:s.token_end], split)
+            if self.config.keep_end_state and anchored and offset == a and i == 0:
+                items.append(("splice", SpliceUnit(offset, s.token_end, split, True, key)))
+                pos = s.token_end
+                continue
+            compute(offset, "suffix")  # positions before the content (BOS, uncovered gaps)
+            if split >= n:
+                compute(s.token_end, "seam")
+                continue
+            compute(offset + split, "seam")
+            items.append(("splice", SpliceUnit(offset, s.token_end, split, False, key)))
+            pos = s.token_end
+        compute(len(ids), "suffix")
         return items
 
     def plan(self, request: Request) -> PrefillPlan:
@@ -176,17 +189,17 @@ class PicPlanner(_ReportingPlanner):
         b = self._new_builder(request)
         units = [it[1] for it in items if it[0] == "splice"]
         state = _RequestState(b, units, ids)
-        b.apply(0, self._lookup, "lookup", "look up segment signatures")
-        b.apply(0, self._compute_misses, "miss", "compute missing segments alone")
+        b.apply(0, self._lookup, "lookup")
+        b.apply(0, self._compute_misses, "miss")
         run: list[SpliceUnit] = []
         for it in items:
             if it[0] == "splice":
                 run.append(it[1])
                 continue
             self._flush(b, run)
-            b.compute(it[2], it[3])
+            b.compute(it[1], it[2])
         self._flush(b, run)
-        request.planner_state[_STATE_KEY] = state
+        request.planner_state[STATE_KEY] = state
         return b.build()
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
@@ -195,12 +208,11 @@ class PicPlanner(_ReportingPlanner):
             return
         units = tuple(run)
         run.clear()
-        label = f"splice {len(units)} segment(s) at {units[0].offset}"
-        b.apply(units[-1].end, lambda runner, req, _u=units: self._splice(runner, req, _u), "load", label)
+        b.apply(units[-1].end, lambda runner, req, _u=units: self._splice(runner, req, _u), "load")
 
     # --------------------------------------------------------------- apply steps
     def _lookup(self, runner, request: Request) -> None:
-        state: _RequestState = request.planner_state[_STATE_KEY]
+        state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
         seen: set[bytes] = set()
         a = len(self.anchor_ids)
@@ -217,7 +229,7 @@ class PicPlanner(_ReportingPlanner):
                 report.add_hit(u.num_tokens + a if u.first else u.num_tokens - u.split)
 
     def _compute_misses(self, runner, request: Request) -> None:
-        state: _RequestState = request.planner_state[_STATE_KEY]
+        state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
         for u in state.missing:
             sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
@@ -229,7 +241,7 @@ class PicPlanner(_ReportingPlanner):
             report.add_miss(len(self.anchor_ids) + u.num_tokens)
 
     def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
-        state: _RequestState = request.planner_state[_STATE_KEY]
+        state: _RequestState = request.planner_state[STATE_KEY]
         pieces = [SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode) for u in units]
         splice(runner.cache, runner.model, request.seq, pieces, kernel=self.config.kernel)
 

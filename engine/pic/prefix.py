@@ -29,7 +29,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.pic.config import PicConfig
 from engine.pic.errors import SplicePlacementError
-from engine.pic.planner import _STATE_KEY, _ReportingPlanner
+from engine.pic.planner import STATE_KEY, ReportingPlanner
 from engine.pic.report import PlanBuilder
 from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import Request
@@ -190,7 +190,7 @@ class _PrefixState:
     tip: Optional[PrefixNode] = None  # deepest node of this request's prefix so far
 
 
-class PrefixPlanner(_ReportingPlanner):
+class PrefixPlanner(ReportingPlanner):
     """`prefix` (module docstring)."""
 
     name = "prefix"
@@ -202,42 +202,41 @@ class PrefixPlanner(_ReportingPlanner):
     def plan(self, request: Request) -> PrefillPlan:
         ids = list(request.prefill_token_ids())
         segments = [s for s in request.prefill_segments() if s.num_tokens > 0]
-        leading = []
+        # boundaries after each leading cached segment (never the last segment); an edge
+        # is everything since the previous boundary (so the BOS before the first segment
+        # belongs to the first edge)
+        bounds: list[tuple[int, int]] = []
         for s in segments[:-1]:
             if not s.cache:
                 break
-            leading.append(s)
+            bounds.append((bounds[-1][1] if bounds else 0, s.token_end))
         b = self._new_builder(request)
         t0 = time.perf_counter()
-        path = self.tree.match([tuple(ids[s.token_start:s.token_end]) for s in leading])
+        path = self.tree.match([tuple(ids[lo:hi]) for lo, hi in bounds])
         b.report.lookup_ms += (time.perf_counter() - t0) * 1e3
         state = _PrefixState(b, list(path), path[-1] if path else self.tree.root)
         for node in path:
             node.pins += 1
-        request.planner_state[_STATE_KEY] = state
+        request.planner_state[STATE_KEY] = state
         if path:
             checkpoints = [n.checkpoint for n in path]
             b.apply(checkpoints[-1].end, lambda runner, req, _c=checkpoints: restore_checkpoints(
-                runner.cache, req.seq, _c), "load", f"restore prefix of {len(path)} segment(s)")
-            for s in leading[:len(path)]:
-                b.report.add_hit(s.num_tokens)
-        else:
-            b.apply(0, lambda runner, req: None, "lookup", "start")
-        for s in leading[len(path):]:
-            b.compute(s.token_end, "suffix")
+                runner.cache, req.seq, _c), "load")
+            for cp in checkpoints:
+                b.report.add_hit(cp.end - cp.start)
+        for lo, hi in bounds[len(path):]:
+            b.compute(hi, "suffix")
             b.report.miss_segments += 1
-            b.apply(s.token_end, lambda runner, req, _s=s: self._checkpoint(runner, req, _s), "checkpoint",
-                    f"checkpoint at {s.token_end}")
+            b.apply(hi, lambda runner, req, _lo=lo, _hi=hi: self._checkpoint(runner, req, _lo, _hi), "checkpoint")
         b.compute(len(ids), "suffix")
         return b.build()
 
-    def _checkpoint(self, runner, request: Request, seg) -> None:
-        state: _PrefixState = request.planner_state[_STATE_KEY]
+    def _checkpoint(self, runner, request: Request, start: int, end: int) -> None:
+        state: _PrefixState = request.planner_state[STATE_KEY]
         if state.tip is None:  # an earlier checkpoint of this request did not fit
             return
-        cp = capture_checkpoint(runner.cache, request.seq, seg.token_start, seg.token_end)
-        edge = tuple(request.prefill_token_ids()[seg.token_start:seg.token_end])
-        node = self.tree.insert(state.tip, edge, cp)
+        cp = capture_checkpoint(runner.cache, request.seq, start, end)
+        node = self.tree.insert(state.tip, tuple(request.prefill_token_ids()[start:end]), cp)
         state.tip = node
         if node is not None:
             node.pins += 1

@@ -77,7 +77,8 @@ def attach_planner(engine, config: PicConfig, signature_cache=None, prefix_tree=
     """Install the planner of `config` in a built engine; returns it."""
     planner = make_planner(config, engine.runner.model, engine.loaded_model.fingerprint, engine.tokenizer,
                            signature_cache=signature_cache, prefix_tree=prefix_tree)
-    engine.scheduler.planner = planner
+    engine.set_planner(planner)
+    engine.sync_timings = config.sync_timing
     return planner
 
 

@@ -5,15 +5,12 @@ exactly as `LLMEngine._run_prefill` does (apply steps as reached, compute steps 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import AttentionConfig, LinearConfig, ModelConfig
-from engine.models.weights import build_model
-from engine.pic.config import PicConfig
-from engine.pic.planner import make_planner
 from engine.runtime.planner import ApplyStep
 from engine.runtime.request import PromptSegment, Request
 from engine.runtime.runner import ModelRunner
@@ -49,12 +46,14 @@ class Executed:
 _ids = itertools.count()
 
 
-def make_request(segments: list[tuple[list[int], bool]], bos: bool = True) -> Request:
-    """A Request from (token ids, cache flag) segments; BOS is prepended to the first."""
-    ids: list[int] = []
+def make_request(segments: list[tuple[list[int], bool]], bos: bool = True, bos_in_first: bool = False) -> Request:
+    """A Request from (token ids, cache flag) segments. As the engine builds prompts, BOS
+    sits at position 0 outside every segment; `bos_in_first` puts it inside the first
+    segment instead (a caller's own token ids)."""
+    ids: list[int] = [BOS] if (bos and not bos_in_first) else []
     segs = []
     for i, (toks, cache) in enumerate(segments):
-        toks = ([BOS] if (bos and i == 0) else []) + list(toks)
+        toks = ([BOS] if (bos and bos_in_first and i == 0) else []) + list(toks)
         segs.append(PromptSegment("", cache, len(ids), len(ids) + len(toks)))
         ids.extend(toks)
     return Request(f"r{next(_ids)}", ids, segs, SamplingParams())
@@ -70,15 +69,19 @@ def execute(planner, runner: ModelRunner, request: Request, chunk: int | None = 
     ids = request.prefill_token_ids()
     logits = None
     steps = plan.steps[:-1] if skip_last_compute else plan.steps
+    split = request.timeline.prefill_split
     for step in steps:
+        t0 = time.perf_counter()
         if isinstance(step, ApplyStep):
             step.apply(runner, request)
-            continue
-        pos = step.start
-        while pos < step.end:
-            end = step.end if chunk is None else min(step.end, pos + chunk)
-            logits = runner.prefill(request.seq, ids[pos:end], start_pos=pos, all_logits=True)
-            pos = end
+            assert request.seq.num_computed_tokens == step.end, step.label
+        else:
+            pos = step.start
+            while pos < step.end:
+                end = step.end if chunk is None else min(step.end, pos + chunk)
+                logits = runner.prefill(request.seq, ids[pos:end], start_pos=pos, all_logits=True)
+                pos = end
+        split[step.label] = split.get(step.label, 0.0) + time.perf_counter() - t0
     if not skip_last_compute:
         planner.on_prefill_done(request)
     return Executed(logits, request.seq, runner)

@@ -56,7 +56,7 @@ def test_preemption_replans_from_empty_caches_and_changes_no_token(model_dir):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     roomy, _ = engine_with_pic(model_dir)
     expected = [o.token_ids for o in roomy.generate(PROMPTS, params)]
-    tight, planner = engine_with_pic(model_dir, kv_cache_tokens=160)
+    tight, planner = engine_with_pic(model_dir, kv_cache_tokens=192)
     outs = tight.generate(PROMPTS, params)
     assert tight.stats.num_preemptions > 0
     assert [o.token_ids for o in outs] == expected

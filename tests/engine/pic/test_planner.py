@@ -21,15 +21,17 @@ MIXES = {
 }
 
 
+@pytest.mark.parametrize("bos_in_first", [False, True])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_one_cached_segment_cold_and_warm_equals_plain_prefill_bit_for_bit(mix, model_of, runner_of, planner_of):
+def test_one_cached_segment_cold_and_warm_equals_plain_prefill_bit_for_bit(mix, bos_in_first, model_of, runner_of,
+                                                                          planner_of):
     model = model_of(MIXES[mix])
     doc, q = rand_ids(23, 1), rand_ids(5, 2)
     planner = planner_of(model, seam=4)
     runner = runner_of(model)
     ref = plain_prefill(runner, [256] + doc + q, [1 + len(doc), 1 + len(doc) + len(q)])
-    cold = execute(planner, runner, make_request([(doc, True), (q, False)]))
-    warm = execute(planner, runner, make_request([(doc, True), (q, False)]))
+    cold = execute(planner, runner, make_request([(doc, True), (q, False)], bos_in_first=bos_in_first))
+    warm = execute(planner, runner, make_request([(doc, True), (q, False)], bos_in_first=bos_in_first))
     assert torch.equal(cold.logits, ref.logits)
     assert torch.equal(warm.logits, ref.logits)
     stats = planner.cache.stats()
@@ -114,7 +116,7 @@ def test_naive_plan_has_no_seam_and_splices_every_segment_in_one_step(model_of, 
     execute(planner, runner_of(model), req)
     report = planner.take_report(req.request_id)
     assert report.seam_tokens == 0
-    splices = [s for s in req.plan.steps if isinstance(s, ApplyStep) and s.label.startswith("splice")]
+    splices = [s for s in req.plan.steps if isinstance(s, ApplyStep) and s.label == "load"]
     assert len(splices) == 1 and (splices[0].start, splices[0].end) == (0, req.num_prompt_tokens - 3)
 
 
@@ -168,10 +170,43 @@ def test_signatures_without_end_states_place_the_first_segment_like_a_later_one(
     req = make_request([(a, True), (b, True), (q, False)])
     got = execute(planner, runner, req)
     report = planner.take_report(req.request_id)
-    assert report.seam_tokens == (1 + 4) + 4  # anchor and seam of the first segment are computed
+    assert report.seam_tokens == 4 + 4 and report.suffix_tokens == 1 + len(q)  # the anchor is computed too
     sigs = [sig for sig, _ in planner.cache._entries.values()]
     assert all(not sig.has_end_state and sig.bytes_by_part()["linear_state"] == 0 for sig in sigs)
     family, inp = layer0_inputs(model, req.prompt_token_ids)
     _, truth = naive_recurrence(family, inp)
     state = runner.cache.layer(0).state[got.seq.slot]
     assert ((state - truth[0]).norm() / truth[0].norm()).item() < 1e-5
+
+
+def test_edge_layouts_plan_validly_and_match_full_recompute(model_of, runner_of, planner_of):
+    # a cached segment that ends the prompt is computed (its last token's logits are the
+    # first output); empty segments are skipped; an all-uncached prompt is computed whole
+    model = model_of([GDN, FULL])
+    a, b = rand_ids(10, 1), rand_ids(12, 2)
+    planner = planner_of(model, seam=3)
+    runner = runner_of(model, num_slots=8)
+    for segments in ([(a, True), (b, True)], [(a, True), ([], True), (b, False)], [(a, False), (b, False)],
+                     [([], False), (a, True), (rand_ids(2, 3), False)]):
+        for _ in ("cold", "warm"):
+            req = make_request(segments)
+            got = execute(planner, runner, req)
+            full = plain_prefill(runner, req.prompt_token_ids, [req.num_prompt_tokens])
+            torch.testing.assert_close(got.logits[-1], full.logits[-1], rtol=1e-4, atol=1e-4)
+            runner.cache.free(got.seq)
+            runner.cache.free(full.seq)
+        report = planner.take_report(req.request_id)  # the warm run
+        assert report.miss_tokens == 0
+        assert report.reused_tokens + report.recomputed_tokens == req.num_prompt_tokens
+
+
+def test_bf16_stored_states_stay_close_to_float32_ones(model_of, runner_of, planner_of):
+    model = model_of([GDN, GLA, FULL])
+    docs, q = [rand_ids(n, 40 + n) for n in (16, 18)], rand_ids(4, 5)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        planner = planner_of(model, seam=4, state_dtype=dtype)
+        out[dtype] = execute(planner, runner_of(model), make_request([(d, True) for d in docs] + [(q, False)])).logits
+        sig = next(iter(planner.cache._entries.values()))[0]
+        assert sig.layers[0].state.dtype == getattr(torch, dtype)
+    torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=1e-3)

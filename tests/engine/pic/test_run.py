@@ -117,5 +117,7 @@ def test_bad_input_is_rejected_naming_the_line_and_field(model_dir, tmp_path):
     assert result.exit_code == 2 and "bad.jsonl:2.segments[0].text" in result.output
     result = run_in_process("--preset", model_dir, "--requests", bad, "--method", "magic")
     assert result.exit_code == 2 and "method" in result.output and "magic" in result.output
+    result = run_in_process("--preset", model_dir, "--requests", bad, "--state-dtype", "int8")
+    assert result.exit_code == 2 and "--state-dtype" in result.output and "int8" in result.output
     result = run_in_process("--preset", model_dir, "--requests", tmp_path / "missing.jsonl", "--method", "pic")
     assert result.exit_code == 2 and "missing.jsonl" in result.output
