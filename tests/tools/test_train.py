@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.models.weights import build_model, load_model
-from tools.train.data import (ANSWER_KIND, DEMO_KIND, PAD_ID, PAD_KIND, PROMPT_KIND, BatchStream, DataConfig, build_group,
+from tools.train.data import (ANSWER_KIND, DEMO_KIND, PAD_ID, PAD_KIND, PROMPT_KIND, QUESTION_KIND, BatchStream, DataConfig, build_group,
                               collate, encode_request, example_config, make_example, parse_mix)
 from tools.train.errors import TrainConfigError
 from tools.train.evaluate import decode_answer, encode_prompt, eval_requests, evaluate, greedy_generate
@@ -59,8 +59,8 @@ def test_encoded_example_marks_bos_prompt_and_answers():
     ex = encode_request(req, extras, bos=True)
     assert ex.ids[0] == 256 and ex.kinds[0] == PAD_KIND
     assert _spans(ex, ANSWER_KIND) == [req.answer + "\n", "wxyz\n"]
-    prompt_spans = _spans(ex, PROMPT_KIND)
-    assert prompt_spans == [req.prompt, "Q: value of abcd?\nA: "]
+    assert _spans(ex, QUESTION_KIND) == [req.segments[-1].text, "Q: value of abcd?\nA: "]
+    assert _spans(ex, PROMPT_KIND) == ["".join(seg.text for seg in req.segments[:-1])]
     assert _text(ex.ids[1:]) == req.prompt + req.answer + "\nQ: value of abcd?\nA: wxyz\n"
     no_bos = encode_request(req, (), bos=False)
     assert no_bos.ids[0] != 256 and len(no_bos) == len(req.prompt) + len(req.answer) + 1
@@ -74,6 +74,7 @@ def test_fewshot_demonstration_outputs_are_their_own_loss_class():
     assert _spans(ex, ANSWER_KIND) == [req.answer + "\n"]
     assert _text(ex.ids[1:]) == req.prompt + req.answer + "\n"
     assert all(i + " -> " in "".join(_spans(ex, PROMPT_KIND)) for i, _ in examples)
+    assert _spans(ex, QUESTION_KIND) == [req.segments[-1].text]
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -116,7 +117,7 @@ def test_make_example_respects_max_len_and_mixture():
 def test_curriculum_levels_shrink_prompts_and_full_level_is_the_default_config():
     assert example_config("fact", 1.0) == make_config("fact", "tiny")
     small = example_config("fact", 0.0)
-    assert small.docs_max == 3 and small.facts_per_doc == 4
+    assert small.docs_min == small.docs_max == 2 and small.facts_per_doc == 3
     cfg = DataConfig(mix={"fact": 1.0}, extra_questions=0)
     rng = random.Random(1)
     early = np.mean([len(make_example(rng, cfg, 0.0)) for _ in range(40)])
@@ -159,20 +160,23 @@ def test_bad_data_options_are_named():
 
 
 # ------------------------------------------------------------------------ loss
-def test_loss_counts_answer_tokens_and_weights_prompt_tokens():
-    ids = torch.tensor([[256, 10, 11, 12, 13, 258]])
-    kinds = torch.tensor([[PAD_KIND, PROMPT_KIND, PROMPT_KIND, ANSWER_KIND, ANSWER_KIND, PAD_KIND]])
-    logits = torch.zeros(1, 6, 260)
+def test_loss_weights_each_token_class_and_ignores_padding():
+    ids = torch.tensor([[256, 10, 11, 12, 13, 14, 258]])
+    kinds = torch.tensor([[PAD_KIND, PROMPT_KIND, QUESTION_KIND, ANSWER_KIND, ANSWER_KIND, DEMO_KIND, PAD_KIND]])
+    logits = torch.zeros(1, 7, 260)
     # perfect on the answer targets (positions 2, 3 predict ids 12, 13), uniform elsewhere
     logits[0, 2, 12] = logits[0, 3, 13] = 50.0
-    parts = compute_loss(logits, ids, kinds, prompt_weight=0.0)
-    assert parts.answer.item() < 1e-6 and parts.answer_count.item() == 2 and parts.answer_correct.item() == 2
-    assert parts.prompt.item() == pytest.approx(math.log(260), rel=1e-5)
-    weighted = compute_loss(logits, ids, kinds, prompt_weight=0.5, demo_weight=3.0)  # no demo tokens here
-    assert weighted.total.item() == pytest.approx(0.5 * math.log(260), rel=1e-5)
+    uniform = math.log(260)
+    parts = compute_loss(logits, ids, kinds, {})
+    assert parts.answer.item() < 1e-6 and parts.total.item() < 1e-6
+    assert parts.answer_count.item() == 2 and parts.answer_correct.item() == 2
+    assert parts.by_kind["prompt"].item() == pytest.approx(uniform, rel=1e-5)
+    weighted = compute_loss(logits, ids, kinds, {"prompt": 0.5, "question": 0.25, "demo": 2.0})
+    assert weighted.total.item() == pytest.approx((0.5 + 0.25 + 2.0) * uniform, rel=1e-5)
     # padding targets never count, whatever the logits say there
-    logits[0, 4, :] = torch.randn(260) * 100
-    assert compute_loss(logits, ids, kinds, 0.5).total.item() == pytest.approx(weighted.total.item())
+    logits[0, 5, :] = torch.randn(260) * 100
+    again = compute_loss(logits, ids, kinds, {"prompt": 0.5, "question": 0.25, "demo": 2.0})
+    assert again.total.item() == pytest.approx(weighted.total.item())
 
 
 def test_lr_warms_up_then_follows_cosine_to_min():
@@ -222,7 +226,7 @@ def test_short_cpu_training_lowers_loss_and_saves_a_reloadable_checkpoint(tmp_pa
     out = tmp_path / "models" / "gemma3-tiny-custom"
     cfg = TrainConfig(preset="gemma3-tiny", out_dir=str(out), steps=25, batch_size=4, lr=3e-3, warmup_steps=3,
                       log_every=1, final_eval_n=2, final_eval_tasks=("fact",), eval_overrides=SHORT_EVAL,
-                      model_overrides=SMALL, prompt_loss_weight=0.1,
+                      model_overrides=SMALL,
                       data=DataConfig(mix={"fact": 1.0}, max_level=0.0, extra_questions=2))
     result = train(cfg, command="test")
     assert result.ok and result.steps == 25

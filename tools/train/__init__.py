@@ -8,14 +8,25 @@
 - `trainer`: the loop (AdamW, bf16 autocast, warmup + cosine over progress, clipping,
   time limit), checkpoint and train_log.json;
 - `train`: the CLI (`python -m tools.train`).
-"""
-from .data import DEFAULT_MIX, Batch, BatchStream, DataConfig, Example, encode_request, make_example
-from .errors import DataError, TrainConfigError, TrainError
-from .evaluate import evaluate, eval_requests, greedy_generate
-from .trainer import TrainConfig, TrainResult, train
 
-__all__ = [
-    "DEFAULT_MIX", "Batch", "BatchStream", "DataConfig", "DataError", "Example", "TrainConfig",
-    "TrainConfigError", "TrainError", "TrainResult", "encode_request", "eval_requests", "evaluate",
-    "greedy_generate", "make_example", "train",
-]
+Names are imported lazily, so the data worker processes (which import `tools.train.data`)
+never load torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "DEFAULT_MIX": "data", "Batch": "data", "BatchStream": "data", "DataConfig": "data", "Example": "data",
+    "encode_request": "data", "make_example": "data",
+    "DataError": "errors", "TrainConfigError": "errors", "TrainError": "errors",
+    "evaluate": "evaluate", "eval_requests": "evaluate", "greedy_generate": "evaluate",
+    "TrainConfig": "trainer", "TrainResult": "trainer", "train": "trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,18 +6,22 @@ Example layout (ByteTokenizer ids; the engine prepends BOS to a request's first 
 
     [BOS] prompt bytes ... "A: " answer "\\n" ["Q: ...\\nA: " answer "\\n"] ...
 
-Every token carries a loss class (`kinds`): PAD_KIND (padding and BOS: no loss),
-PROMPT_KIND (documents and question text: weighted by `prompt_loss_weight`),
-ANSWER_KIND (answer bytes and the newline that ends each answer) and DEMO_KIND (the
-outputs of fewshot demonstration lines, `input -> OUTPUT`: predictable once the rule is
-seen, so each line is one more supervised rule application; `demo_loss_weight`). The
-model predicts token t+1 from tokens <= t, so the class of the *target* token decides
-its weight.
+Every token carries a loss class (`kinds`), each with its own weight in the loss:
+- PAD_KIND: padding and BOS, no loss;
+- PROMPT_KIND: document text (random keys and values; teaches the format);
+- QUESTION_KIND: question segments "Q: value of k3x9?\\nA: " (the first and the extra
+  ones): after a key's first byte the rest of it is predictable by copying it from the
+  documents, which is the same lookup the answers need;
+- ANSWER_KIND: answer bytes and the newline that ends each answer;
+- DEMO_KIND: the outputs of fewshot demonstration lines (`input -> OUTPUT`), predictable
+  once the rule is seen, so each line is one more supervised rule application.
+The model predicts token t+1 from tokens <= t, so the class of the *target* token
+decides its weight.
 
 Curriculum (`DataConfig.curriculum_frac`): at training progress p (0..1), an example is
 full size (the tiny workload defaults) with probability min(1, p / curriculum_frac);
 otherwise its size level s ~ U(0, 1) shrinks documents per prompt and facts per document
-linearly towards 2-3 documents of 4 facts. Short prompts (fewer distractors) teach the
+linearly towards `min_docs` documents of `min_items` facts (default 2 of 3). Short prompts (fewer distractors) teach the
 lookup quickly; the full-size examples then teach the length the evaluation uses.
 
 Batches: `batch_size` sequences padded to a multiple of `pad_multiple` tokens (few
@@ -51,14 +55,14 @@ from tools.workloads.errors import GenerationError
 from .errors import DataError, TrainConfigError
 from .questions import extra_questions
 
-PAD_KIND, PROMPT_KIND, ANSWER_KIND, DEMO_KIND = 0, 1, 2, 3
+PAD_KIND, PROMPT_KIND, ANSWER_KIND, DEMO_KIND, QUESTION_KIND = 0, 1, 2, 3, 4
+#: names of the loss classes, in kind order (PAD has none)
+KIND_NAMES = {PROMPT_KIND: "prompt", ANSWER_KIND: "answer", DEMO_KIND: "demo", QUESTION_KIND: "question"}
 BOS_ID, PAD_ID = ByteTokenizer.BOS, ByteTokenizer.PAD
 #: separator of a fewshot demonstration line `input -> output`
 DEMO_ARROW = " -> "
 #: Default task mixture: weighted towards the tasks the models find hardest.
 DEFAULT_MIX: Mapping[str, float] = {"fact": 1.0, "twohop": 2.0, "aggregate": 0.6, "fewshot": 1.5, "rag": 1.0}
-#: Smallest prompt of the curriculum: documents per prompt and items per document.
-_MIN_DOCS, _MIN_ITEMS = 3, 4
 _MAX_REDRAWS = 20
 
 
@@ -78,6 +82,9 @@ class DataConfig:
     curriculum_frac: float = 0.35
     #: cap on the size level (1: full size reachable; < 1: short prompts only, for CPU runs)
     max_level: float = 1.0
+    #: the smallest prompt of the curriculum (level 0): documents per prompt, items per document
+    min_docs: int = 2
+    min_items: int = 3
     scale: str = "tiny"
 
     def validate(self) -> None:
@@ -96,6 +103,9 @@ class DataConfig:
             raise TrainConfigError(f"curriculum_frac={self.curriculum_frac} must be in [0, 1]")
         if not 0.0 <= self.max_level <= 1.0:
             raise TrainConfigError(f"max_level={self.max_level} must be in [0, 1]")
+        if self.min_docs < 2 or self.min_items < 2:
+            raise TrainConfigError(f"min_docs={self.min_docs} and min_items={self.min_items} must be >= 2 "
+                                   "(two-hop needs two documents of two facts)")
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -131,15 +141,17 @@ def _full_config(task: str, scale: str) -> WorkloadConfig:
     return make_config(task, scale)
 
 
-def example_config(task: str, level: float, scale: str = "tiny") -> WorkloadConfig:
-    """The workload config of an example of size level in [0, 1] (1: the scale's default)."""
+def example_config(task: str, level: float, scale: str = "tiny", min_docs: int = 2,
+                   min_items: int = 3) -> WorkloadConfig:
+    """The workload config of an example of size level in [0, 1]: 1 is the scale's default,
+    0 is `min_docs` documents of `min_items` items, linear in between."""
     full = _full_config(task, scale)
     if level >= 1.0:
         return full
     lerp = lambda lo, hi: int(round(lo + (hi - lo) * level))  # noqa: E731
-    docs_max = max(_MIN_DOCS, lerp(_MIN_DOCS, full.docs_max))
+    docs_max = max(min_docs, lerp(min_docs, full.docs_max))
     docs_min = max(2, min(full.docs_min, docs_max - 1))
-    items = max(_MIN_ITEMS, lerp(_MIN_ITEMS, full.facts_per_doc))
+    items = max(min_items, lerp(min_items, full.facts_per_doc))
     return _sized_config(task, scale, docs_min, docs_max, items)
 
 
@@ -168,9 +180,9 @@ def _bytes(text: str) -> list[int]:
 
 
 def encode_request(request: Request, extras=(), bos: bool = True) -> Example:
-    """BOS? + prompt (PROMPT; in fewshot blocks the `output\\n` of each `input -> output`
-    line is DEMO) + answer "\\n" (ANSWER) + for each extra QA: question (PROMPT) + answer
-    "\\n" (ANSWER)."""
+    """BOS? + documents (PROMPT; in fewshot blocks the `output\\n` of each `input -> output`
+    line is DEMO) + question (QUESTION) + answer "\\n" (ANSWER) + for each extra QA:
+    question (QUESTION) + answer "\\n" (ANSWER)."""
     ids: list[int] = [BOS_ID] if bos else []
     kinds: list[int] = [PAD_KIND] if bos else []
 
@@ -189,10 +201,10 @@ def encode_request(request: Request, extras=(), bos: bool = True) -> Example:
                 else:
                     put(line, PROMPT_KIND)
         else:
-            put(seg.text, PROMPT_KIND)
+            put(seg.text, PROMPT_KIND if seg.cache else QUESTION_KIND)
     put(request.answer + "\n", ANSWER_KIND)
     for qa in extras:
-        put(qa.question, PROMPT_KIND)
+        put(qa.question, QUESTION_KIND)
         put(qa.answer + "\n", ANSWER_KIND)
     return Example(request.task, np.asarray(ids, dtype=np.int16), np.asarray(kinds, dtype=np.uint8))
 
@@ -204,7 +216,7 @@ def make_example(rng: random.Random, cfg: DataConfig, progress: float) -> Exampl
     for _ in range(_MAX_REDRAWS):
         task = rng.choices(tasks, weights=weights)[0]
         level = min(cfg.max_level, size_level(rng, progress, cfg.curriculum_frac))
-        wcfg = example_config(task, level, cfg.scale)
+        wcfg = example_config(task, level, cfg.scale, cfg.min_docs, cfg.min_items)
         try:
             request = sample_training_request(task, rng, cfg.scale, wcfg)
         except GenerationError:

@@ -11,8 +11,9 @@ GPU (`--parallel`), then print one table of per-task accuracy.
 Each run writes `<out>/config.json`, `<out>/model.safetensors` (fp32) and
 `<out>/train_log.json`; `--out-root R` puts preset P under `R/P` (default `models/`, where
 `engine.models.weights.load_model(P)` looks). `--bundle-dir D` also writes `D/<P>.tar`
-(the three files under `<P>/`, P the output dir's name) and `D/summary.json`: few files, for a machine that returns
-at most 8. `--eval-only` scores saved models instead of training (`load_model` paths).
+(the three files under `<P>/`; written as soon as that model is saved, so a run cut short
+keeps the models already done) and, at the end, `D/summary.json`: few files, for a
+machine that returns at most 8. `--eval-only` scores saved models instead of training (`load_model` paths).
 
 Tiny models are launch-bound on a big GPU, so `--parallel` (one process per preset) uses
 the GPU several times better than running them in turn; data workers are split between
@@ -37,7 +38,7 @@ from tools.workloads import TASKS
 
 from .data import DataConfig, parse_mix
 from .errors import TrainConfigError, TrainError
-from .trainer import LOG_FILE, TrainConfig, train
+from .trainer import LOG_FILE, TrainConfig, model_config, train
 
 DEFAULT_TINY = "qwen3next-tiny,ring-tiny,gemma3-tiny,nemotronh-tiny"
 #: set for --parallel children: the command the user ran (recorded in each train_log.json)
@@ -64,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
     ap.add_argument("--grad-clip", type=float, default=TrainConfig.grad_clip)
     ap.add_argument("--prompt-loss-weight", type=float, default=TrainConfig.prompt_loss_weight,
-                    help="weight of the prompt-token loss next to the answer-token loss")
+                    help="weight of the document-token loss next to the answer-token loss")
+    ap.add_argument("--question-loss-weight", type=float, default=TrainConfig.question_loss_weight,
+                    help="weight of the question-token loss (keys there are copied from the documents)")
     ap.add_argument("--demo-loss-weight", type=float, default=TrainConfig.demo_loss_weight,
                     help="weight of the loss on fewshot demonstration outputs")
     ap.add_argument("--seq-len", type=int, default=DataConfig.max_len, help="longest training sequence (tokens)")
@@ -155,7 +158,7 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
         preset=preset, out_dir=str(_out_dir(args, preset)), steps=args.steps, batch_size=args.batch, lr=args.lr,
         min_lr_frac=args.min_lr_frac, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, prompt_loss_weight=args.prompt_loss_weight,
-        demo_loss_weight=args.demo_loss_weight, seed=args.seed, device=args.device,
+        question_loss_weight=args.question_loss_weight, demo_loss_weight=args.demo_loss_weight, seed=args.seed, device=args.device,
         dtype=args.dtype, backend=args.backend, time_limit_s=args.time_limit_s, eval_every=args.eval_every,
         eval_n=args.eval_n, eval_tasks=_tasks(args.eval_tasks, "--eval-tasks"), final_eval_n=args.final_eval_n,
         final_eval_tasks=_tasks(args.final_eval_tasks, "--final-eval-tasks"), eval_seed=args.eval_seed,
@@ -163,14 +166,15 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
         eval_batch=args.eval_batch, log_every=args.log_every, compile=args.compile, workers=workers,
         threads=args.threads, model_overrides=overrides, data=data)
     cfg.validate()
+    model_config(cfg)  # raises ConfigError naming a bad --model-overrides field
     return cfg
 
 
 # ----------------------------------------------------------------- parallel runs
 def _child_argv(argv: list[str], preset: str, workers: int, out: Path) -> list[str]:
-    """This command's options for one preset: drop --presets/--parallel/--bundle-dir/--out*,
-    add --preset, --out and --workers."""
-    drop_with_value = {"--presets", "--bundle-dir", "--out-root", "--out", "--workers", "--preset"}
+    """This command's options for one preset: drop --presets/--parallel/--out*/--workers,
+    add --preset, --out and --workers (a child writes its own bundle as soon as it is done)."""
+    drop_with_value = {"--presets", "--out-root", "--out", "--workers", "--preset"}
     out_args, skip = [], False
     for a in argv:
         if skip:
@@ -202,6 +206,8 @@ def run_parallel(argv: list[str], args: argparse.Namespace, presets: list[str]) 
     procs = []
     for preset in presets:
         cmd = _child_argv(argv, preset, workers, _out_dir(args, preset))
+        if not args.threads:  # children share the CPUs with each other and their data workers
+            cmd += ["--threads", "2"]
         print(f"[parallel] {shlex.join(cmd)}", flush=True)
         p = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         t = threading.Thread(target=_pump, args=(p.stdout, sys.stdout), daemon=True)
@@ -252,17 +258,26 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bundle(args: argparse.Namespace, presets: list[str], rows: list[dict]) -> None:
+def bundle_one(args: argparse.Namespace, preset: str) -> Path | None:
+    """Write <bundle-dir>/<name>.tar holding <name>/{config.json, model.safetensors,
+    train_log.json} (name: the output dir's name); None when nothing was saved."""
+    src = _out_dir(args, preset)
+    files = [f for f in (CONFIG_FILE, WEIGHTS_FILE, LOG_FILE) if (src / f).is_file()]
+    if not files:
+        return None
     d = Path(args.bundle_dir)
     d.mkdir(parents=True, exist_ok=True)
-    for preset in presets:
-        src = _out_dir(args, preset)
-        files = [f for f in (CONFIG_FILE, WEIGHTS_FILE, LOG_FILE) if (src / f).is_file()]
-        if not files:
-            continue
-        with tarfile.open(d / f"{src.name}.tar", "w") as tar:
-            for f in files:
-                tar.add(src / f, arcname=f"{src.name}/{f}")
+    tmp = d / f".{src.name}.tar.tmp"
+    with tarfile.open(tmp, "w") as tar:
+        for f in files:
+            tar.add(src / f, arcname=f"{src.name}/{f}")
+    tmp.replace(d / f"{src.name}.tar")
+    return d / f"{src.name}.tar"
+
+
+def write_summary(args: argparse.Namespace, rows: list[dict]) -> None:
+    d = Path(args.bundle_dir)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "summary.json").write_text(json.dumps({"rows": rows, "table": format_table(rows)}, indent=1) + "\n")
 
 
@@ -316,12 +331,16 @@ def main(argv: list[str] | None = None) -> int:
             for preset in presets:
                 result = train(train_config(args, preset, workers), command)
                 status |= 0 if result.ok else 1
+                if args.bundle_dir:
+                    bundle_one(args, preset)
     except (TrainError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get(PARENT_COMMAND_ENV):
+        return status  # a --parallel child: the parent prints the table and the summary
     rows = summary_rows(args, presets)
     print("\nfinal full-recompute scores (points, n = final eval requests per task):")
     print(format_table(rows))
     if args.bundle_dir:
-        bundle(args, presets, rows)
+        write_summary(args, rows)
     return status

@@ -38,7 +38,7 @@ from engine.models.presets import get_preset
 from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, build_model, load_weights, save_model
 from tools.workloads import TASKS
 
-from .data import ANSWER_KIND, DEMO_KIND, PROMPT_KIND, Batch, BatchStream, DataConfig, derive_seed
+from .data import ANSWER_KIND, KIND_NAMES, Batch, BatchStream, DataConfig, derive_seed
 from .errors import TrainConfigError
 from .evaluate import TaskEval, eval_requests, evaluate
 
@@ -63,9 +63,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    #: weight of the mean prompt-token loss next to the mean answer-token loss
-    prompt_loss_weight: float = 0.1
-    #: weight of the mean loss on fewshot demonstration outputs (data.DEMO_KIND)
+    #: weights of the mean loss of the other token classes next to the mean answer-token
+    #: loss (weight 1): document text, question text, fewshot demonstration outputs
+    prompt_loss_weight: float = 0.05
+    question_loss_weight: float = 0.5
     demo_loss_weight: float = 0.5
     seed: int = 0
     device: str = "auto"
@@ -103,7 +104,8 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "workers", "threads"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("weight_decay", "grad_clip", "prompt_loss_weight", "demo_loss_weight"):
+        for name in ("weight_decay", "grad_clip", "prompt_loss_weight", "question_loss_weight",
+                     "demo_loss_weight"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.dtype not in AUTOCAST_DTYPES:
@@ -114,6 +116,11 @@ class TrainConfig:
             if task not in TASKS:
                 raise TrainConfigError(f"unknown evaluation task {task!r}; known: {', '.join(TASKS)}")
         self.data.validate()
+
+    @property
+    def loss_weights(self) -> dict[str, float]:
+        return {"answer": 1.0, "prompt": self.prompt_loss_weight, "question": self.question_loss_weight,
+                "demo": self.demo_loss_weight}
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -162,42 +169,42 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
 @dataclass
 class LossParts:
     total: torch.Tensor
-    answer: torch.Tensor
-    prompt: torch.Tensor
-    demo: torch.Tensor
+    by_kind: dict[str, torch.Tensor]  # mean CE of each loss class ("answer", "prompt", ...)
     answer_correct: torch.Tensor  # answer tokens predicted right (argmax), summed
     answer_count: torch.Tensor
     row_answer_ce: torch.Tensor   # [B] summed answer CE per row
     row_answer_n: torch.Tensor    # [B]
 
+    @property
+    def answer(self) -> torch.Tensor:
+        return self.by_kind["answer"]
+
 
 def compute_loss(logits: torch.Tensor, ids: torch.Tensor, kinds: torch.Tensor,
-                 prompt_weight: float, demo_weight: float = 0.0) -> LossParts:
-    """Mean CE over answer tokens + prompt_weight * mean CE over prompt tokens + demo_weight
-    * mean CE over fewshot demonstration outputs (targets are ids shifted by one; a target's
-    kind decides its class; padding and BOS never count)."""
+                 weights: dict[str, float]) -> LossParts:
+    """sum over loss classes of weight * mean CE over that class's target tokens (targets are
+    ids shifted by one; a target's kind decides its class; padding and BOS never count).
+    `weights` maps class names (data.KIND_NAMES) to weights; "answer" defaults to 1, the
+    others to 0."""
     logits = logits[:, :-1].float()
     target = ids[:, 1:]
     kind = kinds[:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                          reduction="none").view_as(target)
+    by_kind: dict[str, torch.Tensor] = {}
+    total = torch.zeros((), device=ce.device)
+    for k, name in KIND_NAMES.items():
+        mask = (kind == k).float()
+        by_kind[name] = (ce * mask).sum() / mask.sum().clamp(min=1)
+        w = weights.get(name, 1.0 if name == "answer" else 0.0)
+        if w:
+            total = total + w * by_kind[name]
     ans = (kind == ANSWER_KIND).float()
-    prm = (kind == PROMPT_KIND).float()
-    n_ans = ans.sum()
-    answer = (ce * ans).sum() / n_ans.clamp(min=1)
-    prompt = (ce * prm).sum() / prm.sum().clamp(min=1)
-    dem = (kind == DEMO_KIND).float()
-    demo = (ce * dem).sum() / dem.sum().clamp(min=1)
-    total = answer
-    if prompt_weight:
-        total = total + prompt_weight * prompt
-    if demo_weight:
-        total = total + demo_weight * demo
     with torch.no_grad():
         correct = ((logits.argmax(-1) == target).float() * ans).sum()
         row_ce = (ce.detach() * ans).sum(1)
         row_n = ans.sum(1)
-    return LossParts(total, answer, prompt, demo, correct, n_ans, row_ce, row_n)
+    return LossParts(total, by_kind, correct, ans.sum(), row_ce, row_n)
 
 
 @dataclass
@@ -321,7 +328,7 @@ def train(cfg: TrainConfig, command: str | None = None,
             try:
                 with _autocast(device, amp):
                     logits = fwd(ids, backend=backend)
-                parts = compute_loss(logits, ids, kinds, cfg.prompt_loss_weight, cfg.demo_loss_weight)
+                parts = compute_loss(logits, ids, kinds, cfg.loss_weights)
                 opt.zero_grad(set_to_none=True)
                 parts.total.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
@@ -350,12 +357,13 @@ def train(cfg: TrainConfig, command: str | None = None,
             correct_sum += parts.answer_correct
             count_sum += parts.answer_count
             if step % cfg.log_every == 0 or step == 1:
-                loss, ans, prm, dem = (parts.total.item(), parts.answer.item(), parts.prompt.item(),
-                                       parts.demo.item())
+                loss = parts.total.item()
+                by_kind = {name: round(v.item(), 4) for name, v in parts.by_kind.items()}
+                ans = by_kind["answer"]
                 per_task = _per_task(batch, parts)
                 entry = {"step": step, "elapsed_s": round(clock.elapsed(), 2), "progress": round(progress, 4),
-                         "lr": lr, "loss": round(loss, 4), "answer_loss": round(ans, 4),
-                         "prompt_loss": round(prm, 4), "demo_loss": round(dem, 4), "grad_norm": round(gn, 3),
+                         "lr": lr, "loss": round(loss, 4), "answer_loss": ans,
+                         "loss_by_class": by_kind, "grad_norm": round(gn, 3),
                          "answer_token_acc": round((correct_sum / count_sum.clamp(min=1)).item(), 4),
                          "answer_loss_by_task": per_task, "seq_len": int(batch.ids.shape[1]),
                          "tokens": tokens, "examples": examples, "data_wait_s": round(data_wait, 2),
