@@ -5,7 +5,14 @@
     kvengine generate --preset NAME "PROMPT" [--max-new-tokens N --temperature T --top-p P --seed S]
     kvengine presets [--json]
     kvengine bench --preset NAME [--num-requests N --prompt-len L --max-new-tokens M --request-rate R --json]
-    kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json]
+    kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json] [--store [SOCKET]]
+    kvengine serve ... [--store [SOCKET]]
+
+`--store [SOCKET]` keeps segment signatures in a kvstore daemon (engine.connector) instead
+of the engine's process: given without a value it uses the daemon's default socket
+(KVSTORE_SOCKET, the kvstore config file, the per-user path). `main` rewrites a bare
+`--store` into `--store=` before typer parses the command line (typer options cannot
+have an optional value).
 
 These command and option names are an interface that scripts depend on; keep them.
 Bad input exits with status 2 and a message naming the option.
@@ -37,6 +44,10 @@ BudgetOpt = typer.Option(2048, "--max-batched-tokens", help="Token budget of one
 ChunkOpt = typer.Option(512, "--chunk-size", help="Most prompt tokens one request computes per step.")
 KvTokensOpt = typer.Option(None, "--kv-cache-tokens", help="Full-attention positions over all requests (default: sized from memory).")
 MaxLenOpt = typer.Option(None, "--max-model-len", help="Longest prompt + output (default: the model's limit).")
+StoreOpt = typer.Option(
+    None, "--store", metavar="[SOCKET]",
+    help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
+         "without it the engine keeps them in its own process.")
 
 
 # EngineConfig / LoadSpec field -> the option that sets it (for error messages)
@@ -179,17 +190,47 @@ def serve(
     kv_cache_tokens: Optional[int] = KvTokensOpt,
     max_model_len: Optional[int] = MaxLenOpt,
     log_level: str = typer.Option("info", "--log-level"),
+    store: Optional[str] = StoreOpt,
 ) -> None:
-    """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics)."""
+    """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
+    --store, prompts' cached segments are reused by position-independent caching through
+    the kvstore daemon (shared with every engine attached to it)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.server.app import serve as run_server
 
+    connector = _store_config(store)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, max_model_len))
+    planner = _attach_store(engine, None, connector) if connector is not None else None
     try:
         run_server(engine, host, port)
     except OSError as exc:
         _fail(f"--host/--port: cannot listen on {host}:{port} ({exc})", 1)
+    finally:
+        if planner is not None:
+            planner.store.close()
+
+
+def _store_config(value: Optional[str]):
+    from engine.connector.attach import store_config
+    from engine.connector.errors import ConnectorConfigError
+
+    try:
+        return store_config(value)
+    except ConnectorConfigError as exc:
+        _fail(f"--store: {exc}")
+
+
+def _attach_store(engine, pic_config, connector):
+    """Install PIC over the kvstore daemon (pic_config None: the default PIC options)."""
+    from engine.connector.attach import attach_store
+    from engine.connector.errors import ConnectorConfigError
+    from engine.pic.config import PicConfig
+
+    try:
+        return attach_store(engine, pic_config or PicConfig(), connector)
+    except ConnectorConfigError as exc:
+        _fail(f"--store: {exc}")
 
 
 @app.command()
@@ -252,12 +293,15 @@ def run_cmd(
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     chunk_size: int = ChunkOpt,
+    store: Optional[str] = StoreOpt,
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
-    caching or a baseline); print reuse and timing per request."""
+    caching or a baseline); print reuse and timing per request. With --store, signatures
+    come from and go to the kvstore daemon, so a later run (another process) reuses what
+    an earlier one computed."""
     from engine.pic.config import PicConfig
     from engine.pic.errors import PicConfigError
-    from engine.pic.run import attach_planner, print_table, read_requests, run_requests
+    from engine.pic.run import attach_planner, read_requests
 
     try:
         cap = int(cache_gib * (1 << 30))
@@ -269,11 +313,28 @@ def run_cmd(
         reqs = read_requests(requests)
     except InvalidRequestError as exc:
         _fail(f"--requests: {exc}")
+    connector = _store_config(store)
+    if connector is not None and method not in ("pic", "naive"):
+        _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic or naive")
     engine = _build(preset, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))
-    planner = attach_planner(engine, config)
+    planner = attach_planner(engine, config) if connector is None else _attach_store(engine, config, connector)
+    try:
+        _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, connector is not None)
+    finally:
+        if connector is not None:
+            planner.store.close()  # finishes the queued puts: the next process finds them
+
+
+def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, with_store) -> None:
+    from engine.pic.run import print_table, run_requests
+
     records = []
     try:
         for rec in run_requests(engine, planner, reqs, max_new_tokens, tuple(stop or ())):
+            if with_store:
+                sr = planner.take_store_report(rec["id"])
+                if sr is not None:
+                    rec.update(sr.as_dict())
             records.append(rec)
             if as_json:
                 typer.echo(json.dumps(rec))
@@ -281,15 +342,31 @@ def run_cmd(
         _fail(f"{exc.field}: {exc.message}", 1)
     except EngineError as exc:
         _fail(str(exc), 1)
+    if with_store:
+        planner.store.flush()
     if not as_json:
         stats = planner.cache.stats().as_dict() if hasattr(planner, "cache") else (
             planner.tree.stats() if hasattr(planner, "tree") else None)
         print_table(records, f"{preset} method={method}" + (f" seam={planner.seam}" if hasattr(planner, "seam") else ""),
                     stats)
+        if with_store:
+            typer.echo(f"store connector: {json.dumps(planner.store.metrics.snapshot())}")
+
+
+def expand_bare_store(argv: list[str]) -> list[str]:
+    """`--store` given without a value (last, or followed by another option) becomes
+    `--store=` (the default socket); everything else is left as it is."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--store" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("--store=")
+        else:
+            out.append(arg)
+    return out
 
 
 def main() -> None:
-    app()
+    app(args=expand_bare_store(sys.argv[1:]), prog_name="kvengine")
 
 
 if __name__ == "__main__":

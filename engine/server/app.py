@@ -205,6 +205,9 @@ def build_app(engine: LLMEngine) -> web.Application:
     app[METRICS_KEY] = metrics
     app[MODEL_NAME_KEY] = engine.model_name
     app[ENGINE_LOOP_KEY] = EngineLoop(engine, metrics)
+    register = getattr(engine.planner, "register_metrics", None)
+    if callable(register):  # e.g. the store connector's planner (kvstore metrics, store_available)
+        register(metrics.registry)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)

@@ -1,0 +1,66 @@
+"""`StoreConnectorConfig`: where the daemon is and how patient the connector is with it.
+
+Every bound here exists so that a missing or slow daemon costs a request at most a
+bounded wait before it is served by recomputation:
+
+- `rpc_timeout_s`: deadline of one control-plane call (Lookup, Get, Reserve...). A call
+  that misses it marks the daemon unavailable until a health probe succeeds.
+- `load_timeout_s`: most time the engine loop waits for one request's loads before it
+  recomputes the segments still missing.
+- `inflight_wait_s`: most time to wait for a segment another engine is computing (the
+  dedup through the daemon) before computing it here.
+- `reconnect_min_s` / `reconnect_max_s`: exponential backoff of the reconnect loop.
+- `put_queue_depth`: signatures waiting to be stored; a put beyond it is dropped and
+  counted (the request is never held up by storage).
+- `put_tier`: tier puts land in (None: the daemon's default tier).
+- `prefetch_queued`: queued (not yet admitted) requests whose segments are looked up
+  and hinted to the daemon (promotion NVMe -> CPU) while earlier requests prefill.
+- `dedup`: claim a cold segment through the daemon before computing it, so other
+  engines wait for it instead of computing it too.
+- `verify`: check each loaded blob's checksum on the client (the daemon already
+  verifies every commit and every NVMe read).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.connector.errors import ConnectorConfigError
+
+TIERS = ("gpu", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class StoreConnectorConfig:
+    """Options of the store connector (module docstring)."""
+
+    socket: Optional[str] = None  # None: the daemon's default socket (KVSTORE_SOCKET, config file)
+    tcp: Optional[str] = None  # HOST:PORT instead of a unix socket
+    rpc_timeout_s: float = 5.0
+    load_timeout_s: float = 10.0
+    inflight_wait_s: float = 60.0
+    reconnect_min_s: float = 0.05
+    reconnect_max_s: float = 2.0
+    put_queue_depth: int = 256
+    put_tier: Optional[str] = None
+    prefetch_queued: int = 4
+    dedup: bool = True
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_timeout_s", "load_timeout_s", "inflight_wait_s", "reconnect_min_s", "reconnect_max_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ConnectorConfigError(f"{name}={v!r} must be a finite number > 0")
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ConnectorConfigError(
+                f"reconnect_max_s={self.reconnect_max_s} must be >= reconnect_min_s={self.reconnect_min_s}")
+        for name in ("put_queue_depth", "prefetch_queued"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConnectorConfigError(f"{name}={v!r} must be an int >= 0")
+        if self.put_tier is not None and self.put_tier not in TIERS:
+            raise ConnectorConfigError(f"put_tier={self.put_tier!r} must be one of {', '.join(TIERS)} or None")
+        if self.socket is not None and not str(self.socket):
+            raise ConnectorConfigError("socket='' is not a path; pass None for the default socket")

@@ -1,0 +1,371 @@
+"""Loading segment signatures from the daemon into the engine's device, off the engine
+loop's thread.
+
+`SegmentLoader.submit(keys)` queues one `LoadBatch` on the loader thread (FIFO, so
+requests load in admission order while earlier ones prefill). A batch does one Lookup
+for all its keys (which tier holds each), one Get for the hits (leases, promoting NVMe
+hits to the CPU arena), then per segment, by where its bytes lie:
+
+| bytes in | engine on CPU | engine on CUDA |
+|---|---|---|
+| CPU arena (shm) | zero-copy views, lease held while used | async copy from the pinned arena on a side stream, lease released once the copy is done |
+| GPU arena (CUDA IPC) | - | zero-copy views over the IPC mapping (same device; else a device-to-device copy) |
+| NVMe file | views over the mapped file (page cache) | kvikio read straight into device memory when kvikio is importable, else promoted to the CPU arena by the Get |
+
+A batch is published in stages: the Lookup answer first (`wait_lookup`: the planner
+learns its misses and starts computing them while the hits load), then each segment
+as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries the CUDA
+event its copies complete on, and its consumer makes the compute stream wait on that
+event just before the splice that reads it (`LoadedSegment.wait_device`), so later
+segments decode and copy while earlier ones are spliced and their seams computed.
+Leases of copied segments are released by the loader thread once the copies finish.
+
+`hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
+promote NVMe hits to the CPU tier ahead of use; it takes no lease.
+
+Timing: each batch records when it was submitted, started and finished (copies done),
+and how long the engine loop blocked in `wait` (`wait_ms`), which gives the overlap.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from engine.connector.codec import signature_from_blob
+from engine.connector.errors import StoreUnavailable
+from engine.connector.link import StoreLink
+from engine.connector.metrics import ConnectorMetrics
+from engine.pic.errors import SignatureFormatError
+from engine.pic.signature import SegmentSignature
+from kvstore import format as fmt
+from kvstore.client.views import ObjectView
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("engine.connector")
+
+
+def _kvikio():
+    try:  # pragma: no cover - GPU boxes with kvikio only
+        import kvikio
+
+        return kvikio
+    except Exception:
+        return None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current>, so device comparisons with tensors' devices hold."""
+    if device.type == "cuda" and device.index is None:  # pragma: no cover - GPU only
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@dataclass
+class LoadedSegment:
+    """One loaded signature. `view` is the lease while the signature aliases store memory
+    (None once copied out); `ready` the CUDA event its device copies complete on."""
+
+    key: bytes
+    signature: SegmentSignature
+    tier: str  # where the lookup found it
+    served_tier: str  # where the lease pointed (differs after an NVMe -> CPU promotion)
+    nbytes: int
+    view: Optional[ObjectView] = None
+    ready: Optional[Any] = None
+    copy_start: Optional[Any] = None
+    load_ms: float = 0.0  # this segment's share of the RPCs + decode + device copy
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stream_recorded: bool = False
+
+    @property
+    def pending(self) -> bool:
+        """True while device copies of this segment may still be running."""
+        return self.ready is not None and not self.ready.query()
+
+    def wait_device(self) -> None:
+        """Make the current CUDA stream wait for this segment's copies (host does not
+        block), and tell the allocator the tensors are used on that stream."""
+        if self.ready is None:
+            return
+        stream = torch.cuda.current_stream(self.signature.device)
+        stream.wait_event(self.ready)
+        with self._lock:
+            if self._stream_recorded:
+                return
+            self._stream_recorded = True
+        tensors, _, _ = self.signature.to_tensors()
+        for t in tensors.values():
+            if t.is_cuda:
+                t.record_stream(stream)
+
+    def release(self) -> None:
+        """Drop the lease (if still held). The signature must not be used afterwards
+        when it aliased store memory."""
+        with self._lock:
+            view, self.view = self.view, None
+        if view is not None:
+            try:
+                view.release()
+            except KVStoreError:
+                pass  # daemon gone: the lease dies with it
+
+
+class LoadBatch:
+    """The loads of one request (or one synchronous get), published in two stages: the
+    Lookup answer (`wait_lookup`: which keys are hits), then each segment as soon as
+    it is placed (`wait_key`), so the engine can splice the first segments while the
+    loader still decodes and copies later ones."""
+
+    def __init__(self, request_id: Optional[str], keys: Sequence[bytes]) -> None:
+        self.request_id = request_id
+        self.keys = list(dict.fromkeys(keys))
+        self.submitted = time.perf_counter()
+        self.started: Optional[float] = None
+        self.finished: Optional[float] = None  # every copy complete
+        self.unavailable = False  # the daemon could not be reached
+        self.error: Optional[str] = None
+        self.wait_ms = 0.0  # time callers blocked in wait_lookup / wait_key
+        self.tiers: dict[bytes, str] = {}  # hits at lookup -> tier
+        self._cond = threading.Condition()
+        self._looked_up = False
+        self._done = False  # every key placed or failed
+        self._placed: set[bytes] = set()  # keys whose outcome is known
+        self._results: dict[bytes, LoadedSegment] = {}
+        self._abandoned = False
+
+    @property
+    def load_ms(self) -> float:
+        """Load latency of this batch: submitted -> last copy complete (0 until finished)."""
+        if self.finished is None:
+            return 0.0
+        return (self.finished - self.submitted) * 1e3
+
+    @property
+    def hits(self) -> set[bytes]:
+        """Keys the Lookup found (valid once `wait_lookup` returned True)."""
+        return set(self.tiers)
+
+    def _wait(self, ready, timeout: float) -> bool:
+        t0 = time.perf_counter()
+        with self._cond:
+            ok = self._cond.wait_for(ready, timeout=timeout)
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
+        return ok
+
+    def wait_lookup(self, timeout: float) -> bool:
+        """Block until the Lookup answered (or the batch failed); False on timeout."""
+        return self._wait(lambda: self._looked_up, timeout)
+
+    def wait_key(self, key: bytes, timeout: float) -> bool:
+        """Block until `key`'s outcome is known (loaded, missing or failed); False on timeout."""
+        return self._wait(lambda: self._done or key in self._placed, timeout)
+
+    def wait_all(self, timeout: float) -> bool:
+        return self._wait(lambda: self._done, timeout)
+
+    def take(self, key: bytes) -> Optional[LoadedSegment]:
+        """Hand the loaded segment of `key` to the caller (once); None on a miss or when
+        its outcome is not known yet."""
+        with self._cond:
+            return self._results.pop(key, None)
+
+    def abandon(self) -> None:
+        """Nobody will take the remaining results: release their leases now, and those
+        placed later as they are placed."""
+        with self._cond:
+            self._abandoned = True
+            rest, self._results = list(self._results.values()), {}
+        for seg in rest:
+            seg.release()
+
+    # ------------------------------------------------------------------ loader side
+    def _set_looked_up(self, tiers: dict[bytes, str]) -> None:
+        with self._cond:
+            self.tiers = tiers
+            self._looked_up = True
+            self._cond.notify_all()
+
+    def _place(self, key: bytes, seg: Optional[LoadedSegment]) -> None:
+        with self._cond:
+            abandoned = self._abandoned
+            if seg is not None and not abandoned:
+                self._results[key] = seg
+            self._placed.add(key)
+            self._cond.notify_all()
+        if seg is not None and abandoned:
+            seg.release()
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._looked_up = True
+            self._done = True
+            self._cond.notify_all()
+
+
+class SegmentLoader:
+    """Runs LoadBatches on a loader thread (module docstring)."""
+
+    def __init__(self, link: StoreLink, metrics: ConnectorMetrics, fingerprint: str, device: torch.device,
+                 verify: bool = False) -> None:
+        self.link = link
+        self.metrics = metrics
+        self.fingerprint = fingerprint
+        self.device = _indexed(torch.device(device))
+        self.verify = verify
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-load")
+        self._hints = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-hint")
+        self._stream = None
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            self._stream = torch.cuda.Stream(self.device)
+        self._kvikio = _kvikio() if self.device.type == "cuda" else None
+
+    def close(self) -> None:
+        self._hints.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ API
+    def submit(self, request_id: Optional[str], keys: Sequence[bytes]) -> LoadBatch:
+        """Queue the loads of `keys` (see the module docstring)."""
+        batch = LoadBatch(request_id, keys)
+        if not batch.keys:
+            batch.started = batch.finished = batch.submitted
+            batch._finish()
+            return batch
+        try:
+            self._pool.submit(self._run, batch)
+        except RuntimeError:  # shut down
+            batch.unavailable = True
+            batch._finish()
+        return batch
+
+    def load_now(self, keys: Sequence[bytes]) -> LoadBatch:
+        """Load `keys` on the calling thread (a get that had no prefetch)."""
+        batch = LoadBatch(None, keys)
+        self._run(batch)
+        return batch
+
+    def hint(self, keys: Sequence[bytes]) -> None:
+        """Look `keys` up and promote NVMe hits toward the CPU tier (no leases)."""
+        keys = list(dict.fromkeys(keys))
+        if keys and self.link.available:
+            try:
+                self._hints.submit(self._hint, keys)
+            except RuntimeError:
+                pass
+
+    # ------------------------------------------------------------------ worker
+    def _hint(self, keys: list[bytes]) -> None:
+        try:
+            entries = self.link.call("lookup", lambda kv: kv.lookup(keys))
+            self.metrics.inc("lookup_rpcs")
+            cold = [e.key for e in entries if e.hit and e.tier == "nvme"]
+            if cold:
+                self.link.call("prefetch", lambda kv: kv.prefetch(cold, tier="cpu"))
+        except StoreUnavailable:
+            pass
+        except KVStoreError as exc:
+            log.debug("prefetch hint failed: %s", exc)
+
+    def _run(self, batch: LoadBatch) -> None:
+        batch.started = time.perf_counter()
+        segments: list[LoadedSegment] = []
+        try:
+            self._load(batch, segments)
+        except StoreUnavailable as exc:
+            batch.unavailable = True
+            batch.error = str(exc)
+        except KVStoreError as exc:
+            self.metrics.inc("store_errors")
+            batch.error = str(exc)
+            log.warning("loading %d segments failed: %s", len(batch.keys), exc)
+        except Exception as exc:  # a loader bug must not take the engine down: recompute
+            self.metrics.inc("store_errors")
+            batch.error = repr(exc)
+            log.exception("loading %d segments failed", len(batch.keys))
+        batch._finish()
+        for seg in segments:  # copies were issued; finish them here, off the engine thread
+            if seg.ready is not None:  # pragma: no cover - GPU only
+                seg.ready.synchronize()
+                seg.load_ms += seg.copy_start.elapsed_time(seg.ready)
+                seg.release()  # the device copy is complete: the store's bytes are no longer read
+            self.metrics.add_load(seg.tier, seg.nbytes, seg.load_ms)
+        batch.finished = time.perf_counter()
+        if batch.request_id is not None and batch.keys:
+            self.metrics.inc("load_ms_total", batch.load_ms)
+
+    def _load(self, batch: LoadBatch, segments: list[LoadedSegment]) -> None:
+        keys = batch.keys
+        t0 = time.perf_counter()
+        entries = self.link.call("lookup", lambda kv: kv.lookup(keys))
+        self.metrics.inc("lookup_rpcs")
+        self.metrics.inc("lookup_keys", len(keys))
+        hits = [e for e in entries if e.hit]
+        self.metrics.inc("lookup_hits", len(hits))
+        batch._set_looked_up({e.key: e.tier or "cpu" for e in hits})
+        if not hits:
+            return
+        direct = [e.key for e in hits if e.tier == "nvme" and self._kvikio is not None]
+        promoted = [e.key for e in hits if e.key not in set(direct)]
+        views: list[tuple[bytes, Optional[ObjectView]]] = []
+        if promoted:
+            got = self.link.call("get", lambda kv: kv.get_many(promoted, promote=True))
+            views += list(zip(promoted, got))
+        if direct:  # pragma: no cover - GPU boxes with kvikio only
+            got = self.link.call("get", lambda kv: kv.get_many(direct, promote=False))
+            views += list(zip(direct, got))
+        rpc_share = (time.perf_counter() - t0) * 1e3 / max(1, len(views))
+        for i, (key, view) in enumerate(views):
+            if view is None:  # evicted between lookup and get
+                batch._place(key, None)
+                continue
+            t1 = time.perf_counter()
+            try:
+                seg = self._place(key, view, batch.tiers[key])
+            except (KVStoreError, SignatureFormatError, RuntimeError) as exc:
+                self.metrics.inc("store_errors")
+                log.warning("segment %s could not be loaded (%s); it will be recomputed", key.hex()[:16], exc)
+                view.release()
+                batch._place(key, None)
+                continue
+            except BaseException:
+                for _, rest in views[i:]:
+                    if rest is not None:
+                        rest.release()
+                raise
+            seg.load_ms = rpc_share + (time.perf_counter() - t1) * 1e3
+            if seg.tier == "nvme" and seg.served_tier != "nvme":
+                self.metrics.inc("promotions")
+            segments.append(seg)
+            batch._place(key, seg)
+
+    def _place(self, key: bytes, view: ObjectView, tier: str) -> LoadedSegment:
+        """Decode one leased blob and put its signature where the engine reads it."""
+        if view.lease.region.kind == "file" and self._kvikio is not None:  # pragma: no cover - GPU + kvikio
+            buf = torch.empty(view.size, dtype=torch.uint8, device=self.device)
+            with self._kvikio.CuFile(view.lease.region.path, "r") as f:
+                f.pread(buf, view.size, view.lease.region.offset).get()
+            view.release()
+            header, tensors = fmt.decode_tensors(buf, check=self.verify)
+            sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
+            return LoadedSegment(key, sig, tier, "nvme", view.size)
+        buf = view.tensor()
+        header, tensors = fmt.decode_tensors(buf, check=self.verify)
+        sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
+        seg = LoadedSegment(key, sig, tier, view.tier, view.size, view)
+        same = buf.device.type == self.device.type and (buf.device.type != "cuda" or buf.device == self.device)
+        if not same:  # pragma: no cover - GPU only: pinned host (or another GPU) -> this device, side stream
+            stream = self._stream
+            with torch.cuda.stream(stream):
+                seg.copy_start = torch.cuda.Event(enable_timing=True)
+                seg.copy_start.record(stream)
+                moved = {name: t.to(self.device, non_blocking=True) for name, t in tensors.items()}
+                seg.ready = torch.cuda.Event(enable_timing=True)
+                seg.ready.record(stream)
+            seg.signature = signature_from_blob(header.meta, moved, header.fingerprint, self.fingerprint)
+        return seg

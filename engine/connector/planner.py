@@ -1,0 +1,291 @@
+"""`StorePicPlanner`: engine.pic's PIC planner driving the store-backed signature cache,
+so that loads overlap compute and cold segments are computed once across engines.
+
+What it adds to `PicPlanner`, in the order of a request's life:
+
+1. `plan(request)` (admission): the request's distinct segment keys go to the loader
+   as one batch (one Lookup + one Get on the loader thread), and the segments of the
+   next few *queued* requests are looked up and hinted to the daemon (NVMe -> CPU
+   promotion), so their loads are cheap by the time they are admitted. Requests
+   admitted together load in admission order while earlier ones prefill.
+2. `lookup` step: waits only for the batch's Lookup answer (which segments are hits),
+   so the `miss` step runs while the hits load.
+3. `miss` step: claims every missing segment through the daemon first, computes the
+   ones this engine won (queuing each put as soon as its alone pass is done: other
+   engines may be waiting for it), then waits (bounded) for the ones another engine is
+   computing, and computes those that did not arrive.
+4. each `load` (splice) step takes its segments from the loader (blocking only until
+   that segment is placed; time blocked is the request's `load_wait_ms`) and makes the
+   compute stream wait on the events of exactly those segments, so later segments
+   decode and copy while earlier ones are spliced and seams computed. A hit that could
+   not be loaded after all (evicted between Lookup and Get) is computed there.
+5. prefill done or request freed: leases released, the request's store report kept.
+
+`take_store_report(request_id)` returns the connector's side of a request (`StoreReport`):
+segments by tier, load latency and the time the engine waited for it (overlap), copies
+still in flight when their splice was reached, dedup waits, and whether the daemon was
+unavailable (served by recomputation).
+
+Called from the engine loop's thread only, like every planner.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from engine.connector.loader import LoadBatch, LoadedSegment
+from engine.connector.metrics import overlap_fraction
+from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
+from engine.models.config import ModelConfig
+from engine.pic.compute import compute_signature
+from engine.pic.config import PicConfig
+from engine.pic.planner import PicPlanner, SpliceUnit, _RequestState
+from engine.runtime.planner import PrefillPlan
+from engine.runtime.request import Request
+
+log = logging.getLogger("engine.connector")
+
+_PIC_KEY = "pic"  # engine.pic.planner's planner_state key
+_STORE_KEY = "store"
+_HINTED_KEY = "store_hinted"
+TIERS = ("gpu", "cpu", "nvme")
+
+
+@dataclass
+class StoreReport:
+    """The store side of one request's prefill (module docstring)."""
+
+    request_id: str
+    segments: int = 0  # distinct cached segments in the prompt
+    hits_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    computed: int = 0  # computed alone here
+    claimed: int = 0  # computed here under a claim other engines could see
+    waited: int = 0  # computed by another engine while this one waited
+    wait_inflight_ms: float = 0.0
+    load_wait_ms: float = 0.0  # engine loop blocked on this request's loads
+    copies_pending_at_use: int = 0  # device copies not finished when their splice began
+    device_wait_ms: float = 0.0  # splice waiting for device copies (measured only with PicConfig.sync_timing)
+    take_wait_ms: float = 0.0  # splice steps waiting for the loader to place their segments
+    fallback: bool = False  # the daemon was unavailable: served by recomputation
+    batch: Optional[LoadBatch] = None
+    loaded: dict[bytes, LoadedSegment] = field(default_factory=dict, repr=False)  # key -> segment spliced
+    pending: dict[bytes, list] = field(default_factory=dict, repr=False)  # hits at lookup, not taken yet
+    late_misses: int = 0  # hits at lookup that could not be loaded (evicted, corrupt): computed at splice
+
+    @property
+    def load_ms(self) -> float:
+        """Latency of the request's batch load (admission -> last copy complete)."""
+        return 0.0 if self.batch is None else self.batch.load_ms
+
+    def as_dict(self) -> dict:
+        load = self.load_ms
+        return {
+            "store_segments": self.segments, "store_hits": sum(self.hits_by_tier.values()),
+            "store_hits_by_tier": dict(self.hits_by_tier), "store_computed": self.computed,
+            "store_claimed": self.claimed, "store_waited": self.waited,
+            "store_wait_inflight_ms": round(self.wait_inflight_ms, 3), "store_load_ms": round(load, 3),
+            "store_load_wait_ms": round(self.load_wait_ms, 3),
+            "store_load_overlap": overlap_fraction(load, self.load_wait_ms + self.device_wait_ms),
+            "store_take_wait_ms": round(self.take_wait_ms, 3), "store_device_wait_ms": round(self.device_wait_ms, 3),
+            "store_copies_pending_at_use": self.copies_pending_at_use,
+            "store_late_misses": self.late_misses, "store_fallback": self.fallback,
+        }
+
+
+class StorePicPlanner(PicPlanner):
+    """PIC through the kvstore daemon (module docstring)."""
+
+    def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str, anchor_ids: Sequence[int],
+                 cache: StoreSignatureCache, device: torch.device, prefetch_queued: int = 4) -> None:
+        super().__init__(config, model_config, fingerprint, anchor_ids, cache, device)
+        self.store = cache
+        self.prefetch_queued = prefetch_queued
+        self._waiting: Optional[Sequence[Request]] = None
+        self._store_reports: OrderedDict[str, StoreReport] = OrderedDict()
+
+    def attach_queue(self, waiting: Sequence[Request]) -> None:
+        """The scheduler's waiting queue, for look-ahead hints (engine.scheduler.waiting)."""
+        self._waiting = waiting
+
+    def take_store_report(self, request_id: str) -> Optional[StoreReport]:
+        """The store report of a request whose prefill completed (returned once)."""
+        return self._store_reports.pop(request_id, None)
+
+    def register_metrics(self, registry) -> None:
+        """Expose the connector's metrics in a prometheus_client registry."""
+        from engine.connector.metrics import PrometheusCollector
+
+        registry.register(PrometheusCollector(self.store.metrics))
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, request: Request) -> PrefillPlan:
+        plan = super().plan(request)
+        state: _RequestState = request.planner_state[_PIC_KEY]
+        keys = list(dict.fromkeys(u.key for u in state.units))
+        report = StoreReport(request.request_id, segments=len(keys))
+        if keys:
+            report.batch = self.store.prefetch(request.request_id, keys)
+        request.planner_state[_STORE_KEY] = report
+        request.planner_state[_HINTED_KEY] = True
+        self._hint_queued()
+        return plan
+
+    def _hint_queued(self) -> None:
+        if not self._waiting or not self.prefetch_queued or not self.store.available:
+            return
+        keys: list[bytes] = []
+        for req in list(self._waiting)[: self.prefetch_queued]:
+            if req.planner_state.get(_HINTED_KEY):
+                continue
+            req.planner_state[_HINTED_KEY] = True
+            ids = list(req.prefill_token_ids())
+            keys += [it[1].key for it in self._layout(ids, req.prefill_segments()) if it[0] == "splice"]
+        if keys:
+            self.store.hint(keys)
+
+    # --------------------------------------------------------------- apply steps
+    def _lookup(self, runner, request: Request) -> None:
+        """Waits only for the Lookup answer: misses go to the `miss` step (computed while
+        the hits load); hits are taken at their splice (`_splice`)."""
+        state: _RequestState = request.planner_state[_PIC_KEY]
+        sr: StoreReport = request.planner_state[_STORE_KEY]
+        report = state.builder.report
+        batch = sr.batch
+        hits: set[bytes] = set()
+        if batch is not None:
+            if batch.wait_lookup(self.store.config.load_timeout_s):
+                hits = batch.hits
+            else:
+                self.store.metrics.inc("load_timeouts")
+                log.warning("lookup for request %s not answered after %.1f s; recomputing its segments",
+                            request.request_id, self.store.config.load_timeout_s)
+            sr.fallback = batch.unavailable
+        seen: set[bytes] = set()
+        for u in state.units:
+            if u.key not in seen:
+                seen.add(u.key)
+                if u.key not in hits:
+                    state.missing.append(u)
+                    self.store.metrics.inc("misses")
+                    continue
+                sr.pending[u.key] = []
+            if u.key in sr.pending:
+                sr.pending[u.key].append(u)
+                report.add_hit(self._reused(u))
+
+    def _reused(self, u: SpliceUnit) -> int:
+        return u.num_tokens + len(self.anchor_ids) if u.first else u.num_tokens - u.split
+
+    def _use(self, state: _RequestState, sr: StoreReport, key: bytes, seg: LoadedSegment) -> None:
+        state.held.append(key)
+        state.signatures[key] = seg.signature
+        sr.hits_by_tier[seg.tier if seg.tier in sr.hits_by_tier else "cpu"] += 1
+        sr.loaded[key] = seg
+
+    def _compute_misses(self, runner, request: Request) -> None:
+        state: _RequestState = request.planner_state[_PIC_KEY]
+        sr: StoreReport = request.planner_state[_STORE_KEY]
+        report = state.builder.report
+        missing, state.missing = list(state.missing), []
+        later: list[tuple[SpliceUnit, Claim]] = []
+        for u in missing:
+            claim = self.store.claim(u.key)
+            if claim.status == PRESENT:
+                self._use(state, sr, u.key, claim.segment)
+                report.add_hit(self._reused(u))
+            elif claim.status == INFLIGHT:
+                later.append((u, claim))
+            else:
+                self._compute(runner, state, sr, u, claim)
+        for u, claim in later:
+            got = self.store.wait_inflight(claim)
+            sr.wait_inflight_ms += got.wait_ms
+            if got.status == WAITED:
+                sr.waited += 1
+                self._use(state, sr, u.key, got.segment)
+                report.add_hit(self._reused(u))
+            else:
+                self._compute(runner, state, sr, u, got)
+
+    def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
+        try:
+            sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
+                                    backend=runner.backend, state_dtype=self.state_dtype,
+                                    keep_end_state=self.config.keep_end_state)
+        except BaseException:
+            self.store.drop_claim(claim)
+            raise
+        sig.meta["fingerprint"] = self.fingerprint
+        state.signatures[u.key] = sig
+        alone = len(self.anchor_ids) + u.num_tokens
+        state.builder.report.add_miss(alone)
+        sr.computed += 1
+        sr.claimed += int(claim.status == OWNED)
+        self.store.metrics.inc("computes")
+        # cost: tokens of the alone pass (the recompute work a hit saves; the daemon's
+        # eviction weighs it per byte)
+        self.store.store(u.key, sig, claim=claim if claim.status == OWNED else None, cost=float(alone))
+
+    def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
+        state: _RequestState = request.planner_state[_PIC_KEY]
+        sr: StoreReport = request.planner_state[_STORE_KEY]
+        for u in units:
+            if u.key not in state.signatures and u.key in sr.pending:
+                self._take(runner, request, state, sr, u.key)
+        for u in units:
+            seg = sr.loaded.get(u.key)
+            if seg is None or seg.ready is None:
+                continue
+            if seg.pending:  # pragma: no cover - GPU only
+                sr.copies_pending_at_use += 1
+                if self.config.sync_timing:
+                    t0 = time.perf_counter()
+                    seg.ready.synchronize()
+                    sr.device_wait_ms += (time.perf_counter() - t0) * 1e3
+            seg.wait_device()
+        super()._splice(runner, request, units)
+
+    def _take(self, runner, request: Request, state: _RequestState, sr: StoreReport, key: bytes) -> None:
+        """Take a looked-up hit from the loader (waiting for it if needed); a hit that
+        could not be loaded after all is computed here and its accounting corrected."""
+        counted = sr.pending.pop(key)
+        t0 = time.perf_counter()
+        seg = self.store.acquire(key, request.request_id, wait_device=False)
+        sr.take_wait_ms += (time.perf_counter() - t0) * 1e3
+        if seg is not None:
+            self._use(state, sr, key, seg)
+            return
+        report = state.builder.report
+        for u in counted:
+            report.hit_segments -= 1
+            report.reused_tokens -= self._reused(u)
+        sr.late_misses += 1
+        self._compute(runner, state, sr, counted[0], Claim(key, COMPUTE))
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_prefill_done(self, request: Request) -> None:
+        super().on_prefill_done(request)
+        self._finish_store(request, keep=True)
+
+    def on_request_freed(self, request: Request) -> None:
+        super().on_request_freed(request)
+        self._finish_store(request, keep=False)
+
+    def _finish_store(self, request: Request, keep: bool) -> None:
+        sr: Optional[StoreReport] = request.planner_state.pop(_STORE_KEY, None)
+        if sr is None:
+            return
+        batch = self.store.finish_request(request.request_id)
+        if batch is not None:
+            sr.load_wait_ms = batch.wait_ms
+            sr.fallback = sr.fallback or batch.unavailable
+        sr.loaded.clear()
+        if keep:
+            self._store_reports[request.request_id] = sr
+            while len(self._store_reports) > 4096:
+                self._store_reports.popitem(last=False)

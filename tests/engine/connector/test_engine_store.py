@@ -1,0 +1,148 @@
+"""Engines (tiny presets, CPU) doing PIC through a REAL kvstore daemon: a later request
+hits what an earlier one computed and generates exactly what in-process PIC generates;
+two engines needing the same cold segment compute it once (the other waits through the
+daemon); a killed daemon costs only recomputation and a restarted one is found again
+with its NVMe tier; a frozen (slow) daemon is bypassed within the timeouts; a put that
+fails on capacity does not fail its request; the connector shows in /metrics."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import engine.connector.planner as connector_planner
+from connector_testlib import GREEDY, prompt, run_one, wait_until
+from engine.server.app import METRICS_KEY, build_app
+
+
+def reference(memory_engine, prompts):
+    """Token ids in-process PIC generates for `prompts`, run in order on one engine."""
+    engine, planner = memory_engine()
+    return [run_one(engine, planner, p, f"ref-{i}")[0].token_ids for i, p in enumerate(prompts)]
+
+
+def test_a_later_request_hits_segments_an_earlier_one_computed_and_matches_in_process_pic(
+        start_daemon, store_engine, memory_engine):
+    d = start_daemon()
+    prompts = [prompt((0, 1, 2)), prompt((2, 0, 1))]
+    want = reference(memory_engine, prompts)
+    engine, planner = store_engine(d)
+    out1, rep1, st1 = run_one(engine, planner, prompts[0], "r1")
+    assert rep1.miss_segments == 3 and st1.computed == 3 and st1.claimed == 3
+    assert planner.store.flush()
+    out2, rep2, st2 = run_one(engine, planner, prompts[1], "r2")
+    assert [out1.token_ids, out2.token_ids] == want
+    assert rep2.hit_segments == 3 and rep2.miss_segments == 0 and rep2.reused_tokens > 0
+    assert st2.hits_by_tier["cpu"] == 3 and st2.computed == 0 and not st2.fallback
+    assert st2.load_ms > 0 and st2.as_dict()["store_load_overlap"] is not None
+    snap = planner.store.metrics.snapshot()
+    assert snap["puts_stored"] == 3 and snap["lookup_rpcs"] >= 2 and snap["store_available"] == 1
+    with d.client() as kv:
+        assert kv.stats()["leases"] == 0  # every lease released once prefill was done
+    text = build_app(engine)[METRICS_KEY].render().decode()
+    assert "kvengine_store_available 1.0" in text
+    assert 'kvengine_store_segment_loads_total{tier="cpu"} 3.0' in text
+
+
+def test_two_engines_needing_the_same_cold_segment_compute_it_once(start_daemon, store_engine, monkeypatch):
+    d = start_daemon()
+    (ea, pa), (eb, pb) = store_engine(d), store_engine(d)
+    computing, go = threading.Event(), threading.Event()
+    real = connector_planner.compute_signature
+
+    def slow_compute(*args, **kwargs):  # holds engine A inside its alone pass until B waits
+        computing.set()
+        assert go.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(connector_planner, "compute_signature", slow_compute)
+    results = {}
+    ta = threading.Thread(target=lambda: results.setdefault("a", run_one(ea, pa, prompt((1,)), "a")))
+    ta.start()
+    assert computing.wait(60)
+    tb = threading.Thread(target=lambda: results.setdefault("b", run_one(eb, pb, prompt((1,)), "b")))
+    tb.start()
+    wait_until(lambda: pb.store.metrics.get("inflight_waits") == 1, what="engine B waiting")
+    go.set()
+    ta.join(60)
+    tb.join(60)
+    (out_a, _, st_a), (out_b, rep_b, st_b) = results["a"], results["b"]
+    assert pa.store.metrics.get("computes") + pb.store.metrics.get("computes") == 1
+    assert st_a.claimed == 1 and st_b.waited == 1 and st_b.computed == 0
+    assert rep_b.hit_segments == 1 and rep_b.reused_tokens > 0
+    assert out_a.token_ids == out_b.token_ids
+
+
+def test_a_killed_daemon_costs_recomputation_and_a_restarted_one_is_found_with_its_nvme_tier(
+        start_daemon, store_engine, memory_engine):
+    d = start_daemon()
+    prompts = [prompt((0, 1)), prompt((1, 0)), prompt((0, 1))]
+    want = reference(memory_engine, prompts)
+    engine, planner = store_engine(d, put_tier="nvme")
+    out1, _, _ = run_one(engine, planner, prompts[0], "r1")
+    assert planner.store.flush()
+    d.kill()
+    out2, rep2, st2 = run_one(engine, planner, prompts[1], "r2")  # served by recomputation
+    assert st2.fallback and rep2.miss_segments == 2
+    snap = planner.store.metrics.snapshot()
+    assert snap["store_available"] == 0 and snap["fallback_requests"] >= 1 and snap["disconnects"] == 1
+    d.start()
+    wait_until(lambda: planner.store.available, what="reconnect to the restarted daemon")
+    out3, rep3, st3 = run_one(engine, planner, prompts[2], "r3")
+    assert [out1.token_ids, out2.token_ids, out3.token_ids] == want
+    assert rep3.hit_segments == 2 and st3.hits_by_tier["nvme"] == 2
+    snap = planner.store.metrics.snapshot()
+    assert snap["reconnects"] >= 1 and snap["daemon_restarts"] == 1 and snap["store_available"] == 1
+
+
+def test_a_frozen_daemon_is_bypassed_within_the_timeouts_then_used_again(start_daemon, store_engine):
+    d = start_daemon()
+    engine, planner = store_engine(d, rpc_timeout_s=0.5, load_timeout_s=2.0)
+    run_one(engine, planner, prompt((2,)), "warm")
+    assert planner.store.flush()
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        _, rep, st = run_one(engine, planner, prompt((2, 0)), "frozen")
+        assert time.monotonic() - t0 < 10.0
+        assert rep.hit_segments == 0 and not planner.store.available
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    wait_until(lambda: planner.store.available, what="the daemon answering again")
+    _, rep, _ = run_one(engine, planner, prompt((2,)), "thawed")
+    assert rep.hit_segments == 1
+
+
+def test_a_put_failing_on_capacity_does_not_fail_the_request(start_daemon, store_engine, memory_engine):
+    d = start_daemon(cpu_capacity="1MiB", nvme_capacity="0")
+    want = reference(memory_engine, [prompt((0, 1, 2))])
+    engine, planner = store_engine(d, put_tier="cpu")
+    with d.client() as kv:
+        kv.put(b"ballast", bytes((1 << 20) - 128 * 1024), tier="cpu")
+        with kv.get(b"ballast"):  # leased: nothing can be evicted to make room
+            out, rep, _ = run_one(engine, planner, prompt((0, 1, 2)), "r1")
+            assert planner.store.flush()
+    assert out.finish_reason == "length" and out.error is None and [out.token_ids] == want
+    assert planner.store.metrics.snapshot()["puts_failed"]["capacity"] >= 1
+
+
+def test_requests_admitted_together_share_loads_and_match_in_process_pic(start_daemon, store_engine, memory_engine):
+    d = start_daemon()
+    prompts = [prompt((0, 1)), prompt((1, 0, 2)), prompt((2, 1), "Q: value of k1aa?\nA: ")]
+    ref_engine, ref_planner = memory_engine()
+    want = [run_one(ref_engine, ref_planner, prompts[0], "ref")[0].token_ids]
+    want += [o.token_ids for o in ref_engine.generate(prompts[1:], GREEDY)]
+    engine, planner = store_engine(d)
+    first, _, _ = run_one(engine, planner, prompts[0], "first")
+    assert planner.store.flush()
+    outs = engine.generate(prompts[1:], GREEDY)  # admitted in one step: loads overlap the other's prefill
+    assert [first.token_ids] + [o.token_ids for o in outs] == want
+    reports = [planner.take_store_report(o.request_id) for o in outs]
+    # doc 2 is computed once: by the second request; the third, admitted with it, gets it
+    # from the daemon (waiting on the claim, or finding it stored already)
+    assert [sum(r.hits_by_tier.values()) for r in reports] == [2, 2]
+    assert planner.store.metrics.get("computes") == 3
+    assert planner.store.metrics.snapshot()["overlap"] is not None
+    with d.client() as kv:
+        assert kv.stats()["leases"] == 0

@@ -1,0 +1,38 @@
+"""tools/bench_serving.py --quick end to end on the CPU: it starts its own REAL daemon,
+measures every phase on the tiny presets, writes the JSON run with the summary fields
+the issue names, and prints its table last."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
+    out = tmp_path / "serving.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "tools/bench_serving.py", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, cwd=str(REPO), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    summary = run["summary"]
+    for key in ("ttft_reduction_vs_prefix_avg", "ttft_reduction_vs_full_avg", "qps_gain_vs_prefix_at_slo"):
+        assert key in summary
+    assert summary["ttft_reduction_vs_prefix_avg"] > 0 and summary["ttft_reduction_vs_full_avg"] > 0
+    assert set(run["presets"]) == {"qwen3next-tiny", "ring-tiny"}
+    first = run["presets"]["qwen3next-tiny"]
+    assert set(first["workloads"]) == {"fact", "twohop", "aggregate", "fewshot", "rag"}
+    for w in first["workloads"].values():
+        assert w["pic"]["warm"]["hit_segments"] > 0 and w["pic"]["warm"]["miss_segments"] == 0
+        assert w["pic"]["cold"]["hit_segments"] == 0
+    assert first["sharing"]["shared"]["hit_rate"] > first["sharing"]["private"]["hit_rate"]
+    assert {"cpu", "nvme"} <= set(first["breakdown"])
+    assert first["qps"]["slo_ms"] > 0 and first["qps"]["pic"]["trials"]
+    assert run["machine"]["python"] and run["command"].startswith("python tools/bench_serving.py")
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("summary: ttft_reduction_vs_prefix_avg=")
+    assert "TTFT (ms) per workload" in proc.stdout

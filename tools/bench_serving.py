@@ -1,0 +1,229 @@
+"""Serving benchmark: position-independent caching through the kvstore daemon against
+prefix caching and full recomputation, on segmented workloads.
+
+    python tools/bench_serving.py --json                 # GPU box: two bench presets
+    python tools/bench_serving.py --quick --json PATH    # CPU, tiny presets, ~1 minute
+
+One run per configuration; for each preset (default qwen3next-bench, gated DeltaNet, and
+ring-bench, scalar decay; `--quick`: their tiny versions) on one engine:
+
+1. TTFT p50/p99 per workload (fact, twohop, aggregate, fewshot, rag: tools/workloads at
+   bench scale; rag is the long production-RAG-like one) for full recompute, prefix
+   caching and PIC through the daemon, cold and warm (tools/servebench/measure.py says
+   exactly what cold and warm mean), and the TTFT reduction of PIC over both;
+2. sustainable QPS at a TTFT SLO (p99 under `--slo-ms`, default `--slo-factor` x the
+   full-recompute p50 TTFT of rag on the idle engine) with Poisson arrivals, PIC vs
+   prefix caching;
+3. two engine processes sharing one daemon vs each with a private cache: hit rate, TTFT;
+4. where the TTFT of a PIC hit goes, per tier: lookup, load, compose, seam, suffix.
+
+It starts its own daemon (kvstore.testing.DaemonProcess, capacities from the options)
+unless `--socket` names a running one. The table prints last; `--json [PATH]` writes
+the whole run to PATH (default docs/results/serving-<date>.json) with `summary`
+(tools/servebench/report.py). Sizing for the ~8-minute GPU run: `--n` requests per
+workload (5), workloads capped by `--max-tokens` (none: bench-scale lengths, ~5.5k
+tokens, rag ~13k), QPS search over `--qps-trials` (4) trials of `--qps-requests` (8)
+requests, `--share-requests` (6) requests in the sharing experiment. `--quick` runs
+the sharing experiment for its first preset only.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+GPU_PRESETS = "qwen3next-bench,ring-bench"
+QUICK_PRESETS = "qwen3next-tiny,ring-tiny"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU, tiny presets and sizes (~1 minute)")
+    ap.add_argument("--presets", default=None, help=f"comma-separated (default {GPU_PRESETS}; quick {QUICK_PRESETS})")
+    ap.add_argument("--workloads", default="fact,twohop,aggregate,fewshot,rag")
+    ap.add_argument("--n", type=int, default=None, help="requests per workload (default 5; quick 2)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (default none; quick 450)")
+    ap.add_argument("--docs", default=None, help="documents per request MIN-MAX (default: the workload's; quick 2-3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-ms", type=float, default=None, help="TTFT SLO (p99) for the QPS search")
+    ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x idle full-recompute rag p50")
+    ap.add_argument("--qps-trials", type=int, default=None, help="rates tried per method (default 4; quick 3)")
+    ap.add_argument("--qps-requests", type=int, default=None, help="requests per rate (default 8; quick 4)")
+    ap.add_argument("--share-requests", type=int, default=None,
+                    help="sharing experiment requests (default 6; quick 4, first preset only)")
+    ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown")
+    ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
+    ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
+    ap.add_argument("--gpu-capacity", default=None, help="daemon GPU tier (default 16GiB with CUDA, else 0)")
+    ap.add_argument("--nvme-capacity", default=None, help="daemon NVMe tier (default 40GiB; quick 1GiB)")
+    ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
+    ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
+                    help="write the run as JSON (default path docs/results/serving-<date>.json)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.presets = [p for p in (args.presets or (QUICK_PRESETS if q else GPU_PRESETS)).split(",") if p]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.skip = {s for s in args.skip.split(",") if s}
+    defaults = dict(n=(2, 5), max_tokens=(450, None), docs=("2-3", None), qps_trials=(3, 4), qps_requests=(4, 8),
+                    share_requests=(4, 6), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
+                    device=("cpu", "auto"))
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    return args
+
+
+def engine_options(args, device) -> dict:
+    if device.type == "cuda":
+        return dict(device=str(device), dtype="auto", max_num_seqs=16, max_num_batched_tokens=16384,
+                    prefill_chunk_size=16384, kv_cache_tokens=262144, max_model_len=32768)
+    return dict(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=4096, prefill_chunk_size=4096,
+                kv_cache_tokens=32768, max_model_len=8192)
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def warm_kernels(h) -> None:
+    """First calls compile Triton kernels; run each method once on a small prompt."""
+    from tools.servebench.requests import BenchRequest
+
+    req = BenchRequest("warmup", "warmup", ({"text": "warm-up one " * 20, "cache": True},
+                                             {"text": "warm-up two " * 20, "cache": True},
+                                             {"text": "Q: ?\nA: ", "cache": False}))
+    for method in ("full", "prefix", "pic", "pic"):
+        h.planner(method)
+        h.run_alone(req)
+
+
+def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) -> dict:
+    import torch
+
+    from engine.builder import EngineConfig, build_engine, resolve_device
+    from engine.connector.config import StoreConnectorConfig
+    from tools.servebench import measure, requests, sharing
+    from tools.servebench.harness import Harness
+
+    device = resolve_device(args.device)
+    opts = engine_options(args, device)
+    scale = "tiny" if args.quick else "bench"
+    t0 = time.perf_counter()
+    engine = build_engine(preset, EngineConfig(**opts))
+    connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
+    h = Harness(engine, connector)
+    out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
+    try:
+        warm_kernels(h)
+        log(f"{preset}: engine ready in {time.perf_counter() - t0:.1f} s")
+        for task in args.workloads:
+            reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
+            out["workloads"][task] = measure.ttft_by_method(h, reqs)
+            w = out["workloads"][task]
+            log(f"{preset}/{task}: full {w['full']['warm']['ttft_ms_p50']:.1f} ms, prefix warm "
+                f"{w['prefix']['warm']['ttft_ms_p50']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_p50']:.1f} ms")
+        rag = out["workloads"].get("rag") or next(iter(out["workloads"].values()))
+        if "qps" not in args.skip:
+            slo = args.slo_ms or args.slo_factor * rag["full"]["warm"]["ttft_ms_p50"]
+            k, trials, warm = args.qps_requests, args.qps_trials, max(2, args.qps_requests // 2)
+            stream = requests.load("rag", warm + k * trials, args.seed + 1, scale, args.max_tokens, args.docs)
+            q = {"slo_ms": slo}
+            for method in ("prefix", "pic"):
+                mean = rag[method]["warm"]["ttft_ms_mean"]
+                q[method] = measure.qps_at_slo(h, method, stream, warm, k, trials, slo, 300.0 / mean, args.seed)
+                log(f"{preset} qps {method}: {q[method]['sustainable_qps']:.2f}/s at p99 <= {slo:.0f} ms")
+            out["qps"] = q
+        if "breakdown" not in args.skip:
+            req = requests.load("rag", 1, args.seed + 2, scale, args.max_tokens, args.docs)[0]
+            h.planner("pic")
+            h.run_alone(req)
+            out["breakdown"] = measure.hit_breakdown(h, req, tiers)
+        if "sharing" not in args.skip and not (args.quick and preset != args.presets[0]):
+            trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
+            threads = 1 if device.type == "cpu" else None
+            out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads),
+                              "private": sharing.run_pair(preset, opts, trace, None, threads)}
+            log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
+                f"private {out['sharing']['private']['hit_rate']:.2f}")
+        out["connector"] = h.store.metrics.snapshot()
+        out["purged_objects"] = h.purge()  # room for the next preset
+    finally:
+        h.close()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from kvstore.testing import DaemonProcess
+    from tools.servebench import report
+
+    if args.quick:
+        torch.set_num_threads(1)
+    start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    daemon = None
+    socket = args.socket
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    gpu_cap = args.gpu_capacity or ("16GiB" if cuda else "0")
+    if socket is None:
+        daemon = DaemonProcess(Path(tempfile.mkdtemp(prefix="bench-serving-")), cpu_capacity=args.cpu_capacity,
+                               nvme_capacity=args.nvme_capacity, gpu_capacity=gpu_cap, lease_ttl=60.0,
+                               entry="kvstore.server")  # the daemon without typer/rich
+        daemon.start(timeout=300)
+        socket = str(daemon.socket)
+        log(f"daemon at {socket} (cpu {args.cpu_capacity}, gpu {gpu_cap}, nvme {args.nvme_capacity})")
+    try:
+        from kvstore.client import KVStoreClient
+
+        with KVStoreClient(socket) as kv:
+            tiers = kv.info.tiers
+        presets = {p: bench_preset(p, args, socket, tiers, log) for p in args.presets}
+    finally:
+        if daemon is not None:
+            daemon.cleanup()
+    summary = report.summarize(presets)
+    run = {"date": dt.date.today().isoformat(), "command": " ".join(["python", "tools/bench_serving.py",
+                                                                    *(argv if argv is not None else sys.argv[1:])]),
+           "machine": machine(), "quick": args.quick, "config": {k: (sorted(v) if isinstance(v, set) else v)
+                                                                 for k, v in vars(args).items()},
+           "presets": presets, "summary": summary, "wall_s": time.perf_counter() - start}
+    if args.json is not None:
+        path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run, indent=1, default=str) + "\n")
+        log(f"wrote {path}")
+    print(report.tables(presets, summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""One engine, switched between prefill methods, measured one request at a time or under
+Poisson arrivals.
+
+`Harness(engine, connector)` owns the planners of one engine: `full` and `prefix`
+(engine.pic), and `pic` through the kvstore daemon (engine.connector, one store
+connection reused by every run; with `connector=None`, PIC over the engine's private
+in-process cache). `planner(method, fresh=True)` gives a planner with an
+empty cache where that makes sense (a new prefix tree; for `pic`, `forget(request)`
+deletes the request's segments from the daemon instead).
+
+`run_alone` measures one request on an otherwise idle engine: TTFT from the request's
+own timeline (arrival -> first token sampled, the GPU synchronised by sampling), with
+the planner's token and time split and the connector's store report. `run_poisson`
+sends requests at exponential gaps (seeded) and returns each one's TTFT, queueing
+included. Puts of signatures computed in a run are flushed after it, outside the
+measurement.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from engine.connector.attach import attach_store
+from engine.connector.config import StoreConnectorConfig
+from engine.pic.config import PicConfig
+from engine.pic.planner import make_planner
+from engine.runtime.sampling import SamplingParams
+from tools.servebench.requests import BenchRequest
+
+METHODS = ("full", "prefix", "pic")
+
+
+@dataclass
+class Run:
+    """One request measured alone."""
+
+    id: str
+    ttft_ms: float
+    prompt_tokens: int
+    reused_tokens: int
+    hit_segments: int
+    miss_segments: int
+    split: dict[str, float] = field(default_factory=dict)  # lookup/miss/load_compose/seam/suffix ms
+    store: dict[str, Any] = field(default_factory=dict)
+
+
+class Harness:
+    """See the module docstring."""
+
+    def __init__(self, engine, connector: Optional[StoreConnectorConfig], pic: PicConfig = PicConfig()) -> None:
+        self.engine = engine
+        self.connector = connector
+        self.pic_config = pic
+        self._planners: dict[str, Any] = {}
+        self._store_planner = None
+        self._timed_planner = None
+        self._ids = 0
+
+    # ------------------------------------------------------------------ planners
+    def planner(self, method: str, fresh: bool = False):
+        """Install and return the planner of `method` (see the module docstring)."""
+        if method == "pic" and self.connector is not None:
+            if self._store_planner is None:
+                self._store_planner = attach_store(self.engine, self.pic_config, self.connector)
+            planner = self._store_planner
+        else:
+            planner = self._planners.get(method)
+            if planner is None or fresh:
+                m = self.engine.runner.model
+                cfg = self.pic_config if method == "pic" else PicConfig(method=method)
+                planner = make_planner(cfg, m, self.engine.loaded_model.fingerprint, self.engine.tokenizer)
+                self._planners[method] = planner
+        self.engine.scheduler.planner = planner
+        return planner
+
+    def timed_pic_planner(self):
+        """A PIC planner through the daemon that synchronises the device at every timing
+        mark (an exact TTFT split, at a small cost): for the breakdown of a hit."""
+        if self._timed_planner is None:
+            from dataclasses import replace
+
+            self._timed_planner = attach_store(self.engine, replace(self.pic_config, sync_timing=True),
+                                               self.connector)
+        self.engine.scheduler.planner = self._timed_planner
+        return self._timed_planner
+
+    @property
+    def store(self):
+        return self.planner("pic").store
+
+    def keys_of(self, req: BenchRequest) -> list[bytes]:
+        """The segment keys PIC uses for `req` (same tokenisation as the engine)."""
+        planner = self._store_planner or self.planner("pic")
+        ids, segs = self.engine._tokenize(req.as_prompt(), None)
+        return [it[1].key for it in planner._layout(ids, segs) if it[0] == "splice"]
+
+    def forget(self, req: BenchRequest) -> None:
+        """Delete `req`'s segments from the daemon (a cold start for PIC)."""
+        keys = self.keys_of(req)
+        if keys:
+            self.store.flush()
+            self.store.link.call("delete", lambda kv: kv.delete(keys))
+
+    def purge(self) -> int:
+        """Delete every object of this engine's model from the daemon (frees the tiers
+        between presets); returns how many were deleted."""
+        fp = self.engine.loaded_model.fingerprint
+        store = self.store
+        store.flush()
+        deleted = 0
+        while True:
+            objs = store.link.call("list", lambda kv: kv.list(fingerprint=fp, limit=1000))
+            if not objs:
+                return deleted
+            deleted += store.link.call("delete", lambda kv: kv.delete([o.key for o in objs]))
+
+    def close(self) -> None:
+        for p in (self._store_planner, self._timed_planner):
+            if p is not None:
+                p.store.close()
+
+    # ------------------------------------------------------------------ runs
+    def _rid(self, base: str) -> str:
+        self._ids += 1
+        return f"{base}#{self._ids}"
+
+    def run_alone(self, req: BenchRequest, max_new_tokens: int = 1) -> Run:
+        engine, planner = self.engine, self.engine.scheduler.planner
+        rid = self._rid(req.id)
+        engine.add_request(req.as_prompt(), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+                           request_id=rid)
+        final = None
+        while final is None:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    final = out
+        rep = planner.take_report(rid)
+        take = getattr(planner, "take_store_report", None)
+        sr = take(rid) if take else None
+        if hasattr(planner, "store"):
+            planner.store.flush()
+        d = rep.as_dict() if rep is not None else {}
+        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms")}
+        return Run(req.id, final.timeline.ttft * 1e3, final.num_prompt_tokens, d.get("reused_tokens", 0),
+                   d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {})
+
+    def run_poisson(self, reqs: Sequence[BenchRequest], rate: float, seed: int,
+                    max_new_tokens: int = 4) -> list[float]:
+        """TTFTs (ms) of `reqs` arriving as a Poisson process of `rate` per second."""
+        engine, planner = self.engine, self.engine.scheduler.planner
+        rng = random.Random(seed)
+        t = time.perf_counter() + 0.01
+        arrivals = deque()
+        for r in reqs:
+            arrivals.append((t, r))
+            t += rng.expovariate(rate)
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        ttfts: dict[str, float] = {}
+        ids: list[str] = []
+        while arrivals or engine.has_unfinished():
+            now = time.perf_counter()
+            while arrivals and arrivals[0][0] <= now:
+                at, r = arrivals.popleft()
+                rid = self._rid(r.id)
+                ids.append(rid)
+                engine.add_request(r.as_prompt(), params, request_id=rid, arrival_time=at)
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, min(arrivals[0][0] - time.perf_counter(), 0.05)))
+                continue
+            for out in engine.step():
+                if out.finished and out.timeline.ttft is not None:
+                    ttfts[out.request_id] = out.timeline.ttft * 1e3
+        for rid in ids:
+            planner.take_report(rid)
+            take = getattr(planner, "take_store_report", None)
+            if take:
+                take(rid)
+        if hasattr(planner, "store"):
+            planner.store.flush()
+        return [ttfts[i] for i in ids if i in ttfts]
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    import numpy as np
+
+    return float(np.percentile(list(values), q))

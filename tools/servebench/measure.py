@@ -1,0 +1,135 @@
+"""The measurements of the serving benchmark, each on one engine (a `Harness`):
+
+- `ttft_by_method`: TTFT of each request alone, per method and cache state. *cold*: none
+  of the request's segments is cached (a new prefix tree per request; for PIC the
+  request's segments deleted from the daemon first). *warm*: every segment of the
+  request is cached, in another order: prefix caching runs the request's twin first
+  (tools.servebench.requests); PIC needs nothing more after its cold pass stored every
+  segment (a position-independent signature does not depend on the order it was
+  computed in). Full recompute has one state (its cold and warm are the same runs).
+- `qps_at_slo`: the highest Poisson arrival rate whose p99 TTFT stays under the SLO,
+  per method, by a geometric search then one bisection; every trial sends fresh
+  requests from the same pool (so nothing repeats exactly), after a warm-up stream.
+- `hit_breakdown`: where the TTFT of a PIC hit goes, per tier the segments are loaded
+  from (NVMe, CPU, GPU where the daemon has a GPU tier), with device-synchronised
+  timing marks: lookup, load (latency and the part the engine waited for), compose
+  (splice: re-rotation, scatter, state composition), seam, suffix.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from engine.connector.attach import attach_store
+from tools.servebench.harness import Harness, Run, percentile
+from tools.servebench.requests import BenchRequest, twin
+
+
+def summarize(runs: Sequence[Run]) -> dict:
+    ttfts = [r.ttft_ms for r in runs]
+    prompt = sum(r.prompt_tokens for r in runs)
+    return {"n": len(runs), "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
+            "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+            "prompt_tokens_mean": prompt / len(runs) if runs else 0,
+            "reuse_fraction": sum(r.reused_tokens for r in runs) / prompt if prompt else 0.0,
+            "hit_segments": sum(r.hit_segments for r in runs), "miss_segments": sum(r.miss_segments for r in runs)}
+
+
+def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest]) -> dict:
+    out: dict[str, dict] = {}
+    h.planner("full")
+    full = summarize([h.run_alone(r) for r in reqs])
+    out["full"] = {"cold": full, "warm": full}
+    cold = []
+    for r in reqs:
+        h.planner("prefix", fresh=True)
+        cold.append(h.run_alone(r))
+    h.planner("prefix", fresh=True)
+    warm = []
+    for r in reqs:
+        h.run_alone(twin(r))
+        warm.append(h.run_alone(r))
+    out["prefix"] = {"cold": summarize(cold), "warm": summarize(warm)}
+    h.planner("pic")
+    cold = []
+    for r in reqs:
+        h.forget(r)
+        cold.append(h.run_alone(r))
+    warm = [h.run_alone(r) for r in reqs]
+    out["pic"] = {"cold": summarize(cold), "warm": summarize(warm)}
+    out["pic"]["warm"]["store"] = _mean_store(warm)
+    return out
+
+
+def _mean_store(runs: Sequence[Run]) -> dict:
+    keys = ("store_load_ms", "store_load_wait_ms")
+    got = [r.store for r in runs if r.store]
+    if not got:
+        return {}
+    mean = {k: sum(s.get(k, 0.0) for s in got) / len(got) for k in keys}
+    overlaps = [s["store_load_overlap"] for s in got if s.get("store_load_overlap") is not None]
+    mean["store_load_overlap"] = sum(overlaps) / len(overlaps) if overlaps else None
+    return mean
+
+
+def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: int, per_trial: int,
+               trials: int, slo_ms: float, start_rate: float, seed: int) -> dict:
+    """Highest tried rate with p99 TTFT <= slo_ms (module docstring). `stream` holds
+    warmup + trials * per_trial requests."""
+    h.planner(method, fresh=(method == "prefix"))
+    for r in stream[:warmup]:
+        h.run_alone(r)
+    rest = list(stream[warmup:])
+    tried: list[dict] = []
+    best: Optional[float] = None
+    worst_fail: Optional[float] = None
+    rate = start_rate
+    for i in range(trials):
+        chunk = rest[i * per_trial:(i + 1) * per_trial]
+        if len(chunk) < per_trial:
+            break
+        ttfts = h.run_poisson(chunk, rate, seed + i)
+        p99 = percentile(ttfts, 99)
+        ok = p99 is not None and p99 <= slo_ms
+        tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok})
+        if ok:
+            best = rate if best is None else max(best, rate)
+        else:
+            worst_fail = rate if worst_fail is None else min(worst_fail, rate)
+        if best is not None and worst_fail is not None:
+            rate = (best + worst_fail) / 2  # bisect between the best pass and the lowest failure
+        else:
+            rate = rate * 1.6 if ok else rate / 1.6
+    return {"method": method, "slo_ms": slo_ms, "sustainable_qps": best or 0.0, "trials": tried}
+
+
+def hit_breakdown(h: Harness, req: BenchRequest, tiers: Sequence[str]) -> dict:
+    """TTFT split of a warm PIC request per tier its segments load from."""
+    out: dict[str, dict] = {}
+    keys = h.keys_of(req)
+    if "nvme" in tiers:  # store the request's segments in the NVMe tier: recompute them with puts there
+        h.forget(req)
+        to_nvme = attach_store(h.engine, h.pic_config, replace(h.connector, put_tier="nvme"))
+        h.run_alone(req)
+        to_nvme.store.close()
+        h.timed_pic_planner()
+        out["nvme"] = _split(h.run_alone(req))  # a Get promotes each segment to the CPU arena
+    h.timed_pic_planner()
+    h.store.link.call("prefetch", lambda kv: kv.prefetch(keys, tier="cpu"))
+    out["cpu"] = _split(h.run_alone(req))
+    if "gpu" in tiers:
+        moved = h.store.link.call("prefetch", lambda kv: kv.prefetch(keys, tier="gpu"))
+        if moved == len(keys):
+            out["gpu"] = _split(h.run_alone(req))
+    h.planner("pic")
+    return out
+
+
+def _split(run: Run) -> dict:
+    s = run.store
+    waited_in_splice = (s.get("store_take_wait_ms") or 0.0) + (s.get("store_device_wait_ms") or 0.0)
+    return {"ttft_ms": run.ttft_ms, "lookup_ms": run.split["lookup_ms"], "load_ms": s.get("store_load_ms"),
+            "load_wait_ms": s.get("store_load_wait_ms"), "load_device_wait_ms": s.get("store_device_wait_ms"),
+            "compose_ms": max(0.0, run.split["load_compose_ms"] - waited_in_splice),
+            "seam_ms": run.split["seam_ms"], "suffix_ms": run.split["suffix_ms"],
+            "hits_by_tier": s.get("store_hits_by_tier"), "copies_pending_at_use": s.get("store_copies_pending_at_use")}

@@ -1,0 +1,117 @@
+"""The serving benchmark's summary and its tables (plain text, fixed columns).
+
+Summary figures (the `summary` of docs/results/serving-<date>.json):
+- `ttft_reduction_vs_prefix_avg`: mean over presets and workloads of
+  mean warm TTFT with prefix caching / mean warm TTFT with PIC through the daemon (a
+  factor: 3.0 means PIC's TTFT is a third of prefix caching's);
+- `ttft_reduction_vs_full_avg`: the same against full recomputation;
+- `*_cold_avg`: the same ratios for cold requests (PIC pays the alone passes);
+- `qps_gain_vs_prefix_at_slo`: mean over presets of the sustainable Poisson rate at the
+  TTFT SLO with PIC / with prefix caching (None when prefix caching sustained no rate
+  tried);
+- `sharing_hit_rate_shared` / `_private`: segment hit rate of two engine processes
+  sharing one daemon vs each with a private cache.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if not a or not b else a / b
+
+
+def _mean(xs: list[Optional[float]]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def summarize(presets: dict[str, dict]) -> dict[str, Any]:
+    vs_prefix, vs_full, vs_prefix_cold, vs_full_cold, qps, shared, private = [], [], [], [], [], [], []
+    for res in presets.values():
+        for w in res.get("workloads", {}).values():
+            pic, pre, full = w["pic"], w["prefix"], w["full"]
+            vs_prefix.append(_ratio(pre["warm"]["ttft_ms_mean"], pic["warm"]["ttft_ms_mean"]))
+            vs_full.append(_ratio(full["warm"]["ttft_ms_mean"], pic["warm"]["ttft_ms_mean"]))
+            vs_prefix_cold.append(_ratio(pre["cold"]["ttft_ms_mean"], pic["cold"]["ttft_ms_mean"]))
+            vs_full_cold.append(_ratio(full["cold"]["ttft_ms_mean"], pic["cold"]["ttft_ms_mean"]))
+        q = res.get("qps")
+        if q:
+            qps.append(_ratio(q["pic"]["sustainable_qps"], q["prefix"]["sustainable_qps"]))
+        s = res.get("sharing")
+        if s:
+            shared.append(s["shared"]["hit_rate"])
+            private.append(s["private"]["hit_rate"])
+    return {"ttft_reduction_vs_prefix_avg": _mean(vs_prefix), "ttft_reduction_vs_full_avg": _mean(vs_full),
+            "ttft_reduction_vs_prefix_cold_avg": _mean(vs_prefix_cold),
+            "ttft_reduction_vs_full_cold_avg": _mean(vs_full_cold),
+            "qps_gain_vs_prefix_at_slo": _mean(qps),
+            "sharing_hit_rate_shared": _mean(shared), "sharing_hit_rate_private": _mean(private)}
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _table(title: str, header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[_f(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    out = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)), line]
+    for r in cells[1:]:
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(out)
+
+
+def tables(presets: dict[str, dict], summary: dict[str, Any]) -> str:
+    parts = []
+    rows = []
+    for name, res in presets.items():
+        for task, w in res.get("workloads", {}).items():
+            f, p, c = w["full"]["warm"], w["prefix"], w["pic"]
+            rows.append([f"{name}/{task}", f["prompt_tokens_mean"], f["ttft_ms_p50"], f["ttft_ms_p99"],
+                         p["cold"]["ttft_ms_p50"], p["warm"]["ttft_ms_p50"], p["warm"]["ttft_ms_p99"],
+                         c["cold"]["ttft_ms_p50"], c["warm"]["ttft_ms_p50"], c["warm"]["ttft_ms_p99"],
+                         _ratio(p["warm"]["ttft_ms_mean"], c["warm"]["ttft_ms_mean"]),
+                         _ratio(f["ttft_ms_mean"], c["warm"]["ttft_ms_mean"]), c["warm"]["reuse_fraction"]])
+    parts.append(_table("TTFT (ms) per workload: full recompute, prefix caching, PIC through the daemon",
+                        ["preset/workload", "tokens", "full p50", "full p99", "prefix cold p50", "prefix warm p50",
+                         "prefix warm p99", "pic cold p50", "pic warm p50", "pic warm p99", "x vs prefix",
+                         "x vs full", "pic reuse"], rows))
+    rows = []
+    for name, res in presets.items():
+        q = res.get("qps")
+        if q:
+            rows.append([name, q["slo_ms"], q["prefix"]["sustainable_qps"], q["pic"]["sustainable_qps"],
+                         _ratio(q["pic"]["sustainable_qps"], q["prefix"]["sustainable_qps"]),
+                         len(q["prefix"]["trials"]) + len(q["pic"]["trials"])])
+    if rows:
+        parts.append(_table("Sustainable QPS at the TTFT SLO (p99 <= SLO, Poisson arrivals, rag)",
+                            ["preset", "SLO ms", "prefix qps", "pic qps", "gain", "trials"], rows))
+    rows = []
+    for name, res in presets.items():
+        s = res.get("sharing")
+        if s:
+            for kind in ("shared", "private"):
+                r = s[kind]
+                rows.append([f"{name} {kind}", r["requests"], r["hit_rate"], r["segments_computed"],
+                             r["segments_waited"], r["ttft_ms_p50"], r["ttft_ms_p99"]])
+    if rows:
+        parts.append(_table("Two engine processes: one shared daemon vs private caches",
+                            ["preset config", "requests", "hit rate", "computed", "waited", "ttft p50",
+                             "ttft p99"], rows))
+    rows = []
+    for name, res in presets.items():
+        for tier, b in res.get("breakdown", {}).items():
+            rows.append([f"{name} {tier}", b["ttft_ms"], b["lookup_ms"], b["load_ms"], b["load_wait_ms"],
+                         b["compose_ms"], b["seam_ms"], b["suffix_ms"]])
+    if rows:
+        parts.append(_table("Where the TTFT of a PIC hit goes (ms; rag, device-synchronised marks), by tier",
+                            ["preset tier", "ttft", "lookup", "load", "load waited", "compose", "seam", "suffix"],
+                            rows))
+    parts.append("summary: " + ", ".join(f"{k}={_f(v, 3)}" for k, v in summary.items()))
+    return "\n\n".join(parts)
