@@ -4,10 +4,12 @@ recomputation, per model and workload (issue 5). See docs/quality.md.
     python -m tools.quality [--quick] [--json] [--json-path FILE] [--markdown]
         [--presets a,b] [--tasks fact,twohop,aggregate,fewshot,rag] [--methods full,prefix,naive,pic]
         [--seams 0,8,16,32,64] [--swa-seam window,seam] [--n N] [--seed S] [--device cpu|cuda]
-        [--batch-size B] [--tolerance POINTS] [--docs MIN-MAX] [--facts-per-doc F] [--init-seed S]
+        [--batch-size B] [--threads T] [--jobs J] [--tolerance POINTS] [--docs MIN-MAX]
+        [--facts-per-doc F] [--init-seed S] [--no-progress]
 
 For each model, the requests of every task (`tools.workloads.iter_requests(task, n, seed)`,
-tiny scale) run under each method, in one process, one planner per (model, method) whose
+tiny scale) run under each method, in one process per model (`--jobs` runs several
+models at once in worker processes), one planner per (model, method) whose
 signature cache / prefix tree lives across all of them (tools/quality_measure.py says
 how). Full recomputation runs first: it is the reference of every delta, and of the
 fidelity columns (its own row is the reference itself: KL 0, top-1 100% by construction).
@@ -105,7 +107,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch CPU threads (default 1: tiny models gain nothing from intra-op threads, and on a "
                         "busy machine 2 spinning threads ran 10-20x slower than 1)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="CPU: models measured at once in worker processes (e.g. 2 on an idle 2-core machine)")
+                   help="models measured at once in worker processes (2 on an idle 2-core CPU; tiny models "
+                        "are launch-bound on a GPU, so 5 processes can share one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **QUICK) if a.quick else DEFAULTS
@@ -419,7 +422,7 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
 
 def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int) -> list[dict]:
     """Every model's rows, in the order of `jobs`; `parallel` > 1 measures that many models
-    at once in worker processes (CPU only: each with its own `threads`)."""
+    at once in worker processes (spawned, so CUDA is safe; each with its own `threads`)."""
     if parallel <= 1 or len(jobs) <= 1:
         return [row for job in jobs for row in measure_model(job, reporter)]
     import concurrent.futures as cf
@@ -461,7 +464,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     have_rich = _have_rich()
     try:
         jobs, config = plan_jobs(args)
-        parallel = args.jobs if config["device"] == "cpu" else 1
+        parallel = args.jobs
         if args.no_progress or not have_rich:
             rows = run_jobs(jobs, Reporter(), parallel)
         else:
