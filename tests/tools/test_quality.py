@@ -4,7 +4,8 @@ segment is full recomputation; naive addition is measurably off; answers of the 
 method equal cache-free greedy generation; the table rows, summary and JSON schema.
 
 The invariant tests use the seeded random init (`init_seed`), so they hold whether or not
-trained weights sit under models/; the CLI tests load whatever `kvengine` would."""
+trained weights sit under models/; the CLI test loads a saved checkpoint the way
+`kvengine` loads models/<preset>/."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from engine.models.presets import get_preset
+from engine.models.weights import build_model, save_model
 from tools.quality import ModelJob, Reporter, main, run_jobs, summarize
 from tools.quality_measure import MethodSpec, expand_specs, open_session, run_method
 from tools.train.evaluate import encode_prompt, greedy_generate
@@ -129,9 +131,13 @@ def test_best_pic_seam_is_the_cheapest_within_tolerance_else_the_closest():
     assert (s["best_pic_seam"], s["best_pic_within_tolerance"]) == (16, False)
 
 
-def test_quick_run_writes_the_table_and_json_rows_and_summary(tmp_path):
+def test_quick_run_on_saved_weights_writes_the_table_and_json_rows_and_summary(tmp_path):
+    """The CLI as the lead runs it once trained checkpoints sit under models/<preset>/
+    (here a saved seeded model under KVENGINE_MODELS_DIR)."""
+    save_model(build_model(get_preset(PRESET), "cpu", torch.float32, seed=3), tmp_path / "models" / PRESET)
     out = tmp_path / "q.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               KVENGINE_MODELS_DIR=str(tmp_path / "models"))
     proc = subprocess.run([sys.executable, "tools/quality.py", "--quick", "--n", "2", "--json", "--json-path",
                            str(out), "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -151,6 +157,7 @@ def test_quick_run_writes_the_table_and_json_rows_and_summary(tmp_path):
     full = doc["rows"][0]
     assert (full["kl"], full["top1"], full["avg_delta"], full["recompute_fraction"]) == (0.0, 100.0, 0.0, 1.0)
     summary = doc["summary"][PRESET]
+    assert summary["weights"] == f"weights:{tmp_path / 'models' / PRESET}"
     assert summary["full_avg"] == full["avg"] and summary["best_pic_seam"] == 16
     assert summary["naive_avg_delta"] == doc["rows"][1]["avg_delta"]
     assert summary["best_pic_avg_delta"] == doc["rows"][2]["avg_delta"]
