@@ -245,7 +245,7 @@ def summary_lines(summary: dict, tolerance: float) -> list[str]:
     for model, s in summary.items():
         parts = [f"{model} ({s['weights']}): full avg {s['full_avg']:.1f}"]
         if s["best_pic_seam"] is not None:
-            rule = f", {s['best_pic_swa_seam']} rule" if s["best_pic_swa_seam"] else ""
+            rule = {"window": ", window rule", "seam": ", plain seam"}.get(s["best_pic_swa_seam"] or "", "")
             why = (f"fewest recomputed tokens within {tolerance:g} points" if s["best_pic_within_tolerance"]
                    else f"closest to full; none within {tolerance:g} points")
             parts.append(f"best PIC seam {s['best_pic_seam']}{rule} ({why}): avg delta "
