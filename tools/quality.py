@@ -1,0 +1,500 @@
+"""The quality harness: task scores and fidelity of every prefill method against full
+recomputation, per model and workload (issue 5). See docs/quality.md.
+
+    python -m tools.quality [--quick] [--json] [--json-path FILE] [--markdown]
+        [--presets a,b] [--tasks fact,twohop,aggregate,fewshot,rag] [--methods full,prefix,naive,pic]
+        [--seams 0,8,16,32,64] [--swa-seam window,seam] [--n N] [--seed S] [--device cpu|cuda]
+        [--batch-size B] [--threads T] [--jobs J] [--tolerance POINTS] [--docs MIN-MAX]
+        [--facts-per-doc F] [--init-seed S] [--no-progress]
+
+For each model, the requests of every task (`tools.workloads.iter_requests(task, n, seed)`,
+tiny scale) run under each method, in one process per model (`--jobs` runs several
+models at once in worker processes), one planner per (model, method) whose
+signature cache / prefix tree lives across all of them (tools/quality_measure.py says
+how). Full recomputation runs first: it is the reference of every delta, and of the
+fidelity columns (its own row is the reference itself: KL 0, top-1 100% by construction).
+
+One table, rows model x method: per task the score (points 0-100) and its delta to full
+recomputation, their average over the tasks, mean KL(full || method) in nats and top-1
+agreement (%) over the question positions (per task token-weighted, then averaged over
+tasks), the share of prompt tokens recomputed (misses' alone passes included), and
+measured milliseconds per request (prefill + batched decode share). Then, per model, the
+best PIC seam: the one that recomputes the fewest tokens among those whose average delta
+is no worse than `--tolerance` points (default 1.0); when none is, the one closest to full.
+`--json` also writes the rows and that summary to docs/results/quality-<date>.json.
+
+`--quick`: qwen3next-tiny, tasks fact and twohop, 3 requests each over short prompts (2-3
+documents of 4 facts), methods full, naive and pic with seam 16, on the CPU (under a
+minute on a 2-core machine). Any option given explicitly overrides the quick default.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as `python tools/quality.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.errors import EngineError  # noqa: E402
+from tools.quality_measure import (METHODS, MethodRun, QualityError, expand_specs, open_session,  # noqa: E402
+                                   run_method)
+from tools.train.evaluate import max_new_tokens  # noqa: E402
+from tools.workloads import TASKS, WorkloadError, iter_requests  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PRESETS = ("qwen3next-tiny", "ring-tiny", "gemma3-tiny", "nemotronh-tiny", "gla-tiny")
+DEFAULT_SEAMS = (0, 8, 16, 32, 64)
+DEFAULTS = dict(presets=",".join(DEFAULT_PRESETS), tasks=",".join(TASKS), methods=",".join(METHODS),
+                seams=",".join(map(str, DEFAULT_SEAMS)), swa_seam="window,seam", n=50, seed=0, device="auto",
+                batch_size=16, docs=None, facts_per_doc=None)
+QUICK = dict(presets="qwen3next-tiny", tasks="fact,twohop", methods="full,naive,pic", seams="16", n=3,
+             device="cpu", batch_size=8, docs="2-3", facts_per_doc=4)
+SCHEMA = "quality/v1"
+
+
+# ---------------------------------------------------------------------------- options
+def _csv(value: str, what: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    if not items:
+        raise QualityError(f"--{what} is empty")
+    return items
+
+
+def _ints(value: str, what: str) -> list[int]:
+    out = []
+    for x in _csv(value, what):
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise QualityError(f"--{what}: {x!r} is not an integer") from None
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small CPU configuration (module docstring)")
+    p.add_argument("--json", action="store_true", help="write rows and summary to --json-path")
+    p.add_argument("--json-path", default=None, help="default docs/results/quality-<date>.json")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown (for docs/BENCHMARKS.md)")
+    p.add_argument("--presets", help=f"models (preset names or weight dirs); default {DEFAULTS['presets']}")
+    p.add_argument("--tasks", help=f"workloads; default {DEFAULTS['tasks']}")
+    p.add_argument("--methods", help=f"default {DEFAULTS['methods']} (full always runs: it is the reference)")
+    p.add_argument("--seams", help=f"PIC seams; default {DEFAULTS['seams']}")
+    p.add_argument("--swa-seam", help="SWA seam policies for models with sliding-window layers: window "
+                                      "(seam = max(seam, window)), seam (as given); default window,seam")
+    p.add_argument("--n", type=int, help=f"requests per task; default {DEFAULTS['n']}")
+    p.add_argument("--seed", type=int, help="workload seed; default 0")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto (cuda when available)")
+    p.add_argument("--batch-size", type=int, help="requests decoded together; default 16")
+    p.add_argument("--docs", help="workload override: documents per request, MIN-MAX")
+    p.add_argument("--facts-per-doc", type=int, help="workload override: items per document")
+    p.add_argument("--tolerance", type=float, default=1.0,
+                   help="points of average delta within which a PIC seam counts as matching full (default 1.0)")
+    p.add_argument("--init-seed", type=int, default=None,
+                   help="ignore trained weights: seeded random init (for harness checks)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: tiny models gain nothing from intra-op threads, and on a "
+                        "busy machine 2 spinning threads ran 10-20x slower than 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="models measured at once in worker processes (2 on an idle 2-core CPU; tiny models "
+                        "are launch-bound on a GPU, so 5 processes can share one)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    base = dict(DEFAULTS, **QUICK) if a.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    return a
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise QualityError("--device cuda asked for, but CUDA is not available here")
+    return name
+
+
+def model_config_of(preset: str):
+    """The ModelConfig of a preset name or a saved weights directory (no weights loaded)."""
+    from engine.models.presets import get_preset
+    from engine.models.weights import read_config
+
+    path = Path(preset)
+    if path.is_dir():
+        return read_config(path)
+    return get_preset(preset)
+
+
+# ------------------------------------------------------------------------ aggregation
+def make_row(model: str, weights: str, run: MethodRun, tasks: Sequence[str]) -> dict:
+    """One table row from a method's outcomes (deltas are filled by `add_deltas`)."""
+    spec = run.spec
+    per_task = {}
+    for task in tasks:
+        outs = [o for o in run.outcomes if o.task == task]
+        if not outs:
+            continue
+        positions = sum(o.positions for o in outs)
+        kl = None if outs[0].kl_sum is None else sum(o.kl_sum for o in outs) / positions
+        top1 = None if outs[0].top1_hits is None else 100.0 * sum(o.top1_hits for o in outs) / positions
+        per_task[task] = {"n": len(outs), "score": sum(o.points for o in outs) / len(outs), "delta": None,
+                          "kl": kl, "top1": top1, "positions": positions}
+    outs = run.outcomes
+    prompt = sum(o.prompt_tokens for o in outs)
+    recomputed = sum(o.recomputed_tokens for o in outs)
+    prefill_ms = 1e3 * sum(o.prefill_s for o in outs) / len(outs)
+    decode_ms = 1e3 * sum(o.decode_s for o in outs) / len(outs)
+    kls = [t["kl"] for t in per_task.values()]
+    top1s = [t["top1"] for t in per_task.values()]
+    return {
+        "model": model, "weights": weights, "method": spec.method, "seam": spec.seam, "swa_seam": spec.swa_seam,
+        "label": spec.label, "tasks": per_task,
+        "avg": sum(t["score"] for t in per_task.values()) / len(per_task), "avg_delta": None,
+        "kl": None if None in kls else sum(kls) / len(kls),
+        "top1": None if None in top1s else sum(top1s) / len(top1s),
+        "requests": len(outs), "prompt_tokens": prompt, "reused_tokens": sum(o.reused_tokens for o in outs),
+        "recomputed_tokens": recomputed, "recompute_fraction": recomputed / prompt if prompt else 0.0,
+        "output_tokens": sum(o.output_tokens for o in outs),
+        "prefill_ms_per_request": prefill_ms, "decode_ms_per_request": decode_ms,
+        "ms_per_request": prefill_ms + decode_ms, "seconds": run.seconds, "cpu_seconds": run.cpu_seconds,
+    }
+
+
+def add_deltas(rows: list[dict], full: dict) -> None:
+    """Fill each row's per-task and average deltas to the `full` row of its model."""
+    for row in rows:
+        for task, t in row["tasks"].items():
+            t["delta"] = t["score"] - full["tasks"][task]["score"]
+        row["avg_delta"] = row["avg"] - full["avg"]
+
+
+def best_pic(rows: list[dict], tolerance: float) -> Optional[dict]:
+    """The PIC row with the fewest recomputed tokens among those whose average delta is
+    >= -tolerance; if none, the one with the best average delta (ties: fewer recomputed)."""
+    pic = [r for r in rows if r["method"] == "pic"]
+    if not pic:
+        return None
+    ok = [r for r in pic if r["avg_delta"] >= -tolerance]
+    if ok:
+        return min(ok, key=lambda r: (r["recompute_fraction"], -r["avg_delta"]))
+    return max(pic, key=lambda r: (r["avg_delta"], -r["recompute_fraction"]))
+
+
+def summarize(rows: list[dict], tolerance: float) -> dict:
+    """Per model: full average, best PIC seam and its average delta, naive's and prefix's."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        by_method = {r["method"]: r for r in mine if r["method"] != "pic"}
+        best = best_pic(mine, tolerance)
+        out[model] = {
+            "weights": mine[0]["weights"],
+            "full_avg": by_method["full"]["avg"],
+            "best_pic_seam": None if best is None else best["seam"],
+            "best_pic_swa_seam": None if best is None else best["swa_seam"],
+            "best_pic_avg_delta": None if best is None else best["avg_delta"],
+            "best_pic_recompute_fraction": None if best is None else best["recompute_fraction"],
+            "best_pic_within_tolerance": None if best is None else best["avg_delta"] >= -tolerance,
+            "naive_avg_delta": by_method["naive"]["avg_delta"] if "naive" in by_method else None,
+            "prefix_avg_delta": by_method["prefix"]["avg_delta"] if "prefix" in by_method else None,
+            "pic_seams": [{"seam": r["seam"], "swa_seam": r["swa_seam"], "avg_delta": r["avg_delta"], "kl": r["kl"],
+                           "top1": r["top1"], "recompute_fraction": r["recompute_fraction"]}
+                          for r in mine if r["method"] == "pic"],
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- output
+def _signed(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.1f}"
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table_cells(row: dict, tasks: Sequence[str]) -> list[str]:
+    cells = [row["model"], row["label"]]
+    for task in tasks:
+        t = row["tasks"].get(task)
+        cells.append("-" if t is None else f"{t['score']:.1f} ({_signed(t['delta'])})")
+    cells += [f"{row['avg']:.1f} ({_signed(row['avg_delta'])})", _fmt(row["kl"], ".2e"), _fmt(row["top1"], ".1f"),
+              f"{100 * row['recompute_fraction']:.0f}",
+              f"{row['prefill_ms_per_request']:.0f}+{row['decode_ms_per_request']:.0f}"]
+    return cells
+
+
+def table_header(tasks: Sequence[str]) -> list[str]:
+    return ["model", "method", *tasks, "avg", "KL", "top-1 %", "recomp %", "ms/req"]
+
+
+def summary_lines(summary: dict, tolerance: float) -> list[str]:
+    lines = []
+    for model, s in summary.items():
+        parts = [f"{model} ({s['weights']}): full avg {s['full_avg']:.1f}"]
+        if s["best_pic_seam"] is not None:
+            rule = {"window": ", window rule", "seam": ", plain seam"}.get(s["best_pic_swa_seam"] or "", "")
+            why = (f"fewest recomputed tokens within {tolerance:g} points" if s["best_pic_within_tolerance"]
+                   else f"closest to full; none within {tolerance:g} points")
+            parts.append(f"best PIC seam {s['best_pic_seam']}{rule} ({why}): avg delta "
+                         f"{_signed(s['best_pic_avg_delta'])}, {100 * s['best_pic_recompute_fraction']:.0f}% "
+                         "of prompt tokens recomputed")
+        if s["naive_avg_delta"] is not None:
+            parts.append(f"naive avg delta {_signed(s['naive_avg_delta'])}")
+        if s["prefix_avg_delta"] is not None:
+            parts.append(f"prefix avg delta {_signed(s['prefix_avg_delta'])}")
+        lines.append("; ".join(parts))
+    return lines
+
+
+def print_report(rows: list[dict], summary: dict, tasks: Sequence[str], tolerance: float, markdown: bool,
+                 title: str) -> None:
+    if markdown:
+        print(f"**{title}**\n")
+        print("| " + " | ".join(table_header(tasks)) + " |")
+        print("|" + "---|" * len(table_header(tasks)))
+        for row in rows:
+            print("| " + " | ".join(table_cells(row, tasks)) + " |")
+        print()
+        for line in summary_lines(summary, tolerance):
+            print(f"- {line}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)
+    table = Table(title=title)
+    for col in table_header(tasks):
+        table.add_column(col, justify="left" if col in ("model", "method") else "right")
+    prev = None
+    for row in rows:
+        if prev is not None and row["model"] != prev:
+            table.add_section()
+        prev = row["model"]
+        table.add_row(*table_cells(row, tasks))
+    console.print(table)
+    for line in summary_lines(summary, tolerance):
+        console.print(line, highlight=False)
+
+
+def default_json_path(today: Optional[_dt.date] = None) -> Path:
+    day = (today or _dt.date.today()).isoformat()
+    return REPO_ROOT / "docs" / "results" / f"quality-{day}.json"
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+# ------------------------------------------------------------------------------ run
+class Reporter:
+    """Where a run reports progress: `advance(k)` requests done, `describe(text)` what
+    runs now, `log(line)` a finished row. The base prints log lines to stderr."""
+
+    def advance(self, k: int) -> None:
+        return None
+
+    def describe(self, text: str) -> None:
+        return None
+
+    def log(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
+class BarReporter(Reporter):
+    """A rich progress bar; log lines print above it."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.progress = progress
+        self.bar = progress.add_task("quality", total=total)
+
+    def advance(self, k: int) -> None:
+        self.progress.advance(self.bar, k)
+
+    def describe(self, text: str) -> None:
+        self.progress.update(self.bar, description=text)
+
+    def log(self, line: str) -> None:
+        self.progress.console.print(line, highlight=False)
+
+
+class QueueReporter(Reporter):
+    """Forwards events from a worker process to the parent's reporter."""
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+
+    def advance(self, k: int) -> None:
+        self.queue.put(("advance", k))
+
+    def describe(self, text: str) -> None:
+        self.queue.put(("describe", text))
+
+    def log(self, line: str) -> None:
+        self.queue.put(("log", line))
+
+
+@dataclass(frozen=True)
+class ModelJob:
+    """Everything one model's rows need (picklable: it is sent to worker processes)."""
+
+    preset: str
+    specs: tuple
+    requests: tuple
+    tasks: tuple
+    device: str
+    max_tokens: int
+    batch_size: int
+    threads: int
+    init_seed: Optional[int]
+
+
+def measure_model(job: ModelJob, reporter: Reporter) -> list[dict]:
+    """The rows of one model, `full` first (the reference of the others)."""
+    torch.set_num_threads(job.threads)
+    session = open_session(job.preset, job.device, job.max_tokens, job.batch_size, init_seed=job.init_seed)
+    weights = session.loaded.source
+    ref = None
+    rows = []
+    for spec in job.specs:
+        reporter.describe(f"{job.preset} {spec.label}")
+        advance = lambda k, task: reporter.advance(k)  # noqa: E731
+        if spec.method == "full":
+            run = run_method(session, spec, job.requests, keep_logprobs=True, on_progress=advance)
+            ref = run.question_logprobs
+            for o in run.outcomes:  # the reference itself: KL 0 and top-1 100% by construction
+                o.kl_sum, o.top1_hits = 0.0, o.positions
+        else:
+            run = run_method(session, spec, job.requests, reference=ref, on_progress=advance)
+        rows.append(make_row(job.preset, weights, run, job.tasks))
+        reporter.log(f"{job.preset} {spec.label}: {len(job.requests)} requests in {run.seconds:.1f} s "
+                     f"(process CPU {run.cpu_seconds:.1f} s)")
+    add_deltas(rows, rows[0])
+    return rows
+
+
+def _worker(job: ModelJob, queue) -> list[dict]:
+    return measure_model(job, QueueReporter(queue))
+
+
+def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
+    """Validate the options; one job per model, and the run's config record."""
+    presets, tasks = _csv(args.presets, "presets"), _csv(args.tasks, "tasks")
+    methods, seams = _csv(args.methods, "methods"), _ints(args.seams, "seams")
+    policies = _csv(args.swa_seam, "swa-seam")
+    for t in tasks:
+        if t not in TASKS:
+            raise QualityError(f"unknown task {t!r}; expected some of {', '.join(TASKS)}")
+    for name, low in (("n", 1), ("threads", 1), ("jobs", 1), ("batch_size", 1)):
+        if getattr(args, name) < low:
+            raise QualityError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {low}")
+    device = resolve_device(args.device)
+    overrides = {"docs": args.docs, "facts_per_doc": args.facts_per_doc}
+    requests = tuple(r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides))
+    max_tokens = max(r.prompt_tokens + 1 + max_new_tokens(r.metric) for r in requests)
+    jobs = [ModelJob(p, tuple(expand_specs(model_config_of(p), methods, seams, policies)), requests, tuple(tasks),
+                     device, max_tokens, args.batch_size, args.threads, args.init_seed) for p in presets]
+    config = {"presets": presets, "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
+              "n": args.n, "seed": args.seed, "scale": "tiny",
+              "workload_overrides": {k: v for k, v in overrides.items() if v is not None},
+              "device": device, "threads": args.threads, "jobs": args.jobs, "batch_size": args.batch_size,
+              "tolerance": args.tolerance, "init_seed": args.init_seed, "quick": args.quick}
+    return jobs, config
+
+
+def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int) -> list[dict]:
+    """Every model's rows, in the order of `jobs`; `parallel` > 1 measures that many models
+    at once in worker processes (spawned, so CUDA is safe; each with its own `threads`)."""
+    if parallel <= 1 or len(jobs) <= 1:
+        return [row for job in jobs for row in measure_model(job, reporter)]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, cf.ProcessPoolExecutor(min(parallel, len(jobs)), mp_context=ctx) as pool:
+        events = manager.Queue()
+        futures = [pool.submit(_worker, job, events) for job in jobs]
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.2)
+            for f in done:
+                f.result()  # a worker's error surfaces here
+            while True:
+                try:
+                    kind, value = events.get_nowait()
+                except queue_mod.Empty:
+                    break
+                getattr(reporter, kind)(value)
+        return [row for f in futures for row in f.result()]
+
+
+def _have_rich() -> bool:
+    """rich draws the progress bar and the table; without it (a bare GPU box) the
+    harness prints plain progress lines and a markdown table."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    have_rich = _have_rich()
+    try:
+        jobs, config = plan_jobs(args)
+        parallel = args.jobs
+        if args.no_progress or not have_rich:
+            rows = run_jobs(jobs, Reporter(), parallel)
+        else:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            total = sum(len(j.specs) * len(j.requests) for j in jobs)
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TimeRemainingColumn(), console=Console(stderr=True)) as progress:
+                rows = run_jobs(jobs, BarReporter(progress, total), parallel)
+    except (QualityError, WorkloadError, EngineError) as exc:
+        msg = exc.args[0] if exc.args else str(exc)
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    summary = summarize(rows, args.tolerance)
+    seconds = time.perf_counter() - t0
+    title = (f"quality vs full recompute: {config['n']} requests per task, seed {config['seed']}, "
+             f"{config['device']}, {seconds:.0f} s")
+    print_report(rows, summary, config["tasks"], args.tolerance, args.markdown or not have_rich, title)
+    if args.json:
+        path = Path(args.json_path) if args.json_path else default_json_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"schema": SCHEMA, "date": _dt.date.today().isoformat(),
+               "command": "python -m tools.quality " + shlex.join(argv), "config": config,
+               "environment": environment(config["device"]), "seconds": seconds, "rows": rows, "summary": summary}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
