@@ -1,6 +1,6 @@
 """The parts of the kvstore client that do not depend on sync vs asyncio: resolving where
-the daemon listens, request building, response decoding, lease bookkeeping, and the
-records the client API returns.
+the daemon listens, request building, put_tensors' in-place write step, response decoding,
+lease bookkeeping, and the records the client API returns.
 
 Owns: `ClientCore`, which `KVStoreClient` (sync) and `AsyncKVStoreClient` (asyncio)
 both build on, so the two offer the same API with the same semantics.
@@ -16,16 +16,19 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from kvstore.client.regions import RegionMapper
 from kvstore.client.status import not_running
 from kvstore.client.views import ObjectView
 from kvstore.errors import InvalidRequest, VersionMismatch
-from kvstore.records import Lease, LookupEntry, ObjectInfo
+from kvstore.records import Lease, LookupEntry, ObjectInfo, Region
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import PROTOCOL_METADATA_KEY, PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from kvstore.format import BlobPlan
 
 KeyLike = Union[bytes, bytearray, memoryview, str]
 DEFAULT_TIMEOUT_S = 30.0
@@ -180,6 +183,26 @@ class ClientCore:
 
     def get_request(self, keys: Sequence[bytes], promote: bool) -> pb.GetRequest:
         return pb.GetRequest(keys=list(keys), client_id=self.client_id, no_promote=not promote)
+
+    def blob_writer(self, plan: "BlobPlan", tensors: Mapping[str, Any]) -> Callable[[Region], int]:
+        """put_tensors' write step: lay `tensors` out by `plan` straight into a reserved
+        region (no intermediate copy) and return the blob's checksum."""
+        from kvstore import format as fmt
+
+        def write(region: Region) -> int:
+            import torch
+
+            if region.kind == "cuda_ipc":
+                buf: Any = self.regions.cuda_tensor(region)
+            else:
+                buf = torch.from_numpy(self.regions.host_array(region, writable=True))
+                self.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
+            checksum = fmt.write_blob(buf, plan, tensors)
+            if region.kind == "cuda_ipc":
+                torch.cuda.current_stream(buf.device).synchronize()
+            return checksum
+
+        return write
 
     # ------------------------------------------------------------------ responses
 

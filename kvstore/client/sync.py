@@ -225,24 +225,8 @@ class KVStoreClient:
 
         k = as_key(key)
         plan = fmt.plan_blob(tensors, fingerprint=fingerprint, token_count=token_count, meta=meta, layers=layers)
-
-        def write(region: Any) -> int:
-            if region.kind == "cuda_ipc":
-                buf: Any = self._core.regions.cuda_tensor(region)
-            else:
-                import torch
-
-                buf = torch.from_numpy(self._core.regions.host_array(region, writable=True))
-                self._core.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
-            checksum = fmt.write_blob(buf, plan, tensors)
-            if region.kind == "cuda_ipc":
-                import torch
-
-                torch.cuda.current_stream(buf.device).synchronize()
-            return checksum
-
         m = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)
-        return self._put(k, plan.total_size, tier, m, write)
+        return self._put(k, plan.total_size, tier, m, self._core.blob_writer(plan, tensors))
 
     # ------------------------------------------------------------------ get
 

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.allocator import Extent, ExtentAllocator
 from kvstore.errors import AlreadyExists, InvalidRequest, StorageError
 from kvstore.records import Region
-from kvstore.tiers.base import Slot, Tier, check_tensor_arg
+from kvstore.tiers.arena import ArenaTier
+from kvstore.tiers.base import Slot, check_tensor_arg
 
 log = logging.getLogger(__name__)
 
@@ -43,30 +43,18 @@ def arena_path(shm_name: str, shm_dir: Path = SHM_DIR) -> Path:
     return shm_dir / f"{shm_name}.arena"
 
 
-class CpuArena(Tier):
+class CpuArena(ArenaTier):
     """Shared-memory arena tier; see the module docstring."""
 
     name = "cpu"
-    durable = False
 
     def __init__(self, capacity: int, shm_name: str, shm_dir: Path = SHM_DIR, pin: Optional[bool] = None) -> None:
-        if capacity <= 0:
-            raise InvalidRequest(f"cpu arena capacity must be > 0 bytes, got {capacity}")
-        self._alloc = ExtentAllocator(capacity)
+        super().__init__(capacity)
         self.path = arena_path(shm_name, shm_dir)
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._fd = -1
         self._mm: Optional[mmap.mmap] = None
-        self._base: Optional[torch.Tensor] = None
         self._pinned = False
-
-    @property
-    def capacity(self) -> int:
-        return self._alloc.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used
 
     def open(self) -> None:
         cap = self._alloc.capacity
@@ -120,22 +108,8 @@ class CpuArena(Tier):
             raise StorageError(f"cpu arena {self.path} is not open")
         return self._base
 
-    def allocate(self, size: int, name: str) -> Optional[Slot]:
-        self._require_open()
-        ext = self._alloc.allocate(size)
-        return None if ext is None else Slot(self.name, ext.offset, ext.length, size)
-
-    def free(self, slot: Slot) -> None:
-        self._alloc.free(Extent(slot.offset, slot.length))
-
-    def seal(self, slot: Slot, name: str) -> Slot:
-        return slot
-
     def region(self, slot: Slot) -> Region:
         return Region("shm", str(self.path), slot.offset, slot.size)
-
-    def view(self, slot: Slot) -> torch.Tensor:
-        return self._require_open()[slot.offset : slot.offset + slot.size]
 
     def read_into(self, slot: Slot, dst: torch.Tensor) -> None:
         check_tensor_arg(self.name, "read_into", dst, slot.size)
@@ -158,17 +132,7 @@ class CpuArena(Tier):
             return xxhash.xxh3_64_intdigest(mv[slot.offset : slot.offset + slot.size])
 
     def stats(self) -> dict[str, Any]:
-        s = self._alloc.stats()
-        return {
-            "name": self.name,
-            "capacity_bytes": s.capacity,
-            "used_bytes": s.used,
-            "free_extents": s.free_extents,
-            "largest_free_bytes": s.largest_free,
-            "fragmentation": round(s.fragmentation, 4),
-            "path": str(self.path),
-            "pinned": self._pinned,
-        }
+        return {**super().stats(), "path": str(self.path), "pinned": self._pinned}
 
 
 def _cuda_host_register(base: torch.Tensor) -> bool:

@@ -13,38 +13,26 @@ ExtentAllocator the CPU arena uses.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from kvstore.allocator import Extent, ExtentAllocator
 from kvstore.errors import InvalidRequest, StorageError
 from kvstore.format import checksum as blob_checksum
 from kvstore.records import Region
-from kvstore.tiers.base import Slot, Tier, check_tensor_arg
+from kvstore.tiers.arena import ArenaTier
+from kvstore.tiers.base import Slot, check_tensor_arg
 
 
-class GpuArena(Tier):
+class GpuArena(ArenaTier):
     """CUDA arena tier; see the module docstring."""
 
     name = "gpu"
-    durable = False
 
     def __init__(self, capacity: int, device: int | str | torch.device = 0) -> None:
-        if capacity <= 0:
-            raise InvalidRequest(f"gpu arena capacity must be > 0 bytes, got {capacity}")
-        self._alloc = ExtentAllocator(capacity)
+        super().__init__(capacity)
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        self._base: Optional[torch.Tensor] = None
         self._handle = b""
-
-    @property
-    def capacity(self) -> int:
-        return self._alloc.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used
 
     def open(self) -> None:
         if not torch.cuda.is_available():
@@ -64,23 +52,12 @@ class GpuArena(Tier):
             raise StorageError("gpu arena is not open")
         return self._base
 
-    def allocate(self, size: int, name: str) -> Optional[Slot]:
-        self._require_open()
-        ext = self._alloc.allocate(size)
-        return None if ext is None else Slot(self.name, ext.offset, ext.length, size)
-
-    def free(self, slot: Slot) -> None:
-        self._alloc.free(Extent(slot.offset, slot.length))
-
     def seal(self, slot: Slot, name: str) -> Slot:
         torch.cuda.synchronize(self.device)  # pragma: no cover - GPU only
         return slot
 
     def region(self, slot: Slot) -> Region:
         return Region("cuda_ipc", "", slot.offset, slot.size, self._handle)
-
-    def view(self, slot: Slot) -> torch.Tensor:
-        return self._require_open()[slot.offset : slot.offset + slot.size]
 
     def read_into(self, slot: Slot, dst: torch.Tensor) -> None:  # pragma: no cover - GPU only
         check_tensor_arg(self.name, "read_into", dst, slot.size)
@@ -105,16 +82,7 @@ class GpuArena(Tier):
         return blob_checksum(self.view(slot))
 
     def stats(self) -> dict[str, Any]:
-        s = self._alloc.stats()
-        return {
-            "name": self.name,
-            "capacity_bytes": s.capacity,
-            "used_bytes": s.used,
-            "free_extents": s.free_extents,
-            "largest_free_bytes": s.largest_free,
-            "fragmentation": round(s.fragmentation, 4),
-            "device": str(self.device),
-        }
+        return {**super().stats(), "device": str(self.device)}
 
 
 def ipc_handle(base: torch.Tensor) -> bytes:
