@@ -218,7 +218,7 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time_and_stops_at_newl
 def test_evaluate_scores_each_task_with_the_workload_metric():
     model = _small_model()
     reqs = eval_requests(["fact", "aggregate"], 2, seed=0, **dict(SHORT_EVAL))
-    res = evaluate(model, reqs, batch_size=2)
+    res = evaluate(model, reqs, batch_size=2, max_new=6)
     assert set(res) == {"fact", "aggregate"} and all(r.n == 2 for r in res.values())
     assert all(0.0 <= r.score <= 100.0 for r in res.values())
     assert encode_prompt("ab") == [256, 97, 98] and decode_answer([97, 256, 10]) == "a\n"

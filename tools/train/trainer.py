@@ -56,7 +56,7 @@ class TrainConfig:
     out_dir: str
     steps: int = 1_000_000
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
