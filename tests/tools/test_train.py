@@ -118,11 +118,14 @@ def test_curriculum_levels_shrink_prompts_and_full_level_is_the_default_config()
     assert example_config("fact", 1.0) == make_config("fact", "tiny")
     small = example_config("fact", 0.0)
     assert small.docs_min == small.docs_max == 2 and small.facts_per_doc == 3
-    cfg = DataConfig(mix={"fact": 1.0}, extra_questions=0)
+    cfg = DataConfig(mix={"fact": 1.0}, extra_questions=0, curriculum_frac=0.3)
     rng = random.Random(1)
-    early = np.mean([len(make_example(rng, cfg, 0.0)) for _ in range(40)])
-    late = np.mean([len(make_example(rng, cfg, 1.0)) for _ in range(40)])
-    assert early < 0.75 * late
+    first = [len(make_example(rng, cfg, 0.0)) for _ in range(20)]
+    early = np.mean([len(make_example(rng, cfg, 0.15)) for _ in range(40)])
+    late = [len(make_example(rng, cfg, 0.6)) for _ in range(40)]
+    assert max(first) < 140  # 2 documents of 3 facts and the question
+    assert max(first) < early < 0.75 * np.mean(late)
+    assert min(late) >= len("## doc 1\n") * 3 + 11 * 3 * 9  # every prompt has the full 3-7 docs of 11 facts
 
 
 def test_collate_pads_to_multiple_with_pad_ids_and_no_loss():
@@ -215,7 +218,7 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time_and_stops_at_newl
 def test_evaluate_scores_each_task_with_the_workload_metric():
     model = _small_model()
     reqs = eval_requests(["fact", "aggregate"], 2, seed=0, **dict(SHORT_EVAL))
-    res = evaluate(model, reqs, batch_size=2)
+    res = evaluate(model, reqs, batch_size=2, max_new=6)
     assert set(res) == {"fact", "aggregate"} and all(r.n == 2 for r in res.values())
     assert all(0.0 <= r.score <= 100.0 for r in res.values())
     assert encode_prompt("ab") == [256, 97, 98] and decode_answer([97, 256, 10]) == "a\n"

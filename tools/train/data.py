@@ -18,10 +18,11 @@ Every token carries a loss class (`kinds`), each with its own weight in the loss
 The model predicts token t+1 from tokens <= t, so the class of the *target* token
 decides its weight.
 
-Curriculum (`DataConfig.curriculum_frac`): at training progress p (0..1), an example is
-full size (the tiny workload defaults) with probability min(1, p / curriculum_frac);
-otherwise its size level s ~ U(0, 1) shrinks documents per prompt and facts per document
-linearly towards `min_docs` documents of `min_items` facts (default 2 of 3). Short prompts (fewer distractors) teach the
+Curriculum (`DataConfig.curriculum_frac` = c): an example's size level s in [0, 1] scales
+documents per prompt and facts per document linearly from `min_docs` documents of
+`min_items` facts (s = 0; default 2 of 3) to the tiny workload defaults (s = 1). At
+training progress p: p < c: s ~ U(0, p / c); c <= p < 2c: s = 1 with probability
+(p - c) / c, else U(0, 1); p >= 2c: s = 1. Short prompts (fewer distractors) teach the
 lookup quickly; the full-size examples then teach the length the evaluation uses.
 
 Batches: `batch_size` sequences padded to a multiple of `pad_multiple` tokens (few
@@ -78,8 +79,8 @@ class DataConfig:
     #: sequences longer than this lose extra questions until they fit (then are redrawn)
     max_len: int = 1152
     pad_multiple: int = 128
-    #: progress fraction after which every example is full size (0: no curriculum)
-    curriculum_frac: float = 0.35
+    #: curriculum length c: widening sizes until c, mixed until 2c, then full size (0: none)
+    curriculum_frac: float = 0.3
     #: cap on the size level (1: full size reachable; < 1: short prompts only, for CPU runs)
     max_level: float = 1.0
     #: the smallest prompt of the curriculum (level 0): documents per prompt, items per document
@@ -99,8 +100,8 @@ class DataConfig:
             raise TrainConfigError(f"pad_multiple={self.pad_multiple} must be >= 1")
         if self.max_len < 64:
             raise TrainConfigError(f"max_len={self.max_len} must be >= 64")
-        if not 0.0 <= self.curriculum_frac <= 1.0:
-            raise TrainConfigError(f"curriculum_frac={self.curriculum_frac} must be in [0, 1]")
+        if not 0.0 <= self.curriculum_frac <= 0.5:
+            raise TrainConfigError(f"curriculum_frac={self.curriculum_frac} must be in [0, 0.5]")
         if not 0.0 <= self.max_level <= 1.0:
             raise TrainConfigError(f"max_level={self.max_level} must be in [0, 1]")
         if self.min_docs < 2 or self.min_items < 2:
@@ -156,8 +157,15 @@ def example_config(task: str, level: float, scale: str = "tiny", min_docs: int =
 
 
 def size_level(rng: random.Random, progress: float, curriculum_frac: float) -> float:
-    """1.0 (full size) with probability min(1, progress / curriculum_frac), else U(0, 1)."""
-    if curriculum_frac <= 0 or rng.random() < min(1.0, progress / curriculum_frac):
+    """Size level of one example at training progress p, with c = curriculum_frac:
+    p < c: U(0, p / c) (the run starts on the smallest prompts and widens the range);
+    c <= p < 2c: full size with probability (p - c) / c, else U(0, 1); p >= 2c: full size."""
+    if curriculum_frac <= 0:
+        return 1.0
+    ramp = progress / curriculum_frac
+    if ramp < 1.0:
+        return rng.random() * ramp
+    if ramp >= 2.0 or rng.random() < ramp - 1.0:
         return 1.0
     return rng.random()
 

@@ -133,8 +133,9 @@ def eval_requests(tasks: Sequence[str], n: int, seed: int = 0, scale: str = "tin
 
 def evaluate(model: HybridDecoder, requests: dict[str, list[Request]], backend: str = "torch",
              autocast_dtype: torch.dtype | None = None, batch_size: int = 64, bos: bool = True,
-             keep_samples: int = 3) -> dict[str, TaskEval]:
-    """Greedy full-recompute answers to every request, scored per task."""
+             keep_samples: int = 3, max_new: int | None = None) -> dict[str, TaskEval]:
+    """Greedy full-recompute answers to every request, scored per task. `max_new` bounds
+    the answer length (default: per metric, MAX_NEW)."""
     results = {}
     for task, reqs in requests.items():
         t0 = time.perf_counter()
@@ -144,7 +145,7 @@ def evaluate(model: HybridDecoder, requests: dict[str, list[Request]], backend: 
         preds: list[str] = [""] * len(reqs)
         for metric, idx in by_metric.items():
             gens = greedy_generate(model, [encode_prompt(reqs[i].prompt, bos) for i in idx],
-                                   max_new_tokens(metric), backend, autocast_dtype, batch_size)
+                                   max_new or max_new_tokens(metric), backend, autocast_dtype, batch_size)
             for i, g in zip(idx, gens):
                 preds[i] = decode_answer(g)
         points = [score(r, p) for r, p in zip(reqs, preds)]

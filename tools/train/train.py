@@ -74,9 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--extra-questions", type=int, default=DataConfig.extra_questions,
                     help="questions appended after the first answer of each example")
     ap.add_argument("--curriculum-frac", type=float, default=DataConfig.curriculum_frac,
-                    help="progress after which every example is full size (0: off)")
+                    help="curriculum length c: sizes widen until c, mix until 2c, then full size (0: off)")
     ap.add_argument("--max-level", type=float, default=DataConfig.max_level,
                     help="cap on the curriculum size level (1: full-size prompts; <1: short only, CPU runs)")
+    ap.add_argument("--min-docs", type=int, default=DataConfig.min_docs,
+                    help="documents per prompt at curriculum level 0")
+    ap.add_argument("--min-items", type=int, default=DataConfig.min_items,
+                    help="facts / examples per document at curriculum level 0")
+    ap.add_argument("--pad-multiple", type=int, default=DataConfig.pad_multiple,
+                    help="batches are padded to a multiple of this many tokens")
     ap.add_argument("--mix", default=None, help="task weights, e.g. fact=1,twohop=2 (default: data.DEFAULT_MIX)")
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS (the engine does)")
     ap.add_argument("--seed", type=int, default=TrainConfig.seed)
@@ -153,7 +159,8 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
     overrides = _json_items(args.model_overrides, "--model-overrides")
     data = DataConfig(mix=parse_mix(args.mix) if args.mix else DataConfig().mix,
                       extra_questions=args.extra_questions, bos=not args.no_bos, max_len=args.seq_len,
-                      curriculum_frac=args.curriculum_frac, max_level=args.max_level)
+                      curriculum_frac=args.curriculum_frac, max_level=args.max_level, min_docs=args.min_docs,
+                      min_items=args.min_items, pad_multiple=args.pad_multiple)
     cfg = TrainConfig(
         preset=preset, out_dir=str(_out_dir(args, preset)), steps=args.steps, batch_size=args.batch, lr=args.lr,
         min_lr_frac=args.min_lr_frac, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,

@@ -16,6 +16,7 @@ loop early and the model trained so far is still evaluated and saved (the log sa
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -40,10 +41,12 @@ from tools.workloads import TASKS
 
 from .data import ANSWER_KIND, KIND_NAMES, Batch, BatchStream, DataConfig, derive_seed
 from .errors import TrainConfigError
-from .evaluate import TaskEval, eval_requests, evaluate
+from .evaluate import TaskEval, autocast_context, eval_requests, evaluate
 
 LOG_FILE = "train_log.json"
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+#: final_loss is the mean total loss over this many last steps
+RECENT_STEPS = 50
 #: checkpoints must stay under the largest file the GPU box returns
 MAX_CHECKPOINT_BYTES = 16 * 2**20
 
@@ -56,7 +59,7 @@ class TrainConfig:
     out_dir: str
     steps: int = 1_000_000
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
@@ -308,7 +311,7 @@ def train(cfg: TrainConfig, command: str | None = None,
     step, skipped, tokens, examples = 0, 0, 0, 0
     data_wait = 0.0
     last: LossParts | None = None
-    acc = {"loss": 0.0, "answer": 0.0, "prompt": 0.0, "n": 0}
+    recent = collections.deque(maxlen=RECENT_STEPS)  # losses of the last steps, for final_loss
     correct_sum = torch.zeros((), device=device)
     count_sum = torch.zeros((), device=device)
     error: str | None = None
@@ -326,7 +329,7 @@ def train(cfg: TrainConfig, command: str | None = None,
             for group in opt.param_groups:
                 group["lr"] = lr
             try:
-                with _autocast(device, amp):
+                with autocast_context(device, amp):
                     logits = fwd(ids, backend=backend)
                 parts = compute_loss(logits, ids, kinds, cfg.loss_weights)
                 opt.zero_grad(set_to_none=True)
@@ -350,6 +353,7 @@ def train(cfg: TrainConfig, command: str | None = None,
             else:
                 opt.step()
             step += 1
+            recent.append(float(parts.total.detach()))
             clock.first_step_done()
             tokens += batch.real_tokens
             examples += len(batch.tasks)
@@ -378,7 +382,7 @@ def train(cfg: TrainConfig, command: str | None = None,
                               f"loss={loss:.3f} ans={ans:.3f} acc={entry['answer_token_acc']:.3f} "
                               f"T={entry['seq_len']} wait={data_wait:.1f}s")
             if cfg.eval_every and step % cfg.eval_every == 0:
-                evals = evaluate(model, eval_set, backend, amp, cfg.eval_batch, cfg.data.bos, keep_samples=0)
+                evals, backend = _evaluate_safely(cfg, model, eval_set, backend, amp, log, keep_samples=0)
                 log["evals"].append({"step": step, "elapsed_s": round(clock.elapsed(), 2),
                                      "n": cfg.eval_n, "scores": {t: round(e.score, 2) for t, e in evals.items()}})
                 _say(cfg, f"eval step {step} t={clock.elapsed():.0f}s: {_scores_line(evals)}")
@@ -391,30 +395,44 @@ def train(cfg: TrainConfig, command: str | None = None,
     finally:
         stream.close()
     train_s = clock.elapsed()
-    _say(cfg, f"trained {step} steps in {train_s:.0f}s ({examples} examples, {tokens} tokens); final eval")
-    final_set = eval_requests(cfg.final_eval_tasks, cfg.final_eval_n, cfg.eval_seed, **dict(cfg.eval_overrides))
-    final = evaluate(model, final_set, backend, amp, cfg.eval_batch, cfg.data.bos)
-    _say(cfg, f"final eval (n={cfg.final_eval_n}): {_scores_line(final)}")
-    fp = _save(model, out_dir, log)
-    final_loss = None if last is None else round(last.total.item(), 4)
+    _say(cfg, f"trained {step} steps in {train_s:.0f}s ({examples} examples, {tokens} tokens); saving")
+    final_loss = round(sum(recent) / len(recent), 4) if recent else None
     log.update({
         "steps": step, "skipped_steps": skipped, "examples": examples, "tokens": tokens,
-        "train_wall_s": round(train_s, 2), "wall_s": round(time.perf_counter() - wall0, 2),
-        "data_wait_s": round(data_wait, 2), "final_loss": final_loss,
+        "train_wall_s": round(train_s, 2), "data_wait_s": round(data_wait, 2),
+        "final_loss": final_loss, "final_loss_steps": len(recent),
         "final_answer_loss": None if last is None else round(last.answer.item(), 4),
+        "aborted": error is not None,
+    })
+    fp = _save(model, out_dir, log)  # before the final eval: a failure there keeps the weights
+    log["fingerprint"] = fp
+    write_log()
+    final_set = eval_requests(cfg.final_eval_tasks, cfg.final_eval_n, cfg.eval_seed, **dict(cfg.eval_overrides))
+    final, backend = _evaluate_safely(cfg, model, final_set, backend, amp, log)
+    _say(cfg, f"final eval (n={cfg.final_eval_n}): {_scores_line(final)}")
+    log.update({
+        "wall_s": round(time.perf_counter() - wall0, 2),
         "final_eval": {"n": cfg.final_eval_n, "seed": cfg.eval_seed, "overrides": dict(cfg.eval_overrides),
-                       "scores": {t: round(e.score, 2) for t, e in final.items()},
+                       "backend": backend, "scores": {t: round(e.score, 2) for t, e in final.items()},
                        "details": {t: e.to_dict() for t, e in final.items()}},
-        "fingerprint": fp, "aborted": error is not None,
     })
     write_log()
     return TrainResult(cfg.preset, str(out_dir), error is None, step, log["wall_s"], final_loss,
                        {t: e.score for t, e in final.items()}, fp, error)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    from .evaluate import autocast_context
-    return autocast_context(device, dtype)
+def _evaluate_safely(cfg: TrainConfig, model, requests, backend: str, amp, log: dict,
+                     keep_samples: int = 3) -> tuple[dict[str, TaskEval], str]:
+    """evaluate(); if the fla backend raises, note it and evaluate on the torch path."""
+    try:
+        return evaluate(model, requests, backend, amp, cfg.eval_batch, cfg.data.bos, keep_samples), backend
+    except Exception as exc:
+        if backend != "fla":
+            raise
+        note = f"fla backend failed in evaluation ({type(exc).__name__}: {exc}); using torch"
+        _say(cfg, note)
+        log["notes"].append(note)
+        return evaluate(model, requests, "torch", amp, cfg.eval_batch, cfg.data.bos, keep_samples), "torch"
 
 
 def _per_task(batch: Batch, parts: LossParts) -> dict[str, float]:
