@@ -260,8 +260,10 @@ def format_table(rows: list[dict]) -> str:
             continue
         cells = " ".join(f"{r['scores'].get(t, float('nan')):>9.1f}" for t in tasks)
         flag = "" if r["ok"] else "  (aborted)"
-        lines.append(f"{r['preset']:<16} {r['steps']:>6} {r['train_wall_s']:>7.0f} "
-                     f"{(r['final_loss'] if r['final_loss'] is not None else float('nan')):>6.3f}  {cells}{flag}")
+        steps = "-" if r.get("steps") is None else r["steps"]
+        wall = "-" if r.get("train_wall_s") is None else f"{r['train_wall_s']:.0f}"
+        loss = "-" if r.get("final_loss") is None else f"{r['final_loss']:.3f}"
+        lines.append(f"{r['preset']:<16} {steps:>6} {wall:>7} {loss:>6}  {cells}{flag}")
     return "\n".join(lines)
 
 
@@ -312,8 +314,8 @@ def eval_only(args: argparse.Namespace, presets: list[str]) -> int:
         print(f"[{preset}] {loaded.source} fingerprint {loaded.fingerprint[:16]} "
               f"({time.perf_counter() - t0:.0f}s): " + " ".join(f"{t}={e.score:.1f}" for t, e in res.items()),
               flush=True)
-        rows.append({"preset": preset, "ok": loaded.trained, "steps": 0, "train_wall_s": 0.0, "final_loss": None,
-                     "scores": {t: e.score for t, e in res.items()}})
+        rows.append({"preset": preset, "ok": loaded.trained, "steps": None, "train_wall_s": None,
+                     "final_loss": None, "scores": {t: e.score for t, e in res.items()}})
     print(format_table(rows))
     return 0
 
