@@ -4,6 +4,7 @@ full-recompute generation, a short CPU run that lowers the loss and saves a chec
 engine reloads with the same fingerprint, and the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -245,6 +246,15 @@ def test_short_cpu_training_lowers_loss_and_saves_a_reloadable_checkpoint(tmp_pa
     by_name = load_model("gemma3-tiny", models_root=tmp_path / "models")
     assert not by_name.trained  # a custom config is saved under its own name, not the preset's
     assert loaded.config.name == "gemma3-tiny-custom"
+    # continuing from the checkpoint starts from those weights (one step of lr 1e-12 moves them by ~1e-12)
+    again = train(dataclasses.replace(cfg, out_dir=str(tmp_path / "again"), steps=1, lr=1e-12, warmup_steps=0,
+                                      init_from=str(out)), command="test")
+    before, after = loaded.model.state_dict(), load_model(tmp_path / "again").model.state_dict()
+    assert again.ok and before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], atol=1e-9, rtol=0)
+    assert json.loads((tmp_path / "again" / "train_log.json").read_text())["init_from"]["fingerprint"] \
+        == result.fingerprint
 
 
 def test_cli_trains_bundles_and_rejects_bad_options(tmp_path):

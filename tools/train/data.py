@@ -63,7 +63,7 @@ BOS_ID, PAD_ID = ByteTokenizer.BOS, ByteTokenizer.PAD
 #: separator of a fewshot demonstration line `input -> output`
 DEMO_ARROW = " -> "
 #: Default task mixture: weighted towards the tasks the models find hardest.
-DEFAULT_MIX: Mapping[str, float] = {"fact": 1.0, "twohop": 2.0, "aggregate": 0.6, "fewshot": 1.5, "rag": 1.0}
+DEFAULT_MIX: Mapping[str, float] = {"fact": 0.8, "twohop": 2.5, "aggregate": 0.5, "fewshot": 2.0, "rag": 0.8}
 _MAX_REDRAWS = 20
 
 

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--model-overrides", default=None,
                     help='JSON of top-level ModelConfig fields to change, e.g. \'{"hidden_size": 64}\'')
+    ap.add_argument("--init-root", default=None,
+                    help="start each model from the weights saved in <init-root>/<name>/ (continue training)")
     ap.add_argument("--eval-only", action="store_true", help="score saved models (no training)")
     return ap
 
@@ -171,7 +173,8 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
         final_eval_tasks=_tasks(args.final_eval_tasks, "--final-eval-tasks"), eval_seed=args.eval_seed,
         eval_overrides=_json_items(args.eval_overrides, "--eval-overrides"),
         eval_batch=args.eval_batch, log_every=args.log_every, compile=args.compile, workers=workers,
-        threads=args.threads, model_overrides=overrides, data=data)
+        threads=args.threads, model_overrides=overrides, data=data,
+        init_from=str(Path(args.init_root) / _out_dir(args, preset).name) if args.init_root else None)
     cfg.validate()
     model_config(cfg)  # raises ConfigError naming a bad --model-overrides field
     return cfg

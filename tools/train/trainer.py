@@ -92,6 +92,8 @@ class TrainConfig:
     threads: int = 0
     #: top-level ModelConfig fields changed from the preset (CPU experiments, tests)
     model_overrides: tuple[tuple[str, Any], ...] = ()
+    #: start from the weights saved in this directory (same config) instead of the init
+    init_from: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> None:
@@ -284,6 +286,7 @@ def train(cfg: TrainConfig, command: str | None = None,
         torch.backends.cudnn.allow_tf32 = True
     mcfg = model_config(cfg)
     model = build_model(mcfg, device, torch.float32, seed=derive_seed(cfg.seed, "init") % 2**31).train()
+    init_fp = _init_from(model, cfg.init_from) if cfg.init_from else None
     backend = resolve_backend(cfg.backend, device)
     amp = AUTOCAST_DTYPES[cfg.dtype] if device.type == "cuda" else None
     opt = make_optimizer(model, cfg, device)
@@ -294,6 +297,7 @@ def train(cfg: TrainConfig, command: str | None = None,
         "preset": cfg.preset, "model": mcfg.name, "command": command, "config": cfg.to_dict(),
         "environment": _environment(device, backend), "parameters": sum(p.numel() for p in model.parameters()),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": [], "evals": [], "notes": [],
+        "init_from": None if cfg.init_from is None else {"dir": cfg.init_from, "fingerprint": init_fp},
     }
 
     def write_log() -> None:
@@ -419,6 +423,17 @@ def train(cfg: TrainConfig, command: str | None = None,
     write_log()
     return TrainResult(cfg.preset, str(out_dir), error is None, step, log["wall_s"], final_loss,
                        {t: e.score for t, e in final.items()}, fp, error)
+
+
+def _init_from(model: torch.nn.Module, directory: str) -> str:
+    """Copy the weights saved in `directory` into `model` (configs must be equal); returns
+    their fingerprint."""
+    src, fp = load_weights(directory, "cpu", torch.float32)
+    if src.config.to_json() != model.config.to_json():
+        raise TrainConfigError(f"--init-from {directory}: its config ({src.config.name}) differs from the "
+                               f"model being trained ({model.config.name})")
+    model.load_state_dict({k: v.to(model.device) for k, v in src.state_dict().items()})
+    return fp
 
 
 def _evaluate_safely(cfg: TrainConfig, model, requests, backend: str, amp, log: dict,
