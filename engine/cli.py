@@ -287,6 +287,7 @@ def run_cmd(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=0),
     as_json: bool = typer.Option(False, "--json", help="One JSON line per request instead of a table."),
     swa_seam: str = typer.Option("window", "--swa-seam", help="SWA seam policy: window (max(seam, window)) or seam."),
+    fused: bool = typer.Option(True, "--fused/--no-fused", help="pic/naive: seams, splices and suffix in one pass through the layers (default) or one pass per computed range."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     state_dtype: str = typer.Option("float32", "--state-dtype", help="dtype of cached linear states and delta-rule T (float32, bfloat16, float16)."),
     cache_gib: float = typer.Option(2.0, "--cache-gib", min=0.0, help="Capacity of the in-process signature cache / prefix tree."),
@@ -306,7 +307,7 @@ def run_cmd(
     try:
         cap = int(cache_gib * (1 << 30))
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
-                           signature_cache_bytes=cap, prefix_cache_bytes=cap)
+                           signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:

@@ -33,7 +33,7 @@ import torch
 
 from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
 from engine.runtime.detokenizer import OutputText
-from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlanner
+from engine.runtime.planner import ApplyStep, ComputeStep, FusedStep, PrefillPlanner
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestTimeline
 from engine.runtime.sampling import FINISH_STOP, SamplingParams, check_stop, make_generator, sample
 from engine.runtime.scheduler import CachePool, Scheduler, SchedulerConfig
@@ -297,10 +297,18 @@ class LLMEngine:
         split = req.timeline.prefill_split
         while not progress.done:
             step = progress.current
-            if isinstance(step, ComputeStep) and grant <= 0:
+            if isinstance(step, (ComputeStep, FusedStep)) and grant <= 0:
                 break
             t0 = time.perf_counter()
-            if isinstance(step, ApplyStep):
+            if isinstance(step, FusedStep):
+                logits = step.run(self.runner, req)
+                held = req.seq.num_computed_tokens
+                if held != step.end:
+                    raise PlanError(f"fused step {step.label!r} left the caches at {held} tokens, not {step.end}")
+                progress.finish_fused()
+                grant -= step.compute_tokens
+                self.stats.num_prompt_tokens_computed += step.compute_tokens
+            elif isinstance(step, ApplyStep):
                 step.apply(self.runner, req)
                 held = req.seq.num_computed_tokens
                 if held != step.end:

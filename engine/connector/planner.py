@@ -231,7 +231,9 @@ class StorePicPlanner(PicPlanner):
         # eviction weighs it per byte)
         self.store.store(u.key, sig, claim=claim if claim.status == OWNED else None, cost=float(alone))
 
-    def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
+    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
+        """Every unit's signature taken from the loader and its device copies waited on
+        (by the compute stream) before the units are spliced."""
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         for u in units:
@@ -248,7 +250,6 @@ class StorePicPlanner(PicPlanner):
                     seg.ready.synchronize()
                     sr.device_wait_ms += (time.perf_counter() - t0) * 1e3
             seg.wait_device()
-        super()._splice(runner, request, units)
 
     def _take(self, runner, request: Request, state: _RequestState, sr: StoreReport, key: bytes) -> None:
         """Take a looked-up hit from the loader (waiting for it if needed); a hit that

@@ -49,7 +49,9 @@ class PicConfig:
     keep_end_state: signatures keep each linear layer's end state E, so a segment that
     starts the prompt is spliced whole (bit-exact, nothing computed); False saves a third
     of the linear bytes and places a first segment like any other (anchor and seam
-    computed, tail spliced).
+    computed, tail spliced). fused: run everything after the lookups (seams, splices,
+    suffix) as one pass through the layers (engine.pic.fused); False runs one model pass
+    per computed range with splice steps between them (same numbers, more overhead).
     """
 
     method: str = "pic"
@@ -62,6 +64,7 @@ class PicConfig:
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     sync_timing: bool = False
     keep_end_state: bool = True
+    fused: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -12,6 +12,11 @@ scheduler's prefill-planner hook (engine.runtime.planner), and `make_planner`.
 - uncached segments, and the last segment of the prompt (its last token's logits
   are the first output), are computed in context.
 
+With `PicConfig.fused` (the default) all of that after the lookup and miss steps is ONE
+`FusedStep`: seams, splices and the suffix go through the layers in a single pass
+(engine.pic.fused; same numbers, one pass of per-call overhead instead of one per
+computed range). Without it, the plan alternates compute steps and splice steps.
+
 Every plan starts with two zero-width apply steps: `lookup` (one `get` per distinct
 segment) and `miss` (each missing segment is computed alone, put into the signature
 cache, then spliced exactly as a hit would be: a cold and a warm request take the same
@@ -33,6 +38,7 @@ from engine.models.config import SWA, ModelConfig
 from engine.pic.compute import compute_signature
 from engine.pic.config import PicConfig
 from engine.pic.errors import PicConfigError
+from engine.pic.fused import FusedItem, fused_prefill
 from engine.pic.report import PlanBuilder, PrefillReport, ReportBook
 from engine.pic.signature import SegmentSignature
 from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, segment_key, signature_variant
@@ -191,6 +197,10 @@ class PicPlanner(ReportingPlanner):
         state = _RequestState(b, units, ids)
         b.apply(0, self._lookup, "lookup")
         b.apply(0, self._compute_misses, "miss")
+        if self.config.fused:
+            self._plan_fused(b, items)
+            request.planner_state[STATE_KEY] = state
+            return b.build()
         run: list[SpliceUnit] = []
         for it in items:
             if it[0] == "splice":
@@ -201,6 +211,35 @@ class PicPlanner(ReportingPlanner):
         self._flush(b, run)
         request.planner_state[STATE_KEY] = state
         return b.build()
+
+    def _plan_fused(self, b: PlanBuilder, items: list[tuple]) -> None:
+        """One fused step over the whole layout (engine.pic.fused)."""
+        spec: list[tuple] = []
+        kinds = {"seam": 0, "suffix": 0}
+        pos = b.position
+        for it in items:
+            if it[0] == "splice":
+                spec.append(("s", it[1]))
+                pos = it[1].end
+            else:
+                spec.append(("c", pos, it[1]))
+                kinds[it[2]] += it[1] - pos
+                pos = it[1]
+        b.fused(pos, lambda runner, req, _s=tuple(spec): self._run_fused(runner, req, _s), kinds)
+
+    def _run_fused(self, runner, request: Request, spec: tuple):
+        state: _RequestState = request.planner_state[STATE_KEY]
+        self._ready(runner, request, [s[1] for s in spec if s[0] == "s"])
+        items = []
+        for s in spec:
+            if s[0] == "c":
+                items.append(FusedItem(s[1], s[2]))
+                continue
+            u = s[1]
+            piece = SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode)
+            items.append(FusedItem(piece.start, piece.end, piece))
+        return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
+                             backend=runner.backend, kernel=self.config.kernel)
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
         """One apply step splicing a run of contiguous units (batched kernels)."""
@@ -240,7 +279,14 @@ class PicPlanner(ReportingPlanner):
             state.signatures[u.key] = sig
             report.add_miss(len(self.anchor_ids) + u.num_tokens)
 
+    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
+        """Hook: make every unit's signature available in the request state before it is
+        spliced (the store-backed planner takes loads here); signatures of the
+        in-process cache are there since the lookup step."""
+        return None
+
     def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
+        self._ready(runner, request, units)
         state: _RequestState = request.planner_state[STATE_KEY]
         pieces = [SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode) for u in units]
         splice(runner.cache, runner.model, request.seq, pieces, kernel=self.config.kernel)

@@ -17,20 +17,21 @@ engine adds each step's wall time to `request.timeline.prefill_split[label]`
 (device-synchronised when `LLMEngine.sync_timings` is set), and `PlanBuilder.finish`
 copies it into `lookup_ms` (signature lookups), `miss_ms` (alone passes of misses and
 their puts), `load_compose_ms` (splicing: re-rotation, scatter, state composition;
-prefix restores), `seam_ms`, `suffix_ms` and `checkpoint_ms` (prefix caching's boundary
-snapshots). Lookups a planner does inside `plan()` (prefix matching) it adds itself.
+prefix restores), `seam_ms`, `suffix_ms`, `checkpoint_ms` (prefix caching's boundary
+snapshots) and `fused_ms` (PIC's one-pass prefill, where splicing, seams and suffix
+run together; engine.pic.fused). Lookups a planner does inside `plan()` (prefix matching) it adds itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from engine.runtime.planner import ApplyStep, ComputeStep, PrefillPlan
+from engine.runtime.planner import ApplyStep, ComputeStep, FusedStep, PrefillPlan
 
 COMPUTE_KINDS = ("seam", "suffix")
 APPLY_KINDS = ("lookup", "miss", "load", "checkpoint")
 _MS_FIELD = {"lookup": "lookup_ms", "miss": "miss_ms", "load": "load_compose_ms", "checkpoint": "checkpoint_ms",
-             "seam": "seam_ms", "suffix": "suffix_ms"}
+             "seam": "seam_ms", "suffix": "suffix_ms", "fused": "fused_ms"}
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PrefillReport:
     seam_ms: float = 0.0
     suffix_ms: float = 0.0
     checkpoint_ms: float = 0.0
+    fused_ms: float = 0.0  # the one-pass prefill (seams + splices + suffix together)
     complete: bool = False  # the plan ran to its end (False after a preemption mid-way)
 
     def add_compute(self, kind: str, n: int) -> None:
@@ -110,6 +112,19 @@ class PlanBuilder:
             self._steps[-1] = ComputeStep(last.start, end, kind)
         else:
             self._steps.append(ComputeStep(self._pos, end, kind))
+        self._pos = end
+
+    def fused(self, end: int, fn: Callable[[object, object], object], compute_by_kind: dict[str, int]) -> None:
+        """One fused step over [position, end) (engine.runtime.planner.FusedStep) that
+        computes `compute_by_kind` tokens (seam / suffix counts, for the report)."""
+        total = 0
+        for kind, n in compute_by_kind.items():
+            if kind not in COMPUTE_KINDS:
+                raise ValueError(f"compute kind {kind!r} is not one of {COMPUTE_KINDS}")
+            if n:
+                self.report.add_compute(kind, n)
+                total += n
+        self._steps.append(FusedStep(self._pos, end, fn, total))
         self._pos = end
 
     def build(self) -> PrefillPlan:

@@ -17,8 +17,8 @@ from empty to holding every token of `request.prefill_token_ids()`.
 
 Rules every plan obeys (checked by `PrefillPlan.validate`): steps are contiguous from
 position 0 to the number of prefill tokens, and the last step is a `ComputeStep`
-(the first output token is sampled from the logits of the prompt's last token, so at
-least that token is computed).
+or a `FusedStep` (the first output token is sampled from the logits of the prompt's
+last token, so at least that token is computed).
 
 The order of calls, per request:
 1. `plan(request)` once at each admission (after a preemption the request is planned
@@ -76,7 +76,24 @@ class ApplyStep:
         return 0  # costs no compute budget
 
 
-PlanStep = Union[ComputeStep, ApplyStep]
+@dataclass(frozen=True)
+class FusedStep:
+    """Fill positions `[start, end)` in one call that computes `compute_tokens` of them
+    (module docstring); `run(runner, request)` returns the last position's logits."""
+
+    start: int
+    end: int
+    run: Callable[[object, "Request"], object]
+    compute_tokens: int
+    label: str = "fused"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.compute_tokens
+
+
+PlanStep = Union[ComputeStep, ApplyStep, FusedStep]
+COMPUTING_STEPS = (ComputeStep, FusedStep)
 
 
 @dataclass(frozen=True)
@@ -88,7 +105,7 @@ class PrefillPlan:
 
     @property
     def num_compute_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.steps if isinstance(s, ComputeStep))
+        return sum(s.num_tokens for s in self.steps if isinstance(s, COMPUTING_STEPS))
 
     @property
     def num_reused_tokens(self) -> int:
@@ -106,11 +123,13 @@ class PrefillPlan:
                 )
             if isinstance(step, ComputeStep) and step.end == step.start:
                 raise PlanError(f"step {i} computes no tokens at position {pos}")
+            if isinstance(step, FusedStep) and not 1 <= step.compute_tokens <= step.end - step.start:
+                raise PlanError(f"fused step {i} computes {step.compute_tokens} of {step.end - step.start} tokens")
             pos = step.end
         if pos != self.num_tokens:
             raise PlanError(f"plan ends at position {pos}, the request has {self.num_tokens} tokens")
-        if not isinstance(self.steps[-1], ComputeStep):
-            raise PlanError("the last step must be a ComputeStep (the last token's logits are needed)")
+        if not isinstance(self.steps[-1], COMPUTING_STEPS):
+            raise PlanError("the last step must be a ComputeStep or FusedStep (the last token's logits are needed)")
 
 
 class PrefillProgress:
@@ -140,6 +159,14 @@ class PrefillProgress:
         if step.start + self.offset >= step.end:
             self.step_index += 1
             self.offset = 0
+
+    def finish_fused(self) -> None:
+        """The current fused step ran (whole)."""
+        step = self.current
+        assert isinstance(step, FusedStep)
+        self.remaining_compute_tokens -= step.compute_tokens
+        self.step_index += 1
+        self.offset = 0
 
     def skip_apply(self) -> None:
         assert isinstance(self.current, ApplyStep)

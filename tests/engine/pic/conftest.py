@@ -27,5 +27,8 @@ def runner_of(make_runner):
 @pytest.fixture
 def planner_of():
     def factory(model, method: str = "pic", fingerprint: str = "test-model", **kw):
+        # step-by-step plans unless told otherwise: the invariants below pin that path, and
+        # test_fused.py pins the one-pass path to it
+        kw.setdefault("fused", False)
         return make_planner(PicConfig(method=method, **kw), model, fingerprint, FakeTokenizer())
     return factory

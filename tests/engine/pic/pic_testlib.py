@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.config import AttentionConfig, LinearConfig, ModelConfig
-from engine.runtime.planner import ApplyStep
+from engine.runtime.planner import ApplyStep, FusedStep
 from engine.runtime.request import PromptSegment, Request
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sampling import SamplingParams
@@ -72,7 +72,10 @@ def execute(planner, runner: ModelRunner, request: Request, chunk: int | None = 
     split = request.timeline.prefill_split
     for step in steps:
         t0 = time.perf_counter()
-        if isinstance(step, ApplyStep):
+        if isinstance(step, FusedStep):
+            logits = step.run(runner, request)[None]  # the last position's logits only
+            assert request.seq.num_computed_tokens == step.end, step.label
+        elif isinstance(step, ApplyStep):
             step.apply(runner, request)
             assert request.seq.num_computed_tokens == step.end, step.label
         else:

@@ -1,0 +1,248 @@
+"""One model pass for a whole PIC prefill: every seam, every splice and the suffix of a
+request, layer by layer.
+
+The step-by-step plan (engine.pic.planner without `fused`) runs one model pass per
+computed range (each seam, each uncached segment, the suffix) with a splice step in
+between, so a request with m cached segments pays m+1 passes of per-call host overhead
+(on the GPU, tens of milliseconds each for a 2B model: thousands of small kernel
+launches) for a few dozen computed tokens. `fused_prefill` gets the same numbers from
+ONE pass over the layers:
+
+- the computed positions C (seams, uncached segments, suffix; in prompt order) go
+  through embedding, norms, projections, MLPs and attention together;
+- full-attention layer: every splice piece's K/V rows for this layer are written into the
+  paged pool first (re-rotated, `engine.pic.splice._splice_full`), then C's own K/V; C's
+  queries attend causally over positions [0, end) of the pool: a seam token at p sees
+  exactly what it saw in the step-by-step plan (everything before p, spliced or
+  computed), and nothing after it;
+- sliding-window layer: a dense K/V buffer of positions [0, end) holds the rows the
+  pieces carry (their last-window rows, re-rotated) and C's rows; queries attend
+  causally within the window over the positions present; afterwards the last `window`
+  positions present are written to the request's ring (the rows the step-by-step plan
+  leaves there);
+- linear layer: projections once for C; then, in prompt order, each computed range runs
+  its short conv and recurrence from the current (state, conv tail), and each piece
+  composes the state (S = T_tail S + E_tail, or S + E_tail for naive addition; E for a
+  first placement) and extends the conv tail: the same sequence of operations as the
+  step-by-step plan, without the passes around it. Short ranges (seams) run fla's fused
+  recurrent kernel on the GPU, long ones its chunk kernel.
+
+`FusedItem`s tile [seq.num_computed_tokens, end); the last one computes (its last token's
+logits are returned).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
+from engine.cache.manager import CacheManager
+from engine.models.decoder import HybridDecoder
+from engine.pic.errors import SplicePlacementError
+from engine.pic.splice import SplicePiece, _linear_part, _part, _splice_full, force_triton_for
+from engine.runtime.sequence import Sequence as CacheSequence
+from kernels import state_compose
+
+#: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
+#: rather than its chunk kernel (several launches and host syncs per call)
+RECURRENT_MAX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class FusedItem:
+    """Positions [start, end): computed in context (`piece is None`) or spliced from
+    `piece` (then start/end are the piece's `start`/`end`)."""
+
+    start: int
+    end: int
+    piece: Optional[SplicePiece] = None
+
+    @property
+    def computes(self) -> bool:
+        return self.piece is None
+
+
+def _check(items: Sequence[FusedItem], pos: int, manager: CacheManager) -> int:
+    if not items:
+        raise SplicePlacementError("a fused prefill needs at least one item")
+    if not items[-1].computes:
+        raise SplicePlacementError("the last item of a fused prefill must be computed (its logits are the output)")
+    for i, it in enumerate(items):
+        if it.start != pos or it.end < it.start:
+            raise SplicePlacementError(f"item {i} covers [{it.start}, {it.end}) but the caches will hold {pos}")
+        if it.piece is not None:
+            it.piece.validate()
+            if it.piece.first and pos != 0:
+                raise SplicePlacementError("a first placement must start the prompt")
+            if (it.piece.start, it.piece.end) != (it.start, it.end):
+                raise SplicePlacementError(f"item {i} covers [{it.start}, {it.end}) but its piece "
+                                           f"[{it.piece.start}, {it.piece.end})")
+            if len(it.piece.signature.layers) != len(manager.layers):
+                raise SplicePlacementError(
+                    f"signature has {len(it.piece.signature.layers)} layers, the model {len(manager.layers)}")
+        pos = it.end
+    return pos
+
+
+@torch.inference_mode()
+def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequence, token_ids: Sequence[int],
+                  items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto") -> torch.Tensor:
+    """Fill `seq`'s caches over the items (module docstring); returns the last token's
+    logits `[vocab]`. `token_ids` are the whole prompt's."""
+    start = seq.num_computed_tokens
+    end = _check(items, start, manager)
+    manager.ensure_capacity(seq, end)
+    device = manager.device
+    force = force_triton_for(kernel, device)
+    pieces = [it.piece for it in items if it.piece is not None]
+    ranges = [(it.start, it.end) for it in items if it.computes and it.end > it.start]
+    pos_host = torch.cat([torch.arange(a, b) for a, b in ranges])
+    ids_host = torch.tensor([token_ids[p] for a, b in ranges for p in range(a, b)], dtype=torch.long)
+    model._check_ids(ids_host)
+    ids, pos = ids_host.to(device), pos_host.to(device)
+    ctx_slots = manager.flat_slots(seq, 0, end)
+    write_slots = None if ctx_slots is None else ctx_slots[pos]
+    # events in prompt order: ("c", lo, hi) local offsets into C, or ("p", piece)
+    events: list[tuple] = []
+    off = 0
+    for it in items:
+        if it.piece is not None:
+            events.append(("p", it.piece))
+        elif it.end > it.start:
+            n = it.end - it.start
+            events.append(("c", off, off + n))
+            off += n
+    x = model.embed(ids)
+    for i, block in enumerate(model.blocks):
+        cache = manager.layers[i]
+        mixer = block.mixer
+        h = block.mixer_norm(x)
+        if isinstance(cache, PagedKVCache):
+            mixed = _full_layer(manager, seq, cache, mixer, i, pieces, h, pos, write_slots, ctx_slots, end, force)
+        elif isinstance(cache, WindowRingCache):
+            mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end)
+        elif isinstance(cache, StateSlotCache):
+            mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, force)
+        else:  # pragma: no cover - every cache is one of the three
+            raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
+        x = block._finish(x, mixed)
+    seq.num_computed_tokens = end
+    return model.logits(x[-1])
+
+
+# ----------------------------------------------------------------------- attention layers
+def _full_layer(manager, seq, cache: PagedKVCache, mixer, layer, pieces, h, pos, write_slots, ctx_slots, end,
+                force):
+    _splice_full(manager, seq, cache, mixer, layer, pieces, force)
+    q, k, v, gate = mixer.project(h, pos)
+    cache.write(write_slots, k, v)
+    k_ctx, v_ctx = cache.gather(ctx_slots)
+    k_pos = torch.arange(end, device=h.device)
+    o = mixer.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
+    return mixer.output(o, gate)
+
+
+def _window_layer(seq, cache: WindowRingCache, mixer, layer, pieces, h, pos, start, end):
+    w = mixer.window
+    q, k, v, gate = mixer.project(h, pos)
+    lo = max(0, start - w + 1)
+    kbuf = torch.zeros(end - lo, *k.shape[1:], dtype=k.dtype, device=k.device)
+    vbuf = torch.zeros_like(kbuf)
+    have = torch.zeros(end - lo, dtype=torch.bool, device=k.device)
+    if start > lo:  # rows already in the ring (positions before this fill)
+        past = torch.arange(lo, start, device=k.device)
+        kp, vp = cache.read(seq.slot, past)
+        kbuf[: start - lo], vbuf[: start - lo] = kp.to(k.dtype), vp.to(k.dtype)
+        have[: start - lo] = True
+    for p in pieces:
+        part = _part(p, layer, "swa")
+        first = max(p.first_row - part.first_pos, 0)
+        if first >= part.num_rows:
+            continue
+        alone = torch.arange(part.first_pos + first, part.first_pos + part.num_rows, device=k.device)
+        rows_k = part.k[first:].to(device=k.device, dtype=k.dtype)
+        if p.delta and mixer.inv_freq.numel():
+            rows_k = mixer.rope_shift(rows_k, p.delta)
+        at = alone + p.delta - lo
+        keep = at >= 0
+        kbuf[at[keep]] = rows_k[keep]
+        vbuf[at[keep]] = part.v[first:].to(device=k.device, dtype=k.dtype)[keep]
+        have[at[keep]] = True
+    kbuf[pos - lo], vbuf[pos - lo] = k, v
+    have[pos - lo] = True
+    k_pos = torch.nonzero(have).flatten() + lo
+    o = mixer.attend_prefill(q, kbuf[k_pos - lo], vbuf[k_pos - lo], pos, k_pos)
+    ring = k_pos[k_pos >= end - w]
+    cache.write(seq.slot, ring, kbuf[ring - lo], vbuf[ring - lo])
+    return mixer.output(o, gate)
+
+
+# -------------------------------------------------------------------------- linear layers
+def _recurrence(mixer, inp, state, backend):
+    short = backend == "fla" and inp.q.shape[1] <= RECURRENT_MAX_TOKENS
+    return mixer.run_recurrence(inp, state, backend, step=short)
+
+
+def _compose(part, piece: SplicePiece, state: torch.Tensor, force) -> torch.Tensor:
+    E = part.tail_state.to(device=state.device, dtype=torch.float32)
+    if piece.linear == "add":
+        return state + E
+    T = part.transition_f32().to(state.device)
+    return state_compose(E[None, None], T[None, None], state[None].contiguous(), force_triton=force)[0]
+
+
+def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, layer: int) -> torch.Tensor:
+    tail = part.conv_tail
+    if tail is None:
+        raise SplicePlacementError(f"layer {layer}: signature has no conv tail, the model's layer has a conv")
+    tail = tail.to(device=cur.device, dtype=cur.dtype)
+    if piece.first:
+        return torch.cat([torch.zeros_like(cur), tail], dim=1)[:, -width1:]
+    take = min(tail.shape[1], piece.signature.tail_len)
+    return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
+
+
+def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, force):
+    conv_in, extras = mixer.project(h[None])
+    state = cache.state[seq.slot]
+    tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
+    width1 = None if tail is None else tail.shape[-1]
+    conv_outs: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    # conv first: a computed range's conv reads the tail left by what precedes it
+    conv_tail = tail
+    for ev in events:
+        if ev[0] == "p":
+            if conv_tail is not None:
+                conv_tail = _conv_tail_after(_linear_part(ev[1], layer), ev[1], conv_tail, width1, layer)
+            continue
+        lo, hi = ev[1], ev[2]
+        spans.append((lo, hi))
+        if conv_tail is not None and mixer.conv is not None:
+            out, new_tail = mixer.conv(conv_in[:, lo:hi], conv_tail[None])
+            conv_tail = new_tail[0].to(cache.conv_tail.dtype)
+            conv_outs.append(out)
+        else:
+            conv_outs.append(conv_in[:, lo:hi] if conv_in is not None else None)
+    conv_out = None if conv_outs[0] is None else torch.cat(conv_outs, dim=1)
+    inp = mixer.prepare(conv_out, extras)
+    outs: list[torch.Tensor] = []
+    for ev in events:
+        if ev[0] == "p":
+            piece = ev[1]
+            part = _linear_part(piece, layer)
+            if piece.first:
+                state = part.state.to(device=state.device, dtype=torch.float32)
+            else:
+                state = _compose(part, piece, state, force)
+            continue
+        o, st = _recurrence(mixer, inp.slice_time(ev[1], ev[2]), state[None], backend)
+        state = st[0]
+        outs.append(o)
+    cache.state[seq.slot] = state
+    if conv_tail is not None:
+        cache.conv_tail[seq.slot] = conv_tail
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return mixer.output(o, extras)[0]

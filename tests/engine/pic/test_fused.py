@@ -1,0 +1,111 @@
+"""The one-pass PIC prefill (engine.pic.fused) equals the step-by-step plan: last-token
+logits and every cache it leaves (paged K/V of every position, window rings, linear
+states, conv tails), for every layer kind, with uncached segments in the middle, naive
+addition, and signatures without end states; and the plan is one step after the
+lookups."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.pic.errors import SplicePlacementError
+from engine.pic.fused import FusedItem, fused_prefill
+from engine.runtime.planner import ApplyStep, FusedStep
+from engine.runtime.sequence import Sequence
+
+from pic_testlib import execute, make_request, rand_ids
+
+MIXES = {
+    "gdn": [GDN, FULL, GDN],
+    "gla": [GLA, FULL],
+    "lightning": [LIGHTNING, FULL],
+    "mamba2": [MAMBA2, SWA, FULL],
+    "swa": [SWA, FULL, SWA],
+}
+
+
+def _caches(runner, seq, n):
+    out = []
+    for cache in runner.cache.layers:
+        if isinstance(cache, PagedKVCache):
+            slots = runner.cache.flat_slots(seq, 0, n)
+            out.append(cache.gather(slots))
+        elif isinstance(cache, WindowRingCache):
+            out.append((cache.k[seq.slot].clone(), cache.v[seq.slot].clone()))
+        elif isinstance(cache, StateSlotCache):
+            tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot].clone()
+            out.append((cache.state[seq.slot].clone(), tail))
+    return out
+
+
+def _run_both(model, runner_of, planner_of, segments, **kw):
+    runner = runner_of(model)
+    got = {}
+    for fused in (False, True):
+        planner = planner_of(model, fused=fused, **kw)
+        execute(planner, runner, make_request(segments))  # cold: computes and caches signatures
+        req = make_request(segments)
+        run = execute(planner, runner, req)
+        got[fused] = (run.logits[-1], _caches(runner, run.seq, len(req.prompt_token_ids)), req.plan,
+                      planner.take_report(req.request_id))
+    return got
+
+
+def _assert_same(got):
+    (l0, c0, _, r0), (l1, c1, _, r1) = got[False], got[True]
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    for i, (a, b) in enumerate(zip(c0, c1)):
+        for x, y in zip(a, b):
+            if x is None:
+                assert y is None, f"layer {i}"
+                continue
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {i}: {m}")
+    for f in ("reused_tokens", "recomputed_tokens", "seam_tokens", "suffix_tokens", "hit_segments"):
+        assert getattr(r0, f) == getattr(r1, f), f
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_fused_prefill_equals_the_step_by_step_plan(mix, model_of, runner_of, planner_of):
+    model = model_of(MIXES[mix])
+    docs = [rand_ids(n, 30 + n) for n in (17, 12, 15)]
+    segments = [(d, True) for d in docs] + [(rand_ids(6, 3), False)]
+    got = _run_both(model, runner_of, planner_of, segments, seam=4)
+    _assert_same(got)
+    plan = got[True][2]
+    assert [type(s) for s in plan.steps] == [ApplyStep, ApplyStep, FusedStep]
+    assert plan.steps[-1].compute_tokens == got[True][3].seam_tokens + got[True][3].suffix_tokens
+
+
+@pytest.mark.parametrize("mix", ["gdn", "mamba2", "swa"])
+def test_fused_prefill_with_an_uncached_segment_between_cached_ones(mix, model_of, runner_of, planner_of):
+    model = model_of(MIXES[mix])
+    segments = [(rand_ids(14, 1), True), (rand_ids(9, 2), False), (rand_ids(16, 3), True),
+                (rand_ids(11, 4), True), (rand_ids(5, 5), False)]
+    _assert_same(_run_both(model, runner_of, planner_of, segments, seam=3))
+
+
+@pytest.mark.parametrize("kw", [dict(method="naive"), dict(seam=5, keep_end_state=False)],
+                         ids=["naive", "no-end-state"])
+def test_fused_prefill_equals_steps_for_naive_addition_and_without_end_states(kw, model_of, runner_of, planner_of):
+    model = model_of([GDN, SWA, FULL, MAMBA2])
+    segments = [(rand_ids(n, 50 + n), True) for n in (13, 18, 10)] + [(rand_ids(4, 9), False)]
+    _assert_same(_run_both(model, runner_of, planner_of, segments, **kw))
+
+
+def test_fused_prefill_rejects_items_that_do_not_tile_or_end_in_a_splice(model_of, runner_of):
+    model = model_of([GDN, FULL])
+    runner = runner_of(model)
+    seq = runner.cache.allocate(Sequence("bad"))
+    ids = rand_ids(10, 1)
+    with pytest.raises(SplicePlacementError, match="covers"):
+        fused_prefill(model, runner.cache, seq, ids, [FusedItem(0, 4), FusedItem(5, 10)])
+    with pytest.raises(SplicePlacementError, match="at least one"):
+        fused_prefill(model, runner.cache, seq, ids, [])
+    assert seq.num_computed_tokens == 0
+    logits = fused_prefill(model, runner.cache, seq, ids, [FusedItem(0, 4), FusedItem(4, 10)])
+    ref_seq = runner.cache.allocate(Sequence("ref"))
+    ref = runner.prefill(ref_seq, ids)
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    assert seq.num_computed_tokens == 10
