@@ -11,7 +11,8 @@ ONE pass over the layers:
 - the computed positions C (seams, uncached segments, suffix; in prompt order) go
   through embedding, norms, projections, MLPs and attention together;
 - full-attention layer: every splice piece's K/V rows for this layer are written into the
-  paged pool first (re-rotated, `engine.pic.splice._splice_full`), then C's own K/V; C's
+  paged pool first (re-rotated through kernels.rope_scatter; where the rows go is worked
+  out once per request), then C's own K/V; C's
   queries attend causally over positions [0, end) of the pool: a seam token at p sees
   exactly what it saw in the step-by-step plan (everything before p, spliced or
   computed), and nothing after it;
@@ -41,9 +42,9 @@ from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCa
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
 from engine.pic.errors import SplicePlacementError
-from engine.pic.splice import SplicePiece, _linear_part, _part, _splice_full, force_triton_for
+from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
 from engine.runtime.sequence import Sequence as CacheSequence
-from kernels import state_compose
+from kernels import rope_scatter, state_compose
 
 #: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
 #: rather than its chunk kernel (several launches and host syncs per call)
@@ -115,12 +116,13 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             events.append(("c", off, off + n))
             off += n
     x = model.embed(ids)
+    shared: dict = {}  # per-request layouts reused by every layer of a kind
     for i, block in enumerate(model.blocks):
         cache = manager.layers[i]
         mixer = block.mixer
         h = block.mixer_norm(x)
         if isinstance(cache, PagedKVCache):
-            mixed = _full_layer(manager, seq, cache, mixer, i, pieces, h, pos, write_slots, ctx_slots, end, force)
+            mixed = _full_layer(shared, cache, mixer, i, pieces, h, pos, write_slots, ctx_slots, end, force)
         elif isinstance(cache, WindowRingCache):
             mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end)
         elif isinstance(cache, StateSlotCache):
@@ -133,9 +135,58 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
 
 
 # ----------------------------------------------------------------------- attention layers
-def _full_layer(manager, seq, cache: PagedKVCache, mixer, layer, pieces, h, pos, write_slots, ctx_slots, end,
-                force):
-    _splice_full(manager, seq, cache, mixer, layer, pieces, force)
+@dataclass
+class _FullRows:
+    """Where the pieces' full-attention rows go: the same for every full layer (each
+    holds K/V of every alone position), so computed once per request."""
+
+    take: list[int]  # per piece: first row of its part taken
+    slots: torch.Tensor  # [rows] flat paged slots
+    deltas: torch.Tensor  # [rows] position deltas
+    single: Optional[int]  # the delta when every piece has the same one
+
+
+def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
+    take, poss, deltas = [], [], []
+    for p in pieces:
+        part = _part(p, layer, "full")
+        lo = max(p.first_row - part.first_pos, 0)
+        take.append(lo)
+        if lo >= part.num_rows:
+            continue
+        poss.append(torch.arange(part.first_pos + lo + p.delta, part.first_pos + part.num_rows + p.delta))
+        deltas.append(torch.full((part.num_rows - lo,), p.delta, dtype=torch.long))
+    if not poss:
+        return None
+    d = torch.cat(deltas)
+    uniq = {p.delta for p, lo in zip(pieces, take) if lo < _part(p, layer, "full").num_rows}
+    return _FullRows(take, ctx_slots[torch.cat(poss).to(ctx_slots.device)], d.to(device),
+                     next(iter(uniq)) if len(uniq) == 1 else None)
+
+
+def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces, force) -> None:
+    ks, vs = [], []
+    for p, lo in zip(pieces, rows.take):
+        part = _part(p, layer, "full")
+        if lo < part.num_rows:
+            ks.append(part.k[lo:])
+            vs.append(part.v[lo:])
+    k, v = torch.cat(ks), torch.cat(vs)
+    rot = 2 * mixer.inv_freq.numel()
+    if rot == 0:  # no RoPE: positions do not enter K
+        cache.write(rows.slots, k, v)
+        return
+    offset = rows.single if rows.single is not None else rows.deltas
+    rope_scatter(k.to(cache.k_pages.device), v.to(cache.k_pages.device), cache.k_pages, cache.v_pages, rows.slots,
+                 offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force)
+
+
+def _full_layer(state, cache: PagedKVCache, mixer, layer, pieces, h, pos, write_slots, ctx_slots, end, force):
+    if pieces:
+        if "full_rows" not in state:
+            state["full_rows"] = _full_rows(pieces, layer, ctx_slots, h.device)
+        if state["full_rows"] is not None:
+            _splice_full_rows(state["full_rows"], cache, mixer, layer, pieces, force)
     q, k, v, gate = mixer.project(h, pos)
     cache.write(write_slots, k, v)
     k_ctx, v_ctx = cache.gather(ctx_slots)

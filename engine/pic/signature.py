@@ -85,6 +85,8 @@ class LinearPart:
         if self.family != "delta":
             return self.tail_transition.float()
         h, dk = self.num_heads, int(self._ref.shape[1])
+        if self.tail_transition is not None and self.live_heads is not None and len(self.live_heads) == h:
+            return self.tail_transition.float()  # every head live: already dense, in order
         dense = torch.zeros(h, dk, dk, dtype=torch.float32, device=self._ref.device)
         if self.tail_transition is not None and self.live_heads:
             idx = torch.tensor(self.live_heads, dtype=torch.long, device=self._ref.device)
