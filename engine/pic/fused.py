@@ -24,7 +24,8 @@ ONE pass over the layers:
 - linear layer: projections once for C; then, in prompt order, each computed range runs
   its short conv and recurrence from the current (state, conv tail), and each piece
   composes the state (S = T_tail S + E_tail, or S + E_tail for naive addition; E for a
-  first placement) and extends the conv tail: the same sequence of operations as the
+  first placement; in torch: per piece and layer it is one batched matmul, not worth a
+  kernel launch of its own) and extends the conv tail: the same sequence of operations as the
   step-by-step plan, without the passes around it. Short ranges (seams) run fla's fused
   recurrent kernel on the GPU, long ones its chunk kernel.
 
@@ -44,7 +45,7 @@ from engine.models.decoder import HybridDecoder
 from engine.pic.errors import SplicePlacementError
 from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
 from engine.runtime.sequence import Sequence as CacheSequence
-from kernels import rope_scatter, state_compose
+from kernels import rope_scatter
 
 #: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
 #: rather than its chunk kernel (several launches and host syncs per call)
@@ -110,7 +111,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     off = 0
     for it in items:
         if it.piece is not None:
-            events.append(("p", it.piece))
+            events.append(("p", it.piece, None, len([e for e in events if e[0] == "p"])))
         elif it.end > it.start:
             n = it.end - it.start
             events.append(("c", off, off + n))
@@ -126,7 +127,9 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         elif isinstance(cache, WindowRingCache):
             mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end)
         elif isinstance(cache, StateSlotCache):
-            mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, force)
+            if "live" not in shared:
+                shared["live"] = _live_index(pieces, model, device)
+            mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"])
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x = block._finish(x, mixed)
@@ -236,12 +239,39 @@ def _recurrence(mixer, inp, state, backend):
     return mixer.run_recurrence(inp, state, backend, step=short)
 
 
-def _compose(part, piece: SplicePiece, state: torch.Tensor, force) -> torch.Tensor:
+def _live_index(pieces, model, device) -> dict[tuple[int, int], torch.Tensor]:
+    """Device index tensors of the live heads of every partly-forgotten delta-rule part,
+    keyed by (piece index, layer): one host-to-device copy per request."""
+    keys, flat, bounds = [], [], []
+    for j, p in enumerate(pieces):
+        for i, part in enumerate(p.signature.layers):
+            heads = getattr(part, "live_heads", None)
+            if getattr(part, "family", None) == "delta" and heads and part.tail_transition is not None \
+                    and len(heads) < part.num_heads:
+                keys.append((j, i))
+                bounds.append((len(flat), len(flat) + len(heads)))
+                flat.extend(heads)
+    if not keys:
+        return {}
+    dev = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+    return {k: dev[a:b] for k, (a, b) in zip(keys, bounds)}
+
+
+def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch.Tensor]) -> torch.Tensor:
+    """S = T_tail S + E_tail (S + E_tail for naive addition), float32, in torch: one or two
+    small batched ops, the same arithmetic as kernels.state_compose_reference."""
     E = part.tail_state.to(device=state.device, dtype=torch.float32)
     if piece.linear == "add":
         return state + E
-    T = part.transition_f32().to(state.device)
-    return state_compose(E[None, None], T[None, None], state[None].contiguous(), force_triton=force)[0]
+    if part.family == "delta":
+        if part.tail_transition is None or not part.live_heads:
+            return E.clone()  # every head forgot what came before
+        T = part.tail_transition.to(device=state.device, dtype=torch.float32)
+        if live is None:  # every head live
+            return torch.baddbmm(E, T, state)
+        return E.index_add(0, live, torch.bmm(T, state.index_select(0, live)))
+    decay = torch.exp(part.tail_transition.to(device=state.device, dtype=torch.float32))
+    return (decay[:, None, None] if decay.dim() == 1 else decay[..., None]) * state + E
 
 
 def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, layer: int) -> torch.Tensor:
@@ -255,7 +285,7 @@ def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, l
     return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
 
 
-def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, force):
+def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live):
     conv_in, extras = mixer.project(h[None])
     state = cache.state[seq.slot]
     tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
@@ -287,7 +317,7 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
             if piece.first:
                 state = part.state.to(device=state.device, dtype=torch.float32)
             else:
-                state = _compose(part, piece, state, force)
+                state = _compose(part, piece, state, live.get((ev[3], layer)))
             continue
         o, st = _recurrence(mixer, inp.slice_time(ev[1], ev[2]), state[None], backend)
         state = st[0]

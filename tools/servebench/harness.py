@@ -43,7 +43,7 @@ class Run:
     reused_tokens: int
     hit_segments: int
     miss_segments: int
-    split: dict[str, float] = field(default_factory=dict)  # lookup/miss/load_compose/seam/suffix ms
+    split: dict[str, float] = field(default_factory=dict)  # lookup/miss/load_compose/seam/suffix/fused ms
     store: dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,7 +143,7 @@ class Harness:
         if hasattr(planner, "store"):
             planner.store.flush()
         d = rep.as_dict() if rep is not None else {}
-        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms")}
+        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms", "fused_ms")}
         return Run(req.id, final.timeline.ttft * 1e3, final.num_prompt_tokens, d.get("reused_tokens", 0),
                    d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {})
 

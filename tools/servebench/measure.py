@@ -132,4 +132,5 @@ def _split(run: Run) -> dict:
             "load_wait_ms": s.get("store_load_wait_ms"), "load_device_wait_ms": s.get("store_device_wait_ms"),
             "compose_ms": max(0.0, run.split["load_compose_ms"] - waited_in_splice),
             "seam_ms": run.split["seam_ms"], "suffix_ms": run.split["suffix_ms"],
+            "fused_ms": max(0.0, run.split.get("fused_ms", 0.0) - waited_in_splice),
             "hits_by_tier": s.get("store_hits_by_tier"), "copies_pending_at_use": s.get("store_copies_pending_at_use")}

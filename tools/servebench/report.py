@@ -108,10 +108,11 @@ def tables(presets: dict[str, dict], summary: dict[str, Any]) -> str:
     for name, res in presets.items():
         for tier, b in res.get("breakdown", {}).items():
             rows.append([f"{name} {tier}", b["ttft_ms"], b["lookup_ms"], b["load_ms"], b["load_wait_ms"],
-                         b["compose_ms"], b["seam_ms"], b["suffix_ms"]])
+                         b["compose_ms"], b["seam_ms"], b["suffix_ms"], b.get("fused_ms")])
     if rows:
         parts.append(_table("Where the TTFT of a PIC hit goes (ms; rag, device-synchronised marks), by tier",
-                            ["preset tier", "ttft", "lookup", "load", "load waited", "compose", "seam", "suffix"],
+                            ["preset tier", "ttft", "lookup", "load", "load waited", "compose", "seam", "suffix",
+                             "one pass"],
                             rows))
     parts.append("summary: " + ", ".join(f"{k}={_f(v, 3)}" for k, v in summary.items()))
     return "\n\n".join(parts)

@@ -50,6 +50,7 @@ def _run_both(model, runner_of, planner_of, segments, **kw):
         run = execute(planner, runner, req)
         got[fused] = (run.logits[-1], _caches(runner, run.seq, len(req.prompt_token_ids)), req.plan,
                       planner.take_report(req.request_id))
+        got["planner"] = planner
     return got
 
 
@@ -109,3 +110,17 @@ def test_fused_prefill_rejects_items_that_do_not_tile_or_end_in_a_splice(model_o
     ref = runner.prefill(ref_seq, ids)
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
     assert seq.num_computed_tokens == 10
+
+
+@pytest.mark.parametrize("kind", [GDN, GLA, LIGHTNING, MAMBA2])
+def test_fused_prefill_equals_steps_when_some_heads_forgot_their_prefix(kind, model_of, runner_of, planner_of):
+    from test_compose import strengthen_decay
+
+    model = model_of([kind, FULL])
+    strengthen_decay(model, kind)
+    segments = [(rand_ids(n, 70 + n), True) for n in (100, 120, 90)] + [(rand_ids(4, 9), False)]
+    got = _run_both(model, lambda m: runner_of(m, num_blocks=512), planner_of, segments, seam=4)
+    _assert_same(got)
+    if kind == GDN:  # the partly-live dense operators took the indexed path
+        sigs = [s for s, _ in got["planner"].cache._entries.values()]
+        assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in sigs)
