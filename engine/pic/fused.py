@@ -90,9 +90,13 @@ def _check(items: Sequence[FusedItem], pos: int, manager: CacheManager) -> int:
 
 @torch.inference_mode()
 def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequence, token_ids: Sequence[int],
-                  items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto") -> torch.Tensor:
+                  items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
+                  checkpoints: Sequence = ()) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
-    logits `[vocab]`. `token_ids` are the whole prompt's."""
+    logits `[vocab]`. `token_ids` are the whole prompt's. `checkpoints`: empty
+    `engine.pic.prefix.BoundaryCheckpoint`s whose `end` is the end of a computed item;
+    each is filled as `capture_checkpoint` would fill it at that boundary (prefix
+    caching's snapshots, taken inside the one pass)."""
     start = seq.num_computed_tokens
     end = _check(items, start, manager)
     manager.ensure_capacity(seq, end)
@@ -114,8 +118,12 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             events.append(("p", it.piece, None, len([e for e in events if e[0] == "p"])))
         elif it.end > it.start:
             n = it.end - it.start
-            events.append(("c", off, off + n))
+            events.append(("c", off, off + n, it.end))
             off += n
+    ends = {e[3] for e in events if e[0] == "c"}
+    for cp in checkpoints:
+        if cp.end not in ends or not start <= cp.start < cp.end:
+            raise SplicePlacementError(f"checkpoint [{cp.start}, {cp.end}) does not end a computed item")
     x = model.embed(ids)
     shared: dict = {}  # per-request layouts reused by every layer of a kind
     for i, block in enumerate(model.blocks):
@@ -124,12 +132,15 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         h = block.mixer_norm(x)
         if isinstance(cache, PagedKVCache):
             mixed = _full_layer(shared, cache, mixer, i, pieces, h, pos, write_slots, ctx_slots, end, force)
+            for cp in checkpoints:
+                k, v = cache.gather(ctx_slots[cp.start:cp.end])
+                cp.kv[i] = (k.clone(), v.clone())
         elif isinstance(cache, WindowRingCache):
-            mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end)
+            mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end, checkpoints)
         elif isinstance(cache, StateSlotCache):
             if "live" not in shared:
                 shared["live"] = _live_index(pieces, model, device)
-            mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"])
+            mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], checkpoints)
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x = block._finish(x, mixed)
@@ -198,7 +209,7 @@ def _full_layer(state, cache: PagedKVCache, mixer, layer, pieces, h, pos, write_
     return mixer.output(o, gate)
 
 
-def _window_layer(seq, cache: WindowRingCache, mixer, layer, pieces, h, pos, start, end):
+def _window_layer(seq, cache: WindowRingCache, mixer, layer, pieces, h, pos, start, end, checkpoints=()):
     w = mixer.window
     q, k, v, gate = mixer.project(h, pos)
     lo = max(0, start - w + 1)
@@ -230,6 +241,9 @@ def _window_layer(seq, cache: WindowRingCache, mixer, layer, pieces, h, pos, sta
     o = mixer.attend_prefill(q, kbuf[k_pos - lo], vbuf[k_pos - lo], pos, k_pos)
     ring = k_pos[k_pos >= end - w]
     cache.write(seq.slot, ring, kbuf[ring - lo], vbuf[ring - lo])
+    for cp in checkpoints:  # every position before a boundary inside this fill is computed
+        first = max(0, cp.end - w)
+        cp.ring[layer] = (kbuf[first - lo:cp.end - lo].clone(), vbuf[first - lo:cp.end - lo].clone(), first)
     return mixer.output(o, gate)
 
 
@@ -285,7 +299,7 @@ def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, l
     return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
 
 
-def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live):
+def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=()):
     conv_in, extras = mixer.project(h[None])
     state = cache.state[seq.slot]
     tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
@@ -294,6 +308,7 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
     spans: list[tuple[int, int]] = []
     # conv first: a computed range's conv reads the tail left by what precedes it
     conv_tail = tail
+    tails_at: dict[int, Optional[torch.Tensor]] = {}
     for ev in events:
         if ev[0] == "p":
             if conv_tail is not None:
@@ -307,6 +322,8 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
             conv_outs.append(out)
         else:
             conv_outs.append(conv_in[:, lo:hi] if conv_in is not None else None)
+        if checkpoints:
+            tails_at[ev[3]] = conv_tail
     conv_out = None if conv_outs[0] is None else torch.cat(conv_outs, dim=1)
     inp = mixer.prepare(conv_out, extras)
     outs: list[torch.Tensor] = []
@@ -322,6 +339,10 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
         o, st = _recurrence(mixer, inp.slice_time(ev[1], ev[2]), state[None], backend)
         state = st[0]
         outs.append(o)
+        for cp in checkpoints:
+            if cp.end == ev[3]:
+                t = tails_at.get(ev[3])
+                cp.states[layer] = (state.clone(), None if t is None else t.clone())
     cache.state[seq.slot] = state
     if conv_tail is not None:
         cache.conv_tail[seq.slot] = conv_tail

@@ -10,8 +10,11 @@ only up to a boundary that has a checkpoint; this is why boundaries sit at segme
 
 `PrefixPlanner` matches the request's leading cached segments (never its last segment,
 whose last token must be computed), restores the deepest matched checkpoint, computes
-the rest, and snapshots a checkpoint after each further leading cached segment (a
-zero-width apply step at the boundary). Checkpointed positions are reused verbatim, so a
+the rest, and snapshots a checkpoint after each further leading cached segment. With
+`PicConfig.fused` (default) the rest is ONE pass through the layers (engine.pic.fused)
+that splits only the linear recurrences at the boundaries and takes the snapshots inside
+the pass, so prefix caching costs what full recomputation of the rest costs; without it,
+one compute step per segment and a zero-width apply step at each boundary. Checkpointed positions are reused verbatim, so a
 matched prefix gives the same outputs as full recomputation.
 
 Eviction: least recently used leaves first, until the bytes held fit `capacity_bytes`;
@@ -224,12 +227,43 @@ class PrefixPlanner(ReportingPlanner):
                 runner.cache, req.seq, _c), "load")
             for cp in checkpoints:
                 b.report.add_hit(cp.end - cp.start)
-        for lo, hi in bounds[len(path):]:
+        todo = bounds[len(path):]
+        b.report.miss_segments += len(todo)
+        if self.config.fused:
+            start = b.position
+            b.fused(len(ids), lambda runner, req, _t=tuple(todo): self._run_fused(runner, req, _t),
+                    {"suffix": len(ids) - start})
+            return b.build()
+        for lo, hi in todo:
             b.compute(hi, "suffix")
-            b.report.miss_segments += 1
             b.apply(hi, lambda runner, req, _lo=lo, _hi=hi: self._checkpoint(runner, req, _lo, _hi), "checkpoint")
         b.compute(len(ids), "suffix")
         return b.build()
+
+    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...]):
+        """Everything after the restored prefix in one pass (engine.pic.fused), split at the
+        boundaries only inside the linear recurrences, with each boundary's checkpoint
+        taken inside the pass; then inserted into the tree in order."""
+        from engine.pic.fused import FusedItem, fused_prefill
+
+        ids = request.prefill_token_ids()
+        start, n = request.seq.num_computed_tokens, len(ids)
+        cuts = [hi for _, hi in todo if start < hi < n]
+        edges = [start, *cuts, n]
+        items = [FusedItem(a, b) for a, b in zip(edges, edges[1:])]
+        cps = [BoundaryCheckpoint(lo, hi) for lo, hi in todo if hi in cuts]
+        logits = fused_prefill(runner.model, runner.cache, request.seq, ids, items, backend=runner.backend,
+                               kernel=self.config.kernel, checkpoints=cps)
+        state: _PrefixState = request.planner_state[STATE_KEY]
+        for cp in cps:
+            if state.tip is None:  # an earlier checkpoint of this request did not fit
+                break
+            node = self.tree.insert(state.tip, tuple(ids[cp.start:cp.end]), cp)
+            state.tip = node
+            if node is not None:
+                node.pins += 1
+                state.pinned.append(node)
+        return logits
 
     def _checkpoint(self, runner, request: Request, start: int, end: int) -> None:
         state: _PrefixState = request.planner_state[STATE_KEY]

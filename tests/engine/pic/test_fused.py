@@ -124,3 +124,35 @@ def test_fused_prefill_equals_steps_when_some_heads_forgot_their_prefix(kind, mo
     if kind == GDN:  # the partly-live dense operators took the indexed path
         sigs = [s for s, _ in got["planner"].cache._entries.values()]
         assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in sigs)
+
+
+@pytest.mark.parametrize("mix", ["gdn", "mamba2", "swa"])
+def test_prefix_caching_in_one_pass_takes_the_same_checkpoints_and_logits(mix, model_of, runner_of, planner_of):
+    model = model_of(MIXES[mix])
+    docs = [rand_ids(n, 80 + n) for n in (13, 17, 11)]
+    q = rand_ids(5, 4)
+    runner = runner_of(model)
+    got = {}
+    for fused in (False, True):
+        planner = planner_of(model, method="prefix", fused=fused)
+        first = execute(planner, runner, make_request([(d, True) for d in docs] + [(q, False)]))
+        # a second request sharing the first two documents restores their checkpoints
+        second = execute(planner, runner, make_request([(docs[0], True), (docs[1], True), (q, False)]))
+        nodes = sorted(planner.tree._nodes(), key=lambda n: n.checkpoint.end)
+        got[fused] = (first.logits[-1], second.logits[-1], [n.checkpoint for n in nodes],
+                      planner.take_report(second.seq.seq_id))
+    (a1, a2, acps, _), (b1, b2, bcps, rep) = got[False], got[True]
+    torch.testing.assert_close(b1, a1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b2, a2, rtol=1e-5, atol=1e-5)
+    assert [(c.start, c.end) for c in bcps] == [(c.start, c.end) for c in acps] and len(bcps) == 3
+    for x, y in zip(acps, bcps):
+        for name in ("kv", "ring", "states"):
+            dx, dy = getattr(x, name), getattr(y, name)
+            assert dx.keys() == dy.keys(), name
+            for layer in dx:
+                for tx, ty in zip(dx[layer], dy[layer]):
+                    if isinstance(tx, torch.Tensor):
+                        torch.testing.assert_close(ty, tx, rtol=1e-5, atol=1e-5)
+                    else:
+                        assert tx == ty
+    assert rep.reused_tokens == 1 + len(docs[0]) + len(docs[1])
