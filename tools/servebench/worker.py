@@ -64,6 +64,9 @@ def main() -> None:
     opts = dict(spec["engine"])
     if spec.get("device"):
         opts["device"] = spec["device"]
+        dev = torch.device(spec["device"])
+        if dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)  # Triton kernels launch on the current device, not their tensors'
     engine = build_engine(spec["preset"], EngineConfig(**opts))
     connector = None
     if spec.get("socket"):
