@@ -6,13 +6,16 @@
     kvengine presets [--json]
     kvengine bench --preset NAME [--num-requests N --prompt-len L --max-new-tokens M --request-rate R --json]
     kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json] [--store [SOCKET]]
-    kvengine serve ... [--store [SOCKET]]
+    kvengine serve ... [--store [SOCKET]] [--share-cold/--no-share-cold]
 
 `--store [SOCKET]` keeps segment signatures in a kvstore daemon (engine.connector) instead
 of the engine's process: given without a value it uses the daemon's default socket
 (KVSTORE_SOCKET, the kvstore config file, the per-user path). `main` rewrites a bare
 `--store` into `--store=` before typer parses the command line (typer options cannot
-have an optional value).
+have an optional value). With `--store`, `--share-cold` (the default) offers a request's
+cold segments to idle engines attached to the same daemon and, while this engine is
+idle (`serve`), computes segments other engines offer (engine.connector.coldshare);
+`--no-share-cold` turns both off.
 
 These command and option names are an interface that scripts depend on; keep them.
 Bad input exits with status 2 and a message naming the option.
@@ -48,6 +51,10 @@ StoreOpt = typer.Option(
     None, "--store", metavar="[SOCKET]",
     help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
          "without it the engine keeps them in its own process.")
+ShareColdOpt = typer.Option(
+    True, "--share-cold/--no-share-cold",
+    help="With --store: offer a request's cold segments to idle engines on the same daemon, and compute "
+         "theirs while idle.")
 
 
 # EngineConfig / LoadSpec field -> the option that sets it (for error messages)
@@ -191,6 +198,7 @@ def serve(
     max_model_len: Optional[int] = MaxLenOpt,
     log_level: str = typer.Option("info", "--log-level"),
     store: Optional[str] = StoreOpt,
+    share_cold: bool = ShareColdOpt,
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -198,7 +206,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.server.app import serve as run_server
 
-    connector = _store_config(store)
+    connector = _store_config(store, share_cold)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, max_model_len))
     planner = _attach_store(engine, None, connector) if connector is not None else None
@@ -211,12 +219,12 @@ def serve(
             planner.store.close()
 
 
-def _store_config(value: Optional[str]):
+def _store_config(value: Optional[str], share_cold: bool = True):
     from engine.connector.attach import store_config
     from engine.connector.errors import ConnectorConfigError
 
     try:
-        return store_config(value)
+        return store_config(value, share_cold=share_cold)
     except ConnectorConfigError as exc:
         _fail(f"--store: {exc}")
 
@@ -295,6 +303,7 @@ def run_cmd(
     dtype: str = DtypeOpt,
     chunk_size: int = ChunkOpt,
     store: Optional[str] = StoreOpt,
+    share_cold: bool = ShareColdOpt,
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
     caching or a baseline); print reuse and timing per request. With --store, signatures
@@ -314,7 +323,7 @@ def run_cmd(
         reqs = read_requests(requests)
     except InvalidRequestError as exc:
         _fail(f"--requests: {exc}")
-    connector = _store_config(store)
+    connector = _store_config(store, share_cold)
     if connector is not None and method not in ("pic", "naive"):
         _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic or naive")
     engine = _build(preset, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))

@@ -248,6 +248,23 @@ class LLMEngine:
     def cache_usage(self) -> float:
         return self.pool.usage()
 
+    # ---- idle work ------------------------------------------------------------------
+
+    @property
+    def idle_poll_s(self) -> Optional[float]:
+        """How often the loop driving this engine should call `help_idle` while no
+        request is in it (None: the planner has no idle work)."""
+        return getattr(self.scheduler.planner, "idle_poll_s", None)
+
+    def help_idle(self) -> int:
+        """Work the planner does for other engines while this one is idle (e.g. cold
+        segments another engine offered through the store: engine.connector.coldshare);
+        how many units it did. Only while no request is in the engine."""
+        fn = getattr(self.scheduler.planner, "help_idle", None)
+        if fn is None or self.has_unfinished():
+            return 0
+        return int(fn(self.runner))
+
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

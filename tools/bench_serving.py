@@ -14,8 +14,14 @@ ring-bench, scalar decay; `--quick`: their tiny versions) on one engine:
 2. sustainable QPS at a TTFT SLO (p99 under `--slo-ms`, default `--slo-factor` x the
    full-recompute p50 TTFT of rag on the idle engine) with Poisson arrivals, PIC vs
    prefix caching;
-3. two engine processes sharing one daemon vs each with a private cache: hit rate, TTFT;
-4. where the TTFT of a PIC hit goes, per tier: lookup, load, compose, seam, suffix.
+3. two engine processes sharing one daemon vs each with a private cache: hit rate, TTFT,
+   and the loads by path (daemon tier; GPU tier on another GPU through CUDA IPC), bytes
+   and time per path; with `--gpus` (automatic with two or more CUDA devices) each
+   worker engine runs on its own GPU;
+4. where the TTFT of a PIC hit goes, per tier: lookup, load, compose, seam, suffix;
+5. parallel cold prefill: the cold TTFT of rag requests (several cold segments each) on
+   one engine alone vs helped by a second, idle engine that computes some of their
+   segments (engine.connector.coldshare), as a speedup (mean alone / mean helped).
 
 It starts its own daemon (kvstore.testing.DaemonProcess, capacities from the options)
 unless `--socket` names a running one. The table prints last; `--json [PATH]` writes
@@ -23,8 +29,9 @@ the whole run to PATH (default docs/results/serving-<date>.json) with `summary`
 (tools/servebench/report.py). Sizing for the ~8-minute GPU run: `--n` requests per
 workload (5), workloads capped by `--max-tokens` (none: bench-scale lengths, ~5.5k
 tokens, rag ~13k), QPS search over `--qps-trials` (4) trials of `--qps-requests` (8)
-requests, `--share-requests` (6) requests in the sharing experiment. `--quick` runs
-the sharing experiment for its first preset only.
+requests, `--share-requests` (6) requests in the sharing experiment, `--cold-requests`
+(4) in the cold-prefill one. `--quick` runs both two-engine experiments for its first
+preset only.
 """
 from __future__ import annotations
 
@@ -61,7 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qps-requests", type=int, default=None, help="requests per rate (default 8; quick 4)")
     ap.add_argument("--share-requests", type=int, default=None,
                     help="sharing experiment requests (default 6; quick 4, first preset only)")
-    ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown")
+    ap.add_argument("--cold-requests", type=int, default=None,
+                    help="parallel cold-prefill requests (default 4; quick 2, first preset only)")
+    ap.add_argument("--cold-docs", default=None,
+                    help="documents per cold-prefill request MIN-MAX (default: the workload's; quick 4-5)")
+    ap.add_argument("--gpus", default="auto",
+                    help="GPUs of the two-engine experiments, e.g. 0,1 (worker i on the i-th); auto: the first two "
+                         "when CUDA has >= 2 devices; none: the engine's device")
+    ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown,cold")
     ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
     ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
     ap.add_argument("--gpu-capacity", default=None, help="daemon GPU tier (default 16GiB with CUDA, else 0)")
@@ -75,12 +89,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.skip = {s for s in args.skip.split(",") if s}
     defaults = dict(n=(2, 5), max_tokens=(450, None), docs=("2-3", None), qps_trials=(3, 4), qps_requests=(4, 8),
-                    share_requests=(4, 6), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
+                    share_requests=(4, 6), cold_requests=(2, 4), cold_docs=("4-5", None), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
                     device=("cpu", "auto"))
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     return args
+
+
+def worker_gpus(spec: str, device) -> list[int]:
+    """`--gpus` -> device indices for the two-engine experiments ([] : the engine's device)."""
+    import torch
+
+    if device.type != "cuda" or spec == "none":
+        return []
+    if spec == "auto":
+        n = torch.cuda.device_count()
+        return [0, 1] if n >= 2 else []
+    try:
+        gpus = [int(g) for g in spec.split(",") if g != ""]
+    except ValueError:
+        raise SystemExit(f"--gpus={spec!r}: expected auto, none or device indices like 0,1") from None
+    bad = [g for g in gpus if not 0 <= g < torch.cuda.device_count()]
+    if bad:
+        raise SystemExit(f"--gpus={spec!r}: no CUDA device {bad[0]} ({torch.cuda.device_count()} visible)")
+    return gpus
 
 
 def engine_options(args, device) -> dict:
@@ -161,13 +194,25 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
             h.planner("pic")
             h.run_alone(req)
             out["breakdown"] = measure.hit_breakdown(h, req, tiers)
-        if "sharing" not in args.skip and not (args.quick and preset != args.presets[0]):
+        first = not (args.quick and preset != args.presets[0])
+        threads = 1 if device.type == "cpu" else None
+        gpus = worker_gpus(args.gpus, device)
+        if "sharing" not in args.skip and first:
             trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
-            threads = 1 if device.type == "cpu" else None
-            out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads),
-                              "private": sharing.run_pair(preset, opts, trace, None, threads)}
+            out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus),
+                              "private": sharing.run_pair(preset, opts, trace, None, threads, gpus),
+                              "gpus": gpus}
             log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
-                f"private {out['sharing']['private']['hit_rate']:.2f}")
+                f"private {out['sharing']['private']['hit_rate']:.2f} (devices "
+                f"{out['sharing']['shared']['devices']})")
+        if "cold" not in args.skip and first:
+            reqs = requests.load("rag", args.cold_requests, args.seed + 4, scale, args.max_tokens, args.cold_docs)
+            c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus)
+            c["gpus"] = gpus
+            out["cold_parallel"] = c
+            log(f"{preset} cold prefill: alone {c['alone']['ttft_ms_mean']:.1f} ms, helped "
+                f"{c['helped']['ttft_ms_mean']:.1f} ms (x{c['speedup'] or 0:.2f}; helper computed "
+                f"{c['helper']['cold_helped']} segments; devices {c['devices']})")
         out["connector"] = h.store.metrics.snapshot()
         out["purged_objects"] = h.purge()  # room for the next preset
     finally:

@@ -19,6 +19,14 @@ bounded wait before it is served by recomputation:
   engines wait for it instead of computing it too.
 - `verify`: check each loaded blob's checksum on the client (the daemon already
   verifies every commit and every NVMe read).
+- `share_cold`: offer a request's cold segments to idle engines (engine.connector.
+  coldshare) and, while this engine is idle, compute segments other engines offer.
+  Needs `dedup` (the claims carry it); off when `dedup` is off.
+- `share_min_segments`: cold segments a request needs before it offers any (with one,
+  there is nothing to do in parallel).
+- `share_poll_s`: how often an idle engine lists offered segments (one List RPC).
+- `share_wait_s`: most time to wait for an offered segment a helper claimed before
+  computing it here; also the lifetime of an offer.
 """
 from __future__ import annotations
 
@@ -47,16 +55,26 @@ class StoreConnectorConfig:
     prefetch_queued: int = 4
     dedup: bool = True
     verify: bool = False
+    share_cold: bool = True
+    share_min_segments: int = 2
+    share_poll_s: float = 0.01
+    share_wait_s: float = 30.0
+
+    @property
+    def sharing(self) -> bool:
+        """Cold segments are offered to and taken from other engines."""
+        return self.share_cold and self.dedup
 
     def __post_init__(self) -> None:
-        for name in ("rpc_timeout_s", "load_timeout_s", "inflight_wait_s", "reconnect_min_s", "reconnect_max_s"):
+        for name in ("rpc_timeout_s", "load_timeout_s", "inflight_wait_s", "reconnect_min_s", "reconnect_max_s",
+                     "share_poll_s", "share_wait_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise ConnectorConfigError(f"{name}={v!r} must be a finite number > 0")
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ConnectorConfigError(
                 f"reconnect_max_s={self.reconnect_max_s} must be >= reconnect_min_s={self.reconnect_min_s}")
-        for name in ("put_queue_depth", "prefetch_queued"):
+        for name in ("put_queue_depth", "prefetch_queued", "share_min_segments"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConnectorConfigError(f"{name}={v!r} must be an int >= 0")

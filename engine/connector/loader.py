@@ -360,6 +360,9 @@ class SegmentLoader:
         seg = LoadedSegment(key, sig, tier, view.tier, view.size, view)
         same = buf.device.type == self.device.type and (buf.device.type != "cuda" or buf.device == self.device)
         if not same:  # pragma: no cover - GPU only: pinned host (or another GPU) -> this device, side stream
+            if buf.device.type == "cuda":  # the daemon's GPU tier on another device (CUDA IPC, peer copy)
+                self.metrics.inc("peer_loads")
+                self.metrics.inc("peer_load_bytes", view.size)
             stream = self._stream
             with torch.cuda.stream(stream):
                 seg.copy_start = torch.cuda.Event(enable_timing=True)

@@ -26,6 +26,12 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
 - dedup: `computes` (segments computed alone here), `claims` (claims this engine won),
   `inflight_waits`, `inflight_wait_hits`, `inflight_wait_misses`.
 - connection: `disconnects`, `reconnects`, `daemon_restarts`.
+- cold sharing (engine.connector.coldshare): `cold_offered` (wanted records published),
+  `cold_offloaded` (offered segments another engine computed), `cold_wait_ms_total`
+  (time waited for them), `cold_helped` (segments computed for other engines),
+  `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
+- `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
+  than the engine's (copied device to device; CUDA IPC across GPUs).
 """
 from __future__ import annotations
 
@@ -41,8 +47,9 @@ _COUNTERS = (
     "puts_queued", "puts_stored", "puts_exists", "puts_dropped", "put_bytes",
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
+    "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
 )
-_TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total")
+_TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total")
 
 
 class ConnectorMetrics:

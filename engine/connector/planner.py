@@ -21,6 +21,13 @@ What it adds to `PicPlanner`, in the order of a request's life:
    not be loaded after all (evicted between Lookup and Get) is computed there.
 5. prefill done or request freed: leases released, the request's store report kept.
 
+Cold sharing (engine.connector.coldshare, `StoreConnectorConfig.share_cold`): a miss
+step with several cold segments first offers all but the first to idle engines, then
+claims and computes them one by one in prompt order (a segment a helper claimed answers
+INFLIGHT and is waited for after the others, bounded by `share_wait_s`), and withdraws
+its offers. `help_idle(runner)`, called by the engine when it has nothing to do (every
+`idle_poll_s`), takes one segment another engine offered, computes it and stores it.
+
 `take_store_report(request_id)` returns the connector's side of a request (`StoreReport`):
 segments by tier, load latency and the time the engine waited for it (overlap), copies
 still in flight when their splice was reached, dedup waits, and whether the daemon was
@@ -38,6 +45,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.connector.coldshare import ColdSegment, ColdShare
 from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
@@ -66,6 +74,7 @@ class StoreReport:
     computed: int = 0  # computed alone here
     claimed: int = 0  # computed here under a claim other engines could see
     waited: int = 0  # computed by another engine while this one waited
+    offloaded: int = 0  # of those, segments this request offered to idle engines (cold sharing)
     wait_inflight_ms: float = 0.0
     load_wait_ms: float = 0.0  # engine loop blocked on this request's loads
     copies_pending_at_use: int = 0  # device copies not finished when their splice began
@@ -87,7 +96,7 @@ class StoreReport:
         return {
             "store_segments": self.segments, "store_hits": sum(self.hits_by_tier.values()),
             "store_hits_by_tier": dict(self.hits_by_tier), "store_computed": self.computed,
-            "store_claimed": self.claimed, "store_waited": self.waited,
+            "store_claimed": self.claimed, "store_waited": self.waited, "store_offloaded": self.offloaded,
             "store_wait_inflight_ms": round(self.wait_inflight_ms, 3), "store_load_ms": round(load, 3),
             "store_load_wait_ms": round(self.load_wait_ms, 3),
             "store_load_overlap": overlap_fraction(load, self.load_wait_ms + self.device_wait_ms),
@@ -192,6 +201,10 @@ class StorePicPlanner(PicPlanner):
         sr: StoreReport = request.planner_state[_STORE_KEY]
         report = state.builder.report
         missing, state.missing = list(state.missing), []
+        share = self.store.share
+        if share is not None and len(missing) >= max(2, self.store.config.share_min_segments) and self.store.available:
+            self._compute_misses_shared(runner, request, missing, share)
+            return
         later: list[tuple[SpliceUnit, Claim]] = []
         for u in missing:
             claim = self.store.claim(u.key)
@@ -211,6 +224,83 @@ class StorePicPlanner(PicPlanner):
                 report.add_hit(self._reused(u))
             else:
                 self._compute(runner, state, sr, u, got)
+
+    def _compute_misses_shared(self, runner, request: Request, missing: list[SpliceUnit], share: ColdShare) -> None:
+        """The miss step with cold sharing (module docstring): offer all but the first
+        miss, claim and compute in order, wait for what helpers claimed, withdraw."""
+        state: _RequestState = request.planner_state[_PIC_KEY]
+        sr: StoreReport = request.planner_state[_STORE_KEY]
+        report = state.builder.report
+        offered = {u.key for u in missing[1:]}
+        records = share.publish(request.request_id, [
+            ColdSegment(u.key, tuple(state.token_ids[u.offset:u.end]), u.split) for u in missing[1:]])
+        try:
+            later: list[tuple[SpliceUnit, Claim]] = []
+            for u in missing:
+                claim = self.store.claim(u.key)
+                if claim.status == PRESENT:  # an offered segment a helper stored already
+                    if u.key in offered:
+                        sr.offloaded += 1
+                        self.store.metrics.inc("cold_offloaded")
+                    self._use(state, sr, u.key, claim.segment)
+                    report.add_hit(self._reused(u))
+                elif claim.status == INFLIGHT:
+                    later.append((u, claim))
+                else:
+                    self._compute(runner, state, sr, u, claim)
+            for u, claim in later:
+                mine = u.key in offered
+                got = self.store.wait_inflight(claim, self.store.config.share_wait_s if mine else None)
+                sr.wait_inflight_ms += got.wait_ms
+                if mine:
+                    self.store.metrics.inc("cold_wait_ms_total", got.wait_ms)
+                if got.status == WAITED:
+                    sr.waited += 1
+                    if mine:
+                        sr.offloaded += 1
+                        self.store.metrics.inc("cold_offloaded")
+                    self._use(state, sr, u.key, got.segment)
+                    report.add_hit(self._reused(u))
+                else:
+                    self._compute(runner, state, sr, u, got)
+        finally:
+            share.withdraw(records)
+
+    # ------------------------------------------------------------------ idle help
+    @property
+    def idle_poll_s(self) -> Optional[float]:
+        """How often the engine should call `help_idle` while idle (None: never)."""
+        return None if self.store.share is None else self.store.config.share_poll_s
+
+    def help_idle(self, runner) -> int:
+        """Compute one cold segment another engine offered (engine.connector.coldshare)
+        and store it under its claim; the number computed (0 or 1). Called by the engine
+        when it has no request to run."""
+        share = self.store.share
+        if share is None:
+            return 0
+        taken = share.take()
+        if taken is None:
+            return 0
+        wanted, claim = taken
+        if self.key(wanted.token_ids, wanted.split) != wanted.key:  # other anchor/seam/options, or forged
+            self.store.metrics.inc("cold_rejected")
+            self.store.drop_claim(claim)
+            return 0
+        t0 = time.perf_counter()
+        try:
+            sig = compute_signature(runner.model, list(wanted.token_ids), self.anchor_ids, wanted.split,
+                                    backend=runner.backend, state_dtype=self.state_dtype,
+                                    keep_end_state=self.config.keep_end_state)
+        except Exception:  # helping must not stop this engine; the requester computes it
+            log.exception("computing offered segment %s failed", wanted.key.hex()[:16])
+            self.store.drop_claim(claim)
+            return 0
+        sig.meta["fingerprint"] = self.fingerprint
+        self.store.store(wanted.key, sig, claim=claim, cost=float(len(self.anchor_ids) + len(wanted.token_ids)))
+        self.store.metrics.inc("cold_helped")
+        self.store.metrics.inc("cold_help_ms_total", (time.perf_counter() - t0) * 1e3)
+        return 1
 
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
         try:

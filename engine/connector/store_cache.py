@@ -25,6 +25,9 @@ and the planner that drives it (engine.connector.planner) uses its capabilities:
     wait_inflight(claim) -> Claim   wait for a segment another engine computes
     store(key, signature, claim, cost)   put with the claim to drop once stored
     flush(), close()
+    share                       the ColdShare (engine.connector.coldshare) when
+                                `config.sharing`, else None: offers cold segments to idle
+                                engines and takes theirs
 
 Loaded segments are shared: two requests splicing the same segment share one load
 (reference counted; the lease is released with the last reference).
@@ -59,6 +62,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.connector.codec import signature_blob
+from engine.connector.coldshare import ColdShare
 from engine.connector.config import StoreConnectorConfig
 from engine.connector.errors import StoreUnavailable
 from engine.connector.link import StoreLink
@@ -132,6 +136,7 @@ class StoreSignatureCache(SignatureCache):
         self._batches: dict[str, LoadBatch] = {}
         self._claims: dict[bytes, Claim] = {}
         self._closed = False
+        self.share: Optional[ColdShare] = ColdShare(self) if self.config.sharing else None
         if connect:
             self.link.start()
 
@@ -328,14 +333,16 @@ class StoreSignatureCache(SignatureCache):
         # "in_flight": another engine computes it ("exists" cannot happen: claims are never committed)
         return Claim(key, INFLIGHT)
 
-    def wait_inflight(self, claim: Claim) -> Claim:
-        """Wait (at most `inflight_wait_s`) for the engine computing `claim.key`, then
-        load it: `WAITED` with the segment, or `COMPUTE` when it did not arrive."""
+    def wait_inflight(self, claim: Claim, timeout: Optional[float] = None) -> Claim:
+        """Wait (at most `timeout`, default `inflight_wait_s`) for the engine computing
+        `claim.key`, then load it: `WAITED` with the segment, or `COMPUTE` when it did
+        not arrive."""
         key = claim.key
         self.metrics.inc("inflight_waits")
+        wait_s = self.config.inflight_wait_s if timeout is None else timeout
         t0 = time.perf_counter()
         try:
-            self.link.call("wait_for", lambda c: c.wait_for(claim_key(key), timeout=self.config.inflight_wait_s))
+            self.link.call("wait_for", lambda c: c.wait_for(claim_key(key), timeout=wait_s))
         except StoreUnavailable:
             self.metrics.inc("inflight_wait_misses")
             return Claim(key, COMPUTE, wait_ms=(time.perf_counter() - t0) * 1e3)
@@ -405,6 +412,8 @@ class StoreSignatureCache(SignatureCache):
         if self._closed:
             return
         self._closed = True
+        if self.share is not None:
+            self.share.close()
         self.putter.close(timeout)
         self.loader.close()
         with self._lock:

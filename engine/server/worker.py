@@ -3,7 +3,9 @@
 Other threads never touch the engine. They send commands through a queue:
 `submit` (add a request; the returned future resolves to its id, or to the engine's
 `InvalidRequestError`/`CapacityError`) and `abort`. The loop drains commands, runs one
-`engine.step()` while any request is unfinished (and blocks on the queue while idle),
+`engine.step()` while any request is unfinished (and blocks on the queue while idle;
+with a planner that has idle work, e.g. computing cold segments other engines offered
+through the store, it calls `engine.help_idle()` every `engine.idle_poll_s`),
 and hands each `RequestOutput` to the callback registered with its request, on the
 loop thread. `AsyncEngineClient` wraps this for asyncio code (the HTTP server): an
 async iterator of a request's outputs that aborts the request if the consumer stops
@@ -104,24 +106,30 @@ class EngineLoop:
         try:
             while True:
                 busy = self.engine.has_unfinished()
-                if not self._drain(block=not busy):
+                poll = self.engine.idle_poll_s
+                wait = self.idle_wait_s if poll is None else min(self.idle_wait_s, poll)
+                if not self._drain(block=not busy, timeout=wait):
                     return
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
                     if self.metrics is not None:
                         self.metrics.observe_step(self.engine, outputs)
                     self._deliver(outputs)
-                elif self.metrics is not None:
-                    self.metrics.observe_gauges(self.engine)
+                else:
+                    if poll is not None:
+                        self.engine.help_idle()
+                    if self.metrics is not None:
+                        self.metrics.observe_gauges(self.engine)
         except BaseException as exc:  # a failed step: fail every live request, then stop
             log.exception("engine loop failed")
             self.error = exc
             self._fail_all(exc)
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; False once asked to stop."""
+    def _drain(self, block: bool, timeout: float) -> bool:
+        """Apply queued commands (waiting up to `timeout` for one when `block`); False
+        once asked to stop."""
         try:
-            cmd = self._commands.get(timeout=self.idle_wait_s) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             return not self._stopping
         while True:

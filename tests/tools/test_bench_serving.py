@@ -1,6 +1,7 @@
 """tools/bench_serving.py --quick end to end on the CPU: it starts its own REAL daemon,
-measures every phase on the tiny presets, writes the JSON run with the summary fields
-the issue names, and prints its table last."""
+measures every phase on the tiny presets (the two-engine ones, sharing and parallel cold
+prefill, on the first preset), writes the JSON run with the summary fields the issues
+name, and prints its table last."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
     summary = run["summary"]
-    for key in ("ttft_reduction_vs_prefix_avg", "ttft_reduction_vs_full_avg", "qps_gain_vs_prefix_at_slo"):
+    for key in ("ttft_reduction_vs_prefix_avg", "ttft_reduction_vs_full_avg", "qps_gain_vs_prefix_at_slo",
+                "cold_parallel_speedup", "cross_gpu_hit_rate"):
         assert key in summary
     assert summary["ttft_reduction_vs_prefix_avg"] > 0 and summary["ttft_reduction_vs_full_avg"] > 0
     assert set(run["presets"]) == {"qwen3next-tiny", "ring-tiny"}
@@ -31,6 +33,15 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
         assert w["pic"]["cold"]["hit_segments"] == 0
     assert first["sharing"]["shared"]["hit_rate"] > first["sharing"]["private"]["hit_rate"]
     assert {"cpu", "nvme"} <= set(first["breakdown"])
+    paths = first["sharing"]["shared"]["paths"]
+    assert paths["cpu"]["loads"] > 0 and paths["cpu"]["bytes"] > 0 and paths["peer"]["loads"] == 0
+    cold = first["cold_parallel"]
+    assert cold["alone"]["cold_segments_mean"] >= 3 and summary["cold_parallel_speedup"] > 0
+    for r in cold["runs"]:  # every segment cold in both modes: computed here, or by the idle helper
+        assert r["hit_segments"] + r["miss_segments"] == r["segments"]
+        assert r["computed"] + r["offloaded"] == r["segments"]
+        assert r["offloaded"] == 0 if r["mode"] == "alone" else r["offloaded"] <= r["segments"] - 1
+    assert cold["helper"]["cold_helped"] >= cold["helped"]["offloaded"]
     assert first["qps"]["slo_ms"] > 0 and first["qps"]["pic"]["trials"]
     assert run["machine"]["python"] and run["command"].startswith("python tools/bench_serving.py")
     lines = proc.stdout.strip().splitlines()

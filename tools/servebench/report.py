@@ -10,7 +10,12 @@ Summary figures (the `summary` of docs/results/serving-<date>.json):
   TTFT SLO with PIC / with prefix caching (None when prefix caching sustained no rate
   tried);
 - `sharing_hit_rate_shared` / `_private`: segment hit rate of two engine processes
-  sharing one daemon vs each with a private cache.
+  sharing one daemon vs each with a private cache;
+- `cross_gpu_hit_rate`: the shared hit rate when the two engines ran on different GPUs
+  (None otherwise), and `cross_gpu_peer_loads`: loads served from the daemon's GPU tier
+  on the other GPU (CUDA IPC, device-to-device);
+- `cold_parallel_speedup`: mean over presets of the mean cold TTFT of rag requests on
+  one engine alone / with a second, idle engine helping (published: 2.0x with 2 workers).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ def _mean(xs: list[Optional[float]]) -> Optional[float]:
 
 def summarize(presets: dict[str, dict]) -> dict[str, Any]:
     vs_prefix, vs_full, vs_prefix_cold, vs_full_cold, qps, shared, private = [], [], [], [], [], [], []
+    cross, peer, cold = [], [], []
     for res in presets.values():
         for w in res.get("workloads", {}).values():
             pic, pre, full = w["pic"], w["prefix"], w["full"]
@@ -42,11 +48,19 @@ def summarize(presets: dict[str, dict]) -> dict[str, Any]:
         if s:
             shared.append(s["shared"]["hit_rate"])
             private.append(s["private"]["hit_rate"])
+            if len(set(s["shared"].get("devices", []))) > 1:
+                cross.append(s["shared"]["hit_rate"])
+                peer.append(s["shared"]["paths"]["peer"]["loads"])
+        c = res.get("cold_parallel")
+        if c:
+            cold.append(c["speedup"])
     return {"ttft_reduction_vs_prefix_avg": _mean(vs_prefix), "ttft_reduction_vs_full_avg": _mean(vs_full),
             "ttft_reduction_vs_prefix_cold_avg": _mean(vs_prefix_cold),
             "ttft_reduction_vs_full_cold_avg": _mean(vs_full_cold),
             "qps_gain_vs_prefix_at_slo": _mean(qps),
-            "sharing_hit_rate_shared": _mean(shared), "sharing_hit_rate_private": _mean(private)}
+            "sharing_hit_rate_shared": _mean(shared), "sharing_hit_rate_private": _mean(private),
+            "cross_gpu_hit_rate": _mean(cross), "cross_gpu_peer_loads": sum(peer) if peer else None,
+            "cold_parallel_speedup": _mean(cold)}
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -104,6 +118,32 @@ def tables(presets: dict[str, dict], summary: dict[str, Any]) -> str:
         parts.append(_table("Two engine processes: one shared daemon vs private caches",
                             ["preset config", "requests", "hit rate", "computed", "waited", "ttft p50",
                              "ttft p99"], rows))
+    rows = []
+    for name, res in presets.items():
+        s = res.get("sharing")
+        if s:
+            paths = s["shared"].get("paths", {})
+            for path in ("gpu", "cpu", "nvme"):
+                p = paths.get(path)
+                if p and p["loads"]:
+                    rows.append([f"{name} {path}", p["loads"], p["bytes"] / 2**20, p["ms"], p["gb_per_s"]])
+            if paths.get("peer", {}).get("loads"):
+                rows.append([f"{name} gpu, other GPU", paths["peer"]["loads"], paths["peer"]["bytes"] / 2**20,
+                             "-", "-"])
+    if rows:
+        parts.append(_table("Shared daemon, loads by path (both engines; devices as run)",
+                            ["preset path", "loads", "MiB", "loader ms", "GB/s"], rows))
+    rows = []
+    for name, res in presets.items():
+        c = res.get("cold_parallel")
+        if c:
+            rows.append([name, c["requests"], c["alone"]["cold_segments_mean"], c["alone"]["ttft_ms_mean"],
+                         c["helped"]["ttft_ms_mean"], c["speedup"], c["helped"]["offloaded"],
+                         " ".join(c["devices"])])
+    if rows:
+        parts.append(_table("Cold prefill, one engine alone vs helped by an idle engine (rag, mean TTFT ms)",
+                            ["preset", "requests", "segments", "alone", "helped", "speedup", "offloaded",
+                             "devices"], rows))
     rows = []
     for name, res in presets.items():
         for tier, b in res.get("breakdown", {}).items():

@@ -1,12 +1,21 @@
-"""One engine process of the sharing experiment (tools.servebench.sharing):
+"""One engine process of the two-engine experiments (tools.servebench.sharing):
 
     python -m tools.servebench.worker --spec SPEC.json --out OUT.json
 
-SPEC holds the preset, the engine options, the requests, the daemon socket (null: PIC
-over a private in-process cache) and a barrier directory. The worker builds its engine,
-warms its kernels on a prompt of its own, writes `<barrier>/<name>.ready`, waits for
-`<barrier>/go` (so both engines run at the same time), runs its requests one after the
-other and writes per-request TTFT and hits to OUT.
+SPEC holds the preset, the engine options (`device` overrides theirs: one GPU per
+worker), the requests, the daemon socket (null: PIC over a private in-process cache),
+`share_cold` and a barrier directory. The worker builds its engine, warms its kernels
+on a prompt of its own, writes `<barrier>/<name>.ready`, waits for `<barrier>/go` (so
+both engines run at the same time), then does its `role`:
+
+- `requests` (default): runs its requests one after the other;
+- `cold`: for each request, a cold run without cold sharing and a cold run with it
+  (the request's segments are deleted from the daemon before each), so an idle helper
+  can compute part of its cold segments in the second;
+- `helper`: an idle engine: computes cold segments other engines offer
+  (`engine.help_idle()` every `share_poll_s`) until `<barrier>/stop` appears.
+
+It writes per-request TTFT, hits and store fields, and its connector metrics, to OUT.
 """
 from __future__ import annotations
 
@@ -14,6 +23,26 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+
+def _go(barrier: Path, name: str) -> None:
+    (barrier / f"{name}.ready").write_text("ready")
+    deadline = time.monotonic() + 900
+    while not (barrier / "go").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("no go signal within 900 s")
+        time.sleep(0.01)
+
+
+def _record(run, mode: str = "") -> dict:
+    rec = {"id": run.id, "ttft_ms": run.ttft_ms, "hit_segments": run.hit_segments,
+           "miss_segments": run.miss_segments, "reused_tokens": run.reused_tokens,
+           "prompt_tokens": run.prompt_tokens, "waited": run.store.get("store_waited", 0),
+           "computed": run.store.get("store_computed", 0), "offloaded": run.store.get("store_offloaded", 0),
+           "segments": run.store.get("store_segments", 0)}
+    if mode:
+        rec["mode"] = mode
+    return rec
 
 
 def main() -> None:
@@ -32,33 +61,57 @@ def main() -> None:
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    engine = build_engine(spec["preset"], EngineConfig(**spec["engine"]))
-    connector = StoreConnectorConfig(socket=spec["socket"]) if spec.get("socket") else None
+    opts = dict(spec["engine"])
+    if spec.get("device"):
+        opts["device"] = spec["device"]
+        dev = torch.device(spec["device"])
+        if dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)  # Triton kernels launch on the current device, not their tensors'
+    engine = build_engine(spec["preset"], EngineConfig(**opts))
+    connector = None
+    if spec.get("socket"):
+        connector = StoreConnectorConfig(socket=spec["socket"], share_cold=bool(spec.get("share_cold", True)),
+                                         rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
     harness = Harness(engine, connector)
     harness.planner("pic")
-    name = spec["name"]
+    name, role = spec["name"], spec.get("role", "requests")
     warm = BenchRequest(f"{name}-warmup", "warmup", (
         {"text": f"warm-up {name}: " + "abc " * 40, "cache": True},
         {"text": f"warm-up {name}, second: " + "xyz " * 40, "cache": True},
+        {"text": f"warm-up {name}, third: " + "pqr " * 40, "cache": True},
         {"text": "Q: ?\nA: ", "cache": False}))
     harness.run_alone(warm)
     barrier = Path(spec["barrier"])
-    (barrier / f"{name}.ready").write_text("ready")
-    deadline = time.monotonic() + 900
-    while not (barrier / "go").exists():
-        if time.monotonic() > deadline:
-            raise SystemExit("no go signal within 900 s")
-        time.sleep(0.01)
+    _go(barrier, name)
     runs = []
-    for r in spec["requests"]:
-        req = BenchRequest(r["id"], r["task"], tuple(r["segments"]))
-        run = harness.run_alone(req)
-        runs.append({"id": run.id, "ttft_ms": run.ttft_ms, "hit_segments": run.hit_segments,
-                     "miss_segments": run.miss_segments, "reused_tokens": run.reused_tokens,
-                     "prompt_tokens": run.prompt_tokens, "waited": run.store.get("store_waited", 0)})
-    store = harness.store.metrics.snapshot() if connector is not None else None
+    if role == "helper":
+        poll = engine.idle_poll_s or 0.01
+        while not (barrier / "stop").exists():
+            if not engine.help_idle():
+                time.sleep(poll)
+        harness.store.flush()
+    else:
+        store = harness.store if connector is not None else None
+        share = store.share if store is not None else None
+        if role == "cold" and spec["requests"]:  # warm the helped path once (not measured)
+            first = spec["requests"][0]
+            req = BenchRequest(first["id"] + "-warm", first["task"], tuple(first["segments"]))
+            harness.forget(req)
+            harness.run_alone(req)
+        for r in spec["requests"]:
+            req = BenchRequest(r["id"], r["task"], tuple(r["segments"]))
+            if role != "cold":
+                runs.append(_record(harness.run_alone(req)))
+                continue
+            for mode in ("alone", "helped"):
+                harness.forget(req)
+                store.share = share if mode == "helped" else None
+                runs.append(_record(harness.run_alone(req), mode))
+            store.share = share
+    snap = harness.store.metrics.snapshot() if connector is not None else None
     harness.close()
-    Path(args.out).write_text(json.dumps({"name": name, "runs": runs, "store": store}))
+    Path(args.out).write_text(json.dumps({"name": name, "role": role, "device": str(engine.device), "runs": runs,
+                                          "store": snap}))
 
 
 if __name__ == "__main__":
