@@ -26,7 +26,7 @@ from torch import nn
 from engine.models.config import SWA, ModelConfig
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.norm import RMSNorm
-from engine.models.layers.rope import apply_rope, rope_inv_freq
+from engine.models.layers.rope import apply_rope, apply_rope_cos_sin, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
     from engine.cache.layer_caches import PagedKVCache, WindowRingCache
@@ -173,8 +173,10 @@ class Attention(TokenMixer):
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        if self.rotary_dim:
+            cos, sin = rope_cos_sin(positions, self.inv_freq)
+            cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+            q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
         return q, k, v, gate
 
     def rope_shift(self, k: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
