@@ -63,6 +63,8 @@ class DecodeGraphs:
         self._rows: dict[int, torch.Tensor] = {}  # bucket -> static packed rows on the device
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        #: bucket of the last step run here (for tests and metrics)
+        self.last_bucket: int | None = None
 
     # ------------------------------------------------------------------ queries
     def bucket(self, batch: int) -> int | None:
@@ -105,6 +107,7 @@ class DecodeGraphs:
         if bucket is None or not self.fits(positions):
             raise ValueError(f"a decode step of {b} sequences at positions up to {max(positions)} fits no "
                              f"bucket of {self.buckets} with {self.max_blocks} blocks")
+        self.last_bucket = bucket
         host_tokens = None if isinstance(tokens, torch.Tensor) else list(tokens)
         packed = pack_decode_rows(seqs, positions, host_tokens, self.cache.block_size, self.cache.has_paged,
                                   rows=bucket)
