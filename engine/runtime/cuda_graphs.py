@@ -141,7 +141,8 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA calls of other threads (HTTP server, store connector) do not void the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.step(rows)
         self._graphs[bucket] = (graph, out)
         return logits
