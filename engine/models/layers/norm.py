@@ -52,5 +52,6 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     d = x.shape[-1]
     w = _L2_WEIGHTS.get((d, x.device))
     if w is None:
-        w = _L2_WEIGHTS[(d, x.device)] = torch.full((d,), d ** -0.5, dtype=torch.float32, device=x.device)
+        with torch.inference_mode(False):  # a normal tensor: autograd may save it later
+            w = _L2_WEIGHTS[(d, x.device)] = torch.full((d,), d ** -0.5, dtype=torch.float32, device=x.device)
     return F.rms_norm(x.to(torch.float32), (d,), w, eps / d).to(x.dtype)

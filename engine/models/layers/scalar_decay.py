@@ -58,7 +58,8 @@ class LightningAttention(LinearMixer):
         """`head_log_decay` as a float32 tensor on `device`, made once per device (a fresh
         host->device copy every step would sync, and cannot run inside a CUDA graph)."""
         if device not in self._log_decay:
-            self._log_decay[device] = torch.tensor(self.head_log_decay, dtype=torch.float32, device=device)
+            with torch.inference_mode(False):  # a normal tensor: training may use it later
+                self._log_decay[device] = torch.tensor(self.head_log_decay, dtype=torch.float32, device=device)
         return self._log_decay[device]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
