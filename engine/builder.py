@@ -46,6 +46,8 @@ class EngineConfig:
     kv_cache_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     gpu_memory_utilization: float = 0.9
+    #: replay decode steps as CUDA graphs (batch buckets 1..32) where the device is CUDA
+    cuda_graphs: bool = True
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -117,7 +119,7 @@ def build_engine(
     tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)
     cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
     manager = CacheManager.for_model(model, cache_cfg)
-    runner = ModelRunner(model, manager)
+    runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
     pool = ManagedCachePool(manager)
     log.info(
         "engine for %s on %s/%s: %d KV blocks of %d, %d slots",

@@ -47,6 +47,8 @@ BudgetOpt = typer.Option(2048, "--max-batched-tokens", help="Token budget of one
 ChunkOpt = typer.Option(512, "--chunk-size", help="Most prompt tokens one request computes per step.")
 KvTokensOpt = typer.Option(None, "--kv-cache-tokens", help="Full-attention positions over all requests (default: sized from memory).")
 MaxLenOpt = typer.Option(None, "--max-model-len", help="Longest prompt + output (default: the model's limit).")
+GraphsOpt = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                         help="Replay decode steps as CUDA graphs (batch buckets up to 32; CUDA only).")
 StoreOpt = typer.Option(
     None, "--store", metavar="[SOCKET]",
     help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
@@ -76,12 +78,13 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _engine_config(device: str, dtype: str, max_batch: int, max_batched_tokens: int, chunk_size: int,
-                   kv_cache_tokens: Optional[int], max_model_len: Optional[int]):
+                   kv_cache_tokens: Optional[int], max_model_len: Optional[int], cuda_graphs: bool = True):
     from engine.builder import EngineConfig
 
     return EngineConfig(
         device=device, dtype=dtype, max_num_seqs=max_batch, max_num_batched_tokens=max_batched_tokens,
         prefill_chunk_size=chunk_size, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -199,6 +202,7 @@ def serve(
     log_level: str = typer.Option("info", "--log-level"),
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
+    cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -208,7 +212,7 @@ def serve(
 
     connector = _store_config(store, share_cold)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, max_model_len))
+                                           kv_cache_tokens, max_model_len, cuda_graphs))
     planner = _attach_store(engine, None, connector) if connector is not None else None
     try:
         run_server(engine, host, port)
@@ -256,6 +260,7 @@ def bench(
     chunk_size: int = ChunkOpt,
     kv_cache_tokens: Optional[int] = KvTokensOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Synthetic load: N requests of a given prompt length; TTFT p50/p99 and throughput."""
     from engine.bench import LoadSpec, run_load
@@ -267,7 +272,7 @@ def bench(
     except InvalidRequestError as exc:
         _fail(f"{_option(exc.field)}: {exc.message}")
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, None))
+                                           kv_cache_tokens, None, cuda_graphs))
     try:
         report = run_load(engine, spec)
     except EngineError as exc:

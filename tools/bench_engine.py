@@ -2,9 +2,11 @@
 
 For each "bench" preset (or the presets named): prefill time vs prompt length and decode
 tokens/s at batch 1 and 32, through the engine's fast path (linear layers through
-flash-linear-attention's Triton kernels where installed, attention through SDPA) and
-through the model's plain torch path (the same model object and caches, backend
-"torch"), in one process. Prints one table at the end; `--json` also writes
+flash-linear-attention's Triton kernels where installed, attention through SDPA for
+prefill and the paged decode kernel for decode, decode steps replayed as CUDA graphs on
+CUDA; the same path without graphs is timed too, "no graphs" rows) and through the
+model's plain torch path (the same model object and caches, backend "torch", no graphs),
+in one process. Prints one table at the end; `--json` also writes
 docs/results/engine-<machine>-<date>.json.
 
     python tools/bench_engine.py                       # GPU box, every bench preset
@@ -63,6 +65,9 @@ class PathResult:
     prefill_s: dict[int, Optional[float]] = field(default_factory=dict)  # length -> seconds (None: skipped)
     prefill_skip_reason: dict[int, str] = field(default_factory=dict)
     decode_tokens_per_s: dict[int, Optional[float]] = field(default_factory=dict)  # batch -> tokens/s
+    #: the engine path without CUDA graphs (only where it used them: CUDA)
+    decode_eager_tokens_per_s: dict[int, Optional[float]] = field(default_factory=dict)
+    cuda_graphs: bool = False
     decode_skip_reason: dict[int, str] = field(default_factory=dict)
 
 
@@ -174,17 +179,40 @@ def bench_prefill(model, backend: str, lengths: list[int], repeats: int, max_s: 
         _free_memory(device)
 
 
+def _time_decode(runner: ModelRunner, seqs: list, last: torch.Tensor, steps: int, max_s: float,
+                 device: torch.device, budget: Budget) -> float:
+    """Tokens/s of `steps` greedy batched decode steps (after one untimed warm-up step)."""
+    budget.credit(_timed(lambda: runner.decode(seqs, last), device))  # warm-up (graph capture, autotune)
+    n = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    while n < steps:
+        # greedy tokens feed the next step and stay on the device (no per-step host sync)
+        last = runner.decode(seqs, last).argmax(-1)
+        n += 1
+        if time.perf_counter() - t0 > min(max_s, max(budget.left(), 1.0)):
+            break
+    _sync(device)
+    return len(seqs) * n / (time.perf_counter() - t0)
+
+
 def bench_decode(model, backend: str, batches: list[int], context: int, steps: int, max_s: float,
-                 out: PathResult, device: torch.device, vocab: int, budget: Budget) -> None:
+                 out: PathResult, device: torch.device, vocab: int, budget: Budget,
+                 with_eager: bool = False) -> None:
+    """Decode tokens/s per batch. The path's own mode goes to `decode_tokens_per_s` (CUDA
+    graphs where the device is CUDA, unless backend is the plain torch path); `with_eager`
+    also times the same runner without graphs into `decode_eager_tokens_per_s`, over the
+    same filled contexts."""
     gen = torch.Generator().manual_seed(1)
+    graphs = None if backend != "torch" else False
     for batch in batches:
         if budget.left() <= 0:
             out.decode_tokens_per_s[batch] = None
             out.decode_skip_reason[batch] = "time budget spent"
             continue
-        mgr = _manager(model, context + steps + 2, batch)
-        runner = ModelRunner(model, mgr, backend=backend)
-        filler = ModelRunner(model, mgr, backend="auto")  # same caches, fastest prefill
+        mgr = _manager(model, context + 2 * steps + 4, batch)
+        runner = ModelRunner(model, mgr, backend=backend, cuda_graphs=graphs)
+        filler = ModelRunner(model, mgr, backend="auto", cuda_graphs=False)  # same caches, fastest prefill
         try:
             seqs = [mgr.allocate(Sequence(f"d{batch}-{i}")) for i in range(batch)]
             t_fill = 0.0
@@ -193,20 +221,17 @@ def bench_decode(model, backend: str, batches: list[int], context: int, steps: i
                 if t_fill > max_s:
                     raise TimeoutError(f"filling {batch} contexts took over {max_s:.0f}s")
             last = torch.randint(0, vocab, (batch,), generator=gen).to(device)
-            budget.credit(_timed(lambda: runner.decode(seqs, last), device))  # warm-up step
-            n = 0
-            _sync(device)
-            t0 = time.perf_counter()
-            while n < steps:
-                # greedy tokens feed the next step and stay on the device (no per-step host sync)
-                last = runner.decode(seqs, last).argmax(-1)
-                n += 1
-                if time.perf_counter() - t0 > min(max_s, max(budget.left(), 1.0)):
-                    break
-            _sync(device)
-            out.decode_tokens_per_s[batch] = batch * n / (time.perf_counter() - t0)
+            out.decode_tokens_per_s[batch] = _time_decode(runner, seqs, last, steps, max_s, device, budget)
+            if with_eager and runner.graphs is not None:
+                if budget.left() <= 0:
+                    out.decode_eager_tokens_per_s[batch] = None
+                    out.decode_skip_reason[batch] = "eager decode: time budget spent"
+                else:
+                    runner.set_cuda_graphs(False)
+                    out.decode_eager_tokens_per_s[batch] = _time_decode(runner, seqs, last, steps, max_s,
+                                                                        device, budget)
         except (TimeoutError, torch.OutOfMemoryError) as exc:
-            out.decode_tokens_per_s[batch] = None
+            out.decode_tokens_per_s.setdefault(batch, None)
             out.decode_skip_reason[batch] = str(exc).splitlines()[0][:80]
         del runner, filler, mgr
         _free_memory(device)
@@ -248,10 +273,14 @@ def format_table(results: list[PresetResult], lengths: list[int], batches: list[
     rows = [head]
     for res in results:
         for name, p in res.paths.items():
-            row = [res.preset, f"{name} ({p.backend})"]
+            row = [res.preset, f"{name} ({p.backend}{', graphs' if p.cuda_graphs else ''})"]
             row += [_fmt_s(p.prefill_s.get(n)) for n in lengths]
             row += [_fmt_rate(p.decode_tokens_per_s.get(b)) for b in batches]
             rows.append(row)
+            if p.decode_eager_tokens_per_s:
+                row = [res.preset, f"{name} ({p.backend}, no graphs)"] + ["" for _ in lengths]
+                row += [_fmt_rate(p.decode_eager_tokens_per_s.get(b)) for b in batches]
+                rows.append(row)
         eng, base = res.paths.get("engine"), res.paths.get("torch")
         if eng and base:
             row = [res.preset, "speedup"]
@@ -281,6 +310,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="wall-clock budget of the whole run, shared evenly by the presets left")
     ap.add_argument("--paths", default="engine,torch", help="engine (fla/SDPA) and/or torch (plain torch ops)")
+    ap.add_argument("--no-eager-decode", action="store_true",
+                    help="engine path: skip the decode timing without CUDA graphs")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", action="store_true", help="write docs/results/engine-<machine>-<date>.json")
@@ -327,13 +358,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         vocab = cfg.vocab_size
         for j, name in enumerate(chosen):
             budget = Budget(preset_budget.left() / (len(chosen) - j), hard_deadline, preset_budget)  # its share
-            probe = ModelRunner(model, _manager(model, 16, 1), backend=paths[name])
-            pr = PathResult(backend=probe.backend)
+            probe = ModelRunner(model, _manager(model, 16, 1), backend=paths[name],
+                                cuda_graphs=None if name == "engine" else False)
+            pr = PathResult(backend=probe.backend, cuda_graphs=probe.graphs is not None)
             del probe
             print(f"[{time.perf_counter() - started:6.1f}s] {cfg.name}: {name} path ({pr.backend}) prefill", flush=True)
             bench_prefill(model, paths[name], lengths, repeats, max_s, pr, device, vocab, budget)
             print(f"[{time.perf_counter() - started:6.1f}s] {cfg.name}: {name} path decode", flush=True)
-            bench_decode(model, paths[name], batches, context, steps, max_s, pr, device, vocab, budget)
+            bench_decode(model, paths[name], batches, context, steps, max_s, pr, device, vocab, budget,
+                         with_eager=name == "engine" and not args.no_eager_decode)
             res.paths[name] = pr
         results.append(res)
         del model, loaded

@@ -188,6 +188,28 @@ class CacheManager:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
+    def prefill_slots(self, seq: Sequence, start: int, end: int,
+                      with_context: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Flat slots of positions start..end-1 (writes) and, with `with_context`, of 0..end-1,
+        both on the cache device. Only the block table crosses to the device (one copy); the
+        slots are expanded there. (None, None) without full layers."""
+        if not self.has_paged:
+            return None, None
+        need = math.ceil(end / self.block_size)
+        if need > len(seq.block_table):
+            raise CacheError(
+                f"sequence {seq.seq_id!r} has {len(seq.block_table)} blocks, not enough for position {end - 1}")
+        table = torch.tensor(seq.block_table[:need], dtype=torch.long)
+        if self.device.type == "cuda":
+            table = table.pin_memory().to(self.device, non_blocking=True)
+        else:
+            table = table.to(self.device)
+        pos = torch.arange(0 if with_context else start, end, device=self.device)
+        flat = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        if with_context:
+            return flat[start:], flat
+        return flat, None
+
     def batch_block_tables(self, seqs: list[Sequence], lengths: list[int]) -> torch.Tensor | None:
         """`[B, ceil(max(lengths) / block_size)]` block ids (0-padded) covering positions
         0..len-1 of each sequence, on the cache device (the layout paged decode kernels take)."""

@@ -87,6 +87,11 @@ class HybridDecoder(nn.Module):
         return h @ weight.t()
 
     def _check_ids(self, ids: torch.Tensor) -> None:
+        """Range-check host token ids. Ids already on an accelerator are not read back (that
+        would sync every step): the runner checks them on the host before moving them, and
+        the embedding asserts on the device."""
+        if ids.device.type != "cpu":
+            return
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(
                 f"token ids must lie in [0, {self.config.vocab_size}); got min {int(ids.min())}, "

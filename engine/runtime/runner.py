@@ -23,20 +23,56 @@ from engine.errors import RuntimeStateError
 from engine.models.decoder import HybridDecoder, MixerHook
 from engine.models.layers.base import DecodeContext, PrefillContext
 from engine.models.layers.fla_backend import resolve_backend
+from engine.runtime.decode_batch import (COL_POS, COL_SLOT, COL_TOKEN, COL_WRITE, TABLE_COL, check_token_ids,
+                                         pack_decode_rows, to_device)
 from engine.runtime.sequence import Sequence
+
+DECODE_ATTENTION = ("paged", "gather")
+
+
+def decode_context(rows: torch.Tensor, has_paged: bool, backend: str, paged_attention: bool) -> DecodeContext:
+    """The `DecodeContext` over a packed device tensor of decode rows (engine/runtime/decode_batch.py)."""
+    return DecodeContext(
+        positions=rows[:, COL_POS],
+        slots=rows[:, COL_SLOT],
+        write_slots=rows[:, COL_WRITE] if has_paged else None,
+        backend=backend,
+        block_tables=rows[:, TABLE_COL:] if has_paged else None,
+        paged_attention=paged_attention,
+    )
 
 
 class ModelRunner:
-    def __init__(self, model: HybridDecoder, cache: CacheManager, backend: str = "auto") -> None:
+    def __init__(self, model: HybridDecoder, cache: CacheManager, backend: str = "auto",
+                 cuda_graphs: bool | None = None, decode_attention: str = "paged") -> None:
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r} must be one of {DECODE_ATTENTION}")
         self.model = model.eval()
         self.cache = cache
         self.device = model.device
         self.backend = resolve_backend(backend, self.device)
         self.max_positions = model.config.max_position_embeddings
+        self.decode_attention = decode_attention
+        self.graphs = None
+        self.set_cuda_graphs(cuda_graphs)
+
+    def set_cuda_graphs(self, enabled: bool | None) -> None:
+        """Turn CUDA-graph decode on or off (None: on where the device is CUDA). On the CPU,
+        True runs the same static-buffer step eagerly (what tests compare). Needs the paged
+        decode attention; dropping graphs frees their memory."""
+        from engine.runtime.cuda_graphs import DecodeGraphs
+
+        on = self.device.type == "cuda" if enabled is None else enabled
+        if on and self.decode_attention != "paged":
+            raise ValueError("cuda_graphs needs decode_attention='paged' (the gather path has host-side shapes)")
+        self.graphs = DecodeGraphs(self.model, self.cache, self.backend) if on else None
 
     def _ids(self, token_ids) -> torch.Tensor:
+        """Token ids as a long tensor on the device, range-checked on the host first (ids
+        given already on the device are not read back)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long)
-        return ids.to(self.device)
+        check_token_ids(ids, self.model.config.vocab_size)
+        return to_device(ids, self.device) if ids.device.type == "cpu" else ids.to(self.device)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, token_ids: Seq[int] | torch.Tensor, start_pos: int | None = None,
@@ -56,12 +92,13 @@ class ModelRunner:
             raise RuntimeStateError(
                 f"sequence {seq.seq_id!r} would reach {end} tokens > max_position_embeddings={self.max_positions}")
         self.cache.ensure_capacity(seq, end)
+        write, context = self.cache.prefill_slots(seq, start, end, with_context=start > 0)
         ctx = PrefillContext(
             start_pos=start,
             positions=torch.arange(start, end, device=self.device),
             slot=seq.slot,
-            write_slots=self.cache.flat_slots(seq, start, end),
-            context_slots=self.cache.flat_slots(seq, 0, end) if start > 0 else None,
+            write_slots=write,
+            context_slots=context,
             backend=self.backend,
         )
         logits = self.model.prefill(ids, ctx, self.cache.layers, all_logits=all_logits,
@@ -71,11 +108,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: Seq[Sequence], last_tokens: Seq[int] | torch.Tensor) -> torch.Tensor:
-        ids = self._ids(last_tokens).reshape(-1)
+        """One token per sequence -> logits `[B, vocab]` (see the module docstring)."""
+        ids = torch.as_tensor(last_tokens, dtype=torch.long).reshape(-1)
         if not seqs or ids.numel() != len(seqs):
             raise RuntimeStateError(f"decode needs one token per sequence: {len(seqs)} sequences, {ids.numel()} tokens")
         if len({id(s) for s in seqs}) != len(seqs):
             raise RuntimeStateError("decode batch holds the same sequence twice")
+        check_token_ids(ids, self.model.config.vocab_size)
         positions = [s.num_computed_tokens for s in seqs]
         for s, p in zip(seqs, positions):
             if p + 1 > self.max_positions:
@@ -85,20 +124,23 @@ class ModelRunner:
                 raise RuntimeStateError(f"sequence {s.seq_id!r} holds no cache slot")
         for s, p in zip(seqs, positions):
             self.cache.ensure_capacity(s, p + 1)
-        write = None
-        if self.cache.has_paged:
-            write = torch.cat([self.cache.flat_slots(s, p, p + 1) for s, p in zip(seqs, positions)])
-        lengths = [p + 1 for p in positions]
-        tables = self.cache.batch_block_tables(list(seqs), lengths)
-        ctx = DecodeContext(
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device),
-            write_slots=write,
-            context_slots=self.cache.batch_context_slots(list(seqs), lengths, tables),
-            backend=self.backend,
-            block_tables=tables,
-        )
-        logits = self.model.decode(ids, ctx, self.cache.layers)
+        host_ids = ids.device.type == "cpu"
+        tokens = ids.tolist() if host_ids else None
+        if self.graphs is not None and self.graphs.fits(positions):
+            logits = self.graphs.run(seqs, positions, tokens if host_ids else ids.to(self.device))
+        else:
+            logits = self._decode_eager(seqs, positions, tokens, None if host_ids else ids.to(self.device))
         for s in seqs:
             s.num_computed_tokens += 1
         return logits
+
+    def _decode_eager(self, seqs: Seq[Sequence], positions: list[int], tokens: list[int] | None,
+                      device_ids: torch.Tensor | None) -> torch.Tensor:
+        rows = to_device(pack_decode_rows(seqs, positions, tokens, self.cache.block_size, self.cache.has_paged),
+                         self.device)
+        ids = rows[:, COL_TOKEN] if device_ids is None else device_ids
+        ctx = decode_context(rows, self.cache.has_paged, self.backend, self.decode_attention == "paged")
+        if not ctx.paged_attention and self.cache.has_paged:
+            lengths = [p + 1 for p in positions]
+            ctx.context_slots = self.cache.batch_context_slots(list(seqs), lengths, ctx.block_tables)
+        return self.model.decode(ids, ctx, self.cache.layers)

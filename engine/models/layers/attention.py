@@ -26,7 +26,7 @@ from torch import nn
 from engine.models.config import SWA, ModelConfig
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.norm import RMSNorm
-from engine.models.layers.rope import apply_rope, rope_inv_freq
+from engine.models.layers.rope import apply_rope, apply_rope_cos_sin, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
     from engine.cache.layer_caches import PagedKVCache, WindowRingCache
@@ -40,17 +40,24 @@ def _expand_kv(x: torch.Tensor, groups: int, head_dim_axis: int) -> torch.Tensor
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                     k_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                     k_pos: torch.Tensor, window: int | None, scale: float,
+                     q_start: int | None = None, k_start: int | None = None) -> torch.Tensor:
     """Causal (optionally windowed) attention of one batch of equally positioned sequences.
 
     q `[B, Lq, H, D]`, k/v `[B, Lk, Hkv, D]`, q_pos `[Lq]`, k_pos `[Lk]` (ascending absolute
     positions). Query at p sees keys at positions j with j <= p and, if `window`, p - j < window.
     Returns `[B, Lq, H, D]`.
+
+    `q_start`/`k_start` (both or neither) say the positions are the contiguous ranges
+    `q_start..` and `k_start..`: the layout is then known on the host and no position
+    is read back from the device (each such read is a sync on CUDA).
     """
     groups = q.shape[2] // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     lq, lk = qh.shape[2], kh.shape[2]
-    if window is None and lq == lk and torch.equal(q_pos, k_pos):
+    if q_start is not None and k_start is not None:
+        return _causal_contiguous(qh, kh, vh, q_start, k_start, window, scale, groups).transpose(1, 2)
+    if window is None and lq == lk and (q_pos is k_pos or torch.equal(q_pos, k_pos)):
         # positions coincide: top-left causal == the true mask; flash-eligible on GPU
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=groups > 1)
@@ -76,6 +83,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         outs.append(F.scaled_dot_product_attention(
             qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi], attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _causal_contiguous(qh, kh, vh, q_start: int, k_start: int, window: int | None, scale: float,
+                       groups: int) -> torch.Tensor:
+    """`causal_attention` over heads-first q/k/v at contiguous positions (host-known layout)."""
+    lq, lk = qh.shape[2], kh.shape[2]
+    if window is None and q_start == k_start and lq == lk:
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    kh, vh = _expand_kv(kh, groups, 1), _expand_kv(vh, groups, 1)
+    if window is None and k_start + lk == q_start + lq and qh.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(lq, lk), scale=scale)
+    outs = []
+    for a in range(0, lq, QUERY_BLOCK):
+        b = min(lq, a + QUERY_BLOCK)
+        first, last = q_start + a, q_start + b - 1  # absolute positions of this query block
+        lo = max(0, first - window + 1 - k_start) if window is not None else 0
+        hi = min(lk, last + 1 - k_start)
+        qp = torch.arange(first, last + 1, device=qh.device)
+        kp = torch.arange(k_start + lo, k_start + hi, device=qh.device)
+        mask = kp[None, :] <= qp[:, None]
+        if window is not None:
+            mask &= (qp[:, None] - kp[None, :]) < window
+        outs.append(F.scaled_dot_product_attention(
+            qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi], attn_mask=mask, scale=scale))
+    return torch.cat(outs, dim=2)
 
 
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
@@ -140,8 +173,10 @@ class Attention(TokenMixer):
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        if self.rotary_dim:
+            cos, sin = rope_cos_sin(positions, self.inv_freq)
+            cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+            q, k = apply_rope_cos_sin(q, cos, sin), apply_rope_cos_sin(k, cos, sin)
         return q, k, v, gate
 
     def rope_shift(self, k: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
@@ -150,9 +185,12 @@ class Attention(TokenMixer):
         return apply_rope(k, d, self.inv_freq)
 
     def attend_prefill(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-                       q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """One sequence: q `[n, H, hd]` against context K/V `[L, Hkv, hd]` at `k_pos`."""
-        return causal_attention(q[None], k_ctx[None], v_ctx[None], q_pos, k_pos, self.window, self.scale)[0]
+                       q_pos: torch.Tensor, k_pos: torch.Tensor, q_start: int | None = None,
+                       k_start: int | None = None) -> torch.Tensor:
+        """One sequence: q `[n, H, hd]` against context K/V `[L, Hkv, hd]` at `k_pos`
+        (`q_start`/`k_start`: the positions are contiguous from there; see causal_attention)."""
+        return causal_attention(q[None], k_ctx[None], v_ctx[None], q_pos, k_pos, self.window, self.scale,
+                                q_start, k_start)[0]
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
@@ -163,31 +201,34 @@ class Attention(TokenMixer):
     def forward_train(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1], device=x.device)
         q, k, v, gate = self.project(x, pos)
-        o = causal_attention(q, k, v, pos, pos, self.window, self.scale)
+        o = causal_attention(q, k, v, pos, pos, self.window, self.scale, 0, 0)
         return self.output(o, gate)
 
     def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext,
                         cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
         pos = ctx.positions
         q, k, v, gate = self.project(x, pos)
+        k_start = ctx.start_pos
         if self.window is None:
             cache.write(ctx.write_slots, k, v)
             if ctx.start_pos == 0:
                 k_ctx, v_ctx, k_pos = k, v, pos
             else:
+                k_start = 0
                 k_ctx, v_ctx = cache.gather(ctx.context_slots)
                 k_pos = torch.arange(k_ctx.shape[0], device=x.device)
         else:
             first = max(0, ctx.start_pos - self.window + 1)
             past = torch.arange(first, ctx.start_pos, device=x.device)
             if past.numel():
+                k_start = first
                 k_past, v_past = cache.read(ctx.slot, past)
                 k_ctx, v_ctx = torch.cat([k_past, k.to(k_past.dtype)]), torch.cat([v_past, v.to(v_past.dtype)])
                 k_pos = torch.cat([past, pos])
             else:
                 k_ctx, v_ctx, k_pos = k, v, pos
             cache.write(ctx.slot, pos, k, v)
-        o = self.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
+        o = self.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos, ctx.start_pos, k_start)
         return self.output(o, gate)
 
     def forward_decode(self, x: torch.Tensor, ctx: DecodeContext,
@@ -197,13 +238,44 @@ class Attention(TokenMixer):
         k, v = k[:, 0], v[:, 0]
         if self.window is None:
             cache.write(ctx.write_slots, k, v)
-            k_ctx, v_ctx = cache.gather(ctx.context_slots)  # [B, Lmax, Hkv, hd]
-            valid = torch.arange(k_ctx.shape[1], device=x.device)[None, :] < ctx.context_lens[:, None]
         else:
             idx = pos % self.window
             cache.k[ctx.slots, idx] = k.to(cache.k.dtype)
             cache.v[ctx.slots, idx] = v.to(cache.v.dtype)
+        if ctx.paged_attention and self._pages(cache)[0].dtype == q.dtype:
+            o = self.attend_decode_paged(q[:, 0], ctx, cache)
+            return self.output(o[:, None], gate)[:, 0]
+        if self.window is None:
+            k_ctx, v_ctx = cache.gather(ctx.context_slots)  # [B, Lmax, Hkv, hd]
+            valid = torch.arange(k_ctx.shape[1], device=x.device)[None, :] < ctx.context_lens[:, None]
+        else:
             k_ctx, v_ctx = cache.k[ctx.slots], cache.v[ctx.slots]  # [B, w, Hkv, hd]
             valid = torch.arange(self.window, device=x.device)[None, :] <= pos[:, None]
         o = grouped_decode_attention(q[:, 0], k_ctx.to(q.dtype), v_ctx.to(q.dtype), valid, self.scale)
         return self.output(o[:, None], gate)[:, 0]
+
+    def _pages(self, cache: PagedKVCache | WindowRingCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return (cache.k_pages, cache.v_pages) if self.window is None else (cache.k, cache.v)
+
+    def attend_decode_paged(self, q: torch.Tensor, ctx: DecodeContext,
+                            cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
+        """q `[B, H, hd]` (its K/V already written) against each sequence's context through
+        the paged decode kernel (kernels/paged_decode_attention.py; its torch reference off
+        CUDA). Every shape is fixed by the inputs' shapes (no host reads), so this runs
+        inside a CUDA graph.
+
+        A sliding-window ring is a pool with block_size = window addressed by the ring slot.
+        The length is moved down by whole windows to `L' in [1, 2 * window]` (same ring
+        indices, `L' - window >= 0`), so a two-column table of the slot covers it."""
+        from kernels.paged_decode_attention import paged_decode_attention
+
+        lens = ctx.context_lens
+        k_pages, v_pages = self._pages(cache)
+        if self.window is None:
+            tables = ctx.block_tables
+        else:
+            w = self.window
+            lens = lens - w * ((lens - 1) // w - 1).clamp(min=0)
+            tables = ctx.slots[:, None].expand(-1, 2)
+        return paged_decode_attention(q, k_pages, v_pages, tables, lens, self.scale, window=self.window,
+                                      force_triton=None if q.is_cuda else False)

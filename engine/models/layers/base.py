@@ -40,6 +40,10 @@ class DecodeContext:
     context_slots: torch.Tensor | None = None  # [B, Lmax] flat slots of positions 0..Lmax-1 (0-padded)
     backend: str = "torch"
     block_tables: torch.Tensor | None = None  # [B, max_blocks] block ids (for paged decode kernels)
+    #: attention reads K/V through `block_tables` + `context_lens` (full layers) and the ring
+    #: slots (sliding window) with the paged decode kernel: no host-side shapes, so a step can
+    #: be captured in a CUDA graph. False: gather `context_slots` (the reference path).
+    paged_attention: bool = False
 
     @property
     def context_lens(self) -> torch.Tensor:

@@ -30,6 +30,7 @@ from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.conv import ShortConv
 from engine.models.layers.linear_ops import (RecurrenceInputs, chunked_recurrence, recurrent_step,
                                              transition_operator)
+from engine.models.layers.norm import l2_normalize  # noqa: F401 - re-exported (layers import it here)
 
 if TYPE_CHECKING:
     from engine.cache.layer_caches import StateSlotCache
@@ -42,12 +43,6 @@ class LinearSegmentSummary:
     transition: torch.Tensor  # [H] scalar / [H, dk] diag log-decay sums, or [H, dk, dk] delta
     end_state: torch.Tensor  # E: [H, dk, dv] float32
     conv_tail: torch.Tensor | None  # [C, conv-1] last pre-conv inputs (zero-padded if n < conv-1)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim, as fla's in-kernel l2norm does."""
-    xf = x.to(torch.float32)
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class LinearMixer(TokenMixer):

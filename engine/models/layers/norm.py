@@ -1,5 +1,9 @@
 """RMSNorm and the gated RMSNorm used at the output of linear-attention layers
-(`rmsnorm(o) * act(z)` per head, Mamba2 / Qwen3-Next / GLA style). Statistics in float32."""
+(`rmsnorm(o) * act(z)` per head, Mamba2 / Qwen3-Next / GLA style). Statistics in float32.
+
+Both go through `torch.nn.functional.rms_norm` (one fused kernel on CUDA in recent torch;
+it upcasts to float32 inside, so the result equals the explicit float32 form), and
+`l2_normalize` is the same op with a constant weight."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.to(torch.float32)).to(x.dtype)
@@ -31,9 +37,21 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        xf = xf * self.weight.to(torch.float32)
+        xf = F.rms_norm(x.to(torch.float32), self.weight.shape, self.weight.to(torch.float32), self.eps)
         g = gate.to(torch.float32)
         g = F.silu(g) if self.activation == "silu" else torch.sigmoid(g)
         return (xf * g).to(x.dtype)
+
+
+_L2_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, as fla's in-kernel l2norm does, in float32:
+    rms_norm with eps/d and the constant float32 weight d^-1/2 (one fused op)."""
+    d = x.shape[-1]
+    w = _L2_WEIGHTS.get((d, x.device))
+    if w is None:
+        with torch.inference_mode(False):  # a normal tensor: autograd may save it later
+            w = _L2_WEIGHTS[(d, x.device)] = torch.full((d,), d ** -0.5, dtype=torch.float32, device=x.device)
+    return F.rms_norm(x.to(torch.float32), (d,), w, eps / d).to(x.dtype)

@@ -27,11 +27,16 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate `x[..., T, H, D]` (any leading dims matching `positions[..., T]`) by the angle of
     each token's position. Only the first `2 * len(inv_freq)` dims rotate."""
-    rot = 2 * inv_freq.numel()
-    if rot == 0:
+    if inv_freq.numel() == 0:
         return x
     cos, sin = rope_cos_sin(positions, inv_freq)
-    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    return apply_rope_cos_sin(x, cos[..., None, :], sin[..., None, :])
+
+
+def apply_rope_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with the angles' cos/sin given (`[..., T, 1, rotary_dim]`, from
+    `rope_cos_sin`), so q and k of one call share them."""
+    rot = cos.shape[-1]
     xr = x[..., :rot].to(torch.float32)
     half = rot // 2
     rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)

@@ -52,6 +52,15 @@ class LightningAttention(LinearMixer):
         depth = 1.0 - layer_idx / max(1, cfg.num_layers - 1) + 1e-5
         #: fixed per-head log decay (python floats: kept float32 whatever the model dtype)
         self.head_log_decay = [-slope * depth for slope in alibi_slopes(lin.num_v_heads)]
+        self._log_decay: dict[torch.device, torch.Tensor] = {}
+
+    def log_decay_tensor(self, device: torch.device) -> torch.Tensor:
+        """`head_log_decay` as a float32 tensor on `device`, made once per device (a fresh
+        host->device copy every step would sync, and cannot run inside a CUDA graph)."""
+        if device not in self._log_decay:
+            with torch.inference_mode(False):  # a normal tensor: training may use it later
+                self._log_decay[device] = torch.tensor(self.head_log_decay, dtype=torch.float32, device=device)
+        return self._log_decay[device]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return self.qkv_proj(x), {"g": self.g_proj(x)}
@@ -62,8 +71,7 @@ class LightningAttention(LinearMixer):
         q = self.repeat_heads(q.reshape(bsz, t, self.num_heads, self.key_dim))
         k = self.repeat_heads(k.reshape(bsz, t, self.num_heads, self.key_dim))
         v = v.reshape(bsz, t, self.num_v_heads, self.value_dim)
-        g = torch.tensor(self.head_log_decay, dtype=torch.float32, device=conv_out.device)
-        g = g.expand(bsz, t, self.num_v_heads)
+        g = self.log_decay_tensor(conv_out.device).expand(bsz, t, self.num_v_heads)
         return RecurrenceInputs(q=q, k=k, v=v, log_decay=g, scale=self.key_dim ** -0.5)
 
     def output(self, o: torch.Tensor, extras: dict) -> torch.Tensor:

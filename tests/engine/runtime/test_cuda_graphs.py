@@ -1,0 +1,129 @@
+"""The CUDA-graph decode step (engine/runtime/cuda_graphs.py), run eagerly on the CPU with
+its static, bucket-padded buffers: it gives the runner's plain decode logits on every tiny
+preset for sequences of mixed lengths, padding rows change no cache, batches past the
+largest bucket fall back to the plain path; and the paged decode attention equals the
+gather path it replaced."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.cache.manager import CacheConfig, CacheManager
+from engine.models.presets import get_preset, list_presets
+from engine.models.weights import build_model
+from engine.runtime.cuda_graphs import DecodeGraphs
+from engine.runtime.runner import ModelRunner
+from engine.runtime.sequence import Sequence
+
+TOL = dict(rtol=1e-5, atol=5e-5)
+TINY = [c.name for c in list_presets("tiny")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Tiny presets from their seeds; the Gemma-style window shrunk to 8 so the rings wrap."""
+    out = {}
+    for name in TINY:
+        cfg = get_preset(name)
+        if cfg.attention.sliding_window:
+            cfg = cfg.replace(attention=dataclasses.replace(cfg.attention, sliding_window=8))
+        out[name] = build_model(cfg, "cpu", torch.float32)
+    return out
+
+
+def ids_for(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def runner_for(model, **kw) -> ModelRunner:
+    cache = CacheManager.for_model(model, CacheConfig(block_size=4, num_blocks=96, num_slots=5))
+    return ModelRunner(model, cache, backend="torch", **kw)
+
+
+def prefilled(runner, lengths, steps):
+    seqs = [runner.cache.allocate(Sequence(f"s{i}")) for i in range(len(lengths))]
+    streams = [ids_for(n + steps, 10 + i) for i, n in enumerate(lengths)]
+    for s, ids, n in zip(seqs, streams, lengths):
+        runner.prefill(s, ids[:n])
+    return seqs, streams
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_static_bucket_step_equals_plain_decode_for_mixed_lengths(preset, models):
+    model = models[preset]
+    lengths, steps = [3, 11, 20], 4
+    plain = runner_for(model, cuda_graphs=False, decode_attention="gather")
+    graphed = runner_for(model, cuda_graphs=True)
+    assert isinstance(graphed.graphs, DecodeGraphs) and not graphed.graphs.capture
+    p_seqs, streams = prefilled(plain, lengths, steps)
+    g_seqs, _ = prefilled(graphed, lengths, steps)
+    idle = graphed.cache.allocate(Sequence("idle"))  # holds a slot no step touches
+    for t in range(steps):
+        toks = torch.stack([ids[n + t] for ids, n in zip(streams, lengths)])
+        want = plain.decode(p_seqs, toks)
+        got = graphed.decode(g_seqs, toks)
+        assert graphed.graphs.last_bucket == 4  # 3 sequences padded to the bucket of 4
+        torch.testing.assert_close(got, want, **TOL)
+    assert [s.num_computed_tokens for s in g_seqs] == [n + steps for n in lengths]
+    for layer in graphed.cache.layers:  # padding rows repeat row 0: the idle slot stays zero
+        if hasattr(layer, "state"):
+            assert not layer.state[idle.slot].any()
+        elif hasattr(layer, "k") and not hasattr(layer, "k_pages"):
+            assert not layer.k[idle.slot].any()
+
+
+def test_batch_past_the_largest_bucket_runs_the_plain_step(models):
+    model = models["qwen3next-tiny"]
+    graphed = runner_for(model, cuda_graphs=True)
+    graphed.graphs = DecodeGraphs(model, graphed.cache, "torch", buckets=(1, 2), capture=False)
+    plain = runner_for(model, cuda_graphs=False)
+    lengths = [5, 9, 2]
+    g_seqs, streams = prefilled(graphed, lengths, 1)
+    p_seqs, _ = prefilled(plain, lengths, 1)
+    toks = torch.stack([ids[n] for ids, n in zip(streams, lengths)])
+    graphed.graphs.last_bucket = None
+    torch.testing.assert_close(graphed.decode(g_seqs, toks), plain.decode(p_seqs, toks), **TOL)
+    assert graphed.graphs.last_bucket is None  # 3 > 2: not through a bucket
+    torch.testing.assert_close(graphed.decode(g_seqs[:2], toks[:2]), plain.decode(p_seqs[:2], toks[:2]), **TOL)
+    assert graphed.graphs.last_bucket == 2
+
+
+def test_step_past_the_static_block_table_width_falls_back(models):
+    model = models["gla-tiny"]
+    runner = runner_for(model, cuda_graphs=True)
+    runner.graphs = DecodeGraphs(model, runner.cache, "torch", max_blocks=3, capture=False)
+    seq = runner.cache.allocate(Sequence("long"))
+    runner.prefill(seq, ids_for(12, 0))  # positions 0..11 fill 3 blocks of 4; position 12 needs a 4th
+    assert runner.graphs.fits([11]) and not runner.graphs.fits([12])
+    runner.graphs.last_bucket = None
+    runner.decode([seq], [7])
+    assert runner.graphs.last_bucket is None
+
+
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "qwen3next-tiny"])
+def test_paged_decode_attention_equals_the_gather_path(preset, models):
+    """Full layers read pages through block tables, windowed layers their ring as a
+    two-column pool; contexts shorter than, equal to and past the window (8)."""
+    model = models[preset]
+    lengths, steps = [2, 7, 8, 19], 10
+    gather = runner_for(model, cuda_graphs=False, decode_attention="gather")
+    paged = runner_for(model, cuda_graphs=False, decode_attention="paged")
+    a, streams = prefilled(gather, lengths, steps)
+    b, _ = prefilled(paged, lengths, steps)
+    for t in range(steps):
+        toks = torch.stack([ids[n + t] for ids, n in zip(streams, lengths)])
+        torch.testing.assert_close(paged.decode(b, toks), gather.decode(a, toks), **TOL)
+
+
+def test_cuda_graphs_need_the_paged_attention_and_capture_needs_cuda(models):
+    model = models["ring-tiny"]
+    with pytest.raises(ValueError, match="decode_attention='paged'"):
+        runner_for(model, cuda_graphs=True, decode_attention="gather")
+    with pytest.raises(ValueError, match="decode_attention='dense'"):
+        runner_for(model, decode_attention="dense")
+    cache = CacheManager.for_model(model, CacheConfig(block_size=4, num_blocks=8, num_slots=1))
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        DecodeGraphs(model, cache, "torch", capture=True)
+    assert runner_for(model).graphs is None  # default: graphs only where the device is CUDA
