@@ -69,7 +69,8 @@ class ChainEvents:
         return int(self.table.shape[0])
 
 
-def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEvents) -> None:
+def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEvents,
+              out: Optional[torch.Tensor] = None) -> None:
     if family not in FAMILIES:
         raise KernelInputError(f"family={family!r} must be one of {FAMILIES}")
     b, t, h, dk, dv = inp.shape
@@ -83,6 +84,9 @@ def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEve
                                f"{None if inp.beta is None else tuple(inp.beta.shape)}")
     if tuple(S0.shape) != (h, dk, dv):
         raise KernelInputError(f"S0 must have shape {(h, dk, dv)}, got {tuple(S0.shape)}")
+    if out is not None and (out.shape != inp.v.shape or out.dtype != inp.v.dtype):
+        raise KernelInputError(f"out must be {inp.v.dtype} {tuple(inp.v.shape)} like v, got {out.dtype} "
+                               f"{tuple(out.shape)}")
     n = ev.num_events
     if ev.table.dim() != 2 or ev.table.shape[1] != 3 or ev.table.dtype != torch.int32:
         raise KernelInputError(f"events.table must be int32 [n, 3], got {ev.table.dtype} {tuple(ev.table.shape)}")
@@ -116,13 +120,13 @@ def _compose_ref(family, S, E, T, rows):
     return out
 
 
-def seam_chain_reference(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainEvents,
-                         family: str) -> tuple[torch.Tensor, torch.Tensor]:
+def seam_chain_reference(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainEvents, family: str,
+                         out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `seam_chain`: per event, the token-by-token recurrence
     (linear_ops.naive_recurrence) from the current state, or the composition."""
-    _validate(family, inp, S0, events)
+    _validate(family, inp, S0, events, out)
     S = S0.to(torch.float32).clone()
-    o = torch.zeros(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
+    o = torch.zeros(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device) if out is None else out
     table, rows = events.table.tolist(), events.t_row.tolist()
     for i, (kind, a, b) in enumerate(table):
         if kind == COMPUTE:
@@ -227,9 +231,9 @@ if HAS_TRITON:
         tl.store(sout_ptr + h * dk * dv + rk[:, None] * dv + rv[None, :], S, mask=tile_mask)
 
 
-def _chain_triton(family, inp, S0, ev):
+def _chain_triton(family, inp, S0, ev, out):
     _, t, h, dk, dv = inp.shape
-    o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
+    o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device) if out is None else out
     s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=S0.device)
     block_k = max(16, next_pow2(dk))
     block_v = max(16, min(next_pow2(dv), 32 if dk > 64 else 64))
@@ -255,19 +259,22 @@ def _chain_triton(family, inp, S0, ev):
 
 
 def seam_chain(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainEvents, family: str,
-               force_triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               force_triton: Optional[bool] = None,
+               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All of one linear layer's events in prompt order (module docstring).
 
     inp: the layer's computed tokens, concatenated in prompt order (B = 1). S0: start state
     `[H, dk, dv]`. Returns (o `[1, T, H, dv]` in v's dtype, final S `[H, dk, dv]` float32).
+    out: o is written there (only the rows of this chain's computed ranges; the caller
+    may run other ranges elsewhere, e.g. long ones through a chunked kernel).
     Runs the Triton kernel on CUDA / under the interpreter (kernels.backend rule) when
     dk, dv <= 128, the reference otherwise."""
-    _validate(family, inp, S0, events)
+    _validate(family, inp, S0, events, out)
     _, _, _, dk, dv = inp.shape
     tensors = (inp.q, inp.k, inp.v, inp.log_decay, inp.beta, S0, events.E, events.T)
     too_big = dk > MAX_DIM_TRITON or dv > MAX_DIM_TRITON
     if too_big or not use_triton(tensors, force_triton, "seam_chain"):
-        return seam_chain_reference(inp, S0, events, family)
+        return seam_chain_reference(inp, S0, events, family, out)
     if S0.dtype != torch.float32:
         S0 = S0.float()
-    return _chain_triton(family, inp, S0, events)
+    return _chain_triton(family, inp, S0, events, out)
