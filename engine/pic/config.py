@@ -25,6 +25,7 @@ SWA_SEAM_POLICIES = ("window", "seam")
 ANCHORS = ("bos", "none")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 STATE_DTYPES = ("float32", "bfloat16", "float16")
+SEAM_CHAIN_MODES = ("auto", "on", "off")
 
 DEFAULT_SEAM = 16
 DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
@@ -52,6 +53,10 @@ class PicConfig:
     computed, tail spliced). fused: run everything after the lookups (seams, splices,
     suffix) as one pass through the layers (engine.pic.fused); False runs one model pass
     per computed range with splice steps between them (same numbers, more overhead).
+    seam_chain (fused only): `"auto"` runs each linear layer's recurrences and
+    compositions as ONE kernels.seam_chain launch on CUDA and the per-event path on the
+    CPU; `"on"` always uses the chain (Triton per `kernel`, else its torch reference);
+    `"off"` always the per-event path.
     """
 
     method: str = "pic"
@@ -65,6 +70,7 @@ class PicConfig:
     sync_timing: bool = False
     keep_end_state: bool = True
     fused: bool = True
+    seam_chain: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +86,8 @@ class PicConfig:
             raise PicConfigError(f"anchor={self.anchor!r} must be one of {', '.join(ANCHORS)}")
         if self.kernel not in KERNEL_BACKENDS:
             raise PicConfigError(f"kernel={self.kernel!r} must be one of {', '.join(KERNEL_BACKENDS)}")
+        if self.seam_chain not in SEAM_CHAIN_MODES:
+            raise PicConfigError(f"seam_chain={self.seam_chain!r} must be one of {', '.join(SEAM_CHAIN_MODES)}")
         if self.state_dtype not in STATE_DTYPES:
             raise PicConfigError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
         for name in ("signature_cache_bytes", "prefix_cache_bytes"):

@@ -42,14 +42,20 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
+from engine.pic.config import SEAM_CHAIN_MODES
 from engine.pic.errors import SplicePlacementError
 from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
 from engine.runtime.sequence import Sequence as CacheSequence
 from kernels import rope_scatter
+from kernels.backend import HAS_TRITON
+from kernels.seam_chain import ADD, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents, seam_chain
 
 #: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
 #: rather than its chunk kernel (several launches and host syncs per call)
 RECURRENT_MAX_TOKENS = 64
+#: with the seam chain on fla, computed ranges longer than this run fla's chunk kernel
+#: between chain launches (the chain's per-token loop is serial in time)
+CHAIN_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -91,12 +97,15 @@ def _check(items: Sequence[FusedItem], pos: int, manager: CacheManager) -> int:
 @torch.inference_mode()
 def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequence, token_ids: Sequence[int],
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
-                  checkpoints: Sequence = ()) -> torch.Tensor:
+                  chain: str = "auto", checkpoints: Sequence = ()) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
-    logits `[vocab]`. `token_ids` are the whole prompt's. `checkpoints`: empty
-    `engine.pic.prefix.BoundaryCheckpoint`s whose `end` is the end of a computed item;
-    each is filled as `capture_checkpoint` would fill it at that boundary (prefix
-    caching's snapshots, taken inside the one pass)."""
+    logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
+    SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
+    `end` is the end of a computed item; each is filled as `capture_checkpoint` would
+    fill it at that boundary (prefix caching's snapshots, taken inside the one pass; the
+    linear layers then take the per-event path, which sees every boundary's state)."""
+    if chain not in SEAM_CHAIN_MODES:
+        raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
     end = _check(items, start, manager)
     manager.ensure_capacity(seq, end)
@@ -138,9 +147,14 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         elif isinstance(cache, WindowRingCache):
             mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end, checkpoints)
         elif isinstance(cache, StateSlotCache):
-            if "live" not in shared:
-                shared["live"] = _live_index(pieces, model, device)
-            mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], checkpoints)
+            if not checkpoints and _chain_on(chain, mixer, device):
+                if "chain" not in shared:
+                    shared["chain"] = _chain_tables(model, manager, events, device)
+                mixed = _linear_layer_chain(seq, cache, mixer, i, events, h, shared["chain"][i], force, backend)
+            else:
+                if "live" not in shared:
+                    shared["live"] = _live_index(pieces, model, device)
+                mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], checkpoints)
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x = block._finish(x, mixed)
@@ -299,33 +313,41 @@ def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, l
     return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
 
 
-def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=()):
-    conv_in, extras = mixer.project(h[None])
-    state = cache.state[seq.slot]
+def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tails_at: Optional[dict] = None):
+    """The short conv of every computed range (each reads the tail left by what precedes
+    it: the previous range's, extended by the pieces in between); C's conv outputs, and
+    the tail left in the cache. `tails_at` (optional) gets the tail after each computed
+    range, keyed by the range's absolute end."""
     tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
     width1 = None if tail is None else tail.shape[-1]
     conv_outs: list[torch.Tensor] = []
-    spans: list[tuple[int, int]] = []
-    # conv first: a computed range's conv reads the tail left by what precedes it
     conv_tail = tail
-    tails_at: dict[int, Optional[torch.Tensor]] = {}
     for ev in events:
         if ev[0] == "p":
             if conv_tail is not None:
                 conv_tail = _conv_tail_after(_linear_part(ev[1], layer), ev[1], conv_tail, width1, layer)
             continue
         lo, hi = ev[1], ev[2]
-        spans.append((lo, hi))
         if conv_tail is not None and mixer.conv is not None:
             out, new_tail = mixer.conv(conv_in[:, lo:hi], conv_tail[None])
             conv_tail = new_tail[0].to(cache.conv_tail.dtype)
             conv_outs.append(out)
         else:
             conv_outs.append(conv_in[:, lo:hi] if conv_in is not None else None)
-        if checkpoints:
+        if tails_at is not None:
             tails_at[ev[3]] = conv_tail
-    conv_out = None if conv_outs[0] is None else torch.cat(conv_outs, dim=1)
-    inp = mixer.prepare(conv_out, extras)
+    if conv_tail is not None:
+        cache.conv_tail[seq.slot] = conv_tail
+    if conv_outs[0] is None:
+        return None
+    return conv_outs[0] if len(conv_outs) == 1 else torch.cat(conv_outs, dim=1)
+
+
+def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=()):
+    conv_in, extras = mixer.project(h[None])
+    state = cache.state[seq.slot]
+    tails_at: dict[int, Optional[torch.Tensor]] = {}
+    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at), extras)
     outs: list[torch.Tensor] = []
     for ev in events:
         if ev[0] == "p":
@@ -344,7 +366,132 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
                 t = tails_at.get(ev[3])
                 cp.states[layer] = (state.clone(), None if t is None else t.clone())
     cache.state[seq.slot] = state
-    if conv_tail is not None:
-        cache.conv_tail[seq.slot] = conv_tail
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return mixer.output(o, extras)[0]
+
+# ------------------------------------------------------------- linear layers: seam chain
+def _chain_on(chain: str, mixer, device: torch.device) -> bool:
+    """Whether this linear layer runs its events as one kernels.seam_chain call."""
+    if chain == "off":
+        return False
+    if chain == "on":
+        return True
+    return (device.type == "cuda" and HAS_TRITON and mixer.key_dim <= MAX_DIM_TRITON
+            and mixer.value_dim <= MAX_DIM_TRITON)
+
+
+@dataclass
+class _ChainLayer:
+    """One linear layer's seam-chain events: the device table, and the pieces' E and T
+    tensors (stacked at the layer, one torch.cat each)."""
+
+    table: torch.Tensor  # int32 [n, 3] on the device
+    t_row: torch.Tensor  # int32 [n, H] on the device
+    E: list[torch.Tensor]
+    T: list[torch.Tensor]
+
+
+def _chain_layer_rows(events, layer: int, family: str, num_heads: int):
+    """(table rows, t_row rows, E list, T list) of one layer, in the semantics of
+    `_linear_layer` (first placement: S = E; naive addition: S + E_tail; a delta part
+    whose heads all forgot: S = E_tail; else S = T_tail S + E_tail, forgotten delta heads
+    with T row -1)."""
+    table, rows, E, T = [], [], [], []
+    n_t = 0
+    none = [-1] * num_heads
+    for ev in events:
+        if ev[0] == "c":
+            table.append((COMPUTE, ev[1], ev[2]))
+            rows.append(none)
+            continue
+        piece = ev[1]
+        part = _linear_part(piece, layer)
+        r = none
+        if piece.first:
+            kind, e = SET, part.state
+        elif piece.linear == "add":
+            kind, e = ADD, part.tail_state
+        elif family == "delta" and (part.tail_transition is None or not part.live_heads):
+            kind, e = SET, part.tail_state
+        else:
+            kind, e = COMPOSE, part.tail_state
+            heads = part.live_heads if family == "delta" else range(num_heads)
+            r = list(none)
+            for j, hd in enumerate(heads):
+                r[hd] = n_t + j
+            n_t += len(heads)
+            T.append(part.tail_transition)
+        if e is None:
+            raise SplicePlacementError(f"layer {layer}: signature has no {'end' if piece.first else 'tail'} state")
+        table.append((kind, len(E), 0))
+        rows.append(r)
+        E.append(e)
+    return table, rows, E, T
+
+
+def _chain_tables(model: HybridDecoder, manager: CacheManager, events, device) -> dict[int, _ChainLayer]:
+    """Every linear layer's event table, with ONE host-to-device copy per request."""
+    flat: list[int] = []
+    spans = {}
+    lists = {}
+    for i, cache in enumerate(manager.layers):
+        if not isinstance(cache, StateSlotCache):
+            continue
+        mixer = model.blocks[i].mixer
+        h = mixer.state_shape[0]
+        table, rows, E, T = _chain_layer_rows(events, i, mixer.family, h)
+        a = len(flat)
+        for t in table:
+            flat.extend(t)
+        b = len(flat)
+        for r in rows:
+            flat.extend(r)
+        spans[i] = (a, b, len(flat), len(table), h)
+        lists[i] = (E, T)
+    host = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    out = {}
+    for i, (a, b, c, n, h) in spans.items():
+        out[i] = _ChainLayer(dev[a:b].view(n, 3), dev[b:c].view(n, h), *lists[i])
+    return out
+
+
+def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
+    """Event index runs [a, b) for seam_chain calls, and single long computed ranges
+    (b - a == 1, a compute event longer than `long_at` tokens) between them."""
+    groups, a = [], 0
+    for j, ev in enumerate(events):
+        if long_at is not None and ev[0] == "c" and ev[2] - ev[1] > long_at:
+            if j > a:
+                groups.append((a, j))
+            groups.append((j, j + 1))
+            a = j + 1
+    if a < len(events):
+        groups.append((a, len(events)))
+    return groups
+
+
+def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, h, cl: _ChainLayer, force, backend):
+    """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
+    (a computed range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain
+    calls when the backend is fla: token by token it would be slower)."""
+    conv_in, extras = mixer.project(h[None])
+    state = cache.state[seq.slot]
+    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in), extras)
+    device = state.device
+    E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
+    T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
+    o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
+    for a, b in _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None):
+        ev = events[a]
+        if b - a == 1 and ev[0] == "c" and backend == "fla" and ev[2] - ev[1] > CHAIN_MAX_TOKENS:
+            o_r, st = mixer.run_recurrence(inp.slice_time(ev[1], ev[2]), state.float()[None], backend)
+            o[:, ev[1]:ev[2]] = o_r
+            state = st[0]
+            continue
+        sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)
+        _, state = seam_chain(inp, state, sub, mixer.family, force_triton=force, out=o)
+    cache.state[seq.slot] = state
     return mixer.output(o, extras)[0]

@@ -239,7 +239,7 @@ class PicPlanner(ReportingPlanner):
             piece = SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode)
             items.append(FusedItem(piece.start, piece.end, piece))
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
-                             backend=runner.backend, kernel=self.config.kernel)
+                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain)
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
         """One apply step splicing a run of contiguous units (batched kernels)."""

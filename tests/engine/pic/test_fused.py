@@ -156,3 +156,60 @@ def test_prefix_caching_in_one_pass_takes_the_same_checkpoints_and_logits(mix, m
                     else:
                         assert tx == ty
     assert rep.reused_tokens == 1 + len(docs[0]) + len(docs[1])
+
+
+# seam chain (kernels.seam_chain): each linear layer's recurrences and compositions in one
+# call; "torch" is its reference, "triton" the kernel (the interpreter on the CPU)
+CHAIN_KERNELS = pytest.mark.parametrize("kernel", ["torch", "triton"])
+
+
+@CHAIN_KERNELS
+@pytest.mark.parametrize("mix", ["gdn", "gla", "lightning", "mamba2"])
+def test_fused_prefill_with_the_seam_chain_equals_the_step_by_step_plan(mix, kernel, model_of, runner_of,
+                                                                         planner_of):
+    model = model_of(MIXES[mix])
+    segments = [(rand_ids(14, 1), True), (rand_ids(9, 2), False), (rand_ids(16, 3), True),
+                (rand_ids(11, 4), True), (rand_ids(5, 5), False)]
+    _assert_same(_run_both(model, runner_of, planner_of, segments, seam=3, seam_chain="on", kernel=kernel))
+
+
+@CHAIN_KERNELS
+@pytest.mark.parametrize("kw", [dict(method="naive"), dict(seam=5, keep_end_state=False)],
+                         ids=["naive", "no-end-state"])
+def test_seam_chain_equals_steps_for_naive_addition_and_without_end_states(kw, kernel, model_of, runner_of,
+                                                                           planner_of):
+    model = model_of([GDN, SWA, FULL, MAMBA2])
+    segments = [(rand_ids(n, 50 + n), True) for n in (13, 18, 10)] + [(rand_ids(4, 9), False)]
+    _assert_same(_run_both(model, runner_of, planner_of, segments, seam_chain="on", kernel=kernel, **kw))
+
+
+@pytest.mark.parametrize("kernel", ["torch"])  # the kernel's forgotten rows: tests/kernels/test_seam_chain.py
+def test_seam_chain_equals_steps_when_some_delta_heads_forgot_their_prefix(kernel, model_of, runner_of,
+                                                                         planner_of):
+    from test_compose import strengthen_decay
+
+    model = model_of([GDN, FULL])
+    strengthen_decay(model, GDN)
+    segments = [(rand_ids(n, 70 + n), True) for n in (100, 120, 90)] + [(rand_ids(4, 9), False)]
+    got = _run_both(model, lambda m: runner_of(m, num_blocks=512), planner_of, segments, seam=4,
+                    seam_chain="on", kernel=kernel)
+    _assert_same(got)
+    sigs = [s for s, _ in got["planner"].cache._entries.values()]
+    assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in sigs)
+
+
+def test_seam_chain_is_off_on_the_cpu_by_default_and_a_bad_mode_is_rejected(model_of, runner_of):
+    from engine.pic.fused import _chain_on
+    from engine.pic.config import PicConfig
+    from engine.pic.errors import PicConfigError
+
+    model = model_of([GDN, FULL])
+    mixer = model.blocks[0].mixer
+    assert not _chain_on("auto", mixer, torch.device("cpu"))
+    assert _chain_on("on", mixer, torch.device("cpu"))
+    with pytest.raises(PicConfigError, match="seam_chain"):
+        PicConfig(seam_chain="always")
+    runner = runner_of(model)
+    seq = runner.cache.allocate(Sequence("bad-mode"))
+    with pytest.raises(SplicePlacementError, match="chain"):
+        fused_prefill(model, runner.cache, seq, rand_ids(5, 1), [FusedItem(0, 5)], chain="yes")
