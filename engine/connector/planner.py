@@ -50,7 +50,7 @@ from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
 from engine.models.config import ModelConfig
-from engine.pic.compute import compute_signature
+from engine.pic.compute import compute_signature, compute_signatures
 from engine.pic.config import PicConfig
 from engine.pic.planner import PicPlanner, SpliceUnit, _RequestState
 from engine.runtime.planner import PrefillPlan
@@ -206,6 +206,7 @@ class StorePicPlanner(PicPlanner):
             self._compute_misses_shared(runner, request, missing, share)
             return
         later: list[tuple[SpliceUnit, Claim]] = []
+        mine: list[tuple[SpliceUnit, Claim]] = []
         for u in missing:
             claim = self.store.claim(u.key)
             if claim.status == PRESENT:
@@ -214,7 +215,8 @@ class StorePicPlanner(PicPlanner):
             elif claim.status == INFLIGHT:
                 later.append((u, claim))
             else:
-                self._compute(runner, state, sr, u, claim)
+                mine.append((u, claim))
+        self._compute_batch(runner, state, sr, mine)  # one packed pass for all of them
         for u, claim in later:
             got = self.store.wait_inflight(claim)
             sr.wait_inflight_ms += got.wait_ms
@@ -303,13 +305,25 @@ class StorePicPlanner(PicPlanner):
         return 1
 
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
+        self._compute_batch(runner, state, sr, [(u, claim)])
+
+    def _compute_batch(self, runner, state: _RequestState, sr: StoreReport,
+                       units: list[tuple[SpliceUnit, Claim]]) -> None:
+        """Compute the units' signatures alone (packed in one pass) and store each."""
+        if not units:
+            return
         try:
-            sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
-                                    backend=runner.backend, state_dtype=self.state_dtype,
-                                    keep_end_state=self.config.keep_end_state)
+            sigs = compute_signatures(runner.model, [(state.token_ids[u.offset:u.end], u.split) for u, _ in units],
+                                      self.anchor_ids, backend=runner.backend, state_dtype=self.state_dtype,
+                                      keep_end_state=self.config.keep_end_state)
         except BaseException:
-            self.store.drop_claim(claim)
+            for _, claim in units:
+                self.store.drop_claim(claim)
             raise
+        for (u, claim), sig in zip(units, sigs):
+            self._stored(state, sr, u, claim, sig)
+
+    def _stored(self, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim, sig) -> None:
         sig.meta["fingerprint"] = self.fingerprint
         state.signatures[u.key] = sig
         alone = len(self.anchor_ids) + u.num_tokens

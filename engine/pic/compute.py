@@ -15,6 +15,7 @@ The last block's MLP is skipped: nothing a signature holds depends on it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from engine.models.decoder import HybridDecoder
 from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
+from engine.models.layers import fla_backend
 from engine.models.layers.linear_ops import RecurrenceInputs
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
@@ -137,3 +139,208 @@ def _tail_transition(mixer: LinearMixer, tail: RecurrenceInputs, backend: str):
     if not heads:
         return None, ()
     return dense[list(heads)].contiguous(), heads
+
+
+# ------------------------------------------------------------------ several segments, one pass
+@torch.inference_mode()
+def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[int], int]],
+                       anchor_ids: Sequence[int] = (), backend: str = "torch",
+                       state_dtype: torch.dtype = torch.float32,
+                       keep_end_state: bool = True) -> list[SegmentSignature]:
+    """The signatures of several segments `(token_ids, split)`, each computed alone behind
+    `anchor_ids` exactly as `compute_signature` computes it, in ONE pass through the
+    layers: the alone passes are packed one after another, attention runs per segment
+    (each attends only to itself), and the linear recurrences run as fla varlen calls
+    (one per layer for the passes, one for the tails' E_tail, one for the delta tails'
+    T) or, on the torch backend, per segment. A cold request with m missing segments pays
+    one pass of per-call overhead instead of m."""
+    segs = [(list(t), int(s)) for t, s in segments]
+    if len(segs) == 1:
+        return [compute_signature(model, segs[0][0], anchor_ids, segs[0][1], backend, state_dtype, keep_end_state)]
+    a = len(anchor_ids)
+    for toks, split in segs:
+        if not toks:
+            raise SignatureFormatError("a segment needs at least one token")
+        if split < 0:
+            raise SignatureFormatError(f"split={split} must be >= 0")
+        if not keep_end_state and split >= len(toks):
+            raise SignatureFormatError(f"without end states a signature needs a tail, but split={split} >= "
+                                       f"n={len(toks)}")
+    device = model.device
+    lens = [a + len(t) for t, _ in segs]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    ids_host = torch.tensor([i for t, _ in segs for i in (*anchor_ids, *t)], dtype=torch.long)
+    model._check_ids(ids_host)
+    ids = ids_host.to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    tail0 = [a + min(split, len(t)) for t, split in segs]
+    pack = _Pack(starts, lens, tail0)
+    x = model.embed(ids)
+    parts: list[list] = [[] for _ in segs]
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
+        h = block.mixer_norm(x)
+        mixer = block.mixer
+        if isinstance(mixer, LinearMixer):
+            mixed, got = _linear_alone_packed(mixer, h, pack, backend, state_dtype, keep_end_state)
+        elif isinstance(mixer, Attention):
+            mixed, got = _attention_alone_packed(mixer, h, positions, pack)
+        else:  # pragma: no cover - every mixer is one of the two
+            raise SignatureFormatError(f"layer {i}: mixer {type(mixer).__name__} has no PIC signature")
+        for j, p in enumerate(got):
+            parts[j].append(p)
+        if i < last:
+            x = block._finish(x, mixed)
+    return [SegmentSignature(len(t), a, split, tuple(p)) for (t, split), p in zip(segs, parts)]
+
+
+class _Pack:
+    """Where each packed alone pass lies: [starts[j], starts[j] + lens[j]), tail from tail0[j]."""
+
+    def __init__(self, starts: list[int], lens: list[int], tail0: list[int]) -> None:
+        self.starts, self.lens, self.tail0 = starts, lens, tail0
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def span(self, j: int) -> tuple[int, int]:
+        return self.starts[j], self.starts[j] + self.lens[j]
+
+    def cu(self, lens: Sequence[int]) -> torch.Tensor:
+        out = [0]
+        for n in lens:
+            out.append(out[-1] + n)
+        return torch.tensor(out, dtype=torch.long)
+
+
+def _attention_alone_packed(mixer: Attention, h: torch.Tensor, positions: torch.Tensor, pack: _Pack):
+    q, k, v, gate = mixer.project(h, positions)
+    outs, parts = [], []
+    for j in range(len(pack)):
+        s, e = pack.span(j)
+        pos = positions[s:e]
+        outs.append(mixer.attend_prefill(q[s:e], k[s:e], v[s:e], pos, pos))
+        if mixer.window is None:
+            parts.append(AttentionPart("full", k[s:e].clone(), v[s:e].clone(), 0))
+        else:
+            m = min(e - s, mixer.window)
+            parts.append(AttentionPart("swa", k[e - m:e].clone(), v[e - m:e].clone(), e - s - m))
+    return mixer.output(torch.cat(outs), gate), parts
+
+
+def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backend: str,
+                         state_dtype: torch.dtype, keep_end_state: bool):
+    m = len(pack)
+    conv_in, extras = mixer.project(h[None])
+    conv_tails: list = [None] * m
+    if mixer.conv is not None:
+        outs = []
+        for j in range(m):
+            s, e = pack.span(j)
+            out, _ = mixer.conv(conv_in[:, s:e], None)
+            outs.append(out)
+            r = min(e - s, mixer.conv.width - 1)
+            conv_tails[j] = conv_in[0, e - r:e].transpose(0, 1).contiguous()
+        conv_out = torch.cat(outs, dim=1)
+    else:
+        conv_out = conv_in
+    inp = mixer.prepare(conv_out, extras)
+    shape = mixer.state_shape
+    dev = h.device
+    if backend == "fla":
+        o, states = fla_backend.fla_chunk(mixer.family, inp, None, cu_seqlens=pack.cu(pack.lens))
+        states = [states[j:j + 1] for j in range(m)]
+    else:
+        zero = torch.zeros(1, *shape, dtype=torch.float32, device=dev)
+        os_, states = [], []
+        for j in range(m):
+            s, e = pack.span(j)
+            oj, sj = mixer.run_recurrence(inp.slice_time(s, e), zero, backend)
+            os_.append(oj)
+            states.append(sj)
+        o = torch.cat(os_, dim=1)
+    out = mixer.output(o, extras)[0]
+
+    # tails: E_tail (from zero) and T_tail of every segment with a tail, batched
+    has_tail = [j for j in range(m) if pack.tail0[j] < pack.lens[j]]
+    from_start = [j for j in has_tail if pack.tail0[j] == 0]
+    cut = [j for j in has_tail if pack.tail0[j] > 0]
+    tails = {j: inp.slice_time(pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
+    tail_states: dict[int, torch.Tensor] = {j: states[j] for j in from_start}
+    if cut:
+        if backend == "fla":
+            packed = _cat_inputs([tails[j] for j in cut])
+            _, st = fla_backend.fla_chunk(mixer.family, packed, None,
+                                          cu_seqlens=pack.cu([pack.lens[j] - pack.tail0[j] for j in cut]))
+            tail_states.update({j: st[i:i + 1] for i, j in enumerate(cut)})
+        else:
+            zero = torch.zeros(1, *shape, dtype=torch.float32, device=dev)
+            for j in cut:
+                tail_states[j] = mixer.run_recurrence(tails[j], zero, backend)[1]
+    transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend)
+    parts = []
+    for j in range(m):
+        tail_state = tail_t = live = None
+        same = j in from_start
+        if j in tails:
+            tail_state = tail_states[j]
+            tail_t, live = transitions[has_tail.index(j)]
+        part = LinearPart(
+            family=mixer.family,
+            state=states[j][0].to(state_dtype),
+            tail_state=None if tail_state is None else tail_state[0].to(state_dtype),
+            tail_transition=None if tail_t is None else (tail_t if mixer.family != "delta" else tail_t.to(state_dtype)),
+            live_heads=live,
+            conv_tail=conv_tails[j],
+            tail_state_is_state=same,
+        )
+        if same:
+            part.tail_state = part.state
+        if not keep_end_state:
+            part.state, part.tail_state_is_state = None, False
+        parts.append(part)
+    return out, parts
+
+
+def _cat_inputs(inps: list[RecurrenceInputs]) -> RecurrenceInputs:
+    first = inps[0]
+    return RecurrenceInputs(
+        q=torch.cat([i.q for i in inps], dim=1), k=torch.cat([i.k for i in inps], dim=1),
+        v=torch.cat([i.v for i in inps], dim=1), log_decay=torch.cat([i.log_decay for i in inps], dim=1),
+        beta=None if first.beta is None else torch.cat([i.beta for i in inps], dim=1), scale=first.scale)
+
+
+def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend: str) -> list[tuple]:
+    """`_tail_transition` of every tail, with one host sync (and, for delta on fla, one
+    varlen call) for all of them."""
+    if not tails:
+        return []
+    log_sums = [t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails]  # [H] or [H, dk]
+    if mixer.family != "delta":
+        return [(ls.contiguous(), None) for ls in log_sums]
+    live_any = (torch.stack(log_sums) >= LOG_FLOAT32_TINY).cpu()  # [m, H]: one sync
+    todo = [i for i in range(len(tails)) if bool(live_any[i].any())]
+    out: list[tuple] = [(None, ()) for _ in tails]
+    if not todo:
+        return out
+    if backend == "fla":
+        packed = _cat_inputs([tails[i] for i in todo])
+        b, t, h, kd, _ = packed.shape
+        eye = torch.eye(kd, dtype=torch.float32, device=packed.k.device).expand(len(todo), h, kd, kd).contiguous()
+        probe = replace(packed, v=torch.zeros(b, t, h, kd, dtype=packed.v.dtype, device=packed.v.device))
+        lens = [tails[i].q.shape[1] for i in todo]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        dense_all = fla_backend.fla_chunk("delta", probe, eye, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1]
+    else:
+        dense_all = torch.cat([mixer.transition_operator(tails[i], backend) for i in todo])
+    nonzero = (dense_all.abs().amax(dim=(2, 3)) > 0).cpu()  # [len(todo), H]: one sync
+    for row, i in enumerate(todo):
+        live = live_any[i] & nonzero[row]
+        heads = tuple(int(x) for x in torch.nonzero(live).flatten().tolist())
+        if heads:
+            out[i] = (dense_all[row][list(heads)].contiguous(), heads)
+    return out

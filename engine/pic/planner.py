@@ -20,7 +20,8 @@ computed range). Without it, the plan alternates compute steps and splice steps.
 Every plan starts with two zero-width apply steps: `lookup` (one `get` per distinct
 segment) and `miss` (each missing segment is computed alone, put into the signature
 cache, then spliced exactly as a hit would be: a cold and a warm request take the same
-path). Signatures are keyed by `segment_key(fingerprint, content tokens,
+path; all of a request's alone passes run packed in one pass through the layers,
+`engine.pic.compute.compute_signatures`). Signatures are keyed by `segment_key(fingerprint, content tokens,
 signature_variant(anchor, split))`, so the same segment reuses one signature at any
 offset and in any order. Accounting and timing: engine.pic.report.
 
@@ -35,7 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.models.config import SWA, ModelConfig
-from engine.pic.compute import compute_signature
+from engine.pic.compute import compute_signatures
 from engine.pic.config import PicConfig
 from engine.pic.errors import PicConfigError
 from engine.pic.fused import FusedItem, fused_prefill
@@ -270,10 +271,10 @@ class PicPlanner(ReportingPlanner):
     def _compute_misses(self, runner, request: Request) -> None:
         state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
-        for u in state.missing:
-            sig = compute_signature(runner.model, state.token_ids[u.offset:u.end], self.anchor_ids, u.split,
-                                    backend=runner.backend, state_dtype=self.state_dtype,
-                                    keep_end_state=self.config.keep_end_state)
+        sigs = compute_signatures(runner.model, [(state.token_ids[u.offset:u.end], u.split) for u in state.missing],
+                                  self.anchor_ids, backend=runner.backend, state_dtype=self.state_dtype,
+                                  keep_end_state=self.config.keep_end_state) if state.missing else []
+        for u, sig in zip(state.missing, sigs):
             sig.meta["fingerprint"] = self.fingerprint
             self.cache.put(u.key, sig)
             state.signatures[u.key] = sig

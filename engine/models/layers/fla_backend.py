@@ -62,22 +62,28 @@ def _prep(inp: RecurrenceInputs, initial_state: torch.Tensor | None):
     return q, k, v, g, s0
 
 
-def fla_chunk(family: str, inp: RecurrenceInputs,
-              initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked prefill through fla. Returns (o `[B, T, H, V]`, final state float32)."""
+def fla_chunk(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked prefill through fla. Returns (o `[B, T, H, V]`, final state float32).
+    `cu_seqlens` (int64 `[N+1]`, on the CPU): B = 1 holds N packed sequences, each run from
+    its own initial state (`[N, H, K, V]` or None) to its own final state `[N, H, K, V]`."""
     q, k, v, g, s0 = _prep(inp, initial_state)
+    var = {}
+    if cu_seqlens is not None:
+        cpu = cu_seqlens.to("cpu", torch.long)
+        var = dict(cu_seqlens=cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cpu)
     if family == "delta":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         beta = inp.beta.to(v.dtype).contiguous()
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=s0,
-                                      output_final_state=True)
+                                      output_final_state=True, **var)
     elif family == "diag":
         from fla.ops.gla import chunk_gla
-        o, s = chunk_gla(q, k, v, g, scale=inp.scale, initial_state=s0, output_final_state=True)
+        o, s = chunk_gla(q, k, v, g, scale=inp.scale, initial_state=s0, output_final_state=True, **var)
     elif family == "scalar":
         from fla.ops.simple_gla import chunk_simple_gla
         o, s = chunk_simple_gla(q, k, v, g=g, scale=inp.scale, initial_state=s0,
-                                output_final_state=True)
+                                output_final_state=True, **var)
     else:
         raise ValueError(f"recurrence family={family!r} has no fla kernel")
     return o, s.to(torch.float32)

@@ -77,17 +77,18 @@ def metric(url: str, name: str) -> float:
 def slowed_compute(monkeypatch, per_segment_s: float, gate=None):
     """Make this process's alone passes slow (the helper process's are not), optionally
     holding the first one until `gate()` is true."""
-    real = connector_planner.compute_signature
+    real = connector_planner.compute_signatures
     calls = []
 
-    def slow(*args, **kwargs):
-        calls.append(1)
-        if gate is not None and len(calls) == 1:
-            wait_until(gate, timeout=120, what="the helper's claim")
-        time.sleep(per_segment_s)
-        return real(*args, **kwargs)
+    def slow(model, segments, *args, **kwargs):
+        for _ in segments:
+            calls.append(1)
+            if gate is not None and len(calls) == 1:
+                wait_until(gate, timeout=120, what="the helper's claim")
+            time.sleep(per_segment_s)
+        return real(model, segments, *args, **kwargs)
 
-    monkeypatch.setattr(connector_planner, "compute_signature", slow)
+    monkeypatch.setattr(connector_planner, "compute_signatures", slow)
 
 
 def reference(memory_engine, segments):

@@ -97,3 +97,45 @@ def test_signature_without_end_states_round_trips_and_saves_the_state_bytes(mode
     assert not back.has_end_state and torch.equal(back.layers[0].tail_state, full.layers[0].tail_state)
     with pytest.raises(SignatureFormatError, match="needs a tail"):
         compute_signature(model, ids, [256], split=12, keep_end_state=False)
+
+
+def _same_signature(a, b):
+    assert (a.num_tokens, a.anchor_len, a.split) == (b.num_tokens, b.anchor_len, b.split)
+    for i, (pa, pb) in enumerate(zip(a.layers, b.layers)):
+        assert type(pa) is type(pb), i
+        for name, x in vars(pa).items():
+            y = getattr(pb, name)
+            if isinstance(x, torch.Tensor):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=lambda m: f"layer {i} {name}: {m}")
+            else:
+                assert x == y, (i, name)
+
+
+@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL], [LIGHTNING, SWA], [MAMBA2, FULL]],
+                         ids=["gdn", "gla", "lightning", "mamba2"])
+@pytest.mark.parametrize("keep_end_state", [True, False])
+def test_several_segments_in_one_pass_equal_each_computed_alone(layers, keep_end_state, model_of):
+    from engine.pic.compute import compute_signatures
+
+    model = model_of(layers)
+    # splits: inside, zero (tail from the start), whole segment (no tail), and a short segment
+    segs = [(rand_ids(19, 1), 4), (rand_ids(9, 2), 0), (rand_ids(6, 3), 6), (rand_ids(2, 4), 1)]
+    if not keep_end_state:
+        segs = [(t, s) for t, s in segs if s < len(t)]
+    got = compute_signatures(model, segs, [256], keep_end_state=keep_end_state)
+    for (toks, split), sig in zip(segs, got):
+        _same_signature(compute_signature(model, toks, [256], split, keep_end_state=keep_end_state), sig)
+
+
+def test_several_segments_keep_forgotten_delta_heads_out_of_the_operator(model_of):
+    from engine.pic.compute import compute_signatures
+    from test_compose import strengthen_decay
+
+    model = model_of([GDN, FULL])
+    strengthen_decay(model, GDN)
+    segs = [(rand_ids(120, 5), 4), (rand_ids(7, 6), 2), (rand_ids(100, 7), 3)]
+    got = compute_signatures(model, segs, [256])
+    alone = [compute_signature(model, t, [256], s) for t, s in segs]
+    for a, b in zip(alone, got):
+        _same_signature(a, b)
+    assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in got)
