@@ -34,7 +34,8 @@ from kvstore.records import LookupEntry, ObjectInfo
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import (
-    HEALTH_CHECK_METHOD, HEALTH_SERVING, KVStoreStub, channel_options, decode_health_status, encode_health_request,
+    HEALTH_CHECK_METHOD, HEALTH_SERVING, KVStoreStub, client_channel_options, decode_health_status,
+    encode_health_request,
 )
 
 OFFLOAD_BYTES = 1 << 20
@@ -67,8 +68,8 @@ class AsyncKVStoreClient:
     async def connect(self) -> DaemonInfo:
         if self._channel is None:
             check_reachable(self.target)
-            self._channel = grpc.aio.insecure_channel(self.target,
-                                                      options=channel_options(self._core.max_message_size))
+            opts = client_channel_options(self._core.max_message_size, self.target)
+            self._channel = grpc.aio.insecure_channel(self.target, options=opts)
             self._stub = KVStoreStub(self._channel)
             self._loop = asyncio.get_running_loop()
         info = self._core.set_info(await self._call("Info", pb.InfoRequest(), timeout=CONNECT_TIMEOUT_S))

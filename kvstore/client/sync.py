@@ -37,7 +37,8 @@ from kvstore.records import LookupEntry, ObjectInfo
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import (
-    HEALTH_CHECK_METHOD, HEALTH_SERVING, KVStoreStub, channel_options, decode_health_status, encode_health_request,
+    HEALTH_CHECK_METHOD, HEALTH_SERVING, KVStoreStub, client_channel_options, decode_health_status,
+    encode_health_request,
 )
 
 
@@ -80,7 +81,8 @@ class KVStoreClient:
         when nothing answers."""
         if self._channel is None:
             check_reachable(self.target)
-            self._channel = grpc.insecure_channel(self.target, options=channel_options(self._core.max_message_size))
+            opts = client_channel_options(self._core.max_message_size, self.target)
+            self._channel = grpc.insecure_channel(self.target, options=opts)
             self._stub = KVStoreStub(self._channel)
         info = self._core.set_info(self._call("Info", pb.InfoRequest(), timeout=CONNECT_TIMEOUT_S))
         if self._keepalive is None:
