@@ -22,6 +22,7 @@ import grpc
 import grpc.aio
 import xxhash
 
+from kvstore import checksums as cks
 from kvstore.client.common import (
     CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, METADATA, PUT_ATTEMPTS, ClientCore,
     DaemonInfo,
@@ -205,7 +206,9 @@ class AsyncKVStoreClient:
         def write(region: Any) -> int:
             if mv.nbytes <= FUSED_HASH_MIN:  # small: one copy, one hash call
                 self._core.regions.write(region, mv)
-                return xxhash.xxh3_64_intdigest(mv)
+                if cks.algorithm_of(mv[: cks.PREFIX_BYTES]) == cks.XXH3:
+                    return xxhash.xxh3_64_intdigest(mv)
+                return cks.host_checksum(mv)  # the bytes are a kvsum64 blob
             return self._core.regions.write_hashed(region, mv)  # large: hash while copying
 
         meta = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)

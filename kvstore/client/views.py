@@ -122,14 +122,10 @@ class ObjectView:
 
     def verify(self) -> None:
         """Check the bytes against the checksum the daemon holds; BadObject on mismatch."""
-        import xxhash
+        from kvstore.format import checksum
 
         self._check()
-        if self._device is not None:
-            data: Any = memoryview(self._device.cpu().numpy())
-        else:
-            data = memoryview(self._host)
-        actual = xxhash.xxh3_64_intdigest(data)
+        actual = checksum(self._device if self._device is not None else memoryview(self._host))
         if actual != self.checksum:
             raise BadObject(f"object {self.key!r}: bytes hash to {actual:#018x}, the daemon recorded "
                             f"{self.checksum:#018x}")

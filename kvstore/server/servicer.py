@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import grpc
 
 from kvstore import errors
+from kvstore.checksums import ALGORITHMS
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, PROTOCOL_VERSION, MalformedRequest
@@ -250,6 +251,7 @@ class KVStoreServicer:
         if header is not None:
             out.is_blob = True
             d = header.to_dict()
+            d["checksum_algorithm"] = ALGORITHMS.get(header.algorithm, str(header.algorithm))
             out.header_json = json.dumps(d, sort_keys=True, default=str)
             for p in header.parts:
                 out.parts.add(name=p.name, layer=p.layer, dtype=p.dtype, shape=list(p.shape), offset=p.offset,
