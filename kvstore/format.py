@@ -4,7 +4,8 @@ The store itself treats an object as opaque bytes plus a checksum (`checksum`); 
 module is the client-side convention for tensors, which the daemon can also validate
 (`kvstore show`). Layout of a blob, all integers little-endian::
 
-    offset 0      preamble, 16 bytes: magic b"KVSBLOB\\0" | u16 format version | u16 flags (bits 0-3: checksum algorithm)
+    offset 0      preamble, 16 bytes: magic b"KVSBLOB\\0" | u16 format version
+                  | u16 flags (bits 0-3: the checksum algorithm, kvstore.checksums)
                   | u32 header length H
     offset 16     msgpack header, H bytes: {"version", "fingerprint", "token_count", "meta",
                   "size", "parts": [{"name", "layer", "dtype", "shape", "offset", "length"}]}

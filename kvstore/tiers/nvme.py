@@ -235,7 +235,8 @@ class NvmeTier(Tier):
             raise StorageError(f"nvme: writing {slot.path} failed: {exc.strerror or exc}") from exc
 
     def _hash_pipelined(self, fd: int, slot: Slot, bufs: list[memoryview]) -> int:
-        """The checksum (kvstore.checksums: the algorithm the bytes call for) of the file's `size` bytes, read in chunks into `bufs` (round robin):
+        """The checksum of the file's `size` bytes (kvstore.checksums: the algorithm the
+        bytes call for), read in chunks into `bufs` (round robin):
         up to len(bufs) - 1 preads run on the pool ahead of the chunk being hashed, so a
         cold read keeps the drive busy while the CPU hashes."""
         h: Any = None  # made from the first chunk (a blob's preamble names its algorithm)
