@@ -186,7 +186,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_message_size", "size", 16 << 20, "largest gRPC message either end accepts", minimum=4096),
     Option("max_batch", "int", 4096, "most keys one batch request may carry", minimum=1),
     Option("max_key_bytes", "int", 1024, "longest key accepted, in bytes", minimum=1),
-    Option("workers", "int", 16, "threads serving RPCs", minimum=1),
+    Option("workers", "int", 16, "threads for RPCs that block (the asyncio gRPC server runs the rest on its event loop)", minimum=1),
     Option("log_level", "choice", "info", "daemon log level", choices=LOG_LEVELS),
 )
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

@@ -256,10 +256,14 @@ class Store:
         return [LookupEntry(k, True, f[0], f[1]) if f else LookupEntry(k, False, None, 0)
                 for k, f in zip(keys, self.presence(keys))]
 
-    def presence(self, keys: Sequence[bytes]) -> list[Optional[tuple[str, int]]]:
+    def presence(self, keys: Sequence[bytes], *, wait: bool = True) -> Optional[list[Optional[tuple[str, int]]]]:
         """`lookup` without the records: (tier, size) per present key, None per absent
-        one. The server's Lookup fast path (one dict probe per key under the lock)."""
-        with self._lock:
+        one. The server's Lookup fast path (one dict probe per key under the lock). With
+        `wait=False` it returns None at once when the lock is busy (the asyncio server
+        then retries on a worker thread instead of stalling its event loop)."""
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             self._require_open()
             get = self._place.objects.get
             out: list[Optional[tuple[str, int]]] = []
@@ -267,6 +271,8 @@ class Store:
                 o = get(k)
                 out.append((o.tier, o.slot.size) if o is not None else None)
             return out
+        finally:
+            self._lock.release()
 
     def reserve(self, key: bytes, size: int, tier: str, meta: ObjectMeta, client_id: str = "") -> Reservation:
         """Reserve `size` bytes in `tier` for `key` (see Reservation for the statuses).
@@ -444,23 +450,35 @@ class Store:
                                  o.checksum, e.expires_at, o.meta))
             return out
 
-    def release(self, lease_ids: Sequence[int]) -> None:
-        """Unpin. Unknown or expired lease ids are ignored (release is idempotent)."""
-        with self._lock:
+    def release(self, lease_ids: Sequence[int], *, wait: bool = True) -> bool:
+        """Unpin. Unknown or expired lease ids are ignored (release is idempotent).
+        With `wait=False`, returns False without doing anything when the lock is busy."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             for i in lease_ids:
                 e = self._leases.release(i)
                 if e is not None:
                     self._unlease_locked(e.payload)
+            return True
+        finally:
+            self._lock.release()
 
     def _unlease_locked(self, o: StoredObject) -> None:
         o.leases -= 1
         self._place.release_slot_if_unpinned(o)
 
-    def renew(self, client_id: str) -> None:
-        """Extend every lease and reservation of `client_id` by lease_ttl_s."""
-        with self._lock:
+    def renew(self, client_id: str, *, wait: bool = True) -> bool:
+        """Extend every lease and reservation of `client_id` by lease_ttl_s. With
+        `wait=False`, returns False without doing anything when the lock is busy."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             self._leases.renew(client_id)
             self._reservations.renew(client_id)
+            return True
+        finally:
+            self._lock.release()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete the keys that are present and unleased; returns how many were deleted.

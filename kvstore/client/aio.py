@@ -22,6 +22,7 @@ import grpc
 import grpc.aio
 import xxhash
 
+from kvstore import checksums as cks
 from kvstore.client.common import (
     CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, METADATA, PUT_ATTEMPTS, ClientCore,
     DaemonInfo,
@@ -34,7 +35,8 @@ from kvstore.records import LookupEntry, ObjectInfo
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import (
-    HEALTH_CHECK_METHOD, HEALTH_SERVING, KVStoreStub, channel_options, decode_health_status, encode_health_request,
+    HEALTH_CHECK_METHOD, HEALTH_SERVING, KVStoreStub, client_channel_options, decode_health_status,
+    encode_health_request,
 )
 
 OFFLOAD_BYTES = 1 << 20
@@ -67,8 +69,8 @@ class AsyncKVStoreClient:
     async def connect(self) -> DaemonInfo:
         if self._channel is None:
             check_reachable(self.target)
-            self._channel = grpc.aio.insecure_channel(self.target,
-                                                      options=channel_options(self._core.max_message_size))
+            opts = client_channel_options(self._core.max_message_size, self.target)
+            self._channel = grpc.aio.insecure_channel(self.target, options=opts)
             self._stub = KVStoreStub(self._channel)
             self._loop = asyncio.get_running_loop()
         info = self._core.set_info(await self._call("Info", pb.InfoRequest(), timeout=CONNECT_TIMEOUT_S))
@@ -204,7 +206,9 @@ class AsyncKVStoreClient:
         def write(region: Any) -> int:
             if mv.nbytes <= FUSED_HASH_MIN:  # small: one copy, one hash call
                 self._core.regions.write(region, mv)
-                return xxhash.xxh3_64_intdigest(mv)
+                if cks.algorithm_of(mv[: cks.PREFIX_BYTES]) == cks.XXH3:
+                    return xxhash.xxh3_64_intdigest(mv)
+                return cks.host_checksum(mv)  # the bytes are a kvsum64 blob
             return self._core.regions.write_hashed(region, mv)  # large: hash while copying
 
         meta = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)

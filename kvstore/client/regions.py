@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
-import xxhash
 
+from kvstore import checksums as cks
 from kvstore.errors import BadObject, InvalidRequest, KVStoreError
 from kvstore.records import Region
 
@@ -208,14 +208,15 @@ class RegionMapper:
             raise InvalidRequest(f"unknown region kind {region.kind!r}")
 
     def write_hashed(self, region: Region, data: memoryview) -> int:
-        """`write`, fused with the xxh3_64 of the bytes (the store checksum): the region is
+        """`write`, fused with the checksum of the bytes (the store checksum, with the
+        algorithm the bytes call for: kvstore.checksums): the region is
         filled in HASH_CHUNK steps and each step is hashed while it is still in cache, so
         the bytes cross memory once instead of twice. For shm regions the hash is taken
         over the bytes as they landed in the arena (what the daemon will verify)."""
         n = data.nbytes
         if n != region.length:
             raise InvalidRequest(f"writing {n} bytes into a region of {region.length}")
-        h = xxhash.xxh3_64()
+        h = cks.new_hasher(data[: cks.PREFIX_BYTES])
         if region.kind == "shm":
             dst = self.host_array(region, writable=True)
             src = np.frombuffer(data, dtype=np.uint8)
@@ -240,7 +241,7 @@ class RegionMapper:
                 os.close(fd)
             return h.intdigest()
         self.write(region, data)  # cuda_ipc: the device copy dominates; hash the host source
-        return xxhash.xxh3_64_intdigest(data)
+        return cks.host_checksum(data)
 
     def cuda_tensor(self, region: Region) -> Any:
         """A CUDA uint8 tensor aliasing a cuda_ipc region (the arena's handle is opened

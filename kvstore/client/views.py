@@ -23,6 +23,20 @@ import numpy as np
 from kvstore.errors import BadObject, InvalidRequest
 from kvstore.records import Lease
 
+COPY_CHUNK = 16 << 20  # bytes per piece of `ObjectView.copy_to` (host -> GPU: one DMA each)
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: Any) -> Any:
+    """One copy stream per CUDA device, shared by every view of this process."""
+    import torch
+
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    return s
+
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -113,6 +127,74 @@ class ObjectView:
             warnings.simplefilter("ignore", UserWarning)  # read-only array: we promise not to write
             return torch.from_numpy(self._host)
 
+    def copy_to(self, dst: "torch.Tensor", *, stream: Any = None, chunk: int = COPY_CHUNK,
+                verify: bool = False) -> Any:
+        """Copy the object's bytes into `dst[:size]` (a contiguous uint8 tensor, any device).
+
+        Host bytes (CPU/NVMe tiers) into a CUDA tensor: the shm arena is registered as
+        pinned memory once per client (kvstore.client.regions), so each `chunk`-byte piece
+        goes out as a non_blocking DMA on `stream` (default: one side stream per device);
+        with `verify=True` each piece is hashed on the host right after its copy was
+        issued, so hashing overlaps the transfer, and a mismatch raises BadObject once all
+        pieces were issued. GPU-tier bytes: one device copy on `stream` (verify hashes on
+        the device). Returns a CUDA event recorded after the last piece (wait on it before
+        using `dst`, and keep this view's lease until then), or None when `dst` is on the
+        CPU (the copy is then complete).
+        """
+        import torch
+
+        self._check()
+        n = self.size
+        if not isinstance(dst, torch.Tensor) or dst.dtype != torch.uint8 or dst.dim() != 1 \
+                or not dst.is_contiguous() or dst.numel() < n:
+            raise InvalidRequest(f"copy_to needs a contiguous 1-D uint8 tensor of >= {n} bytes, got "
+                                 f"{getattr(dst, 'dtype', type(dst).__name__)} {tuple(getattr(dst, 'shape', ()))}")
+        if chunk <= 0:
+            raise InvalidRequest(f"chunk must be > 0 bytes, got {chunk}")
+        src = self.tensor()
+        if dst.device.type != "cuda":
+            hasher = self._hasher() if verify else None
+            for off in range(0, n, chunk):
+                piece = src[off: off + chunk]
+                dst[off: off + piece.numel()].copy_(piece)
+                if hasher is not None:
+                    hasher.update(memoryview(self._host[off: off + piece.numel()]))
+            if hasher is not None:
+                self._check_digest(hasher.intdigest())
+            return None
+        stream = stream if stream is not None else _side_stream(dst.device)
+        stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may still be in use there
+        with torch.cuda.stream(stream):
+            if self._device is not None:  # GPU tier: one device-to-device copy
+                dst[:n].copy_(src, non_blocking=True)
+                if verify:
+                    from kvstore.format import checksum
+
+                    self._check_digest(checksum(dst[:n]))
+            else:
+                hasher = self._hasher() if verify else None
+                for off in range(0, n, chunk):
+                    piece = src[off: off + chunk]
+                    dst[off: off + piece.numel()].copy_(piece, non_blocking=True)
+                    if hasher is not None:  # the DMA of this piece runs meanwhile
+                        hasher.update(memoryview(self._host[off: off + piece.numel()]))
+                if hasher is not None:
+                    self._check_digest(hasher.intdigest())
+            done = torch.cuda.Event()
+            done.record(stream)
+        dst.record_stream(stream)
+        return done
+
+    def _hasher(self) -> Any:
+        from kvstore.checksums import PREFIX_BYTES, new_hasher
+
+        return new_hasher(memoryview(self._host[:PREFIX_BYTES]))
+
+    def _check_digest(self, actual: int) -> None:
+        if actual != self.checksum:
+            raise BadObject(f"object {self.key!r}: bytes hash to {actual:#018x}, the daemon recorded "
+                            f"{self.checksum:#018x}")
+
     def tobytes(self) -> bytes:
         """A copy of the bytes (leaves the lease held)."""
         self._check()
@@ -122,14 +204,10 @@ class ObjectView:
 
     def verify(self) -> None:
         """Check the bytes against the checksum the daemon holds; BadObject on mismatch."""
-        import xxhash
+        from kvstore.format import checksum
 
         self._check()
-        if self._device is not None:
-            data: Any = memoryview(self._device.cpu().numpy())
-        else:
-            data = memoryview(self._host)
-        actual = xxhash.xxh3_64_intdigest(data)
+        actual = checksum(self._device if self._device is not None else memoryview(self._host))
         if actual != self.checksum:
             raise BadObject(f"object {self.key!r}: bytes hash to {actual:#018x}, the daemon recorded "
                             f"{self.checksum:#018x}")

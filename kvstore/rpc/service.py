@@ -57,6 +57,16 @@ def channel_options(max_message_size: int) -> list[tuple[str, Any]]:
     ]
 
 
+def client_channel_options(max_message_size: int, target: str) -> list[tuple[str, Any]]:
+    """`channel_options` plus what a client channel to the daemon wants: no transparent
+    retries (every kvstore RPC reports its own failure; the retry filter buffers each
+    call for nothing), and for a unix socket no DNS/authority work: a local authority."""
+    opts = channel_options(max_message_size) + [("grpc.enable_retries", 0)]
+    if target.startswith("unix:"):
+        opts.append(("grpc.default_authority", "localhost"))
+    return opts
+
+
 @dataclass(frozen=True)
 class Method:
     """One RPC of the service."""

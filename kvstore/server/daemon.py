@@ -7,16 +7,23 @@ grpc.health.v1 health checking), the background thread that expires dead leases 
 reservations, the optional Prometheus endpoint, and graceful shutdown on SIGTERM/SIGINT:
 stop accepting, let in-flight RPCs finish (a short grace), abort open reservations,
 optionally write the CPU tier back to NVMe, flush and close the index, remove the socket.
+
+The server is a grpc.aio server on an asyncio event loop that runs in its own thread
+("kvstore-loop"): an RPC is served without a thread hand-off when it can be (see
+kvstore.server.servicer), and work that blocks (hashing, fsync, LMDB, tier moves, WaitFor)
+runs on a pool of `workers` threads. `start()` and `stop()` stay synchronous.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import signal
 import threading
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -131,7 +138,7 @@ def _health_handler() -> grpc.GenericRpcHandler:
     """grpc.health.v1 health: the grpcio-health-checking servicer when installed, else a
     wire-compatible Check that answers SERVING (see kvstore.rpc.service)."""
 
-    def check(request: bytes, context: grpc.ServicerContext) -> bytes:
+    async def check(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return bytes([0x08, HEALTH_SERVING])
 
     method = HEALTH_CHECK_METHOD.rsplit("/", 1)[1]
@@ -147,7 +154,10 @@ class Daemon:
         self.config = config
         self._store_factory = store_factory
         self.store: Any = None
-        self.server: Optional[grpc.Server] = None
+        self.server: Optional[grpc.aio.Server] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread: Optional[threading.Thread] = None
+        self._pool: Optional[futures.ThreadPoolExecutor] = None
         self.metrics: Optional[DaemonMetrics] = None
         self.metrics_port: Optional[int] = None
         self.tcp_port: Optional[int] = None
@@ -194,34 +204,13 @@ class Daemon:
             max_key_bytes=cfg.max_key_bytes, tiers=list(tiers), default_tier=default_tier,
         )
         self.metrics = DaemonMetrics(self.store.stats)
-        servicer = KVStoreServicer(self.store, limits, self.metrics, info)
-
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="kvstore-rpc"),
-            options=channel_options(cfg.max_message_size) + [("grpc.so_reuseport", 0)],
-        )
-        self.server.add_generic_rpc_handlers((generic_handler(servicer.handlers()),))
-        self._add_health()
-
+        self._pool = futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="kvstore-rpc")
+        servicer = KVStoreServicer(self.store, limits, self.metrics, info, executor=self._pool)
+        self._start_loop()
         sock = Path(cfg.socket).absolute()
-        if sock.exists() or sock.is_symlink():
-            sock.unlink()  # stale: we hold the lock, so no live daemon owns it
-        old_umask = os.umask(0o177)
-        try:
-            bound = self.server.add_insecure_port(f"unix:{sock}")
-        finally:
-            os.umask(old_umask)
-        if bound == 0:
-            raise ConfigError(f"cannot listen on unix socket {sock}")
-        tcp = cfg.tcp_address()
-        if tcp is not None:
-            host, port = tcp
-            target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            self.tcp_port = self.server.add_insecure_port(target)
-            if self.tcp_port == 0:
-                raise ConfigError(f"cannot listen on TCP {cfg.tcp} (address in use or not local?)")
-        self.server.start()
+        self._on_loop(self._start_server(servicer, sock)).result()
         os.chmod(sock, 0o600)
+        tcp = cfg.tcp_address()
 
         self._expirer = threading.Thread(target=self._expire_loop, name="kvstore-expire", daemon=True)
         self._expirer.start()
@@ -236,7 +225,70 @@ class Daemon:
             cfg.dir, f" metrics=http://{cfg.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "",
         )
 
-    def _add_health(self) -> None:
+    # ------------------------------------------------------------------ the event loop
+
+    def _start_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        self._loop = loop
+        self._loop_thread = threading.Thread(target=run, name="kvstore-loop", daemon=True)
+        self._loop_thread.start()
+        ready.wait()
+
+    def _on_loop(self, coro: Any) -> Future:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _stop_loop(self) -> None:
+        if self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=5.0)
+        self._loop = None
+        self._loop_thread = None
+
+    async def _start_server(self, servicer: KVStoreServicer, sock: Path) -> None:
+        """Build, bind and start the grpc.aio server (on the loop: it binds to it)."""
+        cfg = self.config
+        self.server = grpc.aio.server(
+            options=channel_options(cfg.max_message_size) + [("grpc.so_reuseport", 0)],
+        )
+        self.server.add_generic_rpc_handlers((generic_handler(servicer.handlers()),))
+        await self._add_health()
+        if sock.exists() or sock.is_symlink():
+            sock.unlink()  # stale: we hold the lock, so no live daemon owns it
+        old_umask = os.umask(0o177)
+        try:
+            bound = self.server.add_insecure_port(f"unix:{sock}")
+        except RuntimeError:
+            bound = 0
+        finally:
+            os.umask(old_umask)
+        if bound == 0:
+            raise ConfigError(f"cannot listen on unix socket {sock}")
+        tcp = cfg.tcp_address()
+        if tcp is not None:
+            host, port = tcp
+            target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            try:
+                self.tcp_port = self.server.add_insecure_port(target)
+            except RuntimeError:
+                self.tcp_port = 0
+            if self.tcp_port == 0:
+                raise ConfigError(f"cannot listen on TCP {cfg.tcp} (address in use or not local?)")
+        await self.server.start()
+
+    async def _add_health(self) -> None:
         try:
             from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         except Exception:  # grpcio-health-checking missing or built for another protobuf
@@ -244,10 +296,19 @@ class Daemon:
             assert self.server is not None
             self.server.add_generic_rpc_handlers((_health_handler(),))
             return
-        self._health = health.HealthServicer()
+        self._health = health.aio.HealthServicer()
         for service in ("", "kvstore.v1.KVStore"):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+
+    async def _stop_server(self, grace: float) -> None:
+        if self._health is not None:
+            try:
+                await self._health.enter_graceful_shutdown()
+            except Exception:  # older grpc_health without it
+                pass
+        if self.server is not None:
+            await self.server.stop(grace)
 
     def _expire_loop(self) -> None:
         interval = self.config.expire_interval
@@ -266,14 +327,12 @@ class Daemon:
             return
         self._stopped = True
         log.info("kvstore daemon shutting down")
-        if self._health is not None:
-            try:
-                self._health.enter_graceful_shutdown()
-            except Exception:  # older grpc_health without it
-                pass
         self._stopping.set()
-        if self.server is not None:
-            self.server.stop(grace).wait(grace + 1.0)
+        if self._loop is not None:
+            try:
+                self._on_loop(self._stop_server(grace)).result(grace + 2.0)
+            except Exception:
+                log.exception("stopping the gRPC server failed")
         self._teardown()
         log.info("kvstore daemon stopped")
 
@@ -284,6 +343,12 @@ class Daemon:
         self._stopping.set()
         if self._expirer is not None:
             self._expirer.join(timeout=self.config.expire_interval + 1.0)
+        if self._loop is not None and self.server is not None and not self._stopped:  # start() failed half way
+            try:
+                self._on_loop(self.server.stop(0)).result(2.0)
+            except Exception:
+                pass
+        self._stop_loop()
         if self.metrics is not None:
             self.metrics.stop_http()
         if self.store is not None:
@@ -291,6 +356,9 @@ class Daemon:
                 self.store.close()
             except Exception:
                 log.exception("closing the store failed")
+        if self._pool is not None:  # after close: a WaitFor still waiting returns when the store closes
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         try:
             sock = Path(self.config.socket)
             if sock.is_socket():

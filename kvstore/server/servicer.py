@@ -6,20 +6,34 @@ trailing metadata "kvstore-error-code"), the protocol-version check, per-RPC lat
 metrics, and the Show RPC's header read. A bad request gets INVALID_ARGUMENT with a
 message naming the bad value; an unexpected exception gets INTERNAL and is logged with
 its traceback; either way the daemon keeps serving.
+
+The handlers are coroutines for a grpc.aio server. Where each RPC's work runs:
+
+- on the event loop: Info (no Store call), and Lookup, Release and Renew when the
+  Store's lock is free at that instant (`wait=False`: a few dict operations, no I/O);
+- on the worker pool (`executor`): those three when the lock is busy, and every other
+  RPC (they may hash, fsync, write LMDB, move objects between tiers or wait), so the
+  event loop never blocks on the Store's lock or on I/O.
+
+The RPC methods themselves are plain functions `fn(request, remaining_s)`, where
+`remaining_s` is the call's deadline budget (None: no deadline).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import mmap
 import os
 import time
+from concurrent.futures import Executor
 from typing import Any, Callable, Optional
 
 import grpc
 
 from kvstore import errors
+from kvstore.checksums import ALGORITHMS
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, PROTOCOL_VERSION, MalformedRequest
@@ -51,49 +65,74 @@ def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-class KVStoreServicer:
-    """Implements every RPC of the service over `store` (a kvstore.store.Store)."""
+# RPCs whose Store call is a few dict operations: tried on the event loop first.
+_TRY_INLINE = ("Lookup", "Release", "Renew")
+_INLINE = ("Info",)
+BUSY = object()  # what a `wait=False` RPC returns when the Store's lock is taken
 
-    def __init__(self, store: Any, limits: codec.Limits, metrics: DaemonMetrics, info: pb.InfoResponse) -> None:
+
+class KVStoreServicer:
+    """Implements every RPC of the service over `store` (a kvstore.store.Store), for a
+    grpc.aio server; blocking work runs on `executor` (see the module docstring)."""
+
+    NAMES = ("Info", "Lookup", "Reserve", "Commit", "Abort", "WaitFor", "Get", "Release", "Renew",
+             "Delete", "Prefetch", "Evict", "Stats", "List", "Show")
+
+    def __init__(self, store: Any, limits: codec.Limits, metrics: DaemonMetrics, info: pb.InfoResponse,
+                 executor: Optional[Executor] = None) -> None:
         self.store = store
         self.limits = limits
         self.metrics = metrics
         self._info = info
+        self.executor = executor
+        self._fast = hasattr(store, "presence")  # a Store stand-in may lack the lock-free probes
 
     # ------------------------------------------------------------------ plumbing
 
     def handlers(self) -> dict[str, Callable]:
-        """RPC name -> handler(request, context), each wrapped in error mapping and metrics."""
-        names = ("Info", "Lookup", "Reserve", "Commit", "Abort", "WaitFor", "Get", "Release", "Renew",
-                 "Delete", "Prefetch", "Evict", "Stats", "List", "Show")
-        return {name: self._wrap(name, getattr(self, name)) for name in names}
+        """RPC name -> async handler(request, context), each wrapped in error mapping and metrics."""
+        return {name: self._wrap(name, getattr(self, name)) for name in self.NAMES}
 
-    def _wrap(self, name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
-        def handler(request: Any, context: grpc.ServicerContext) -> Any:
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable:
+        inline = name in _INLINE
+        try_inline = name in _TRY_INLINE and self._fast
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             code: Optional[str] = None
             try:
                 self._check_protocol(context)
                 if isinstance(request, MalformedRequest):
                     raise errors.InvalidRequest(request.reason)
-                return fn(request, context)
+                remaining = context.time_remaining()
+                if inline:
+                    return fn(request, remaining)
+                if try_inline:
+                    out = fn(request, remaining, wait=False)
+                    if out is not BUSY:
+                        return out
+                    return await self._offload(lambda: fn(request, remaining, wait=True))
+                return await self._offload(lambda: fn(request, remaining))
             except errors.KVStoreError as exc:
                 code = exc.code
                 context.set_trailing_metadata(((ERROR_CODE_METADATA_KEY, exc.code),))
                 log.debug("%s -> %s: %s", name, exc.code, exc)
-                context.abort(status_for(exc), str(exc))
+                await context.abort(status_for(exc), str(exc))
             except Exception as exc:  # a bug: report it, keep serving
                 code = "INTERNAL"
                 log.exception("%s failed with an unexpected error", name)
                 context.set_trailing_metadata(((ERROR_CODE_METADATA_KEY, errors.KVStoreError.code),))
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(exc).__name__}: {exc}")
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(exc).__name__}: {exc}")
             finally:
                 self.metrics.observe(name, time.perf_counter() - start, code)
 
         return handler
 
+    async def _offload(self, call: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+
     @staticmethod
-    def _check_protocol(context: grpc.ServicerContext) -> None:
+    def _check_protocol(context: Any) -> None:
         for key, value in context.invocation_metadata() or ():
             if key == PROTOCOL_METADATA_KEY and value != str(PROTOCOL_VERSION):
                 raise errors.VersionMismatch(
@@ -103,10 +142,10 @@ class KVStoreServicer:
 
     # ------------------------------------------------------------------ RPCs
 
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+    def Info(self, request: pb.InfoRequest, remaining: Optional[float]) -> pb.InfoResponse:
         return self._info
 
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, remaining: Optional[float], wait: bool = True) -> Any:
         # The latency-critical RPC: no per-key records or message copies. Keys of a parsed
         # request are bytes already; only a bad one goes through check_key (its message).
         keys = request.keys
@@ -116,19 +155,21 @@ class KVStoreServicer:
         for k in keys:
             if not k or len(k) > max_key:
                 codec.check_key(k, self.limits)  # raises, naming the key
-        presence = getattr(self.store, "presence", None)
-        if presence is None:  # a Store stand-in without the fast path
+        if not self._fast:  # a Store stand-in without the fast path
             return pb.LookupResponse(entries=[codec.lookup_entry_to_pb(e) for e in self.store.lookup(list(keys))])
+        found = self.store.presence(keys, wait=wait)
+        if found is None:
+            return BUSY
         out = pb.LookupResponse()
         add = out.entries.add
-        for k, f in zip(keys, presence(keys)):
+        for k, f in zip(keys, found):
             if f is None:
                 add(key=k)
             else:
                 add(key=k, hit=True, tier=f[0], size=f[1])
         return out
 
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+    def Reserve(self, request: pb.ReserveRequest, remaining: Optional[float]) -> pb.ReserveResponse:
         key = codec.check_key(request.key, self.limits)
         tier = codec.check_tier(request.tier, self.limits, default=self.limits.default_tier)
         if request.size == 0:
@@ -138,60 +179,61 @@ class KVStoreServicer:
         res = self.store.reserve(key, int(request.size), tier, meta, client_id=client_id)
         return codec.reservation_to_pb(res)
 
-    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+    def Commit(self, request: pb.CommitRequest, remaining: Optional[float]) -> pb.CommitResponse:
         if request.reservation_id == 0:
             raise errors.InvalidRequest("reservation_id is required (the id Reserve returned)")
         entry = self.store.commit(int(request.reservation_id), int(request.checksum))
         return pb.CommitResponse(entry=codec.lookup_entry_to_pb(entry))
 
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+    def Abort(self, request: pb.AbortRequest, remaining: Optional[float]) -> pb.AbortResponse:
         if request.reservation_id == 0:
             raise errors.InvalidRequest("reservation_id is required (the id Reserve returned)")
         self.store.abort(int(request.reservation_id))
         return pb.AbortResponse()
 
-    def WaitFor(self, request: pb.WaitForRequest, context: grpc.ServicerContext) -> pb.WaitForResponse:
+    def WaitFor(self, request: pb.WaitForRequest, remaining: Optional[float]) -> pb.WaitForResponse:
         key = codec.check_key(request.key, self.limits)
         timeout = codec.check_timeout(request.timeout_s)
-        remaining = context.time_remaining()
         if remaining is not None:
             timeout = max(0.0, min(timeout, remaining - 0.05))
         return pb.WaitForResponse(present=bool(self.store.wait_for(key, timeout)))
 
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+    def Get(self, request: pb.GetRequest, remaining: Optional[float]) -> pb.GetResponse:
         keys = codec.check_keys(request.keys, self.limits)
         client_id = codec.check_client_id(request.client_id, required=True)
         leases = self.store.get(keys, client_id, promote=not request.no_promote)
         return pb.GetResponse(leases=[codec.lease_to_pb(x) for x in leases])
 
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+    def Release(self, request: pb.ReleaseRequest, remaining: Optional[float], wait: bool = True) -> Any:
         if len(request.lease_ids) > self.limits.max_batch:
             raise errors.InvalidRequest(
                 f"batch of {len(request.lease_ids)} lease ids is over the limit of {self.limits.max_batch}")
-        self.store.release([int(i) for i in request.lease_ids])
+        if self.store.release(list(request.lease_ids), wait=wait) is False:
+            return BUSY
         return pb.ReleaseResponse()
 
-    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
-        self.store.renew(codec.check_client_id(request.client_id, required=True))
+    def Renew(self, request: pb.RenewRequest, remaining: Optional[float], wait: bool = True) -> Any:
+        if self.store.renew(codec.check_client_id(request.client_id, required=True), wait=wait) is False:
+            return BUSY
         return pb.RenewResponse()
 
-    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+    def Delete(self, request: pb.DeleteRequest, remaining: Optional[float]) -> pb.DeleteResponse:
         keys = codec.check_keys(request.keys, self.limits)
         return pb.DeleteResponse(deleted=int(self.store.delete(keys)))
 
-    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+    def Prefetch(self, request: pb.PrefetchRequest, remaining: Optional[float]) -> pb.PrefetchResponse:
         keys = codec.check_keys(request.keys, self.limits)
         tier = codec.check_tier(request.tier, self.limits, default=self.limits.tiers[0])
         return pb.PrefetchResponse(in_tier=int(self.store.prefetch(keys, tier)))
 
-    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+    def Evict(self, request: pb.EvictRequest, remaining: Optional[float]) -> pb.EvictResponse:
         tier = codec.check_tier(request.tier, self.limits)
         return pb.EvictResponse(moved=int(self.store.evict_tier(tier)))
 
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+    def Stats(self, request: pb.StatsRequest, remaining: Optional[float]) -> pb.StatsResponse:
         return codec.stats_to_pb(self.store.stats())
 
-    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+    def List(self, request: pb.ListRequest, remaining: Optional[float]) -> pb.ListResponse:
         tier = codec.check_tier(request.tier, self.limits, default="") if request.tier else None
         if request.prefix and len(request.prefix) > self.limits.max_key_bytes:
             raise errors.InvalidRequest(f"prefix is {len(request.prefix)} bytes, over the key limit of "
@@ -201,7 +243,7 @@ class KVStoreServicer:
             fingerprint=request.fingerprint or None, prefix=bytes(request.prefix) or None, tier=tier, limit=limit)
         return pb.ListResponse(objects=[codec.object_info_to_pb(o) for o in objs])
 
-    def Show(self, request: pb.ShowRequest, context: grpc.ServicerContext) -> pb.ShowResponse:
+    def Show(self, request: pb.ShowRequest, remaining: Optional[float]) -> pb.ShowResponse:
         key = codec.check_key(request.key, self.limits)
         info = self.store.object_info(key)
         out = pb.ShowResponse(info=codec.object_info_to_pb(info))
@@ -209,6 +251,7 @@ class KVStoreServicer:
         if header is not None:
             out.is_blob = True
             d = header.to_dict()
+            d["checksum_algorithm"] = ALGORITHMS.get(header.algorithm, str(header.algorithm))
             out.header_json = json.dumps(d, sort_keys=True, default=str)
             for p in header.parts:
                 out.parts.add(name=p.name, layer=p.layer, dtype=p.dtype, shape=list(p.shape), offset=p.offset,

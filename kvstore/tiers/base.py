@@ -133,9 +133,9 @@ class Tier(ABC):
         in `dst`. Tiers that read in chunks override this to hash each chunk while the
         next ones are read (one pass). Raises StorageError."""
         self.read_into(slot, dst)
-        import xxhash
+        from kvstore.checksums import host_checksum
 
-        return xxhash.xxh3_64_intdigest(memoryview(dst[: slot.size].numpy()))
+        return host_checksum(memoryview(dst[: slot.size].numpy()))
 
     def list_sealed(self) -> list[Slot]:
         """Durable tiers: every sealed slot found on the medium at open (for garbage

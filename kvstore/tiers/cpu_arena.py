@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import xxhash
 
+from kvstore.checksums import host_checksum
 from kvstore.errors import AlreadyExists, InvalidRequest, StorageError
 from kvstore.records import Region
 from kvstore.tiers.arena import ArenaTier
@@ -129,7 +129,7 @@ class CpuArena(ArenaTier):
         self._require_open()
         assert self._mm is not None
         with memoryview(self._mm) as mv:
-            return xxhash.xxh3_64_intdigest(mv[slot.offset : slot.offset + slot.size])
+            return host_checksum(mv[slot.offset : slot.offset + slot.size])
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "path": str(self.path), "pinned": self._pinned}

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import xxhash
 
 from kvstore.allocator import PAGE_SIZE
+from kvstore.checksums import new_hasher
 from kvstore.errors import InvalidRequest, StorageError
 from kvstore.records import Region
 from kvstore.tiers.base import Slot, Tier, check_tensor_arg
@@ -235,10 +235,11 @@ class NvmeTier(Tier):
             raise StorageError(f"nvme: writing {slot.path} failed: {exc.strerror or exc}") from exc
 
     def _hash_pipelined(self, fd: int, slot: Slot, bufs: list[memoryview]) -> int:
-        """xxh3_64 of the file's `size` bytes, read in chunks into `bufs` (round robin):
+        """The checksum of the file's `size` bytes (kvstore.checksums: the algorithm the
+        bytes call for), read in chunks into `bufs` (round robin):
         up to len(bufs) - 1 preads run on the pool ahead of the chunk being hashed, so a
         cold read keeps the drive busy while the CPU hashes."""
-        h = xxhash.xxh3_64()
+        h: Any = None  # made from the first chunk (a blob's preamble names its algorithm)
         size = slot.size
         step = len(bufs[0])
         spans = [(o, min(step, size - o)) for o in range(0, size, step)]
@@ -253,6 +254,8 @@ class NvmeTier(Tier):
         if self._pool is None or len(spans) == 1 or len(bufs) == 1:
             for i, (off, n) in enumerate(spans):
                 read(i)
+                if h is None:
+                    h = new_hasher(bufs[i % len(bufs)][:n])
                 h.update(bufs[i % len(bufs)][:n])
             return h.intdigest()
         ahead = len(bufs) - 1
@@ -262,6 +265,8 @@ class NvmeTier(Tier):
                 futs.pop(i).result()
                 if i + ahead < len(spans):  # its buffer was hashed in the previous step
                     futs[i + ahead] = self._pool.submit(read, i + ahead)
+                if h is None:
+                    h = new_hasher(bufs[i % len(bufs)][:n])
                 h.update(bufs[i % len(bufs)][:n])
         finally:
             for f in futs.values():  # on error: wait for reads still using the buffers
@@ -302,7 +307,7 @@ class NvmeTier(Tier):
             raise InvalidRequest(f"nvme read_into_hashed needs a host tensor, got device {dst.device}")
         mv = memoryview(dst[: slot.size].numpy())
         spans = self._chunks(slot.size)
-        h = xxhash.xxh3_64()
+        h: Any = None  # made from the first chunk (a blob's preamble names its algorithm)
         try:
             fd = os.open(slot.path, os.O_RDONLY)
             try:
@@ -315,12 +320,16 @@ class NvmeTier(Tier):
                 if self._pool is None or len(spans) == 1:
                     for span in spans:
                         read_span(span)
+                        if h is None:
+                            h = new_hasher(mv[span[0] : span[0] + span[1]])
                         h.update(mv[span[0] : span[0] + span[1]])
                     return h.intdigest()
                 futs = [self._pool.submit(read_span, span) for span in spans]
                 try:
                     for fut, (off, n) in zip(futs, spans):
                         fut.result()
+                        if h is None:
+                            h = new_hasher(mv[off : off + n])
                         h.update(mv[off : off + n])
                 finally:
                     for f in futs:  # on error: no read may outlive the fd
