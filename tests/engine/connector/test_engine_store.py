@@ -49,14 +49,14 @@ def test_two_engines_needing_the_same_cold_segment_compute_it_once(start_daemon,
     d = start_daemon()
     (ea, pa), (eb, pb) = store_engine(d), store_engine(d)
     computing, go = threading.Event(), threading.Event()
-    real = connector_planner.compute_signature
+    real = connector_planner.compute_signatures
 
     def slow_compute(*args, **kwargs):  # holds engine A inside its alone pass until B waits
         computing.set()
         assert go.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(connector_planner, "compute_signature", slow_compute)
+    monkeypatch.setattr(connector_planner, "compute_signatures", slow_compute)
     results = {}
     ta = threading.Thread(target=lambda: results.setdefault("a", run_one(ea, pa, prompt((1,)), "a")))
     ta.start()
