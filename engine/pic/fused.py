@@ -97,13 +97,15 @@ def _check(items: Sequence[FusedItem], pos: int, manager: CacheManager) -> int:
 @torch.inference_mode()
 def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequence, token_ids: Sequence[int],
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
-                  chain: str = "auto", checkpoints: Sequence = ()) -> torch.Tensor:
+                  chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
     `end` is the end of a computed item; each is filled as `capture_checkpoint` would
     fill it at that boundary (prefix caching's snapshots, taken inside the one pass; the
-    linear layers then take the per-event path, which sees every boundary's state)."""
+    linear layers then take the per-event path, which sees every boundary's state).
+    `all_logits`: return the logits of every position of the last item `[n, vocab]`
+    (offline quality measurement reads the question's tokens)."""
     if chain not in SEAM_CHAIN_MODES:
         raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
@@ -159,6 +161,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x = block._finish(x, mixed)
     seq.num_computed_tokens = end
+    if all_logits:
+        return model.logits(x[x.shape[0] - (items[-1].end - items[-1].start):])
     return model.logits(x[-1])
 
 

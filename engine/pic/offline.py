@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.runtime.planner import ApplyStep
+from engine.runtime.planner import ApplyStep, FusedStep
 from engine.runtime.request import PromptSegment, Request
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.sequence import Sequence as CacheSequence
@@ -65,7 +65,10 @@ def prefill_with_plan(planner, runner, request: Request, chunk_size: Optional[in
         split = request.timeline.prefill_split
         for step in plan.steps:
             t0 = time.perf_counter()
-            if isinstance(step, ApplyStep):
+            if isinstance(step, FusedStep):
+                logits = step.run(runner, request, all_logits=True)  # the last computed range's
+                logits_start = step.end - logits.shape[0]
+            elif isinstance(step, ApplyStep):
                 step.apply(runner, request)
             else:
                 parts, pos = [], step.start

@@ -226,9 +226,9 @@ class PicPlanner(ReportingPlanner):
                 spec.append(("c", pos, it[1]))
                 kinds[it[2]] += it[1] - pos
                 pos = it[1]
-        b.fused(pos, lambda runner, req, _s=tuple(spec): self._run_fused(runner, req, _s), kinds)
+        b.fused(pos, lambda runner, req, _s=tuple(spec), **kw: self._run_fused(runner, req, _s, **kw), kinds)
 
-    def _run_fused(self, runner, request: Request, spec: tuple):
+    def _run_fused(self, runner, request: Request, spec: tuple, all_logits: bool = False):
         state: _RequestState = request.planner_state[STATE_KEY]
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s"])
         items = []
@@ -240,7 +240,8 @@ class PicPlanner(ReportingPlanner):
             piece = SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode)
             items.append(FusedItem(piece.start, piece.end, piece))
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
-                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain)
+                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
+                             all_logits=all_logits)
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
         """One apply step splicing a run of contiguous units (batched kernels)."""

@@ -231,7 +231,7 @@ class PrefixPlanner(ReportingPlanner):
         b.report.miss_segments += len(todo)
         if self.config.fused:
             start = b.position
-            b.fused(len(ids), lambda runner, req, _t=tuple(todo): self._run_fused(runner, req, _t),
+            b.fused(len(ids), lambda runner, req, _t=tuple(todo), **kw: self._run_fused(runner, req, _t, **kw),
                     {"suffix": len(ids) - start})
             return b.build()
         for lo, hi in todo:
@@ -240,7 +240,7 @@ class PrefixPlanner(ReportingPlanner):
         b.compute(len(ids), "suffix")
         return b.build()
 
-    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...]):
+    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...], all_logits: bool = False):
         """Everything after the restored prefix in one pass (engine.pic.fused), split at the
         boundaries only inside the linear recurrences, with each boundary's checkpoint
         taken inside the pass; then inserted into the tree in order."""
@@ -253,7 +253,7 @@ class PrefixPlanner(ReportingPlanner):
         items = [FusedItem(a, b) for a, b in zip(edges, edges[1:])]
         cps = [BoundaryCheckpoint(lo, hi) for lo, hi in todo if hi in cuts]
         logits = fused_prefill(runner.model, runner.cache, request.seq, ids, items, backend=runner.backend,
-                               kernel=self.config.kernel, checkpoints=cps)
+                               kernel=self.config.kernel, checkpoints=cps, all_logits=all_logits)
         state: _PrefixState = request.planner_state[STATE_KEY]
         for cp in cps:
             if state.tip is None:  # an earlier checkpoint of this request did not fit

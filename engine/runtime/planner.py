@@ -14,6 +14,14 @@ from empty to holding every token of `request.prefill_token_ids()`.
   `apply(runner, request)` does it, costs no token budget, and must leave
   `request.seq.num_computed_tokens == end` (the engine checks). An apply step may also
   cover zero positions (for example: compose a state split at a seam).
+- `FusedStep(start, end, run, compute_tokens)`: fill positions `[start, end)` in one
+  call that computes `compute_tokens` of them in context and fills the others without
+  computing (PIC's and prefix caching's one-pass prefill, engine/pic/fused.py);
+  `run(runner, request)` returns the logits of position `end - 1` and must leave
+  `request.seq.num_computed_tokens == end`; `run(runner, request, all_logits=True)`
+  returns those of every position of its last computed range (offline measurement).
+  It runs whole, never chunked, once the scheduler grants the request any compute,
+  and costs `compute_tokens`.
 
 Rules every plan obeys (checked by `PrefillPlan.validate`): steps are contiguous from
 position 0 to the number of prefill tokens, and the last step is a `ComputeStep`

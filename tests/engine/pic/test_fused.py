@@ -213,3 +213,22 @@ def test_seam_chain_is_off_on_the_cpu_by_default_and_a_bad_mode_is_rejected(mode
     seq = runner.cache.allocate(Sequence("bad-mode"))
     with pytest.raises(SplicePlacementError, match="chain"):
         fused_prefill(model, runner.cache, seq, rand_ids(5, 1), [FusedItem(0, 5)], chain="yes")
+
+
+@pytest.mark.parametrize("method", ["pic", "prefix"])
+def test_offline_runs_read_every_question_logit_from_the_one_pass(method, model_of, runner_of, planner_of):
+    from engine.pic.offline import prefill_with_plan, release
+
+    model = model_of([GDN, SWA, FULL])
+    segments = [(rand_ids(n, 90 + n), True) for n in (15, 12)] + [(rand_ids(7, 5), False)]
+    runner = runner_of(model)
+    got = {}
+    for fused in (False, True):
+        planner = planner_of(model, method=method, fused=fused, seam=4)
+        release(planner, runner, prefill_with_plan(planner, runner, make_request(segments)).request)  # warm
+        res = prefill_with_plan(planner, runner, make_request(segments))
+        n = res.logits.shape[0]
+        got[fused] = (res.logits[n - 7:], res.logits_start + n - 7)
+        release(planner, runner, res.request)
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    assert got[True][1] == got[False][1]
