@@ -41,6 +41,7 @@ from tools.workloads import TASKS
 
 from .data import ANSWER_KIND, KIND_NAMES, Batch, BatchStream, DataConfig, derive_seed
 from .errors import TrainConfigError
+from .fla_check import check_backend_grads, failed_check, has_linear_layers, hopper_guard_active, set_hopper_guard
 from .evaluate import TaskEval, autocast_context, eval_requests, evaluate
 
 LOG_FILE = "train_log.json"
@@ -94,6 +95,13 @@ class TrainConfig:
     model_overrides: tuple[tuple[str, Any], ...] = ()
     #: start from the weights saved in this directory (same config) instead of the init
     init_from: str | None = None
+    #: before training on fla, compare its gradients with the torch path's (fla_check.py);
+    #: fla is used only when that passes (and then even where fla's Hopper guard would refuse)
+    fla_check: bool = True
+    fla_check_tol: float = 0.05
+    #: rows and longest row of the check's batch
+    fla_check_rows: int = 4
+    fla_check_len: int = 512
     data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> None:
@@ -109,8 +117,11 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "workers", "threads"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.fla_check_rows < 1 or self.fla_check_len < 64:
+            raise TrainConfigError(f"fla_check_rows={self.fla_check_rows} must be >= 1 and "
+                                   f"fla_check_len={self.fla_check_len} >= 64")
         for name in ("weight_decay", "grad_clip", "prompt_loss_weight", "question_loss_weight",
-                     "demo_loss_weight"):
+                     "demo_loss_weight", "fla_check_tol"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.dtype not in AUTOCAST_DTYPES:
@@ -319,6 +330,8 @@ def train(cfg: TrainConfig, command: str | None = None,
     correct_sum = torch.zeros((), device=device)
     count_sum = torch.zeros((), device=device)
     error: str | None = None
+    if backend == "fla":
+        backend = _check_fla(cfg, model, stream, amp, device, log)
     try:
         while step < cfg.steps:
             progress = clock.progress(step)
@@ -423,6 +436,51 @@ def train(cfg: TrainConfig, command: str | None = None,
     write_log()
     return TrainResult(cfg.preset, str(out_dir), error is None, step, log["wall_s"], final_loss,
                        {t: e.score for t, e in final.items()}, fp, error)
+
+
+def _check_fla(cfg: TrainConfig, model: torch.nn.Module, stream: BatchStream, amp, device: torch.device,
+               log: dict) -> str:
+    """The backend to train on: 'fla' when the model has linear layers and fla's gradients
+    match the torch path's on a small batch of this run's data (fla's Hopper guard lifted for
+    the check and kept lifted if it passes), else 'torch'. Records `log["fla_check"]`."""
+    if not has_linear_layers(model):
+        log["fla_check"] = {"skipped": "no linear-attention layers"}
+        return "fla"
+    guard = hopper_guard_active()
+    if not cfg.fla_check:
+        log["fla_check"] = {"skipped": "--no-fla-check", "hopper_guard": guard}
+        if guard:
+            note = "fla's Hopper guard is active and --no-fla-check was given: training on torch"
+            _say(cfg, note)
+            log["notes"].append(note)
+            return "torch"
+        return "fla"
+    batch = stream.peek(0.0)
+    rows, length = min(cfg.fla_check_rows, batch.ids.shape[0]), min(cfg.fla_check_len, batch.ids.shape[1])
+    ids = torch.from_numpy(batch.ids[:rows, :length].astype(np.int64)).to(device)
+    kinds = torch.from_numpy(batch.kinds[:rows, :length]).to(device)
+    weights = cfg.loss_weights
+    loss_fn = lambda logits, i, k: compute_loss(logits, i, k, weights).total  # noqa: E731
+    if guard:
+        set_hopper_guard(False)
+    t0 = time.perf_counter()
+    try:
+        check = check_backend_grads(model, ids, kinds, loss_fn, amp, "fla", "torch", tol=cfg.fla_check_tol)
+    except Exception as exc:
+        check = failed_check("fla", "torch", ids, cfg.fla_check_tol, f"{type(exc).__name__}: {exc}",
+                             time.perf_counter() - t0)
+    check.guard_lifted = guard
+    log["fla_check"] = check.to_dict()
+    log["fla_check"]["hopper_guard"] = guard
+    _say(cfg, check.summary())
+    if check.ok:
+        return "fla"
+    if guard:
+        set_hopper_guard(True)
+    note = f"fla gradient check did not pass ({check.summary()}); training on torch"
+    log["notes"].append(note)
+    log["environment"]["backend"] = "torch"
+    return "torch"
 
 
 def _init_from(model: torch.nn.Module, directory: str) -> str:
