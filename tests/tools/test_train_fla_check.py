@@ -46,8 +46,8 @@ def _model_and_batch():
     with BatchStream(DataConfig(mix={"fact": 1.0}, max_level=0.0, pad_multiple=32), 2, seed=5) as stream:
         batch = stream.peek(0.0)
         assert stream.next(0.0) is batch  # peek does not consume
-    ids = torch.from_numpy(batch.ids.astype("int64"))
-    kinds = torch.from_numpy(batch.kinds)
+    ids = torch.from_numpy(batch.ids[:, :128].astype("int64"))  # two 64-token chunks
+    kinds = torch.from_numpy(batch.kinds[:, :128])
     return model, ids, kinds, lambda lg, i, k: compute_loss(lg, i, k, cfg.loss_weights).total
 
 

@@ -36,6 +36,7 @@ from engine.models.presets import get_preset, list_presets
 from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, default_models_root
 from tools.workloads import TASKS
 
+from .curriculum import GateConfig
 from .data import DataConfig, parse_mix
 from .errors import TrainConfigError, TrainError
 from .trainer import LOG_FILE, TrainConfig, model_config, train
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="questions appended after the first answer of each example")
     ap.add_argument("--curriculum-frac", type=float, default=DataConfig.curriculum_frac,
                     help="curriculum length c: sizes widen until c, mix until 2c, then full size (0: off)")
+    ap.add_argument("--gate-loss", type=float, default=GateConfig.threshold,
+                    help="loss-gated curriculum: hold short prompts (and peak lr) until the gate tasks' answer "
+                         "loss (EMA, nats/token) is below this; 0: time-gated curriculum")
+    ap.add_argument("--gate-tasks", default=",".join(GateConfig.tasks), help="tasks whose answer loss opens the gate")
+    ap.add_argument("--gate-deadline", type=float, default=GateConfig.deadline,
+                    help="progress at which the gate opens anyway")
+    ap.add_argument("--gate-hold-level", type=float, default=GateConfig.hold_level,
+                    help="while held, size levels are drawn from U(0, this)")
     ap.add_argument("--max-level", type=float, default=DataConfig.max_level,
                     help="cap on the curriculum size level (1: full-size prompts; <1: short only, CPU runs)")
     ap.add_argument("--min-docs", type=int, default=DataConfig.min_docs,
@@ -181,6 +190,8 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
         eval_overrides=_json_items(args.eval_overrides, "--eval-overrides"),
         eval_batch=args.eval_batch, log_every=args.log_every, compile=args.compile, workers=workers,
         threads=args.threads, model_overrides=overrides, data=data,
+        gate=GateConfig(threshold=args.gate_loss, tasks=_tasks(args.gate_tasks, "--gate-tasks"),
+                        deadline=args.gate_deadline, hold_level=args.gate_hold_level),
         fla_check=not args.no_fla_check, fla_check_tol=args.fla_check_tol,
         init_from=str(Path(args.init_root) / _out_dir(args, preset).name) if args.init_root else None)
     cfg.validate()

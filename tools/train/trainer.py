@@ -40,6 +40,7 @@ from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, build_model, load_w
 from tools.workloads import TASKS
 
 from .data import ANSWER_KIND, KIND_NAMES, Batch, BatchStream, DataConfig, derive_seed
+from .curriculum import CurriculumGate, GateConfig
 from .errors import TrainConfigError
 from .fla_check import check_backend_grads, failed_check, has_linear_layers, hopper_guard_active, set_hopper_guard
 from .evaluate import TaskEval, autocast_context, eval_requests, evaluate
@@ -48,6 +49,8 @@ LOG_FILE = "train_log.json"
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 #: final_loss is the mean total loss over this many last steps
 RECENT_STEPS = 50
+#: steps between feeding the curriculum gate a batch's per-task answer loss (a host sync)
+GATE_EVERY = 5
 #: checkpoints must stay under the largest file the GPU box returns
 MAX_CHECKPOINT_BYTES = 16 * 2**20
 
@@ -102,6 +105,8 @@ class TrainConfig:
     #: rows and longest row of the check's batch
     fla_check_rows: int = 4
     fla_check_len: int = 512
+    #: loss-gated curriculum (curriculum.py; threshold 0: the time-gated one)
+    gate: GateConfig = field(default_factory=GateConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> None:
@@ -132,6 +137,10 @@ class TrainConfig:
             if task not in TASKS:
                 raise TrainConfigError(f"unknown evaluation task {task!r}; known: {', '.join(TASKS)}")
         self.data.validate()
+        self.gate.validate(self.data.curriculum_frac)
+        for task in self.gate.tasks:
+            if task not in TASKS:
+                raise TrainConfigError(f"unknown curriculum gate task {task!r}; known: {', '.join(TASKS)}")
 
     @property
     def loss_weights(self) -> dict[str, float]:
@@ -323,6 +332,8 @@ def train(cfg: TrainConfig, command: str | None = None,
         if cfg.eval_every else None
     stream = BatchStream(cfg.data, cfg.batch_size, derive_seed(cfg.seed, "data"), cfg.workers)
     clock = _Clock(cfg)
+    gate = CurriculumGate(cfg.gate, cfg.data.curriculum_frac)
+    log["curriculum_gate"] = gate.to_dict()
     step, skipped, tokens, examples = 0, 0, 0, 0
     data_wait = 0.0
     last: LossParts | None = None
@@ -338,11 +349,11 @@ def train(cfg: TrainConfig, command: str | None = None,
             if progress >= 1.0:
                 break
             t_wait = time.perf_counter()
-            batch: Batch = stream.next(progress)
+            batch: Batch = stream.next(gate.data_progress(progress))
             data_wait += time.perf_counter() - t_wait
             ids = torch.from_numpy(batch.ids.astype(np.int64)).to(device, non_blocking=True)
             kinds = torch.from_numpy(batch.kinds).to(device, non_blocking=True)
-            lr = lr_at(cfg, step, progress)
+            lr = lr_at(cfg, step, gate.lr_progress(progress))
             for group in opt.param_groups:
                 group["lr"] = lr
             try:
@@ -377,12 +388,16 @@ def train(cfg: TrainConfig, command: str | None = None,
             last = parts
             correct_sum += parts.answer_correct
             count_sum += parts.answer_count
+            if not gate.is_open and step % GATE_EVERY == 0 and gate.observe(step, progress, _per_task(batch, parts)):
+                log["curriculum_gate"] = gate.to_dict()
+                _say(cfg, f"curriculum gate open at step {step} (p={progress:.2f}): {gate.reason}")
             if step % cfg.log_every == 0 or step == 1:
                 loss = parts.total.item()
                 by_kind = {name: round(v.item(), 4) for name, v in parts.by_kind.items()}
                 ans = by_kind["answer"]
                 per_task = _per_task(batch, parts)
                 entry = {"step": step, "elapsed_s": round(clock.elapsed(), 2), "progress": round(progress, 4),
+                         "data_progress": round(gate.data_progress(progress), 4),
                          "lr": lr, "loss": round(loss, 4), "answer_loss": ans,
                          "loss_by_class": by_kind, "grad_norm": round(gn, 3),
                          "answer_token_acc": round((correct_sum / count_sum.clamp(min=1)).item(), 4),
@@ -419,7 +434,7 @@ def train(cfg: TrainConfig, command: str | None = None,
         "train_wall_s": round(train_s, 2), "data_wait_s": round(data_wait, 2),
         "final_loss": final_loss, "final_loss_steps": len(recent),
         "final_answer_loss": None if last is None else round(last.answer.item(), 4),
-        "aborted": error is not None,
+        "aborted": error is not None, "curriculum_gate": gate.to_dict(),
     })
     fp = _save(model, out_dir, log)  # before the final eval: a failure there keeps the weights
     log["fingerprint"] = fp
