@@ -62,7 +62,7 @@ def test_parallel_children_are_spread_round_robin_over_the_gpus(monkeypatch):
         parse_gpus("zero,one")
 
 
-def test_training_run_opens_the_gate_when_the_loss_is_under_the_threshold(tmp_path):
+def test_training_run_opens_the_gate_when_the_loss_is_under_the_threshold_and_notes_a_missing_init(tmp_path):
     import json
 
     from tools.train.data import DataConfig
@@ -71,11 +71,13 @@ def test_training_run_opens_the_gate_when_the_loss_is_under_the_threshold(tmp_pa
                       warmup_steps=1, log_every=1, final_eval_n=1, final_eval_tasks=("fact",),
                       eval_overrides=(("docs", "2-3"), ("facts_per_doc", 4)),
                       model_overrides=(("hidden_size", 32), ("intermediate_size", 64), ("layers", ["full"])),
-                      gate=GateConfig(threshold=50.0, tasks=("fact",)),
+                      gate=GateConfig(threshold=50.0, tasks=("fact",)), init_from=str(tmp_path / "absent"),
                       data=DataConfig(mix={"fact": 1.0}, pad_multiple=32))
     assert train(cfg, command="test").ok
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log["curriculum_gate"]["opened_at_step"] == GATE_EVERY and "< 50.0" in log["curriculum_gate"]["reason"]
     held = [h for h in log["history"] if h["step"] < GATE_EVERY]
     assert held and all(h["data_progress"] == pytest.approx(0.3 * 0.15) for h in held)
-    assert log["history"][0]["lr"] == pytest.approx(cfg.lr)  # warmup of 1 step, cosine held at its peak
+    assert log["history"][0]["lr"] == pytest.approx(cfg.lr)
+    # --init-root over presets only some of which were trained: the others start from the init
+    assert log["init_from"]["fingerprint"] is None and any("absent" in n for n in log["notes"])  # warmup of 1 step, cosine held at its peak

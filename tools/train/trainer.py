@@ -306,7 +306,8 @@ def train(cfg: TrainConfig, command: str | None = None,
         torch.backends.cudnn.allow_tf32 = True
     mcfg = model_config(cfg)
     model = build_model(mcfg, device, torch.float32, seed=derive_seed(cfg.seed, "init") % 2**31).train()
-    init_fp = _init_from(model, cfg.init_from) if cfg.init_from else None
+    init_missing = bool(cfg.init_from) and not (Path(cfg.init_from) / WEIGHTS_FILE).is_file()
+    init_fp = _init_from(model, cfg.init_from) if cfg.init_from and not init_missing else None
     backend = resolve_backend(cfg.backend, device)
     amp = AUTOCAST_DTYPES[cfg.dtype] if device.type == "cuda" else None
     opt = make_optimizer(model, cfg, device)
@@ -319,6 +320,9 @@ def train(cfg: TrainConfig, command: str | None = None,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": [], "evals": [], "notes": [],
         "init_from": None if cfg.init_from is None else {"dir": cfg.init_from, "fingerprint": init_fp},
     }
+    if init_missing:  # e.g. --init-root over presets of which only some were trained before
+        log["notes"].append(f"no {WEIGHTS_FILE} in {cfg.init_from}: training from the seeded init")
+        _say(cfg, log["notes"][-1])
 
     def write_log() -> None:
         tmp = out_dir / (LOG_FILE + ".tmp")
