@@ -422,6 +422,7 @@ def train(cfg: TrainConfig, command: str | None = None,
                 log["evals"].append({"step": step, "elapsed_s": round(clock.elapsed(), 2),
                                      "n": cfg.eval_n, "scores": {t: round(e.score, 2) for t, e in evals.items()}})
                 _say(cfg, f"eval step {step} t={clock.elapsed():.0f}s: {_scores_line(evals)}")
+                log["curriculum_gate"] = gate.to_dict()
                 write_log()
     except Exception as exc:  # keep what was trained: evaluate and save it, report the error
         error = f"{type(exc).__name__}: {exc}"
