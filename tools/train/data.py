@@ -322,6 +322,15 @@ class BatchStream:
         self._futures.append(fut)
 
     def next(self, progress: float = 1.0) -> Batch:
+        self._fill(progress)
+        return self._ready.popleft()
+
+    def peek(self, progress: float = 1.0) -> Batch:
+        """The batch the next `next()` returns, without consuming it."""
+        self._fill(progress)
+        return self._ready[0]
+
+    def _fill(self, progress: float) -> None:
         if self._pool is not None:
             while len(self._futures) < self.prefetch:
                 self._submit(progress)
@@ -329,7 +338,6 @@ class BatchStream:
             if not self._futures:
                 self._submit(progress)
             self._ready.extend(self._futures.popleft().result())
-        return self._ready.popleft()
 
     def close(self) -> None:
         if self._pool is not None:

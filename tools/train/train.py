@@ -36,6 +36,7 @@ from engine.models.presets import get_preset, list_presets
 from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, default_models_root
 from tools.workloads import TASKS
 
+from .curriculum import GateConfig
 from .data import DataConfig, parse_mix
 from .errors import TrainConfigError, TrainError
 from .trainer import LOG_FILE, TrainConfig, model_config, train
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--presets", help=f"comma-separated presets, trained in turn (or --parallel); "
                                          f"'tiny' = {DEFAULT_TINY}")
     ap.add_argument("--parallel", action="store_true", help="train the --presets side by side, one child process each")
+    ap.add_argument("--gpus", default="auto",
+                    help="--parallel: GPUs to spread the children over, e.g. 0,1 (child i gets "
+                         "CUDA_VISIBLE_DEVICES=gpus[i %% n]); auto: every visible GPU; none: leave the environment")
     ap.add_argument("--out", help="output directory of a single --preset (default: <out-root>/<preset>)")
     ap.add_argument("--out-root", default=None, help="parent of per-preset output dirs (default: models/)")
     ap.add_argument("--bundle-dir", default=None, help="also write <dir>/<preset>.tar and <dir>/summary.json")
@@ -75,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="questions appended after the first answer of each example")
     ap.add_argument("--curriculum-frac", type=float, default=DataConfig.curriculum_frac,
                     help="curriculum length c: sizes widen until c, mix until 2c, then full size (0: off)")
+    ap.add_argument("--gate-loss", type=float, default=GateConfig.threshold,
+                    help="loss-gated curriculum: hold short prompts (and peak lr) until the gate tasks' answer "
+                         "loss (EMA, nats/token) is below this; 0: time-gated curriculum")
+    ap.add_argument("--gate-tasks", default=",".join(GateConfig.tasks), help="tasks whose answer loss opens the gate")
+    ap.add_argument("--gate-deadline", type=float, default=GateConfig.deadline,
+                    help="progress at which the gate opens anyway")
+    ap.add_argument("--gate-hold-level", type=float, default=GateConfig.hold_level,
+                    help="while held, size levels are drawn from U(0, this)")
     ap.add_argument("--max-level", type=float, default=DataConfig.max_level,
                     help="cap on the curriculum size level (1: full-size prompts; <1: short only, CPU runs)")
     ap.add_argument("--min-docs", type=int, default=DataConfig.min_docs,
@@ -109,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSON of top-level ModelConfig fields to change, e.g. \'{"hidden_size": 64}\'')
     ap.add_argument("--init-root", default=None,
                     help="start each model from the weights saved in <init-root>/<name>/ (continue training)")
+    ap.add_argument("--no-fla-check", action="store_true",
+                    help="skip the start-of-run fla-vs-torch gradient check (fla then only where its guards allow)")
+    ap.add_argument("--fla-check-tol", type=float, default=TrainConfig.fla_check_tol,
+                    help="per-parameter relative gradient error the fla path may show (on top of bf16 noise)")
     ap.add_argument("--eval-only", action="store_true", help="score saved models (no training)")
     return ap
 
@@ -174,6 +190,9 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
         eval_overrides=_json_items(args.eval_overrides, "--eval-overrides"),
         eval_batch=args.eval_batch, log_every=args.log_every, compile=args.compile, workers=workers,
         threads=args.threads, model_overrides=overrides, data=data,
+        gate=GateConfig(threshold=args.gate_loss, tasks=_tasks(args.gate_tasks, "--gate-tasks"),
+                        deadline=args.gate_deadline, hold_level=args.gate_hold_level),
+        fla_check=not args.no_fla_check, fla_check_tol=args.fla_check_tol,
         init_from=str(Path(args.init_root) / _out_dir(args, preset).name) if args.init_root else None)
     cfg.validate()
     model_config(cfg)  # raises ConfigError naming a bad --model-overrides field
@@ -184,7 +203,7 @@ def train_config(args: argparse.Namespace, preset: str, workers: int) -> TrainCo
 def _child_argv(argv: list[str], preset: str, workers: int, out: Path) -> list[str]:
     """This command's options for one preset: drop --presets/--parallel/--out*/--workers,
     add --preset, --out and --workers (a child writes its own bundle as soon as it is done)."""
-    drop_with_value = {"--presets", "--out-root", "--out", "--workers", "--preset"}
+    drop_with_value = {"--presets", "--out-root", "--out", "--workers", "--preset", "--gpus"}
     out_args, skip = [], False
     for a in argv:
         if skip:
@@ -207,19 +226,55 @@ def _pump(stream, sink) -> None:
         sink.flush()
 
 
+def _visible_gpus() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries for its children."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    try:
+        import torch
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch CUDA runtime: nothing to spread over
+        return []
+
+
+def parse_gpus(text: str) -> list[str] | None:
+    """--gpus: 'auto' (every visible GPU; None when there is none), 'none' (leave the
+    children's environment alone: None) or a comma-separated list of device ids."""
+    text = text.strip()
+    if text == "none":
+        return None
+    if text == "auto":
+        return _visible_gpus() or None
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() or g.startswith(("GPU-", "MIG-")) for g in gpus):
+        raise TrainConfigError(f"--gpus must be auto, none or device ids like 0,1; got {text!r}")
+    return gpus
+
+
+def gpu_assignment(presets: list[str], gpus: list[str] | None) -> dict[str, str | None]:
+    """Child i (preset order) runs on gpus[i % len(gpus)]; None: no CUDA_VISIBLE_DEVICES set."""
+    return {p: (gpus[i % len(gpus)] if gpus else None) for i, p in enumerate(presets)}
+
+
 def run_parallel(argv: list[str], args: argparse.Namespace, presets: list[str]) -> int:
     workers = args.workers if args.workers is not None else _default_workers(len(presets))
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env[PARENT_COMMAND_ENV] = shlex.join(["python", "-m", "tools.train", *argv])
+    placement = gpu_assignment(presets, parse_gpus(args.gpus))
     procs = []
     for preset in presets:
         cmd = _child_argv(argv, preset, workers, _out_dir(args, preset))
         if not args.threads:  # children share the CPUs with each other and their data workers
             cmd += ["--threads", "2"]
-        print(f"[parallel] {shlex.join(cmd)}", flush=True)
-        p = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        child_env = dict(env)
+        if placement[preset] is not None:
+            child_env["CUDA_VISIBLE_DEVICES"] = placement[preset]
+        print(f"[parallel] CUDA_VISIBLE_DEVICES={placement[preset]} {shlex.join(cmd)}", flush=True)
+        p = subprocess.Popen(cmd, env=child_env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
         t = threading.Thread(target=_pump, args=(p.stdout, sys.stdout), daemon=True)
         t.start()
         procs.append((preset, p, t))
@@ -333,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.parallel and len(presets) > 1:
             for p in presets:  # validate options once, before spawning anything
                 train_config(args, p, 0)
+            parse_gpus(args.gpus)
             status = run_parallel(argv, args, presets)
         else:
             status = 0

@@ -40,13 +40,17 @@ from engine.models.weights import CONFIG_FILE, WEIGHTS_FILE, build_model, load_w
 from tools.workloads import TASKS
 
 from .data import ANSWER_KIND, KIND_NAMES, Batch, BatchStream, DataConfig, derive_seed
+from .curriculum import CurriculumGate, GateConfig
 from .errors import TrainConfigError
+from .fla_check import check_backend_grads, failed_check, has_linear_layers, hopper_guard_active, set_hopper_guard
 from .evaluate import TaskEval, autocast_context, eval_requests, evaluate
 
 LOG_FILE = "train_log.json"
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 #: final_loss is the mean total loss over this many last steps
 RECENT_STEPS = 50
+#: steps between feeding the curriculum gate a batch's per-task answer loss (a host sync)
+GATE_EVERY = 5
 #: checkpoints must stay under the largest file the GPU box returns
 MAX_CHECKPOINT_BYTES = 16 * 2**20
 
@@ -94,6 +98,15 @@ class TrainConfig:
     model_overrides: tuple[tuple[str, Any], ...] = ()
     #: start from the weights saved in this directory (same config) instead of the init
     init_from: str | None = None
+    #: before training on fla, compare its gradients with the torch path's (fla_check.py);
+    #: fla is used only when that passes (and then even where fla's Hopper guard would refuse)
+    fla_check: bool = True
+    fla_check_tol: float = 0.05
+    #: rows and longest row of the check's batch
+    fla_check_rows: int = 4
+    fla_check_len: int = 512
+    #: loss-gated curriculum (curriculum.py; threshold 0: the time-gated one)
+    gate: GateConfig = field(default_factory=GateConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self) -> None:
@@ -109,8 +122,11 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "workers", "threads"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.fla_check_rows < 1 or self.fla_check_len < 64:
+            raise TrainConfigError(f"fla_check_rows={self.fla_check_rows} must be >= 1 and "
+                                   f"fla_check_len={self.fla_check_len} >= 64")
         for name in ("weight_decay", "grad_clip", "prompt_loss_weight", "question_loss_weight",
-                     "demo_loss_weight"):
+                     "demo_loss_weight", "fla_check_tol"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.dtype not in AUTOCAST_DTYPES:
@@ -121,6 +137,10 @@ class TrainConfig:
             if task not in TASKS:
                 raise TrainConfigError(f"unknown evaluation task {task!r}; known: {', '.join(TASKS)}")
         self.data.validate()
+        self.gate.validate(self.data.curriculum_frac)
+        for task in self.gate.tasks:
+            if task not in TASKS:
+                raise TrainConfigError(f"unknown curriculum gate task {task!r}; known: {', '.join(TASKS)}")
 
     @property
     def loss_weights(self) -> dict[str, float]:
@@ -286,7 +306,8 @@ def train(cfg: TrainConfig, command: str | None = None,
         torch.backends.cudnn.allow_tf32 = True
     mcfg = model_config(cfg)
     model = build_model(mcfg, device, torch.float32, seed=derive_seed(cfg.seed, "init") % 2**31).train()
-    init_fp = _init_from(model, cfg.init_from) if cfg.init_from else None
+    init_missing = bool(cfg.init_from) and not (Path(cfg.init_from) / WEIGHTS_FILE).is_file()
+    init_fp = _init_from(model, cfg.init_from) if cfg.init_from and not init_missing else None
     backend = resolve_backend(cfg.backend, device)
     amp = AUTOCAST_DTYPES[cfg.dtype] if device.type == "cuda" else None
     opt = make_optimizer(model, cfg, device)
@@ -299,6 +320,9 @@ def train(cfg: TrainConfig, command: str | None = None,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "history": [], "evals": [], "notes": [],
         "init_from": None if cfg.init_from is None else {"dir": cfg.init_from, "fingerprint": init_fp},
     }
+    if init_missing:  # e.g. --init-root over presets of which only some were trained before
+        log["notes"].append(f"no {WEIGHTS_FILE} in {cfg.init_from}: training from the seeded init")
+        _say(cfg, log["notes"][-1])
 
     def write_log() -> None:
         tmp = out_dir / (LOG_FILE + ".tmp")
@@ -312,6 +336,8 @@ def train(cfg: TrainConfig, command: str | None = None,
         if cfg.eval_every else None
     stream = BatchStream(cfg.data, cfg.batch_size, derive_seed(cfg.seed, "data"), cfg.workers)
     clock = _Clock(cfg)
+    gate = CurriculumGate(cfg.gate, cfg.data.curriculum_frac)
+    log["curriculum_gate"] = gate.to_dict()
     step, skipped, tokens, examples = 0, 0, 0, 0
     data_wait = 0.0
     last: LossParts | None = None
@@ -319,17 +345,19 @@ def train(cfg: TrainConfig, command: str | None = None,
     correct_sum = torch.zeros((), device=device)
     count_sum = torch.zeros((), device=device)
     error: str | None = None
+    if backend == "fla":
+        backend = _check_fla(cfg, model, stream, amp, device, log)
     try:
         while step < cfg.steps:
             progress = clock.progress(step)
             if progress >= 1.0:
                 break
             t_wait = time.perf_counter()
-            batch: Batch = stream.next(progress)
+            batch: Batch = stream.next(gate.data_progress(progress))
             data_wait += time.perf_counter() - t_wait
             ids = torch.from_numpy(batch.ids.astype(np.int64)).to(device, non_blocking=True)
             kinds = torch.from_numpy(batch.kinds).to(device, non_blocking=True)
-            lr = lr_at(cfg, step, progress)
+            lr = lr_at(cfg, step, gate.lr_progress(progress))
             for group in opt.param_groups:
                 group["lr"] = lr
             try:
@@ -364,12 +392,16 @@ def train(cfg: TrainConfig, command: str | None = None,
             last = parts
             correct_sum += parts.answer_correct
             count_sum += parts.answer_count
+            if not gate.is_open and step % GATE_EVERY == 0 and gate.observe(step, progress, _per_task(batch, parts)):
+                log["curriculum_gate"] = gate.to_dict()
+                _say(cfg, f"curriculum gate open at step {step} (p={progress:.2f}): {gate.reason}")
             if step % cfg.log_every == 0 or step == 1:
                 loss = parts.total.item()
                 by_kind = {name: round(v.item(), 4) for name, v in parts.by_kind.items()}
                 ans = by_kind["answer"]
                 per_task = _per_task(batch, parts)
                 entry = {"step": step, "elapsed_s": round(clock.elapsed(), 2), "progress": round(progress, 4),
+                         "data_progress": round(gate.data_progress(progress), 4),
                          "lr": lr, "loss": round(loss, 4), "answer_loss": ans,
                          "loss_by_class": by_kind, "grad_norm": round(gn, 3),
                          "answer_token_acc": round((correct_sum / count_sum.clamp(min=1)).item(), 4),
@@ -390,6 +422,7 @@ def train(cfg: TrainConfig, command: str | None = None,
                 log["evals"].append({"step": step, "elapsed_s": round(clock.elapsed(), 2),
                                      "n": cfg.eval_n, "scores": {t: round(e.score, 2) for t, e in evals.items()}})
                 _say(cfg, f"eval step {step} t={clock.elapsed():.0f}s: {_scores_line(evals)}")
+                log["curriculum_gate"] = gate.to_dict()
                 write_log()
     except Exception as exc:  # keep what was trained: evaluate and save it, report the error
         error = f"{type(exc).__name__}: {exc}"
@@ -406,7 +439,7 @@ def train(cfg: TrainConfig, command: str | None = None,
         "train_wall_s": round(train_s, 2), "data_wait_s": round(data_wait, 2),
         "final_loss": final_loss, "final_loss_steps": len(recent),
         "final_answer_loss": None if last is None else round(last.answer.item(), 4),
-        "aborted": error is not None,
+        "aborted": error is not None, "curriculum_gate": gate.to_dict(),
     })
     fp = _save(model, out_dir, log)  # before the final eval: a failure there keeps the weights
     log["fingerprint"] = fp
@@ -423,6 +456,51 @@ def train(cfg: TrainConfig, command: str | None = None,
     write_log()
     return TrainResult(cfg.preset, str(out_dir), error is None, step, log["wall_s"], final_loss,
                        {t: e.score for t, e in final.items()}, fp, error)
+
+
+def _check_fla(cfg: TrainConfig, model: torch.nn.Module, stream: BatchStream, amp, device: torch.device,
+               log: dict) -> str:
+    """The backend to train on: 'fla' when the model has linear layers and fla's gradients
+    match the torch path's on a small batch of this run's data (fla's Hopper guard lifted for
+    the check and kept lifted if it passes), else 'torch'. Records `log["fla_check"]`."""
+    if not has_linear_layers(model):
+        log["fla_check"] = {"skipped": "no linear-attention layers"}
+        return "fla"
+    guard = hopper_guard_active()
+    if not cfg.fla_check:
+        log["fla_check"] = {"skipped": "--no-fla-check", "hopper_guard": guard}
+        if guard:
+            note = "fla's Hopper guard is active and --no-fla-check was given: training on torch"
+            _say(cfg, note)
+            log["notes"].append(note)
+            return "torch"
+        return "fla"
+    batch = stream.peek(0.0)
+    rows, length = min(cfg.fla_check_rows, batch.ids.shape[0]), min(cfg.fla_check_len, batch.ids.shape[1])
+    ids = torch.from_numpy(batch.ids[:rows, :length].astype(np.int64)).to(device)
+    kinds = torch.from_numpy(batch.kinds[:rows, :length]).to(device)
+    weights = cfg.loss_weights
+    loss_fn = lambda logits, i, k: compute_loss(logits, i, k, weights).total  # noqa: E731
+    if guard:
+        set_hopper_guard(False)
+    t0 = time.perf_counter()
+    try:
+        check = check_backend_grads(model, ids, kinds, loss_fn, amp, "fla", "torch", tol=cfg.fla_check_tol)
+    except Exception as exc:
+        check = failed_check("fla", "torch", ids, cfg.fla_check_tol, f"{type(exc).__name__}: {exc}",
+                             time.perf_counter() - t0)
+    check.guard_lifted = guard
+    log["fla_check"] = check.to_dict()
+    log["fla_check"]["hopper_guard"] = guard
+    _say(cfg, check.summary())
+    if check.ok:
+        return "fla"
+    if guard:
+        set_hopper_guard(True)
+    note = f"fla gradient check did not pass ({check.summary()}); training on torch"
+    log["notes"].append(note)
+    log["environment"]["backend"] = "torch"
+    return "torch"
 
 
 def _init_from(model: torch.nn.Module, directory: str) -> str:
