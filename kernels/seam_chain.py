@@ -149,7 +149,9 @@ def seam_chain_reference(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainE
 # --------------------------------------------------------------------------- triton
 if HAS_TRITON:
 
-    @triton.jit
+    # n_events changes with every request: no per-value specialisation (one compiled
+    # variant per family and block shape, not a recompilation at a request's first use)
+    @triton.jit(do_not_specialize=["n_events"])
     def _seam_chain_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
         s0_ptr, sout_ptr, e_ptr, t_ptr, ev_ptr, trow_ptr,
