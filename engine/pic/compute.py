@@ -33,6 +33,15 @@ from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 LOG_FLOAT32_TINY = math.log(torch.finfo(torch.float32).tiny)
 
 
+def _check_segment(n: int, split: int, keep_end_state: bool) -> None:
+    if n < 1:
+        raise SignatureFormatError("a segment needs at least one token")
+    if split < 0:
+        raise SignatureFormatError(f"split={split} must be >= 0")
+    if not keep_end_state and split >= n:
+        raise SignatureFormatError(f"without end states a signature needs a tail, but split={split} >= n={n}")
+
+
 @torch.inference_mode()
 def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids: Sequence[int] = (),
                       split: int = 0, backend: str = "torch", state_dtype: torch.dtype = torch.float32,
@@ -42,12 +51,7 @@ def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids
     linear-layer backend of the runner ("torch" or "fla"). `keep_end_state`: keep each
     linear layer's end state E (needed only to place the segment first)."""
     n, a = len(token_ids), len(anchor_ids)
-    if n < 1:
-        raise SignatureFormatError("a segment needs at least one token")
-    if split < 0:
-        raise SignatureFormatError(f"split={split} must be >= 0")
-    if not keep_end_state and split >= n:
-        raise SignatureFormatError(f"without end states a signature needs a tail, but split={split} >= n={n}")
+    _check_segment(n, split, keep_end_state)
     device = model.device
     ids = torch.tensor([*anchor_ids, *token_ids], dtype=torch.long, device=device)
     model._check_ids(ids)
@@ -159,13 +163,7 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
         return [compute_signature(model, segs[0][0], anchor_ids, segs[0][1], backend, state_dtype, keep_end_state)]
     a = len(anchor_ids)
     for toks, split in segs:
-        if not toks:
-            raise SignatureFormatError("a segment needs at least one token")
-        if split < 0:
-            raise SignatureFormatError(f"split={split} must be >= 0")
-        if not keep_end_state and split >= len(toks):
-            raise SignatureFormatError(f"without end states a signature needs a tail, but split={split} >= "
-                                       f"n={len(toks)}")
+        _check_segment(len(toks), split, keep_end_state)
     device = model.device
     lens = [a + len(t) for t, _ in segs]
     starts = [0]

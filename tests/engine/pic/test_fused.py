@@ -17,13 +17,7 @@ from engine.runtime.sequence import Sequence
 
 from pic_testlib import execute, make_request, rand_ids
 
-MIXES = {
-    "gdn": [GDN, FULL, GDN],
-    "gla": [GLA, FULL],
-    "lightning": [LIGHTNING, FULL],
-    "mamba2": [MAMBA2, SWA, FULL],
-    "swa": [SWA, FULL, SWA],
-}
+from test_planner import MIXES  # one layer mix per linear family, and SWA
 
 
 def _caches(runner, seq, n):

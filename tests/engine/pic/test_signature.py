@@ -123,6 +123,7 @@ def test_several_segments_in_one_pass_equal_each_computed_alone(layers, keep_end
     if not keep_end_state:
         segs = [(t, s) for t, s in segs if s < len(t)]
     got = compute_signatures(model, segs, [256], keep_end_state=keep_end_state)
+    assert len(got) == len(segs)
     for (toks, split), sig in zip(segs, got):
         _same_signature(compute_signature(model, toks, [256], split, keep_end_state=keep_end_state), sig)
 
