@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x idle full-recompute rag p50")
     ap.add_argument("--qps-trials", type=int, default=None, help="rates tried per method (default 4; quick 3)")
     ap.add_argument("--qps-requests", type=int, default=None, help="requests per rate (default 8; quick 4)")
+    ap.add_argument("--qps-warmup", type=int, default=None,
+                    help="requests of the same Zipf stream run before the QPS trials, so the caches reach a steady "
+                         "state and every kernel variant is compiled (default 2 x --qps-requests)")
     ap.add_argument("--share-requests", type=int, default=None,
                     help="sharing experiment requests (default 6; quick 4, first preset only)")
     ap.add_argument("--cold-requests", type=int, default=None,
@@ -181,7 +184,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
         rag = out["workloads"].get("rag") or next(iter(out["workloads"].values()))
         if "qps" not in args.skip:
             slo = args.slo_ms or args.slo_factor * rag["full"]["warm"]["ttft_ms_p50"]
-            k, trials, warm = args.qps_requests, args.qps_trials, max(2, args.qps_requests // 2)
+            k, trials = args.qps_requests, args.qps_trials
+            warm = args.qps_warmup if args.qps_warmup is not None else 2 * k
             stream = requests.load("rag", warm + k * trials, args.seed + 1, scale, args.max_tokens, args.docs)
             q = {"slo_ms": slo}
             for method in ("prefix", "pic"):
