@@ -121,12 +121,13 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     ids, pos = ids_host.to(device), pos_host.to(device)
     ctx_slots = manager.flat_slots(seq, 0, end)
     write_slots = None if ctx_slots is None else ctx_slots[pos]
-    # events in prompt order: ("c", lo, hi) local offsets into C, or ("p", piece)
+    # events in prompt order: ("c", lo, hi, absolute end) with lo/hi local offsets into
+    # C, or ("p", piece, None, index of the piece among the pieces)
     events: list[tuple] = []
     off = 0
     for it in items:
         if it.piece is not None:
-            events.append(("p", it.piece, None, len([e for e in events if e[0] == "p"])))
+            events.append(("p", it.piece, None, sum(e[0] == "p" for e in events)))
         elif it.end > it.start:
             n = it.end - it.start
             events.append(("c", off, off + n, it.end))
