@@ -52,18 +52,18 @@ def _connect(daemon: DaemonProcess) -> socket.socket:
     return s
 
 
-def _recv_frame(s: socket.socket) -> dict:
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
     buf = b""
-    while len(buf) < 4:
-        more = s.recv(65536)
+    while len(buf) < n:
+        more = s.recv(n - len(buf))
         assert more, "the daemon closed the connection instead of answering"
         buf += more
-    n = fastwire.HEADER.unpack_from(buf)[0]
-    while len(buf) < 4 + n:
-        more = s.recv(65536)
-        assert more, "the daemon closed the connection mid-frame"
-        buf += more
-    return fastwire.decode(buf[4:4 + n])
+    return buf
+
+
+def _recv_frame(s: socket.socket) -> dict:
+    (n,) = fastwire.HEADER.unpack(_recv_exactly(s, fastwire.HEADER_SIZE))
+    return fastwire.decode(_recv_exactly(s, n))
 
 
 def _ask(s: socket.socket, msg: object) -> dict:
@@ -248,3 +248,40 @@ def test_the_fast_socket_is_private_and_removed_on_graceful_shutdown(start_daemo
         assert _ask(s, _lookup_msg([b"x"]))["found"] == (None,)
         assert d.stop() == 0
     assert not path.exists() and not d.socket.exists()
+
+
+def test_a_lookup_that_finds_the_store_lock_busy_is_answered_in_order_once_it_frees(tmp_path):
+    """In-process daemon (real Store, real socket) so the test can hold the Store's lock:
+    the loop hands the lookup to a worker thread instead of stalling, a second request
+    pipelined behind it waits its turn, and both are answered in order."""
+    from kvstore.config import load_config
+    from kvstore.server.daemon import Daemon
+
+    sock_dir = tmp_path / "s"
+    cfg = load_config(cli={"socket": str(sock_dir / "kv.sock"), "dir": str(tmp_path / "cache"),
+                           "cpu_capacity": "8MiB", "nvme_capacity": "16MiB", "gpu_capacity": "0",
+                           "shm_name": f"kvstore-test-{os.getpid()}-busy"}, env={"KVSTORE_CONFIG": os.devnull})
+    d = Daemon(cfg)
+    d.start()
+    try:
+        with KVStoreClient(cfg.socket) as kv:
+            kv.put(b"busy/k", b"v" * 7, tier="cpu")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10.0)
+        s.connect(str(fastwire.fast_socket_path(cfg.socket)))
+        with s, d.store._lock:
+            s.sendall(fastwire.frame(msgpack.packb(_lookup_msg([b"busy/k"]), use_bin_type=True))
+                      + fastwire.frame(msgpack.packb(_lookup_msg([b"busy/none", b"busy/k"]), use_bin_type=True)))
+            s.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                s.recv(1)
+            s.settimeout(10.0)
+            d.store._lock.release()  # let the worker thread through ...
+            try:
+                first, second = _recv_frame(s), _recv_frame(s)
+            finally:
+                d.store._lock.acquire()  # ... and give the `with` its lock back
+        assert first["found"] == (("cpu", 7),) and second["found"] == (None, ("cpu", 7))
+    finally:
+        d.stop()
+    assert not fastwire.fast_socket_path(cfg.socket).exists()
