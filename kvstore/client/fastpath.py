@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import socket as _socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -78,6 +79,13 @@ class FastLookup:
         sock.settimeout(self.timeout)
         try:
             sock.connect(str(self.path))
+            # Blocking calls bounded by the kernel (SO_RCVTIMEO/SO_SNDTIMEO) rather than
+            # Python's timeout mode, which polls before every send and recv; a timeout
+            # surfaces as an OSError (EAGAIN), handled like any other failure.
+            tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, tv)
+            sock.settimeout(None)
         except OSError:
             sock.close()
             self._retry_at = time.monotonic() + RETRY_S
