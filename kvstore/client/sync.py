@@ -1,9 +1,10 @@
 """`KVStoreClient`: the blocking client of the kvstore daemon.
 
 Owns: the gRPC channel to one daemon (and its fast Lookup socket, see
-kvstore.client.fastpath), the put flow (reserve -> write in place into the region -> commit with the checksum; abort on failure; wait when another client is
-writing the same key), gets that return lease-holding zero-copy views, and a keepalive
-thread that renews this client's leases and sends releases queued by dropped views.
+kvstore.client.fastpath), the put flow (reserve -> write in place into the region ->
+commit with the checksum; abort on failure; wait when another client is writing the
+same key), gets that return lease-holding zero-copy views, and a keepalive thread that
+renews this client's leases and sends releases queued by dropped views.
 
     with KVStoreClient.connect() as kv:
         kv.put(b"key", b"bytes", tier="cpu")

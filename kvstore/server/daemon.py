@@ -211,13 +211,15 @@ class Daemon:
         servicer = KVStoreServicer(self.store, limits, self.metrics, info, executor=self._pool)
         self._start_loop()
         sock = Path(cfg.socket).absolute()
-        self._on_loop(self._start_server(servicer, sock)).result()
-        os.chmod(sock, 0o600)
+        # The fast socket first: its bind changes the process umask for an instant, which
+        # must not happen while the gRPC server already serves puts (new NVMe files).
         if cfg.fast_lookup:
             self.fast = FastLookupServer(servicer, fastwire.fast_socket_path(sock), cfg.max_message_size)
             self._on_loop(self.fast.start()).result()
         elif fastwire.fast_socket_path(sock).is_socket():  # a killed daemon's: clients would try it
             fastwire.fast_socket_path(sock).unlink()
+        self._on_loop(self._start_server(servicer, sock)).result()
+        os.chmod(sock, 0o600)
         tcp = cfg.tcp_address()
 
         self._expirer = threading.Thread(target=self._expire_loop, name="kvstore-expire", daemon=True)
