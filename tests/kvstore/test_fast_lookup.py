@@ -135,6 +135,13 @@ def test_client_falls_back_to_grpc_when_the_daemon_runs_without_the_fast_socket(
         assert not kv._fast.connected
         assert got == kv.lookup_grpc(keys) and sum(e.hit for e in got) == 8
 
+    async def main() -> tuple:
+        async with AsyncKVStoreClient(d.socket) as akv:
+            return await akv.lookup(keys), akv._fast.connected
+
+    agot, used = asyncio.run(main())
+    assert agot == got and not used
+
 
 def test_config_shows_fast_lookup_on_by_default_and_its_env_override(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KVSTORE_CONFIG": os.devnull}
