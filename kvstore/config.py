@@ -170,6 +170,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_capacity", "gpusize", "auto",
            f"bytes of the GPU tier's CUDA arena; auto: {format_size(GPU_AUTO_BYTES)} where CUDA is present, else 0"),
     Option("tcp", "hostport", "", "also listen on TCP HOST:PORT (empty: unix socket only)"),
+    Option("fast_lookup", "bool", True,
+           "also answer Lookup on SOCKET.fast, a msgpack unix socket beside the gRPC one (mode 0600); "
+           "clients use it when present, else gRPC"),
     Option("metrics_port", "int", 0, "serve Prometheus /metrics over HTTP on this port (0: off)", minimum=0),
     Option("metrics_host", "str", "127.0.0.1", "address the /metrics HTTP server binds"),
     Option("eviction", "choice", "cost", "eviction policy: cost (recompute cost per byte, with recency) or lru",
@@ -203,6 +206,7 @@ class Config:
     nvme_capacity: int
     gpu_capacity: Optional[int]  # None: "auto" (resolve with resolve_gpu_capacity)
     tcp: str
+    fast_lookup: bool
     metrics_port: int
     metrics_host: str
     eviction: str

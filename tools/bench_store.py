@@ -8,11 +8,13 @@ measures, for the same bytes:
   GPU tier   put / get into a GPU tensor      vs  device-to-device copy            (CUDA only)
   CPU tier   get into a GPU tensor            vs  pinned host-to-device copy       (CUDA only)
   gRPC       the same bytes inside gRPC messages to a sink process (put / get)
-  lookup     p50 / p99 latency of a 64-key batch Lookup over the unix socket
+  lookup     p50 / p99 latency of a 64-key batch Lookup, on the client's default path (the
+             daemon's fast socket) and over gRPC alone
 
 Prints one table (last). With --json, also writes docs/results/store-<machine>-<date>.json
 whose `summary` holds cpu_to_gpu_fraction_of_pcie (null without CUDA),
-nvme_read_fraction_of_direct_io and lookup_p99_us.
+nvme_read_fraction_of_direct_io, lookup_p99_us (the client's default path, named by
+lookup_path) and lookup_grpc_p99_us. `--lookup-only` measures just the lookups.
 
     python tools/bench_store.py                       # defaults: 8 x 64MiB objects per path
     python tools/bench_store.py --dir /mnt/nvme/kvbench --json
@@ -347,27 +349,58 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
     return rows, extra
 
 
-def lookup_latency_us(daemon: DaemonProcess, batch: int, iterations: int) -> tuple[float, float]:
+@dataclass
+class LookupLatency:
+    """p50 / p99 of a 64-key Lookup on the client's default path (`path`: "fast" when it
+    used the daemon's fast socket, else "grpc") and over gRPC alone."""
+
+    path: str
+    p50_us: float
+    p99_us: float
+    grpc_p50_us: float
+    grpc_p99_us: float
+
+
+def _latencies_us(call: Callable[[], Any], iterations: int) -> list[float]:
+    for _ in range(50):
+        call()
+    lat = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        call()
+        lat.append((time.perf_counter() - t0) * 1e6)
+    return lat
+
+
+def _p50_p99(lat: list[float]) -> tuple[float, float]:
+    lat = sorted(lat)
+    return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+def lookup_latency_us(daemon: DaemonProcess, batch: int, iterations: int) -> LookupLatency:
+    """Half the keys present (CPU tier), half absent. The two paths run interleaved in
+    rounds (samples pooled per path), so load from other processes falls on both alike."""
     with daemon.client() as kv:
         keys = [f"bench/lookup/{i}".encode() for i in range(batch)]
         for k in keys[: batch // 2]:
             kv.put(k, b"x" * 64, tier="cpu")
-        for _ in range(50):
-            kv.lookup(keys)
-        lat = []
-        for _ in range(iterations):
-            t0 = time.perf_counter()
-            kv.lookup(keys)
-            lat.append((time.perf_counter() - t0) * 1e6)
+        if kv.lookup(keys) != kv.lookup_grpc(keys):
+            raise RuntimeError("the fast and the gRPC Lookup disagree")
+        path = "fast" if kv._fast.connected else "grpc"
+        rounds = 4
+        fast: list[float] = []
+        grpc_: list[float] = []
+        for _ in range(rounds):
+            fast += _latencies_us(lambda: kv.lookup(keys), max(1, iterations // rounds))
+            grpc_ += _latencies_us(lambda: kv.lookup_grpc(keys), max(1, iterations // rounds))
         kv.delete(keys)
-    lat.sort()
-    return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+    return LookupLatency(path, *_p50_p99(fast), *_p50_p99(grpc_))
 
 
 # ---------------------------------------------------------------------------- main
 
 
-def print_table(rows: list[Row], p50: float, p99: float, header: str) -> None:
+def print_table(rows: list[Row], lk: LookupLatency, header: str) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
@@ -376,7 +409,8 @@ def print_table(rows: list[Row], p50: float, p99: float, header: str) -> None:
         for r in rows:
             print(f"{r.path:10} {r.op:28} {r.gbps or 0:8.2f} GB/s  vs {r.baseline:18} {r.baseline_gbps or 0:8.2f} "
                   f"GB/s  ratio {r.ratio or 0:.2f}  {r.note}")
-        print(f"lookup (64 keys) p50 {p50:.0f} us  p99 {p99:.0f} us")
+        print(f"lookup (64 keys, {lk.path}) p50 {lk.p50_us:.0f} us  p99 {lk.p99_us:.0f} us")
+        print(f"lookup (64 keys, grpc) p50 {lk.grpc_p50_us:.0f} us  p99 {lk.grpc_p99_us:.0f} us")
         return
     t = Table(title=header, title_justify="left")
     for col in ("path", "op", "GB/s", "baseline", "baseline GB/s", "ratio", "note"):
@@ -384,8 +418,25 @@ def print_table(rows: list[Row], p50: float, p99: float, header: str) -> None:
     for r in rows:
         t.add_row(r.path, r.op, f"{r.gbps:.2f}" if r.gbps is not None else "-", r.baseline,
                   f"{r.baseline_gbps:.2f}" if r.baseline_gbps else "-", f"{r.ratio:.2f}" if r.ratio else "-", r.note)
-    t.add_row("lookup", "64-key batch, unix socket", "", "", "", "", f"p50 {p50:.0f} us, p99 {p99:.0f} us")
+    t.add_row("lookup", f"64-key batch, {lk.path} socket (default)", "", "", "", "",
+              f"p50 {lk.p50_us:.0f} us, p99 {lk.p99_us:.0f} us")
+    t.add_row("lookup", "64-key batch, gRPC unix socket", "", "", "", "",
+              f"p50 {lk.grpc_p50_us:.0f} us, p99 {lk.grpc_p99_us:.0f} us")
     Console(width=160).print(t)
+
+
+def lookup_only(directory: Optional[Path], iterations: int) -> int:
+    base = (directory or Path.home() / ".cache" / "kvstore-bench").expanduser()
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+    try:
+        with DaemonProcess(work / "daemon", cpu_capacity="64MiB", nvme_capacity="64MiB", entry="kvstore.server") \
+                as daemon:
+            lk = lookup_latency_us(daemon, 64, iterations)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(asdict(lk)))
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -398,12 +449,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lookup-iterations", type=int, default=2000)
     ap.add_argument("--json", action="store_true", help="also write docs/results/store-<machine>-<date>.json")
     ap.add_argument("--machine", default=None, help="machine name for the JSON file (default: hostname)")
+    ap.add_argument("--lookup-only", action="store_true",
+                    help="measure only the Lookup latency (both paths); prints it, writes no JSON")
     ap.add_argument("--grpc-sink", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     chunk = parse_size(args.grpc_chunk, "--grpc-chunk")
     if args.grpc_sink:
         run_sink(args.grpc_sink, chunk)
         return 0
+    if args.lookup_only:
+        if args.json:
+            ap.error("--lookup-only writes no JSON (the JSON file needs the data-plane rows); drop --json")
+        return lookup_only(args.dir, args.lookup_iterations)
 
     import torch
 
@@ -422,7 +479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                gpu_capacity=str(room) if cuda else "0", entry="kvstore.server")
         with daemon:
             rows, extra = store_rows(daemon, data, count, cuda, memcpy, direct)
-            p50, p99 = lookup_latency_us(daemon, 64, args.lookup_iterations)
+            lk = lookup_latency_us(daemon, 64, args.lookup_iterations)
         cpu_put = next(r.gbps for r in rows if r.path == "cpu tier" and r.op == "put")
         cpu_get = next(r.gbps for r in rows if r.path == "cpu tier" and r.op.startswith("get (copy"))
         rows.append(Row("gRPC bytes", "put (in messages)", grpc_put, "cpu tier put", cpu_put,
@@ -439,8 +496,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = {
         "cpu_to_gpu_fraction_of_pcie": extra.get("cpu_to_gpu_fraction_of_pcie"),
         "nvme_read_fraction_of_direct_io": extra.get("nvme_read_fraction_of_direct_io"),
-        "lookup_p50_us": p50,
-        "lookup_p99_us": p99,
+        "lookup_p50_us": lk.p50_us,
+        "lookup_p99_us": lk.p99_us,
+        "lookup_path": lk.path,
+        "lookup_grpc_p50_us": lk.grpc_p50_us,
+        "lookup_grpc_p99_us": lk.grpc_p99_us,
     }
     if args.json:
         out = ROOT / "docs" / "results" / f"store-{machine}-{date}.json"
@@ -449,12 +509,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             "machine": machine, "date": date, "python": platform.python_version(), "torch": torch.__version__,
             "cuda_device": torch.cuda.get_device_name() if cuda else None, "object_bytes": size, "objects": count,
             "dir": str(base), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows],
-            "lookup": {"batch": 64, "iterations": args.lookup_iterations, "p50_us": p50, "p99_us": p99},
+            "lookup": {"batch": 64, "iterations": args.lookup_iterations, "p50_us": lk.p50_us, "p99_us": lk.p99_us,
+                       "path": lk.path, "grpc_p50_us": lk.grpc_p50_us, "grpc_p99_us": lk.grpc_p99_us},
             "summary": summary,
         }
         out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {out.relative_to(ROOT)}")
-    print_table(rows, p50, p99, header)
+    print_table(rows, lk, header)
     return 0
 
 

@@ -1,8 +1,9 @@
 """`AsyncKVStoreClient`: the asyncio client of the kvstore daemon, with the same API and
 semantics as `KVStoreClient` (every method is a coroutine; views are the same classes).
 
-Owns: a grpc.aio channel, the asyncio put flow, and a keepalive task that renews leases
-and sends releases queued by dropped views. Copies into the arena larger than
+Owns: a grpc.aio channel (and the fast Lookup socket, see kvstore.client.fastpath), the
+asyncio put flow, and a keepalive task that renews leases and sends releases queued by
+dropped views. Copies into the arena larger than
 OFFLOAD_BYTES run in a worker thread so the event loop keeps turning.
 
     async with AsyncKVStoreClient(socket) as kv:
@@ -28,6 +29,7 @@ from kvstore.client.common import (
     DaemonInfo,
     KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
+from kvstore.client.fastpath import AsyncFastLookup
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
 from kvstore.errors import CapacityExhausted, KVStoreError, UnknownKey
@@ -49,6 +51,7 @@ class AsyncKVStoreClient:
                  client_id: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
                  max_message_size: int = DEFAULT_MAX_MESSAGE) -> None:
         self._core = ClientCore(socket, tcp, client_id, timeout, max_message_size)
+        self._fast = AsyncFastLookup(self._core.target, timeout)
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub: Optional[KVStoreStub] = None
         self._keepalive: Optional[asyncio.Task] = None
@@ -94,6 +97,7 @@ class AsyncKVStoreClient:
                 await self._call("Release", pb.ReleaseRequest(lease_ids=ids), timeout=CONNECT_TIMEOUT_S)
         except KVStoreError:
             pass
+        await self._fast.close()
         await self._channel.close()
         self._channel = None
         self._stub = None
@@ -146,6 +150,17 @@ class AsyncKVStoreClient:
         return decode_health_status(raw) == HEALTH_SERVING
 
     async def lookup(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
+        """Presence, tier and size of each key (no lease). Over the fast socket when the
+        daemon has one, else (or when it fails) over gRPC; the same answer either way."""
+        ks = self._core.lookup_keys(keys)
+        if self._stub is not None:
+            found = await self._fast.lookup(ks)
+            if found is not None:
+                return self._core.found_lookups(ks, found)
+        return self._core.lookups(await self._call("Lookup", pb.LookupRequest(keys=ks)))
+
+    async def lookup_grpc(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
+        """`lookup` over gRPC only (for comparisons and benchmarks)."""
         return self._core.lookups(await self._call("Lookup", self._core.lookup_request(keys)))
 
     async def delete(self, keys: Sequence[KeyLike]) -> int:

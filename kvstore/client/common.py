@@ -241,8 +241,17 @@ class ClientCore:
         return [LookupEntry(e.key, e.hit, e.tier or None, e.size) for e in m.entries]  # codec's, inlined
 
     @staticmethod
+    def lookup_keys(keys: Sequence[KeyLike]) -> list[bytes]:
+        return [k if type(k) is bytes else as_key(k) for k in keys]
+
+    @staticmethod
     def lookup_request(keys: Sequence[KeyLike]) -> pb.LookupRequest:
         return pb.LookupRequest(keys=[k if type(k) is bytes else as_key(k) for k in keys])
+
+    @staticmethod
+    def found_lookups(keys: Sequence[bytes], found: Sequence[Any]) -> list[LookupEntry]:
+        """The fast socket's answer (None or (tier, size) per key) as `lookups` gives it."""
+        return [LookupEntry(k, True, f[0], f[1]) if f else LookupEntry(k, False, None, 0) for k, f in zip(keys, found)]
 
     @staticmethod
     def objects(m: pb.ListResponse) -> list[ObjectInfo]:

@@ -1,9 +1,10 @@
 """`KVStoreClient`: the blocking client of the kvstore daemon.
 
-Owns: the gRPC channel to one daemon, the put flow (reserve -> write in place into the
-region -> commit with the checksum; abort on failure; wait when another client is
-writing the same key), gets that return lease-holding zero-copy views, and a keepalive
-thread that renews this client's leases and sends releases queued by dropped views.
+Owns: the gRPC channel to one daemon (and its fast Lookup socket, see
+kvstore.client.fastpath), the put flow (reserve -> write in place into the region ->
+commit with the checksum; abort on failure; wait when another client is writing the
+same key), gets that return lease-holding zero-copy views, and a keepalive thread that
+renews this client's leases and sends releases queued by dropped views.
 
     with KVStoreClient.connect() as kv:
         kv.put(b"key", b"bytes", tier="cpu")
@@ -31,6 +32,7 @@ from kvstore.client.common import (
     DaemonInfo,
     KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
+from kvstore.client.fastpath import FastLookup
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
 from kvstore.errors import CapacityExhausted, KVStoreError, UnknownKey
@@ -50,6 +52,7 @@ class KVStoreClient:
                  client_id: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
                  max_message_size: int = DEFAULT_MAX_MESSAGE, connect: bool = True) -> None:
         self._core = ClientCore(socket, tcp, client_id, timeout, max_message_size)
+        self._fast = FastLookup(self._core.target, timeout)
         self._channel: Optional[grpc.Channel] = None
         self._stub: Optional[KVStoreStub] = None
         self._keepalive: Optional[threading.Thread] = None
@@ -104,6 +107,7 @@ class KVStoreClient:
             pass
         if self._keepalive is not None and self._keepalive is not threading.current_thread():
             self._keepalive.join(timeout=2.0)
+        self._fast.close()
         self._channel.close()
         self._channel = None
         self._stub = None
@@ -153,6 +157,17 @@ class KVStoreClient:
         return decode_health_status(raw) == HEALTH_SERVING
 
     def lookup(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
+        """Presence, tier and size of each key (no lease). Over the fast socket when the
+        daemon has one, else (or when it fails) over gRPC; the same answer either way."""
+        ks = self._core.lookup_keys(keys)
+        if self._stub is not None:
+            found = self._fast.lookup(ks)
+            if found is not None:
+                return self._core.found_lookups(ks, found)
+        return self._core.lookups(self._call("Lookup", pb.LookupRequest(keys=ks)))
+
+    def lookup_grpc(self, keys: Sequence[KeyLike]) -> list[LookupEntry]:
+        """`lookup` over gRPC only (for comparisons and benchmarks)."""
         return self._core.lookups(self._call("Lookup", self._core.lookup_request(keys)))
 
     def delete(self, keys: Sequence[KeyLike]) -> int:

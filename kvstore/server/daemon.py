@@ -4,9 +4,10 @@ Owns: turning a `Config` into `StoreSettings`, start-up checks (one daemon per s
 guarded by a lock file; shared-memory room for the CPU arena), the gRPC server (unix
 socket with mode 0600 in a 0700 directory, optional TCP, message-size limits, standard
 grpc.health.v1 health checking), the background thread that expires dead leases and
-reservations, the optional Prometheus endpoint, and graceful shutdown on SIGTERM/SIGINT:
+reservations, the optional Prometheus endpoint, the fast Lookup socket `<socket>.fast`
+(kvstore.server.fastpath; config `fast_lookup`), and graceful shutdown on SIGTERM/SIGINT:
 stop accepting, let in-flight RPCs finish (a short grace), abort open reservations,
-optionally write the CPU tier back to NVMe, flush and close the index, remove the socket.
+optionally write the CPU tier back to NVMe, flush and close the index, remove the sockets.
 
 The server is a grpc.aio server on an asyncio event loop that runs in its own thread
 ("kvstore-loop"): an RPC is served without a thread hand-off when it can be (see
@@ -31,11 +32,12 @@ import grpc
 
 from kvstore.config import Config, ConfigError, ensure_socket_dir, format_size, resolve_gpu_capacity
 from kvstore.errors import AlreadyExists
-from kvstore.rpc import codec
+from kvstore.rpc import codec, fastwire
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import (
     HEALTH_CHECK_METHOD, HEALTH_SERVING, PROTOCOL_VERSION, channel_options, generic_handler,
 )
+from kvstore.server.fastpath import FastLookupServer
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.servicer import KVStoreServicer
 
@@ -162,6 +164,7 @@ class Daemon:
         self.metrics_port: Optional[int] = None
         self.tcp_port: Optional[int] = None
         self._health: Any = None
+        self.fast: Optional[FastLookupServer] = None
         self._lock = _SocketLock(config.socket)
         self._stopping = threading.Event()
         self._expirer: Optional[threading.Thread] = None
@@ -208,6 +211,13 @@ class Daemon:
         servicer = KVStoreServicer(self.store, limits, self.metrics, info, executor=self._pool)
         self._start_loop()
         sock = Path(cfg.socket).absolute()
+        # The fast socket first: its bind changes the process umask for an instant, which
+        # must not happen while the gRPC server already serves puts (new NVMe files).
+        if cfg.fast_lookup:
+            self.fast = FastLookupServer(servicer, fastwire.fast_socket_path(sock), cfg.max_message_size)
+            self._on_loop(self.fast.start()).result()
+        elif fastwire.fast_socket_path(sock).is_socket():  # a killed daemon's: clients would try it
+            fastwire.fast_socket_path(sock).unlink()
         self._on_loop(self._start_server(servicer, sock)).result()
         os.chmod(sock, 0o600)
         tcp = cfg.tcp_address()
@@ -217,7 +227,8 @@ class Daemon:
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
         log.info(
-            "kvstore daemon ready: socket=%s%s pid=%d tiers=%s dir=%s%s", sock,
+            "kvstore daemon ready: socket=%s%s%s pid=%d tiers=%s dir=%s%s", sock,
+            f" fast={self.fast.path}" if self.fast else "",
             f" tcp={cfg.tcp}" if tcp else "", os.getpid(),
             ",".join(f"{t}={format_size(c)}" for t, c in (("gpu", settings.gpu_capacity),
                                                            ("cpu", settings.cpu_capacity),
@@ -302,6 +313,8 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
 
     async def _stop_server(self, grace: float) -> None:
+        if self.fast is not None:
+            await self.fast.stop()
         if self._health is not None:
             try:
                 await self._health.enter_graceful_shutdown()
@@ -348,6 +361,11 @@ class Daemon:
                 self._on_loop(self.server.stop(0)).result(2.0)
             except Exception:
                 pass
+        if self._loop is not None and self.fast is not None and not self._stopped:
+            try:
+                self._on_loop(self.fast.stop()).result(3.0)
+            except Exception:
+                pass
         self._stop_loop()
         if self.metrics is not None:
             self.metrics.stop_http()
@@ -361,8 +379,9 @@ class Daemon:
             self._pool = None
         try:
             sock = Path(self.config.socket)
-            if sock.is_socket():
-                sock.unlink()
+            for path in (sock, fastwire.fast_socket_path(sock)):
+                if path.is_socket():
+                    path.unlink()
         except OSError:
             pass
         self._lock.release()

@@ -149,16 +149,11 @@ class KVStoreServicer:
         # The latency-critical RPC: no per-key records or message copies. Keys of a parsed
         # request are bytes already; only a bad one goes through check_key (its message).
         keys = request.keys
-        if len(keys) > self.limits.max_batch:
-            codec.check_keys(keys, self.limits)  # raises, naming the batch size
-        max_key = self.limits.max_key_bytes
-        for k in keys:
-            if not k or len(k) > max_key:
-                codec.check_key(k, self.limits)  # raises, naming the key
         if not self._fast:  # a Store stand-in without the fast path
+            self.check_lookup_keys(keys)
             return pb.LookupResponse(entries=[codec.lookup_entry_to_pb(e) for e in self.store.lookup(list(keys))])
-        found = self.store.presence(keys, wait=wait)
-        if found is None:
+        found = self.presence(keys, wait)
+        if found is BUSY:
             return BUSY
         out = pb.LookupResponse()
         add = out.entries.add
@@ -168,6 +163,24 @@ class KVStoreServicer:
             else:
                 add(key=k, hit=True, tier=f[0], size=f[1])
         return out
+
+    def check_lookup_keys(self, keys: Any) -> None:
+        """InvalidRequest naming the batch size or the first bad key (keys are bytes)."""
+        if len(keys) > self.limits.max_batch:
+            codec.check_keys(keys, self.limits)  # raises, naming the batch size
+        max_key = self.limits.max_key_bytes
+        for k in keys:
+            if not k or len(k) > max_key:
+                codec.check_key(k, self.limits)  # raises, naming the key
+
+    def presence(self, keys: Any, wait: bool) -> Any:
+        """Lookup's work for both transports (gRPC and the fast socket): validate `keys`,
+        then None or (tier, size) per key; BUSY when `wait` is False and the lock is taken."""
+        self.check_lookup_keys(keys)
+        if not self._fast:
+            return [(e.tier, e.size) if e.hit else None for e in self.store.lookup(list(keys))]
+        found = self.store.presence(keys, wait=wait)
+        return BUSY if found is None else found
 
     def Reserve(self, request: pb.ReserveRequest, remaining: Optional[float]) -> pb.ReserveResponse:
         key = codec.check_key(request.key, self.limits)
