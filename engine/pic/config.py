@@ -53,9 +53,9 @@ class PicConfig:
     computed, tail spliced). fused: run everything after the lookups (seams, splices,
     suffix) as one pass through the layers (engine.pic.fused); False runs one model pass
     per computed range with splice steps between them (same numbers, more overhead).
-    seam_chain (fused only): `"auto"` runs each linear layer's recurrences and
-    compositions as ONE kernels.seam_chain launch on CUDA and the per-event path on the
-    CPU; `"on"` always uses the chain (Triton per `kernel`, else its torch reference);
+    seam_chain (fused only): `"auto"` runs each scalar- or diagonal-decay linear layer's
+    recurrences and compositions as ONE kernels.seam_chain launch on CUDA (the delta rule,
+    where the chain measured no faster, and the CPU take the per-event path); `"on"` always uses the chain (Triton per `kernel`, else its torch reference);
     `"off"` always the per-event path.
     """
 

@@ -375,14 +375,21 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
     return mixer.output(o, extras)[0]
 
 # ------------------------------------------------------------- linear layers: seam chain
+#: families `auto` runs through the seam chain: on the H200 (2026-11-29,
+#: tools/check_seam_chain.py) the chain took 0.13-0.35 ms per layer for scalar and diagonal
+#: decays against 3.3-4.5 ms for the per-event path, but 4.3 ms for the dense delta rule
+#: against 3.5 ms (bf16): delta stays on the per-event path until its kernel is faster.
+CHAIN_AUTO_FAMILIES = ("scalar", "diag")
+
+
 def _chain_on(chain: str, mixer, device: torch.device) -> bool:
     """Whether this linear layer runs its events as one kernels.seam_chain call."""
     if chain == "off":
         return False
     if chain == "on":
         return True
-    return (device.type == "cuda" and HAS_TRITON and mixer.key_dim <= MAX_DIM_TRITON
-            and mixer.value_dim <= MAX_DIM_TRITON)
+    return (device.type == "cuda" and HAS_TRITON and mixer.family in CHAIN_AUTO_FAMILIES
+            and mixer.key_dim <= MAX_DIM_TRITON and mixer.value_dim <= MAX_DIM_TRITON)
 
 
 @dataclass

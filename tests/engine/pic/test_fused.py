@@ -192,7 +192,7 @@ def test_seam_chain_equals_steps_when_some_delta_heads_forgot_their_prefix(kerne
     assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in sigs)
 
 
-def test_seam_chain_is_off_on_the_cpu_by_default_and_a_bad_mode_is_rejected(model_of, runner_of):
+def test_seam_chain_auto_policy_and_a_bad_mode_is_rejected(model_of, runner_of):
     from engine.pic.fused import _chain_on
     from engine.pic.config import PicConfig
     from engine.pic.errors import PicConfigError
@@ -201,6 +201,13 @@ def test_seam_chain_is_off_on_the_cpu_by_default_and_a_bad_mode_is_rejected(mode
     mixer = model.blocks[0].mixer
     assert not _chain_on("auto", mixer, torch.device("cpu"))
     assert _chain_on("on", mixer, torch.device("cpu"))
+    # on CUDA, auto takes the chain for scalar/diagonal decays only (the delta chain measured slower)
+    from kernels.backend import HAS_TRITON
+
+    cuda = torch.device("cuda")
+    assert not _chain_on("auto", mixer, cuda)
+    assert _chain_on("auto", model_of([LIGHTNING, FULL]).blocks[0].mixer, cuda) == HAS_TRITON
+    assert _chain_on("auto", model_of([GLA, FULL]).blocks[0].mixer, cuda) == HAS_TRITON
     with pytest.raises(PicConfigError, match="seam_chain"):
         PicConfig(seam_chain="always")
     runner = runner_of(model)
