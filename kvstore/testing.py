@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,13 @@ from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for metrics/TCP listeners)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _parent_death_signal() -> Optional[Callable[[], None]]:

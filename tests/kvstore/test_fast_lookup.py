@@ -24,19 +24,13 @@ from kvstore.client.aio import AsyncKVStoreClient
 from kvstore.errors import InvalidRequest
 from kvstore.rpc import fastwire
 from kvstore.rpc.service import PROTOCOL_VERSION
-from kvstore.testing import REPO_ROOT, DaemonProcess
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.testing import REPO_ROOT, DaemonProcess, free_port
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     """This module's daemon: small frame limit (64KiB) and metrics on."""
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(tmp_path_factory.mktemp("fast"), cpu_capacity="32MiB", nvme_capacity="128MiB",
                       extra_args=["--max-message-size", "64KiB", "--metrics-port", str(port)])
     d.metrics_port = port

@@ -19,20 +19,14 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidRequest, VersionMismatch
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, KVStoreStub, PROTOCOL_METADATA_KEY
-from kvstore.testing import DaemonProcess
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.testing import DaemonProcess, free_port
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
     """This module's daemon: small message limit, metrics and TCP on, and a socket in a
     directory that does not exist yet (the daemon creates it)."""
-    metrics_port, tcp_port = _free_port(), _free_port()
+    metrics_port, tcp_port = free_port(), free_port()
     d = DaemonProcess(tmp_path_factory.mktemp("rpc"), cpu_capacity="32MiB", nvme_capacity="128MiB",
                       extra_args=["--max-message-size", "64KiB", "--metrics-port", str(metrics_port),
                                   "--tcp", f"127.0.0.1:{tcp_port}"])

@@ -5,32 +5,18 @@ largest bucket fall back to the plain path; and the paged decode attention equal
 gather path it replaced."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from engine.cache.manager import CacheConfig, CacheManager
-from engine.models.presets import get_preset, list_presets
-from engine.models.weights import build_model
+from engine.models.presets import list_presets
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sequence import Sequence
 
 TOL = dict(rtol=1e-5, atol=5e-5)
 TINY = [c.name for c in list_presets("tiny")]
-
-
-@pytest.fixture(scope="module")
-def models():
-    """Tiny presets from their seeds; the Gemma-style window shrunk to 8 so the rings wrap."""
-    out = {}
-    for name in TINY:
-        cfg = get_preset(name)
-        if cfg.attention.sliding_window:
-            cfg = cfg.replace(attention=dataclasses.replace(cfg.attention, sliding_window=8))
-        out[name] = build_model(cfg, "cpu", torch.float32)
-    return out
 
 
 def ids_for(n, seed):

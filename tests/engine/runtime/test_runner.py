@@ -3,7 +3,6 @@ chunked prefill equals single shot, a batch of mixed-length sequences decodes as
 and the runner's misuse errors."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -14,22 +13,6 @@ from engine.runtime.sequence import Sequence
 
 TOL = dict(rtol=1e-5, atol=5e-5)
 TINY = [c.name for c in list_presets("tiny")]
-
-
-@pytest.fixture(scope="module")
-def models():
-    """Tiny presets, initialised from their seeds; Gemma-style window shrunk to 8 so short
-    test sequences wrap the ring."""
-    from engine.models.presets import get_preset
-    from engine.models.weights import build_model
-
-    out = {}
-    for name in TINY:
-        cfg = get_preset(name)
-        if cfg.attention.sliding_window:
-            cfg = cfg.replace(attention=dataclasses.replace(cfg.attention, sliding_window=8))
-        out[name] = build_model(cfg, "cpu", torch.float32)
-    return out
 
 
 def token_ids(n, seed):
