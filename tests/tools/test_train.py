@@ -91,7 +91,8 @@ def test_extra_questions_are_answered_correctly_from_the_prompt(task):
             assert qa.question.startswith("Q: ") and qa.question.endswith("\nA: ") and qa.question != own
             q = qa.question[3:-4]
             if q.startswith("value of value of "):
-                assert facts[facts[q[len("value of value of "):-1]]] == qa.answer
+                middle = facts[q[len("value of value of "):-1]]
+                assert f"{middle}: {facts[middle]}" == qa.answer
             elif q.startswith("value of "):
                 assert facts[q[len("value of "):-1]] == qa.answer
             elif q.startswith("which keys are "):

@@ -71,8 +71,8 @@ def solve(req: Request) -> tuple[str, set[int]]:
     if m := re.fullmatch(r"value of value of ([a-z0-9]+)\?", q):
         facts = _facts(req)
         middle, s1 = _lookup(facts, m.group(1))
-        answer, s2 = _lookup(facts, middle)
-        return answer, {s1, s2}
+        value, s2 = _lookup(facts, middle)
+        return f"{middle}: {value}", {s1, s2}
     if m := re.fullmatch(r"value of ([a-z0-9]+)\?", q):
         answer, s1 = _lookup(_facts(req), m.group(1))
         return answer, {s1}

@@ -13,7 +13,7 @@ question adds its answer tokens to the loss at ~25 extra tokens of compute.
 
 Per task (the same rules the generators use, so every extra answer is correct and unique):
 - `fact`: "value of <key>?" for other keys of the prompt's documents;
-- `twohop`: "value of value of <a>?" for other complete chains a -> b -> c in the prompt
+- `twohop`: "value of value of <a>?" (answer "b: c") for other complete chains a -> b -> c in the prompt
   (b is a key of another fact), falling back to single-fact questions;
 - `rag`: fact or two-hop questions, half and half;
 - `aggregate`: "which keys are <category>?" for other categories present, keys in prompt
@@ -84,7 +84,7 @@ def _fact_qas(facts: list[tuple[str, str]], rng: random.Random, n: int, skip: se
 
 def _chain_qas(facts: list[tuple[str, str]], rng: random.Random, n: int, skip: set[str]) -> list[QA]:
     value_of = dict(facts)
-    chains = [(a, value_of[b]) for a, b in facts if b in value_of]
+    chains = [(a, twohop_task.chain_text(b, value_of[b])) for a, b in facts if b in value_of]
     chains = [(a, c) for a, c in chains if twohop_task.QUESTION_TEMPLATE.format(key=a) not in skip]
     picked = rng.sample(chains, min(n, len(chains)))
     return [QA(question_segment(twohop_task.QUESTION_TEMPLATE.format(key=a)).text, c) for a, c in picked]

@@ -2,8 +2,11 @@
 
 Prompt: a hop-1 document holding `a: b`, the hop-2 document holding `b: c`, and further
 Zipf-drawn distractor documents, in random order; then "Q: value of value of <a>?\\nA: ".
-Answer: c. The two facts always sit in two different segments, so the answer needs
-attention across segments (the case where naive KV reuse fails). Metric: exact match.
+Answer: "b: c", the bridge word and then the final value (a short chain of thought, as
+HotpotQA systems answer with their supporting fact: each step is one lookup, and the
+second lookup's query, b, is only known from the first). The two facts always sit in two
+different segments, so the answer needs attention across segments (the case where naive
+KV reuse fails). Metric: exact match of the whole chain.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ from .kvdocs import KvDoc, build_linked_docs, chain_answer
 NAME = "twohop"
 METRIC = "em"
 QUESTION_TEMPLATE = "value of value of {key}?"
+ANSWER_TEMPLATE = "{middle}: {value}"
+
+
+def chain_text(middle: str, value: str) -> str:
+    """The expected answer of a two-hop question a -> b -> c: "b: c"."""
+    return ANSWER_TEMPLATE.format(middle=middle, value=value)
 
 
 @dataclass(frozen=True)
@@ -41,11 +50,11 @@ def build_pool(cfg: WorkloadConfig, rng: random.Random, id_base: int = 0) -> Lin
 
 def draw_chain(pool: LinkedPool, rng: random.Random) -> tuple[int, int, str, str]:
     """A Zipf-popular hop-1 document and one of its linked keys:
-    (hop-1 index, hop-2 index, key a, answer c)."""
+    (hop-1 index, hop-2 index, key a, answer "b: c")."""
     first = pool.docs[pool.hop1[pool.hop1_sampler.draw(rng)]]
     key = rng.choice(sorted(first.links))
-    _middle, answer, second = chain_answer(pool.docs, first, key)
-    return first.index, second, key, answer
+    middle, value, second = chain_answer(pool.docs, first, key)
+    return first.index, second, key, chain_text(middle, value)
 
 
 def make_request(pool: LinkedPool, cfg: WorkloadConfig, rng: random.Random, request_id: str) -> Request:
