@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -53,6 +53,14 @@ StoreOpt = typer.Option(
     None, "--store", metavar="[SOCKET]",
     help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
          "without it the engine keeps them in its own process.")
+def _cold_opt(default: float) -> Any:
+    return typer.Option(
+        default, "--cold-full-fraction", min=0.0, max=1.0,
+        help="pic/naive: a request whose uncached segments hold at least this share of its prompt is prefilled "
+             "by full recompute, its segments computed alone later while the engine is idle (0: always compute "
+             "them alone in the request).")
+
+
 ShareColdOpt = typer.Option(
     True, "--share-cold/--no-share-cold",
     help="With --store: offer a request's cold segments to idle engines on the same daemon, and compute "
@@ -203,6 +211,7 @@ def serve(
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
     cuda_graphs: bool = GraphsOpt,
+    cold_full_fraction: float = _cold_opt(0.5),
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -213,7 +222,10 @@ def serve(
     connector = _store_config(store, share_cold)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, max_model_len, cuda_graphs))
-    planner = _attach_store(engine, None, connector) if connector is not None else None
+    from engine.pic.config import PicConfig
+
+    pic = PicConfig(cold_full_fraction=cold_full_fraction or None)
+    planner = _attach_store(engine, pic, connector) if connector is not None else None
     try:
         run_server(engine, host, port)
     except OSError as exc:
@@ -309,6 +321,7 @@ def run_cmd(
     chunk_size: int = ChunkOpt,
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
+    cold_full_fraction: float = _cold_opt(0.0),
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
     caching or a baseline); print reuse and timing per request. With --store, signatures
@@ -321,7 +334,8 @@ def run_cmd(
     try:
         cap = int(cache_gib * (1 << 30))
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
-                           signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused)
+                           signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused,
+                           cold_full_fraction=cold_full_fraction or None)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:
@@ -357,6 +371,8 @@ def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset,
         _fail(f"{exc.field}: {exc.message}", 1)
     except EngineError as exc:
         _fail(str(exc), 1)
+    while engine.help_idle():  # cold fallback: compute the queued segments before exiting
+        pass
     if with_store:
         planner.store.flush()
     if not as_json:

@@ -440,7 +440,16 @@ def decode_tensors(buf: Buffer, *, check: bool = True) -> tuple[BlobHeader, dict
     first serves an object, and on reads from NVMe).
     """
     header = verify(buf) if check else read_header(buf)
+    return header, tensors_over(header, buf)
+
+
+def tensors_over(header: BlobHeader, buf: Buffer) -> dict[str, torch.Tensor]:
+    """name -> tensor view over `buf` for each part of `header`: `buf` holds the blob's
+    bytes (the leased region itself, or a copy of it on another device, so a blob moved
+    to the GPU in one DMA is decoded from its host header without reading device memory)."""
     u8 = _as_u8(buf)
+    if u8.numel() < header_span(header):
+        raise BadObject(f"buffer of {u8.numel()} bytes is shorter than the blob's parts ({header_span(header)})")
     out: dict[str, torch.Tensor] = {}
     for p in header.parts:
         dtype = DTYPES[p.dtype]
@@ -448,4 +457,9 @@ def decode_tensors(buf: Buffer, *, check: bool = True) -> tuple[BlobHeader, dict
             out[p.name] = torch.empty(p.shape, dtype=dtype, device=u8.device)
         else:
             out[p.name] = u8[p.offset : p.offset + p.length].view(dtype).view(p.shape)
-    return header, out
+    return out
+
+
+def header_span(header: BlobHeader) -> int:
+    """Bytes from the blob's start to the end of its last part."""
+    return max((p.offset + p.length for p in header.parts), default=0)

@@ -78,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpus", default="auto",
                     help="GPUs of the two-engine experiments, e.g. 0,1 (worker i on the i-th); auto: the first two "
                          "when CUDA has >= 2 devices; none: the engine's device")
+    ap.add_argument("--cold-full-fraction", type=float, default=0.5,
+                    help="PIC's cold fallback (PicConfig.cold_full_fraction) in the TTFT, QPS and breakdown phases: "
+                         "requests whose uncached segments hold at least this share of the prompt are prefilled by "
+                         "full recompute and their segments computed while idle; 0 turns it off (the two-engine "
+                         "phases always run without it: they measure cold PIC itself)")
     ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown,cold")
     ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
     ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
@@ -175,6 +180,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
     from engine.connector.config import StoreConnectorConfig
     from tools.servebench import measure, requests, sharing
     from tools.servebench.harness import Harness
+    from engine.pic.config import PicConfig
 
     device = resolve_device(args.device)
     opts = engine_options(args, device)
@@ -182,7 +188,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
     t0 = time.perf_counter()
     engine = build_engine(preset, EngineConfig(**opts))
     connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
-    h = Harness(engine, connector)
+    h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
         warm_kernels(h, scale, args.max_tokens, args.docs)

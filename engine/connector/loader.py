@@ -80,6 +80,7 @@ class LoadedSegment:
     ready: Optional[Any] = None
     copy_start: Optional[Any] = None
     load_ms: float = 0.0  # this segment's share of the RPCs + decode + device copy
+    device_buffer: Optional[torch.Tensor] = None  # the blob's copy on this device (parts are views of it)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stream_recorded: bool = False
 
@@ -99,6 +100,9 @@ class LoadedSegment:
             if self._stream_recorded:
                 return
             self._stream_recorded = True
+        if self.device_buffer is not None:
+            self.device_buffer.record_stream(stream)
+            return
         tensors, _, _ = self.signature.to_tensors()
         for t in tensors.values():
             if t.is_cuda:
@@ -355,20 +359,30 @@ class SegmentLoader:
             sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
             return LoadedSegment(key, sig, tier, "nvme", view.size)
         buf = view.tensor()
-        header, tensors = fmt.decode_tensors(buf, check=self.verify)
+        same = buf.device.type == self.device.type and (buf.device.type != "cuda" or buf.device == self.device)
+        if same:  # zero copy: the signature aliases the leased bytes
+            header, tensors = fmt.decode_tensors(buf, check=self.verify)
+            sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
+            return LoadedSegment(key, sig, tier, view.tier, view.size, view)
+        # pragma: no cover - GPU only: pinned host (or another GPU) -> this device. The
+        # header is read on the host; the whole blob then moves in one copy (chunked DMAs
+        # on the side stream, ObjectView.copy_to) and the parts are views over the copy:
+        # a handful of copies per segment instead of one per tensor.
+        if buf.device.type == "cuda":  # the daemon's GPU tier on another device (CUDA IPC, peer copy)
+            self.metrics.inc("peer_loads")
+            self.metrics.inc("peer_load_bytes", view.size)
+        header = fmt.read_header(view.array) if buf.device.type != "cuda" else None
+        stream = self._stream
+        copy_start = torch.cuda.Event(enable_timing=True)
+        copy_start.record(stream)
+        dev = torch.empty(view.size, dtype=torch.uint8, device=self.device)
+        view.copy_to(dev, stream=stream, verify=self.verify)
+        ready = torch.cuda.Event(enable_timing=True)  # after the last piece (same stream), timed
+        ready.record(stream)
+        if header is None:  # peer copy: the header is read from the moved bytes
+            header = fmt.read_header(dev)
+        tensors = fmt.tensors_over(header, dev)
         sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
         seg = LoadedSegment(key, sig, tier, view.tier, view.size, view)
-        same = buf.device.type == self.device.type and (buf.device.type != "cuda" or buf.device == self.device)
-        if not same:  # pragma: no cover - GPU only: pinned host (or another GPU) -> this device, side stream
-            if buf.device.type == "cuda":  # the daemon's GPU tier on another device (CUDA IPC, peer copy)
-                self.metrics.inc("peer_loads")
-                self.metrics.inc("peer_load_bytes", view.size)
-            stream = self._stream
-            with torch.cuda.stream(stream):
-                seg.copy_start = torch.cuda.Event(enable_timing=True)
-                seg.copy_start.record(stream)
-                moved = {name: t.to(self.device, non_blocking=True) for name, t in tensors.items()}
-                seg.ready = torch.cuda.Event(enable_timing=True)
-                seg.ready.record(stream)
-            seg.signature = signature_from_blob(header.meta, moved, header.fingerprint, self.fingerprint)
+        seg.copy_start, seg.ready, seg.device_buffer = copy_start, ready, dev
         return seg

@@ -30,6 +30,8 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   `cold_offloaded` (offered segments another engine computed), `cold_wait_ms_total`
   (time waited for them), `cold_helped` (segments computed for other engines),
   `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
+- cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
+  computed alone while idle, and stored), `deferred_ms_total`.
 - `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
   than the engine's (copied device to device; CUDA IPC across GPUs).
 """
@@ -48,8 +50,10 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
+    "deferred_computed",
 )
-_TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total")
+_TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
+           "deferred_ms_total")
 
 
 class ConnectorMetrics:

@@ -200,6 +200,8 @@ class StorePicPlanner(PicPlanner):
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         report = state.builder.report
+        if self._fall_back_to_full(state):  # cold fallback: full recompute now, misses when idle
+            return
         missing, state.missing = list(state.missing), []
         share = self.store.share
         if share is not None and len(missing) >= max(2, self.store.config.share_min_segments) and self.store.available:
@@ -272,12 +274,17 @@ class StorePicPlanner(PicPlanner):
     @property
     def idle_poll_s(self) -> Optional[float]:
         """How often the engine should call `help_idle` while idle (None: never)."""
-        return None if self.store.share is None else self.store.config.share_poll_s
+        polls = [p for p in (super().idle_poll_s, None if self.store.share is None else self.store.config.share_poll_s)
+                 if p is not None]
+        return min(polls) if polls else None
 
     def help_idle(self, runner) -> int:
-        """Compute one cold segment another engine offered (engine.connector.coldshare)
-        and store it under its claim; the number computed (0 or 1). Called by the engine
-        when it has no request to run."""
+        """Idle work, one unit per call: this engine's queued cold-fallback segments
+        first (claimed, computed alone packed, stored), else one cold segment another
+        engine offered (engine.connector.coldshare), stored under its claim. Returns the
+        number of segments computed. Called by the engine when it has no request to run."""
+        if self.deferred:
+            return self._help_deferred(runner)
         share = self.store.share
         if share is None:
             return 0
@@ -303,6 +310,39 @@ class StorePicPlanner(PicPlanner):
         self.store.metrics.inc("cold_helped")
         self.store.metrics.inc("cold_help_ms_total", (time.perf_counter() - t0) * 1e3)
         return 1
+
+    def _help_deferred(self, runner) -> int:
+        todo = self._next_deferred()
+        try:
+            held = self.store.lookup([t[0] for t in todo])
+        except Exception:  # the daemon is away: nothing to store into; drop the batch
+            log.debug("lookup of deferred segments failed", exc_info=True)
+            return 0
+        mine: list[tuple[tuple[bytes, tuple[int, ...], int], Claim]] = []
+        for t, present in zip(todo, held):
+            if present:
+                continue
+            claim = self.store.claim(t[0])
+            if claim.status == PRESENT:  # stored by another engine since the lookup
+                self.store.release(t[0])
+            elif claim.status != INFLIGHT:  # another engine computes it: nothing to do
+                mine.append((t, claim))
+        if not mine:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            sigs = self._compute_deferred(runner, [t for t, _ in mine])
+        except Exception:  # idle work must not stop this engine; a later request computes them
+            log.exception("computing %d deferred segments failed", len(mine))
+            for _, claim in mine:
+                self.store.drop_claim(claim)
+            return 0
+        for ((key, ids, _), claim), sig in zip(mine, sigs):
+            self.store.store(key, sig, claim=claim if claim.status == OWNED else None,
+                             cost=float(len(self.anchor_ids) + len(ids)))
+        self.store.metrics.inc("deferred_computed", len(mine))
+        self.store.metrics.inc("deferred_ms_total", (time.perf_counter() - t0) * 1e3)
+        return len(mine)
 
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
         self._compute_batch(runner, state, sr, [(u, claim)])

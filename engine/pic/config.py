@@ -57,6 +57,13 @@ class PicConfig:
     recurrences and compositions as ONE kernels.seam_chain launch on CUDA (the delta rule,
     where the chain measured no faster, and the CPU take the per-event path); `"on"` always uses the chain (Triton per `kernel`, else its torch reference);
     `"off"` always the per-event path.
+    cold_full_fraction (`pic`/`naive`): when the segments a request would first have to
+    compute alone (its misses) hold at least this fraction of its prompt tokens, the
+    request is prefilled by plain full recompute (its TTFT stays that of full recompute
+    instead of alone passes + splicing) and its missing segments are queued and computed
+    alone later, while the engine is idle (`help_idle`), so later requests hit them.
+    None (the default here; `kvengine serve` and tools/bench_serving turn it on): misses
+    are always computed alone and spliced in the request.
     """
 
     method: str = "pic"
@@ -71,6 +78,7 @@ class PicConfig:
     keep_end_state: bool = True
     fused: bool = True
     seam_chain: str = "auto"
+    cold_full_fraction: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,6 +98,9 @@ class PicConfig:
             raise PicConfigError(f"seam_chain={self.seam_chain!r} must be one of {', '.join(SEAM_CHAIN_MODES)}")
         if self.state_dtype not in STATE_DTYPES:
             raise PicConfigError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
+        f = self.cold_full_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
+            raise PicConfigError(f"cold_full_fraction={f!r} must be None or a number in (0, 1]")
         for name in ("signature_cache_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise PicConfigError(f"{name}={getattr(self, name)!r} must be >= 0")

@@ -25,11 +25,19 @@ path; all of a request's alone passes run packed in one pass through the layers,
 signature_variant(anchor, split))`, so the same segment reuses one signature at any
 offset and in any order. Accounting and timing: engine.pic.report.
 
+Cold fallback (`PicConfig.cold_full_fraction`): when the misses of a request hold at
+least that fraction of its prompt, the miss step queues them instead (`deferred`) and the
+fused step computes the whole prompt in context (plain full recompute: the request's TTFT
+is full recompute's, not alone passes + splicing); `help_idle(runner)`, which the engine
+calls while it has no request, computes queued segments alone (packed, a token budget
+per call) and caches them, so later requests hit them.
+
 `FullPlanner` computes everything (with the same report); the prefix planner lives in
 engine.pic.prefix. Planners are called from the engine loop's thread only.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -50,6 +58,12 @@ from engine.runtime.request import PromptSegment, Request
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: key of a planner's per-request state in `Request.planner_state`
 STATE_KEY = "pic"
+#: most segments queued for idle-time alone passes (cold fallback); the oldest go first
+MAX_DEFERRED = 512
+#: tokens of alone passes one `help_idle` call computes at most (one packed pass)
+IDLE_BATCH_TOKENS = 16384
+#: how often an idle engine polls `help_idle` while segments are queued (seconds)
+IDLE_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class _RequestState:
     signatures: dict[bytes, SegmentSignature] = field(default_factory=dict)
     missing: list[SpliceUnit] = field(default_factory=list)
     held: list[bytes] = field(default_factory=list)
+    full: bool = False  # cold fallback: the fused step computes the whole prompt
 
 
 class ReportingPlanner:
@@ -141,6 +156,8 @@ class PicPlanner(ReportingPlanner):
         self.seam = config.effective_seam(window)
         self.linear_mode = "add" if config.method == "naive" else "compose"
         self.state_dtype = STATE_DTYPES[config.state_dtype]
+        #: cold-fallback segments to compute alone when idle: key -> (content tokens, split)
+        self.deferred: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
 
     # ------------------------------------------------------------------ planning
     def key(self, content: Sequence[int], split: int) -> bytes:
@@ -217,7 +234,7 @@ class PicPlanner(ReportingPlanner):
         """One fused step over the whole layout (engine.pic.fused)."""
         spec: list[tuple] = []
         kinds = {"seam": 0, "suffix": 0}
-        pos = b.position
+        pos = start = b.position
         for it in items:
             if it[0] == "splice":
                 spec.append(("s", it[1]))
@@ -226,10 +243,15 @@ class PicPlanner(ReportingPlanner):
                 spec.append(("c", pos, it[1]))
                 kinds[it[2]] += it[1] - pos
                 pos = it[1]
-        b.fused(pos, lambda runner, req, _s=tuple(spec), **kw: self._run_fused(runner, req, _s, **kw), kinds)
+        b.fused(pos, lambda runner, req, _s=tuple(spec), _a=start, **kw: self._run_fused(runner, req, _s, _a, **kw),
+                kinds)
 
-    def _run_fused(self, runner, request: Request, spec: tuple, all_logits: bool = False):
+    def _run_fused(self, runner, request: Request, spec: tuple, start: int, all_logits: bool = False):
         state: _RequestState = request.planner_state[STATE_KEY]
+        if state.full:  # cold fallback: plain full recompute of the fused step's range
+            return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids,
+                                 [FusedItem(start, len(state.token_ids))], backend=runner.backend,
+                                 kernel=self.config.kernel, chain=self.config.seam_chain, all_logits=all_logits)
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s"])
         items = []
         for s in spec:
@@ -272,6 +294,8 @@ class PicPlanner(ReportingPlanner):
     def _compute_misses(self, runner, request: Request) -> None:
         state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
+        if self._fall_back_to_full(state):
+            return
         sigs = compute_signatures(runner.model, [(state.token_ids[u.offset:u.end], u.split) for u in state.missing],
                                   self.anchor_ids, backend=runner.backend, state_dtype=self.state_dtype,
                                   keep_end_state=self.config.keep_end_state) if state.missing else []
@@ -280,6 +304,64 @@ class PicPlanner(ReportingPlanner):
             self.cache.put(u.key, sig)
             state.signatures[u.key] = sig
             report.add_miss(len(self.anchor_ids) + u.num_tokens)
+
+    # ------------------------------------------------------------ cold fallback
+    def _fall_back_to_full(self, state: _RequestState) -> bool:
+        """Cold fallback (module docstring): True when this request's misses hold at
+        least `cold_full_fraction` of its prompt; they are then queued for `help_idle`,
+        and the request's fused step computes the whole prompt."""
+        f = self.config.cold_full_fraction
+        if f is None or not state.missing or not self.config.fused:
+            return False
+        if sum(u.num_tokens for u in state.missing) < f * len(state.token_ids):
+            return False
+        for u in state.missing:
+            self.deferred[u.key] = (tuple(state.token_ids[u.offset:u.end]), u.split)
+            self.deferred.move_to_end(u.key)
+        while len(self.deferred) > MAX_DEFERRED:
+            self.deferred.popitem(last=False)
+        state.builder.report.set_cold_full(len(state.missing))
+        state.missing = []
+        state.full = True
+        return True
+
+    def _next_deferred(self) -> list[tuple[bytes, tuple[int, ...], int]]:
+        """The queued segments of the next idle batch (oldest first, within
+        IDLE_BATCH_TOKENS; at least one), taken off the queue."""
+        out: list[tuple[bytes, tuple[int, ...], int]] = []
+        tokens = 0
+        while self.deferred:
+            key, (ids, split) = next(iter(self.deferred.items()))
+            if out and tokens + len(ids) > IDLE_BATCH_TOKENS:
+                break
+            del self.deferred[key]
+            out.append((key, ids, split))
+            tokens += len(ids)
+        return out
+
+    def _compute_deferred(self, runner, todo: Sequence[tuple[bytes, tuple[int, ...], int]]) -> list[SegmentSignature]:
+        sigs = compute_signatures(runner.model, [(list(ids), split) for _, ids, split in todo], self.anchor_ids,
+                                  backend=runner.backend, state_dtype=self.state_dtype,
+                                  keep_end_state=self.config.keep_end_state)
+        for sig in sigs:
+            sig.meta["fingerprint"] = self.fingerprint
+        return sigs
+
+    @property
+    def idle_poll_s(self) -> Optional[float]:
+        """How often the engine should call `help_idle` while idle (None: never)."""
+        return IDLE_POLL_S if self.config.cold_full_fraction is not None else None
+
+    def help_idle(self, runner) -> int:
+        """Compute queued cold-fallback segments alone and cache them; how many. Called
+        by the engine while it has no request."""
+        todo = self._next_deferred()
+        todo = [t for t, held in zip(todo, self.cache.lookup([t[0] for t in todo])) if not held]
+        if not todo:
+            return 0
+        for (key, _, _), sig in zip(todo, self._compute_deferred(runner, todo)):
+            self.cache.put(key, sig)
+        return len(todo)
 
     def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
         """Hook: make every unit's signature available in the request state before it is

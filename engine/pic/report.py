@@ -55,6 +55,8 @@ class PrefillReport:
     suffix_ms: float = 0.0
     checkpoint_ms: float = 0.0
     fused_ms: float = 0.0  # the one-pass prefill (seams + splices + suffix together)
+    deferred_segments: int = 0  # cold fallback: misses queued for idle-time alone passes
+    cold_full: bool = False  # cold fallback: the prompt was computed by full recompute
     complete: bool = False  # the plan ran to its end (False after a preemption mid-way)
 
     def add_compute(self, kind: str, n: int) -> None:
@@ -72,6 +74,14 @@ class PrefillReport:
     def add_hit(self, reused: int) -> None:
         self.hit_segments += 1
         self.reused_tokens += reused
+
+    def set_cold_full(self, deferred: int) -> None:
+        """The request is served by full recompute (cold fallback): nothing reused,
+        every prompt token computed in context, `deferred` misses queued."""
+        self.cold_full = True
+        self.deferred_segments = deferred
+        self.reused_tokens = self.hit_segments = self.seam_tokens = 0
+        self.suffix_tokens = self.recomputed_tokens = self.prompt_tokens
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("request_id", "complete")}

@@ -117,6 +117,16 @@ class Harness:
                 return deleted
             deleted += store.link.call("delete", lambda kv: kv.delete([o.key for o in objs]))
 
+    def drain_idle(self) -> int:
+        """Run the planner's idle work (cold-fallback segments queued by earlier requests,
+        PicConfig.cold_full_fraction) until there is none; how many segments it computed."""
+        done = 0
+        while True:
+            n = self.engine.help_idle()
+            if not n:
+                return done
+            done += n
+
     def close(self) -> None:
         for p in (self._store_planner, self._timed_planner):
             if p is not None:
@@ -140,6 +150,7 @@ class Harness:
         rep = planner.take_report(rid)
         take = getattr(planner, "take_store_report", None)
         sr = take(rid) if take else None
+        self.drain_idle()  # requests alone: the engine is idle before the next one arrives
         if hasattr(planner, "store"):
             planner.store.flush()
         d = rep.as_dict() if rep is not None else {}
@@ -168,7 +179,8 @@ class Harness:
                 ids.append(rid)
                 engine.add_request(r.as_prompt(), params, request_id=rid, arrival_time=at)
             if not engine.has_unfinished():
-                time.sleep(max(0.0, min(arrivals[0][0] - time.perf_counter(), 0.05)))
+                if not engine.help_idle():  # idle work (cold-fallback segments) between arrivals
+                    time.sleep(max(0.0, min(arrivals[0][0] - time.perf_counter(), 0.05)))
                 continue
             for out in engine.step():
                 if out.finished and out.timeline.ttft is not None:

@@ -146,3 +146,27 @@ def test_requests_admitted_together_share_loads_and_match_in_process_pic(start_d
     assert planner.store.metrics.snapshot()["overlap"] is not None
     with d.client() as kv:
         assert kv.stats()["leases"] == 0
+
+
+def test_cold_fallback_serves_by_full_recompute_then_idle_help_stores_the_segments(
+        start_daemon, store_engine, memory_engine):
+    from engine.pic.config import PicConfig
+
+    d = start_daemon()
+    p = prompt((0, 1, 2))
+    full_engine, full_planner = memory_engine(pic=PicConfig(method="full"))
+    want = run_one(full_engine, full_planner, p, "full")[0].token_ids
+    engine, planner = store_engine(d, pic=PicConfig(cold_full_fraction=0.5))
+    out1, rep1, st1 = run_one(engine, planner, p, "r1")
+    assert out1.token_ids == want  # served by full recompute: the same tokens
+    assert rep1.cold_full and rep1.deferred_segments == 3 and rep1.reused_tokens == 0 and st1.computed == 0
+    keys = list(planner.deferred)
+    with d.client() as kv:
+        assert not any(e.hit for e in kv.lookup(keys))
+    assert engine.idle_poll_s is not None and engine.help_idle() == 3
+    assert planner.store.flush()
+    with d.client() as kv:
+        assert all(e.hit for e in kv.lookup(keys))
+    assert planner.store.metrics.snapshot()["deferred_computed"] == 3
+    out2, rep2, st2 = run_one(engine, planner, prompt((2, 0, 1)), "r2")
+    assert not rep2.cold_full and rep2.hit_segments == 3 and st2.hits_by_tier["cpu"] == 3

@@ -1,0 +1,81 @@
+"""Cold fallback (PicConfig.cold_full_fraction): a request whose misses hold at least the
+configured share of its prompt is prefilled by full recompute (same logits as the `full`
+planner, nothing reused), its misses are queued, `help_idle` computes them alone later,
+and the next request with those segments is a warm PIC request; below the threshold
+the misses are computed alone and spliced as before."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.config import FULL, GDN, SWA
+from engine.pic.config import PicConfig
+from engine.pic.errors import PicConfigError
+
+from pic_testlib import execute, make_request, rand_ids
+
+LAYERS = [GDN, FULL, SWA, GDN]
+
+
+def _segments(seed: int = 0):
+    docs = [rand_ids(n, seed + n) for n in (18, 14, 16)]
+    return [(d, True) for d in docs] + [(rand_ids(6, seed + 99), False)]
+
+
+def test_a_cold_request_is_served_by_full_recompute_with_the_same_logits(model_of, runner_of, planner_of):
+    model = model_of(LAYERS)
+    runner = runner_of(model)
+    segments = _segments()
+    full = execute(planner_of(model, method="full"), runner, make_request(segments))
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5)
+    req = make_request(segments)
+    run = execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    torch.testing.assert_close(run.logits[-1], full.logits[-1], rtol=1e-5, atol=1e-5)
+    assert rep.cold_full and rep.deferred_segments == 3
+    assert rep.reused_tokens == 0 and rep.recomputed_tokens == rep.prompt_tokens == len(req.prompt_token_ids)
+    assert rep.miss_segments == 0 and len(planner.deferred) == 3
+    assert planner.cache.stats().entries == 0  # nothing was computed alone yet
+
+
+def test_idle_help_computes_the_deferred_segments_and_the_next_request_hits(model_of, runner_of, planner_of):
+    model = model_of(LAYERS)
+    runner = runner_of(model)
+    segments = _segments(1)
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5)
+    assert planner.idle_poll_s is not None
+    execute(planner, runner, make_request(segments))
+    assert planner.help_idle(runner) == 3  # one packed batch: all three fit the token budget
+    assert not planner.deferred and planner.help_idle(runner) == 0
+    req = make_request(segments)
+    warm = execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert not rep.cold_full and rep.hit_segments == 3 and rep.miss_segments == 0 and rep.reused_tokens > 0
+    # the same signatures as a planner that computed them in the request (no fallback)
+    plain = planner_of(model, fused=True, seam=4)
+    execute(plain, runner, make_request(segments))
+    again = execute(plain, runner, make_request(segments))
+    torch.testing.assert_close(warm.logits[-1], again.logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_below_the_threshold_misses_are_computed_alone_and_spliced(model_of, runner_of, planner_of):
+    model = model_of(LAYERS)
+    runner = runner_of(model)
+    segments = _segments(2)
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5)
+    execute(planner, runner, make_request(segments))
+    planner.help_idle(runner)
+    new_doc = rand_ids(9, 77)  # one small cold segment among warm ones: well under half the prompt
+    req = make_request(segments[:2] + [(new_doc, True)] + segments[2:])
+    execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert not rep.cold_full and rep.miss_segments == 1 and rep.hit_segments == 3
+    assert not planner.deferred
+
+
+def test_the_fallback_is_off_by_default_and_the_fraction_is_validated(model_of, planner_of):
+    planner = planner_of(model_of(LAYERS), fused=True)
+    assert planner.config.cold_full_fraction is None and planner.idle_poll_s is None
+    for bad in (0, 1.5, -0.1, True, "half"):
+        with pytest.raises(PicConfigError, match="cold_full_fraction"):
+            PicConfig(cold_full_fraction=bad)
