@@ -32,6 +32,12 @@ tokens, rag ~13k), QPS search over `--qps-trials` (4) trials of `--qps-requests`
 requests, `--share-requests` (6) requests in the sharing experiment, `--cold-requests`
 (4) in the cold-prefill one. `--quick` runs both two-engine experiments for its first
 preset only.
+
+`--merge RUN.json ...` joins runs made as separate processes (e.g. one preset per GPU, or
+the two-GPU phases apart from the single-GPU ones, to stay inside a time limit) into one
+run: presets side by side (a preset in several runs gets the union of their workloads
+and phases), the summary recomputed over all of them, the command lines kept; with
+`--json PATH` it is written there, and the tables print.
 """
 from __future__ import annotations
 
@@ -89,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-capacity", default=None, help="daemon GPU tier (default 16GiB with CUDA, else 0)")
     ap.add_argument("--nvme-capacity", default=None, help="daemon NVMe tier (default 40GiB; quick 1GiB)")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="RUN",
+                    help="join these run JSONs into one (module docstring); nothing is measured")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="write the run as JSON (default path docs/results/serving-<date>.json)")
     args = ap.parse_args(argv)
@@ -246,8 +254,48 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
     return out
 
 
+def merge_runs(paths: list[str]) -> dict:
+    """One run from several run JSONs (module docstring)."""
+    from tools.servebench import report
+
+    runs = []
+    for p in paths:
+        try:
+            runs.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--merge: cannot read run {p}: {exc}")
+        if not isinstance(runs[-1].get("presets"), dict):
+            raise SystemExit(f"--merge: {p} is not a bench_serving run (no 'presets')")
+    presets: dict = {}
+    for run in runs:
+        for name, pre in run["presets"].items():
+            have = presets.setdefault(name, {})
+            for key, val in pre.items():
+                if key == "workloads":
+                    have.setdefault("workloads", {})
+                    for w, v in val.items():
+                        have["workloads"].setdefault(w, v)
+                elif have.get(key) in (None, {}, []):
+                    have[key] = val
+    return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in runs),
+            "machine": runs[0].get("machine"), "quick": any(r.get("quick") for r in runs),
+            "config": [r.get("config") for r in runs], "merged_from": [str(p) for p in paths],
+            "presets": presets, "summary": report.summarize(presets),
+            "wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        from tools.servebench import report
+
+        run = merge_runs(args.merge)
+        if args.json is not None:
+            path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(run, indent=1, default=str) + "\n")
+        print(report.tables(run["presets"], run["summary"]))
+        return 0
     import torch
 
     from kvstore.testing import DaemonProcess

@@ -47,3 +47,18 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("summary: ttft_reduction_vs_prefix_avg=")
     assert "TTFT (ms) per workload" in proc.stdout
+    # --merge: the run split into one file per preset joins back into the same presets and summary
+    parts = []
+    for name, pre in run["presets"].items():
+        part = dict(run, presets={name: pre})
+        parts.append(tmp_path / f"{name}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged_path = tmp_path / "merged.json"
+    proc = subprocess.run([sys.executable, "tools/bench_serving.py", "--merge", *map(str, parts),
+                           "--json", str(merged_path)], capture_output=True, text=True, cwd=str(REPO), env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = json.loads(merged_path.read_text())
+    assert merged["presets"] == run["presets"] and merged["summary"] == summary
+    assert merged["merged_from"] == [str(p) for p in parts]
+    assert proc.stdout.strip().splitlines()[-1].startswith("summary: ttft_reduction_vs_prefix_avg=")
