@@ -181,7 +181,10 @@ def warm_kernels(h, scale: str = "tiny", max_tokens=None, docs=None, seed: int =
             h.forget(r)
 
 
-def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) -> dict:
+def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, save=lambda out: None) -> dict:
+    """Every phase of one preset; `save(out)` is called after each phase with what is
+    measured so far (the run JSON is rewritten then: a run stopped by a time limit keeps
+    its finished phases)."""
     import torch
 
     from engine.builder import EngineConfig, build_engine, resolve_device
@@ -207,6 +210,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
             w = out["workloads"][task]
             log(f"{preset}/{task}: full {w['full']['warm']['ttft_ms_p50']:.1f} ms, prefix warm "
                 f"{w['prefix']['warm']['ttft_ms_p50']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_p50']:.1f} ms")
+            save(out)
         rag = out["workloads"].get("rag") or next(iter(out["workloads"].values()))
         if "qps" not in args.skip:
             slo = args.slo_ms or args.slo_factor * rag["full"]["warm"]["ttft_ms_p50"]
@@ -219,11 +223,13 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
                 q[method] = measure.qps_at_slo(h, method, stream, warm, k, trials, slo, 300.0 / mean, args.seed)
                 log(f"{preset} qps {method}: {q[method]['sustainable_qps']:.2f}/s at p99 <= {slo:.0f} ms")
             out["qps"] = q
+            save(out)
         if "breakdown" not in args.skip:
             req = requests.load("rag", 1, args.seed + 2, scale, args.max_tokens, args.docs)[0]
             h.planner("pic")
             h.run_alone(req)
             out["breakdown"] = measure.hit_breakdown(h, req, tiers)
+            save(out)
         first = not (args.quick and preset != args.presets[0])
         threads = 1 if device.type == "cpu" else None
         gpus = worker_gpus(args.gpus, device)
@@ -235,6 +241,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
             log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
                 f"private {out['sharing']['private']['hit_rate']:.2f} (devices "
                 f"{out['sharing']['shared']['devices']})")
+            save(out)
         if "cold" not in args.skip and first:
             reqs = requests.load("rag", args.cold_requests, args.seed + 4, scale, args.max_tokens, args.cold_docs)
             c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus)
@@ -243,6 +250,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
             log(f"{preset} cold prefill: alone {c['alone']['ttft_ms_mean']:.1f} ms, helped "
                 f"{c['helped']['ttft_ms_mean']:.1f} ms (x{c['speedup'] or 0:.2f}; helper computed "
                 f"{c['helper']['cold_helped']} segments; devices {c['devices']})")
+            save(out)
         out["connector"] = h.store.metrics.snapshot()
         out["purged_objects"] = h.purge()  # room for the next preset
     finally:
@@ -252,6 +260,27 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log) ->
             torch.cuda.empty_cache()
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def write_run(args, argv, start: float, presets: dict, complete: bool) -> dict:
+    """The run record (summary over `presets`); written to the --json path when given.
+    `complete` is False while phases are still to come."""
+    from tools.servebench import report
+
+    run = {"date": dt.date.today().isoformat(), "command": " ".join(["python", "tools/bench_serving.py",
+                                                                    *(argv if argv is not None else sys.argv[1:])]),
+           "machine": machine(), "quick": args.quick, "config": {k: (sorted(v) if isinstance(v, set) else v)
+                                                                 for k, v in vars(args).items()},
+           "complete": complete, "presets": presets, "summary": report.summarize(presets),
+           "wall_s": time.perf_counter() - start}
+    if args.json is not None:
+        path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(run, indent=1, default=str) + "\n")
+        os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+        run["path"] = str(path)
+    return run
 
 
 def merge_runs(paths: list[str]) -> dict:
@@ -321,21 +350,18 @@ def main(argv=None) -> int:
 
         with KVStoreClient(socket) as kv:
             tiers = kv.info.tiers
-        presets = {p: bench_preset(p, args, socket, tiers, log) for p in args.presets}
+        presets: dict = {}
+        for p in args.presets:
+            presets[p] = bench_preset(p, args, socket, tiers, log,
+                                      save=lambda out, _p=p: write_run(args, argv, start, {**presets, _p: out},
+                                                                       complete=False))
     finally:
         if daemon is not None:
             daemon.cleanup()
-    summary = report.summarize(presets)
-    run = {"date": dt.date.today().isoformat(), "command": " ".join(["python", "tools/bench_serving.py",
-                                                                    *(argv if argv is not None else sys.argv[1:])]),
-           "machine": machine(), "quick": args.quick, "config": {k: (sorted(v) if isinstance(v, set) else v)
-                                                                 for k, v in vars(args).items()},
-           "presets": presets, "summary": summary, "wall_s": time.perf_counter() - start}
-    if args.json is not None:
-        path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(run, indent=1, default=str) + "\n")
-        log(f"wrote {path}")
+    run = write_run(args, argv, start, presets, complete=True)
+    if run.get("path"):
+        log(f"wrote {run['path']}")
+    summary = run["summary"]
     print(report.tables(presets, summary))
     return 0
 

@@ -129,15 +129,27 @@ class ReportingPlanner:
 
 
 class FullPlanner(ReportingPlanner):
-    """`full`: compute every prompt token."""
+    """`full`: compute every prompt token (with `PicConfig.fused`, the default, as one
+    fused step over the whole prompt: the pass PIC's plans run, so the baseline and the
+    method differ only in what they compute)."""
 
     name = "full"
 
     def plan(self, request: Request) -> PrefillPlan:
         b = self._new_builder(request)
-        b.compute(len(request.prefill_token_ids()), "suffix")
+        ids = list(request.prefill_token_ids())
+        if self.config.fused:  # the same one pass as PIC's (and its cold fallback's) prefill
+            b.fused(len(ids), lambda runner, req, _ids=ids, **kw: self._run_fused(runner, req, _ids, **kw),
+                    {"suffix": len(ids)})
+        else:  # the scheduler's compute steps (chunked by its budget)
+            b.compute(len(ids), "suffix")
         request.planner_state[STATE_KEY] = _RequestState(b, [], [])
         return b.build()
+
+    def _run_fused(self, runner, request: Request, ids: list[int], all_logits: bool = False):
+        return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(0, len(ids))],
+                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
+                             all_logits=all_logits)
 
 
 class PicPlanner(ReportingPlanner):

@@ -20,6 +20,7 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
                           capture_output=True, text=True, cwd=str(REPO), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
+    assert run["complete"] is True and not out.with_name(out.name + ".tmp").exists()
     summary = run["summary"]
     for key in ("ttft_reduction_vs_prefix_avg", "ttft_reduction_vs_full_avg", "qps_gain_vs_prefix_at_slo",
                 "cold_parallel_speedup", "cross_gpu_hit_rate"):
