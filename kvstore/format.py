@@ -81,6 +81,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
+#: bytes per element of each dtype name
+ITEMSIZE: dict[str, int] = {name: torch.empty(0, dtype=dt).element_size() for name, dt in DTYPES.items()}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 Buffer = Union[memoryview, bytes, bytearray, torch.Tensor]
@@ -398,7 +400,7 @@ def read_header(buf: Buffer) -> BlobHeader:
             if s < 0:
                 raise BadObject(f"blob part {p.name!r} has negative shape {p.shape}")
             numel *= s
-        itemsize = torch.empty(0, dtype=DTYPES[p.dtype]).element_size()
+        itemsize = ITEMSIZE[p.dtype]
         if p.length != numel * itemsize:
             raise BadObject(f"blob part {p.name!r}: length {p.length} != {p.shape} x {itemsize} bytes")
         if p.offset % ALIGN or p.offset < PREAMBLE_SIZE + hlen or p.offset + p.length > header.total_size - TRAILER_SIZE:
@@ -451,12 +453,21 @@ def tensors_over(header: BlobHeader, buf: Buffer) -> dict[str, torch.Tensor]:
     if u8.numel() < header_span(header):
         raise BadObject(f"buffer of {u8.numel()} bytes is shorter than the blob's parts ({header_span(header)})")
     out: dict[str, torch.Tensor] = {}
+    typed: dict[str, torch.Tensor] = {}  # the buffer viewed once per dtype; parts are strided views of it
     for p in header.parts:
         dtype = DTYPES[p.dtype]
         if p.length == 0:
             out[p.name] = torch.empty(p.shape, dtype=dtype, device=u8.device)
-        else:
-            out[p.name] = u8[p.offset : p.offset + p.length].view(dtype).view(p.shape)
+            continue
+        size = ITEMSIZE[p.dtype]
+        base = typed.get(p.dtype)
+        if base is None:
+            base = typed[p.dtype] = u8[: u8.numel() - u8.numel() % size].view(dtype)
+        strides, acc = [], 1
+        for d in reversed(p.shape):
+            strides.append(acc)
+            acc *= d
+        out[p.name] = base.as_strided(p.shape, tuple(reversed(strides)), base.storage_offset() + p.offset // size)
     return out
 
 
