@@ -266,9 +266,11 @@ class AsyncKVStoreClient:
         except KVStoreError:
             pass
 
-    async def get_many(self, keys: Sequence[KeyLike], *, promote: bool = True) -> list[Optional[ObjectView]]:
+    async def get_many(self, keys: Sequence[KeyLike], *, promote: bool = True,
+                       client_verifies: bool = False) -> list[Optional[ObjectView]]:
+        """As KVStoreClient.get_many (`client_verifies` included)."""
         ks = [as_key(k) for k in keys]
-        leases = self._core.leases(await self._call("Get", self._core.get_request(ks, promote)))
+        leases = self._core.leases(await self._call("Get", self._core.get_request(ks, promote, client_verifies)))
         views: list[Optional[ObjectView]] = []
         try:
             for lease in leases:
