@@ -286,8 +286,8 @@ class AsyncKVStoreClient:
             raise
         return views
 
-    async def get(self, key: KeyLike, *, promote: bool = True) -> ObjectView:
-        view = (await self.get_many([key], promote=promote))[0]
+    async def get(self, key: KeyLike, *, promote: bool = True, client_verifies: bool = False) -> ObjectView:
+        view = (await self.get_many([key], promote=promote, client_verifies=client_verifies))[0]
         if view is None:
             raise UnknownKey(f"key {codec.key_text(as_key(key))!r} is not in the store")
         return view

@@ -284,9 +284,10 @@ class KVStoreClient:
             raise
         return views
 
-    def get(self, key: KeyLike, *, promote: bool = True) -> ObjectView:
-        """Lease one key and map its bytes in place; UnknownKey on a miss."""
-        view = self.get_many([key], promote=promote)[0]
+    def get(self, key: KeyLike, *, promote: bool = True, client_verifies: bool = False) -> ObjectView:
+        """Lease one key and map its bytes in place; UnknownKey on a miss (`client_verifies`
+        as for get_many)."""
+        view = self.get_many([key], promote=promote, client_verifies=client_verifies)[0]
         if view is None:
             raise UnknownKey(f"key {codec.key_text(as_key(key))!r} is not in the store")
         return view

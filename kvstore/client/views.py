@@ -181,34 +181,36 @@ class ObjectView:
         stream = stream if stream is not None else _side_stream(dst.device)
         stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may still be in use there
         region = self.lease.region
-        with torch.cuda.stream(stream):
-            if self._device is not None:  # GPU tier: one device-to-device copy
-                dst[:n].copy_(self._device, non_blocking=True)
-                if verify:
-                    from kvstore.format import checksum
+        digest: Optional[int] = None
+        try:
+            with torch.cuda.stream(stream):
+                if self._device is not None:  # GPU tier: one device-to-device copy
+                    dst[:n].copy_(self._device, non_blocking=True)
+                    if verify:
+                        from kvstore.format import checksum
 
-                    self._check_digest(checksum(dst[:n]))
-            elif region.kind == "file":
-                from kvstore.client.fileio import read_file_to_cuda, settings_for_chunk
+                        digest = checksum(dst[:n])
+                elif region.kind == "file":
+                    from kvstore.client.fileio import read_file_to_cuda, settings_for_chunk
 
-                digest = read_file_to_cuda(region.path, region.offset, n, dst[:n], stream, hash_bytes=verify,
-                                           mapping=self._host, settings=settings_for_chunk(chunk))
-                if verify:
-                    self._check_digest(digest)
-            else:
-                chunk = chunk or COPY_CHUNK
-                src = self.tensor()
-                hasher = self._hasher() if verify else None
-                for off in range(0, n, chunk):
-                    piece = src[off: off + chunk]
-                    dst[off: off + piece.numel()].copy_(piece, non_blocking=True)
-                    if hasher is not None:  # the DMA of this piece runs meanwhile
-                        hasher.update(memoryview(self._host[off: off + piece.numel()]))
-                if hasher is not None:
-                    self._check_digest(hasher.intdigest())
-            done = torch.cuda.Event()
-            done.record(stream)
-        dst.record_stream(stream)
+                    digest = read_file_to_cuda(region.path, region.offset, n, dst[:n], stream, hash_bytes=verify,
+                                               mapping=self._host, settings=settings_for_chunk(chunk))
+                else:
+                    chunk = chunk or COPY_CHUNK
+                    src = self.tensor()
+                    hasher = self._hasher() if verify else None
+                    for off in range(0, n, chunk):
+                        piece = src[off: off + chunk]
+                        dst[off: off + piece.numel()].copy_(piece, non_blocking=True)
+                        if hasher is not None:  # the DMA of this piece runs meanwhile
+                            hasher.update(memoryview(self._host[off: off + piece.numel()]))
+                    digest = hasher.intdigest() if hasher is not None else None
+                done = torch.cuda.Event()
+                done.record(stream)
+        finally:
+            dst.record_stream(stream)  # copies issued before an error may still be running
+        if verify:
+            self._check_digest(digest)
         return done
 
     def read_into(self, out: Any, *, verify: bool = False) -> None:
