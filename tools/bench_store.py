@@ -6,8 +6,9 @@ measures, for the same bytes:
   CPU tier   put / get (batched lease + copy out)  vs  memcpy in this process
   NVMe tier  put (fsync'ed) / get (cold)      vs  dd-style O_DIRECT write+fsync / read, same directory
              (gets without promotion: copy_to a host buffer, client-verified; the same with
-             the daemon's read-back; into a GPU tensor (CUDA only). Reads: best of 3 cold runs,
-             the baseline's too, which also gets the client reader's threads and piece size)
+             the daemon's read-back; a copy through the zero-copy view (.array); into a GPU
+             tensor (CUDA only). Reads: best of 3 cold runs interleaved with the baseline's,
+             which also gets the client reader's threads and piece size)
   GPU tier   put / get into a GPU tensor      vs  device-to-device copy            (CUDA only)
   CPU tier   get into a GPU tensor            vs  pinned host-to-device copy       (CUDA only)
   gRPC       the same bytes inside gRPC messages to a sink process (put / get)
@@ -260,7 +261,8 @@ def grpc_gbps(data: np.ndarray, count: int, chunk: int, tmp: Path) -> tuple[floa
 
 
 def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
-               memcpy: float, direct: DirectIO, direct_write: float, cold_repeat: int) -> tuple[list[Row], dict[str, Any]]:
+               memcpy: float, direct: DirectIO, direct_write: float,
+               cold_repeat: int) -> tuple[list[Row], dict[str, Any]]:
     import torch
 
     size = data.nbytes
@@ -350,8 +352,15 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
                 torch.cuda.synchronize()
             kv.release_many(views)
 
+        def get_nvme_mapped() -> None:  # the zero-copy view: the daemon reads it back, then copy via the mapping
+            views = kv.get_many(keys, promote=False)
+            for v in views:
+                np.copyto(host.numpy(), v.array)
+            kv.release_many(views)
+
         ways: dict[str, Callable[[], Any]] = {"host": lambda: get_nvme(host),
-                                              "daemon": lambda: get_nvme(host, client_verifies=False)}
+                                              "daemon": lambda: get_nvme(host, client_verifies=False),
+                                              "mapped": get_nvme_mapped}
         if cuda:
             gpu_dst = torch.empty(size, dtype=torch.uint8, device="cuda")
             get_nvme(gpu_dst)  # warm: the pinned staging ring, the side stream
@@ -373,6 +382,8 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
         extra["nvme_read_fraction_of_direct_io"] = rows[-1].ratio
         rows.append(Row("nvme tier", "get (cold, no promote), daemon-verified", _gbps(total, best["daemon"]),
                         "direct-I/O read", base, "the daemon reads it back, then copy_to from the page cache"))
+        rows.append(Row("nvme tier", "get (cold, no promote), via .array", _gbps(total, best["mapped"]),
+                        "direct-I/O read", base, "the daemon reads it back, then a copy through the mapping"))
         if cuda:
             rows.append(Row("nvme tier", "get (cold, no promote) into GPU tensor", _gbps(total, best["gpu"]),
                             "direct-I/O read", base, "pinned staging, DMA overlaps reads, client-verified"))

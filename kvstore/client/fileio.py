@@ -4,7 +4,8 @@ client's read path for objects served without promotion (`ObjectView.copy_to`,
 (kvstore.client.regions); only the copies come here.
 
 Owns: `FileReadSettings`, `read_file` (host destination), `read_file_to_cuda`,
-`aligned_empty` (host destinations O_DIRECT can fill in place), the reader thread pools, the per-thread aligned bounce buffers and the pinned staging rings.
+`aligned_empty` (host destinations O_DIRECT can fill in place), the reader thread pools,
+the per-thread aligned bounce buffers and the pinned staging rings.
 
 A region is split into pieces of up to `piece_bytes` (smaller for a small object, so
 every thread gets one) read over a pool of `threads` threads (preadv releases the GIL,

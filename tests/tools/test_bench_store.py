@@ -20,7 +20,8 @@ def test_bench_store_prints_the_nvme_read_rows_against_the_direct_io_baseline(tm
         env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split("│")[2].strip(): line for line in out.stdout.splitlines() if line.count("│") > 6}
-    for op in ("get (cold, no promote)", "get (cold, no promote), daemon-verified", "get (cold, promote to cpu)"):
+    for op in ("get (cold, no promote)", "get (cold, no promote), daemon-verified",
+               "get (cold, no promote), via .array", "get (cold, promote to cpu)"):
         cells = [c.strip() for c in rows[op].split("│")]
         assert cells[4] == "direct-I/O read" and float(cells[5]) > 0 and float(cells[6]) > 0, rows[op]
     assert "client-verified" in rows["get (cold, no promote)"]
