@@ -539,6 +539,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.grpc_sink:
         run_sink(args.grpc_sink, chunk)
         return 0
+    if args.cold_repeat < 1:
+        ap.error(f"--cold-repeat must be >= 1, got {args.cold_repeat}")
     if args.lookup_only:
         if args.json:
             ap.error("--lookup-only writes no JSON (the JSON file needs the data-plane rows); drop --json")
