@@ -393,14 +393,18 @@ class Store:
                     return False
                 self._cond.wait(left)
 
-    def get(self, keys: Sequence[bytes], client_id: str, promote: bool = True) -> list[Optional[Lease]]:
+    def get(self, keys: Sequence[bytes], client_id: str, promote: bool = True,
+            client_verifies: bool = False) -> list[Optional[Lease]]:
         """Pin each present key with a lease (None for a miss); counts hits and misses.
 
         With `promote`, an NVMe hit is moved to the CPU arena when room can be made
         without touching pinned objects; its copy is checksummed in memory. An object
         served from NVMe is checksummed first (settings.verify_nvme), and so is a memory
         tier object committed unverified (its first get). A bad object is dropped,
-        counted in `corrupt_dropped` and reported as a miss.
+        counted in `corrupt_dropped` and reported as a miss. `client_verifies`: the
+        client checks the bytes it reads, so an NVMe object verified before is served
+        without the read-back (verify_nvme "always" acts as "first" for this get; a
+        corrupt object is then the client's BadObject, and stays in the store).
         """
         plans: list[tuple[StoredObject, Optional[Slot]]] = []
         with self._lock:
@@ -423,7 +427,8 @@ class Store:
                     except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
                         log.debug("no promotion of %r: %s", key, exc)
                         dst = None
-                if dst is not None or (durable and self.settings.verify_nvme == "always") or not o.verified:
+                always = durable and self.settings.verify_nvme == "always" and not client_verifies
+                if dst is not None or always or not o.verified:
                     plans.append((o, dst))
                 else:
                     o.busy -= 1

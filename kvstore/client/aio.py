@@ -266,9 +266,11 @@ class AsyncKVStoreClient:
         except KVStoreError:
             pass
 
-    async def get_many(self, keys: Sequence[KeyLike], *, promote: bool = True) -> list[Optional[ObjectView]]:
+    async def get_many(self, keys: Sequence[KeyLike], *, promote: bool = True,
+                       client_verifies: bool = False) -> list[Optional[ObjectView]]:
+        """As KVStoreClient.get_many (`client_verifies` included)."""
         ks = [as_key(k) for k in keys]
-        leases = self._core.leases(await self._call("Get", self._core.get_request(ks, promote)))
+        leases = self._core.leases(await self._call("Get", self._core.get_request(ks, promote, client_verifies)))
         views: list[Optional[ObjectView]] = []
         try:
             for lease in leases:
@@ -284,8 +286,8 @@ class AsyncKVStoreClient:
             raise
         return views
 
-    async def get(self, key: KeyLike, *, promote: bool = True) -> ObjectView:
-        view = (await self.get_many([key], promote=promote))[0]
+    async def get(self, key: KeyLike, *, promote: bool = True, client_verifies: bool = False) -> ObjectView:
+        view = (await self.get_many([key], promote=promote, client_verifies=client_verifies))[0]
         if view is None:
             raise UnknownKey(f"key {codec.key_text(as_key(key))!r} is not in the store")
         return view

@@ -181,8 +181,9 @@ class ClientCore:
     def reserve_request(self, key: bytes, size: int, tier: Optional[str], meta: pb.ObjectMeta) -> pb.ReserveRequest:
         return pb.ReserveRequest(key=key, size=size, tier=tier or "", meta=meta, client_id=self.client_id)
 
-    def get_request(self, keys: Sequence[bytes], promote: bool) -> pb.GetRequest:
-        return pb.GetRequest(keys=list(keys), client_id=self.client_id, no_promote=not promote)
+    def get_request(self, keys: Sequence[bytes], promote: bool, client_verifies: bool = False) -> pb.GetRequest:
+        return pb.GetRequest(keys=list(keys), client_id=self.client_id, no_promote=not promote,
+                             client_verifies=client_verifies)
 
     def blob_writer(self, plan: "BlobPlan", tensors: Mapping[str, Any]) -> Callable[[Region], int]:
         """put_tensors' write step: lay `tensors` out by `plan` straight into a reserved
@@ -230,7 +231,9 @@ class ClientCore:
             self.queue_release(lease.lease_id)
             raise
         return ObjectView(lease, host, device, release, self.queue_release,
-                          before_tensor=lambda: self.regions.pin_arena_of(lease.region))
+                          before_tensor=lambda: self.regions.pin_arena_of(lease.region),
+                          before_host=(lambda: self.regions.prefetch(lease.region))
+                          if lease.region.kind == "file" else None)
 
     @staticmethod
     def leases(m: pb.GetResponse) -> list[Optional[Lease]]:

@@ -4,7 +4,8 @@ object files, and the GPU arena over CUDA IPC.
 Owns: mapping each shm arena once per client and caching the mapping (re-mapped when the
 daemon restarted and the arena file is a new one), pinning that mapping with
 cudaHostRegister where CUDA is present (so copies to the GPU run at PCIe speed), mapping
-object files for in-place reads and writes, and opening CUDA IPC handles once.
+object files for in-place reads and writes (copies out of them read the file instead:
+kvstore.client.fileio), and opening CUDA IPC handles once.
 
 Buffers come back as numpy uint8 arrays that alias the mapping. Whatever is derived from
 one (a memoryview, `torch.from_numpy`, slices) keeps that array, and so the mapping, alive;
@@ -170,15 +171,33 @@ class RegionMapper:
         finally:
             os.close(fd)
         if not writable and hasattr(mm, "madvise"):
-            try:  # start reading the whole object ahead: a cold NVMe read then streams
+            try:  # faults read ahead generously; `prefetch` starts the whole read when the mapping is first used
                 mm.madvise(mmap.MADV_SEQUENTIAL)
-                mm.madvise(mmap.MADV_WILLNEED)
             except OSError:
                 pass
         arr = np.frombuffer(mm, dtype=np.uint8)[region.offset - start:]
         if not writable:
             arr.flags.writeable = False
         return arr
+
+    @staticmethod
+    def prefetch(region: Region) -> None:
+        """Start reading a file region's bytes into the page cache (POSIX_FADV_WILLNEED):
+        called when a view's mapping is first read through, so a cold NVMe read streams.
+        Not done when the region is mapped at get: a copy that reads the file directly
+        (kvstore.client.fileio, O_DIRECT) would race a read-ahead and read the disk twice."""
+        if region.kind != "file":
+            return
+        try:
+            fd = os.open(region.path, os.O_RDONLY)
+        except OSError:
+            return  # the read through the mapping reports it
+        try:
+            os.posix_fadvise(fd, region.offset, region.length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
 
     def write(self, region: Region, data: memoryview) -> None:
         """Copy `data` (exactly region.length bytes) into the region, in place."""

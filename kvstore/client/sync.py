@@ -258,10 +258,17 @@ class KVStoreClient:
     def _release_one(self, lease_id: int) -> None:
         self._release_ids([lease_id])
 
-    def get_many(self, keys: Sequence[KeyLike], *, promote: bool = True) -> list[Optional[ObjectView]]:
-        """Lease every present key (None for a miss) and map its bytes in place."""
+    def get_many(self, keys: Sequence[KeyLike], *, promote: bool = True,
+                 client_verifies: bool = False) -> list[Optional[ObjectView]]:
+        """Lease every present key (None for a miss) and map its bytes in place.
+
+        `client_verifies=True`: this client checks the bytes itself (`copy_to` /
+        `read_into` with verify=True, or `verify()`), so the daemon serves NVMe objects
+        without reading them back first (verify_nvme = "always"): a read without
+        promotion then reads the disk once. A corrupt object raises BadObject in the
+        client and is not dropped from the store."""
         ks = [as_key(k) for k in keys]
-        leases = self._core.leases(self._call("Get", self._core.get_request(ks, promote)))
+        leases = self._core.leases(self._call("Get", self._core.get_request(ks, promote, client_verifies)))
         views: list[Optional[ObjectView]] = []
         try:
             for lease in leases:
@@ -277,9 +284,10 @@ class KVStoreClient:
             raise
         return views
 
-    def get(self, key: KeyLike, *, promote: bool = True) -> ObjectView:
-        """Lease one key and map its bytes in place; UnknownKey on a miss."""
-        view = self.get_many([key], promote=promote)[0]
+    def get(self, key: KeyLike, *, promote: bool = True, client_verifies: bool = False) -> ObjectView:
+        """Lease one key and map its bytes in place; UnknownKey on a miss (`client_verifies`
+        as for get_many)."""
+        view = self.get_many([key], promote=promote, client_verifies=client_verifies)[0]
         if view is None:
             raise UnknownKey(f"key {codec.key_text(as_key(key))!r} is not in the store")
         return view

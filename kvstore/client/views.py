@@ -1,7 +1,8 @@
 """What a get returns: a leased object's bytes, in place, and its decoded tensors.
 
 Owns: `ObjectView` (one lease: memoryview / numpy / torch views aliasing the daemon's
-arena, `release()`, context manager) and `TensorsView` (an ObjectView decoded with the
+arena, copies out of it (`copy_to`, `read_into`; NVMe objects are copied by reading
+their file, kvstore.client.fileio), `release()`, context manager) and `TensorsView` (an ObjectView decoded with the
 object format: header + dict of zero-copy tensors), and the rule tying a lease to the
 lifetime of its bytes' views.
 
@@ -48,9 +49,11 @@ class ObjectView:
 
     def __init__(self, lease: Lease, host: Optional[np.ndarray], device: Any,
                  release: Callable[[int], None], queue_release: Callable[[int], None],
-                 before_tensor: Optional[Callable[[], None]] = None) -> None:
+                 before_tensor: Optional[Callable[[], None]] = None,
+                 before_host: Optional[Callable[[], None]] = None) -> None:
         self.lease = lease
         self._before_tensor = before_tensor
+        self._before_host = before_host
         self._host = host
         self._device = device
         self._release = release
@@ -104,6 +107,15 @@ class ObjectView:
         self._check()
         if self._host is None:
             raise InvalidRequest(f"{self.key!r} lives in the GPU tier; use .tensor() for a CUDA tensor")
+        return self._mapped()
+
+    def _mapped(self) -> np.ndarray:
+        """The host bytes in place, for reading through the mapping: the first call runs
+        the `before_host` hook (for an NVMe object: start reading its file into the page
+        cache; not done at get, where a copy_to reading the file directly would race it)."""
+        if self._before_host is not None:
+            hook, self._before_host = self._before_host, None
+            hook()
         return self._host
 
     @property
@@ -125,21 +137,28 @@ class ObjectView:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only array: we promise not to write
-            return torch.from_numpy(self._host)
+            return torch.from_numpy(self._mapped())
 
-    def copy_to(self, dst: "torch.Tensor", *, stream: Any = None, chunk: int = COPY_CHUNK,
+    def copy_to(self, dst: "torch.Tensor", *, stream: Any = None, chunk: Optional[int] = None,
                 verify: bool = False) -> Any:
         """Copy the object's bytes into `dst[:size]` (a contiguous uint8 tensor, any device).
 
-        Host bytes (CPU/NVMe tiers) into a CUDA tensor: the shm arena is registered as
-        pinned memory once per client (kvstore.client.regions), so each `chunk`-byte piece
-        goes out as a non_blocking DMA on `stream` (default: one side stream per device);
-        with `verify=True` each piece is hashed on the host right after its copy was
-        issued, so hashing overlaps the transfer, and a mismatch raises BadObject once all
-        pieces were issued. GPU-tier bytes: one device copy on `stream` (verify hashes on
-        the device). Returns a CUDA event recorded after the last piece (wait on it before
-        using `dst`, and keep this view's lease until then), or None when `dst` is on the
-        CPU (the copy is then complete).
+        NVMe objects (file regions) are read from their file, not through the mapping:
+        large preads in parallel, O_DIRECT where aligned, pages the daemon just read taken
+        from the page cache (kvstore.client.fileio); into a CUDA tensor through pinned
+        staging buffers, each piece's DMA overlapping the reads of the next. CPU-tier bytes
+        into a CUDA tensor: the shm arena is registered as pinned memory once per client
+        (kvstore.client.regions), so each piece goes out as a non_blocking DMA. GPU-tier
+        bytes: one device copy (verify hashes on the device). Pieces are `chunk` bytes
+        (default 16 MiB; file regions 8 MiB, rounded up to 4 KiB) and copies to a GPU run on
+        `stream` (default: one side stream per device).
+
+        `verify=True` hashes the bytes on the host as each piece lands (overlapping the
+        transfer of the next) and raises BadObject on a mismatch once all pieces were
+        issued; with `get_many(..., client_verifies=True)` this replaces the daemon's own
+        read-back of an NVMe object. Returns a CUDA event recorded after the last piece (wait
+        on it before using `dst`, and keep this view's lease until then), or None when `dst`
+        is on the CPU (the copy is then complete).
         """
         import torch
 
@@ -149,41 +168,89 @@ class ObjectView:
                 or not dst.is_contiguous() or dst.numel() < n:
             raise InvalidRequest(f"copy_to needs a contiguous 1-D uint8 tensor of >= {n} bytes, got "
                                  f"{getattr(dst, 'dtype', type(dst).__name__)} {tuple(getattr(dst, 'shape', ()))}")
-        if chunk <= 0:
+        if chunk is not None and chunk <= 0:
             raise InvalidRequest(f"chunk must be > 0 bytes, got {chunk}")
-        src = self.tensor()
         if dst.device.type != "cuda":
-            hasher = self._hasher() if verify else None
-            for off in range(0, n, chunk):
-                piece = src[off: off + chunk]
-                dst[off: off + piece.numel()].copy_(piece)
-                if hasher is not None:
-                    hasher.update(memoryview(self._host[off: off + piece.numel()]))
-            if hasher is not None:
-                self._check_digest(hasher.intdigest())
+            if self._device is not None:  # GPU tier into host memory
+                dst[:n].copy_(self._device)
+                if verify:
+                    self.verify()
+            else:
+                self._copy_host(dst[:n].numpy(), chunk, verify)
             return None
         stream = stream if stream is not None else _side_stream(dst.device)
         stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may still be in use there
-        with torch.cuda.stream(stream):
-            if self._device is not None:  # GPU tier: one device-to-device copy
-                dst[:n].copy_(src, non_blocking=True)
-                if verify:
-                    from kvstore.format import checksum
+        region = self.lease.region
+        digest: Optional[int] = None
+        try:
+            with torch.cuda.stream(stream):
+                if self._device is not None:  # GPU tier: one device-to-device copy
+                    dst[:n].copy_(self._device, non_blocking=True)
+                    if verify:
+                        from kvstore.format import checksum
 
-                    self._check_digest(checksum(dst[:n]))
-            else:
-                hasher = self._hasher() if verify else None
-                for off in range(0, n, chunk):
-                    piece = src[off: off + chunk]
-                    dst[off: off + piece.numel()].copy_(piece, non_blocking=True)
-                    if hasher is not None:  # the DMA of this piece runs meanwhile
-                        hasher.update(memoryview(self._host[off: off + piece.numel()]))
-                if hasher is not None:
-                    self._check_digest(hasher.intdigest())
-            done = torch.cuda.Event()
-            done.record(stream)
-        dst.record_stream(stream)
+                        digest = checksum(dst[:n])
+                elif region.kind == "file":
+                    from kvstore.client.fileio import read_file_to_cuda, settings_for_chunk
+
+                    digest = read_file_to_cuda(region.path, region.offset, n, dst[:n], stream, hash_bytes=verify,
+                                               mapping=self._host, settings=settings_for_chunk(chunk))
+                else:
+                    chunk = chunk or COPY_CHUNK
+                    src = self.tensor()
+                    hasher = self._hasher() if verify else None
+                    for off in range(0, n, chunk):
+                        piece = src[off: off + chunk]
+                        dst[off: off + piece.numel()].copy_(piece, non_blocking=True)
+                        if hasher is not None:  # the DMA of this piece runs meanwhile
+                            hasher.update(memoryview(self._host[off: off + piece.numel()]))
+                    digest = hasher.intdigest() if hasher is not None else None
+                done = torch.cuda.Event()
+                done.record(stream)
+        finally:
+            dst.record_stream(stream)  # copies issued before an error may still be running
+        if verify:
+            self._check_digest(digest)
         return done
+
+    def read_into(self, out: Any, *, verify: bool = False) -> None:
+        """Copy the object's bytes into `out[:size]`, a writable, contiguous host buffer
+        (bytearray, numpy array, mmap...; for tensors use `copy_to`). NVMe objects are
+        read from their file in parallel (as `copy_to`); a page-aligned `out` lets those
+        reads land in it directly. `verify` as for `copy_to`. CPU and NVMe tiers only."""
+        self._check()
+        n = self.size
+        if self._host is None:
+            raise InvalidRequest(f"{self.key!r} lives in the GPU tier; use copy_to() with a tensor")
+        try:
+            mv = memoryview(out)
+        except TypeError:
+            raise InvalidRequest(f"read_into needs a writable host buffer, got {type(out).__name__}") from None
+        if mv.readonly or not mv.c_contiguous or mv.nbytes < n:
+            raise InvalidRequest(f"read_into needs a writable contiguous buffer of >= {n} bytes, got "
+                                 f"{'a read-only ' if mv.readonly else ''}{type(out).__name__} of {mv.nbytes} bytes")
+        self._copy_host(np.frombuffer(mv.cast("B"), dtype=np.uint8, count=n), None, verify)
+
+    def _copy_host(self, dst: np.ndarray, chunk: Optional[int], verify: bool) -> None:
+        """CPU/NVMe bytes into the host array `dst` (exactly size bytes)."""
+        region = self.lease.region
+        if region.kind == "file":
+            from kvstore.client.fileio import read_file, settings_for_chunk
+
+            digest = read_file(region.path, region.offset, self.size, dst, hash_bytes=verify, mapping=self._host,
+                               settings=settings_for_chunk(chunk))
+            if verify:
+                self._check_digest(digest)
+            return
+        chunk = chunk or COPY_CHUNK
+        hasher = self._hasher() if verify else None
+        for off in range(0, self.size, chunk):
+            piece = self._host[off: off + chunk]
+            np.copyto(dst[off: off + piece.size], piece)
+            if hasher is not None:
+                hasher.update(piece)
+        if hasher is not None:
+            self._check_digest(hasher.intdigest())
 
     def _hasher(self) -> Any:
         from kvstore.checksums import PREFIX_BYTES, new_hasher
@@ -200,14 +267,14 @@ class ObjectView:
         self._check()
         if self._device is not None:
             return self._device.cpu().numpy().tobytes()
-        return self._host.tobytes()
+        return self._mapped().tobytes()
 
     def verify(self) -> None:
         """Check the bytes against the checksum the daemon holds; BadObject on mismatch."""
         from kvstore.format import checksum
 
         self._check()
-        actual = checksum(self._device if self._device is not None else memoryview(self._host))
+        actual = checksum(self._device if self._device is not None else memoryview(self._mapped()))
         if actual != self.checksum:
             raise BadObject(f"object {self.key!r}: bytes hash to {actual:#018x}, the daemon recorded "
                             f"{self.checksum:#018x}")

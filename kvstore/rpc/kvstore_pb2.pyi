@@ -152,14 +152,16 @@ class WaitForResponse(_message.Message):
     def __init__(self, present: _Optional[bool] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("keys", "client_id", "no_promote")
+    __slots__ = ("keys", "client_id", "no_promote", "client_verifies")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERIFIES_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_id: str
     no_promote: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[str] = ..., no_promote: _Optional[bool] = ...) -> None: ...
+    client_verifies: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[str] = ..., no_promote: _Optional[bool] = ..., client_verifies: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("found", "lease_id", "key", "tier", "region", "size", "checksum", "expires_at", "meta")

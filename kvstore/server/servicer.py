@@ -214,7 +214,8 @@ class KVStoreServicer:
     def Get(self, request: pb.GetRequest, remaining: Optional[float]) -> pb.GetResponse:
         keys = codec.check_keys(request.keys, self.limits)
         client_id = codec.check_client_id(request.client_id, required=True)
-        leases = self.store.get(keys, client_id, promote=not request.no_promote)
+        leases = self.store.get(keys, client_id, promote=not request.no_promote,
+                                client_verifies=request.client_verifies)
         return pb.GetResponse(leases=[codec.lease_to_pb(x) for x in leases])
 
     def Release(self, request: pb.ReleaseRequest, remaining: Optional[float], wait: bool = True) -> Any:
