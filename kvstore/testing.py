@@ -29,6 +29,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1
 
 
+def drop_page_cache(path: str) -> None:
+    """fsync a file and evict its pages from the page cache, so the next read hits the disk
+    (cold-read tests and benchmarks)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for metrics/TCP listeners)."""
     with socket.socket() as s:

@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from kvstore.client.fileio import DEFAULT_SETTINGS as FILE_READ, aligned_empty  # noqa: E402
 from kvstore.config import format_size, parse_size  # noqa: E402
-from kvstore.testing import DaemonProcess  # noqa: E402
+from kvstore.testing import DaemonProcess, drop_page_cache  # noqa: E402
 
 DIRECT_BLOCK = 16 << 20  # bytes per O_DIRECT request in the dd-style baseline
 SINK_SERVICE = "bench.Sink"
@@ -86,16 +86,6 @@ def _timed(fn: Callable[[], Any], repeat: int = 1) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def _drop_cache(path: str) -> None:
-    """Evict a (clean, fsync'ed) file's pages from the page cache so the next read hits the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -183,7 +173,7 @@ class DirectIO:
         best, won = float("inf"), ""
         for name, (piece, parallel) in ways.items():
             for f in self.files:
-                _drop_cache(str(f))
+                drop_page_cache(str(f))
             t = _timed(lambda: self._read_all(piece, parallel))  # noqa: B023 (called at once)
             if t < best:
                 best, won = t, name
@@ -336,7 +326,7 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
         def cold(fn: Callable[[], Any]) -> float:  # one run, the page cache dropped first
             for p in paths:
                 if p:
-                    _drop_cache(p)
+                    drop_page_cache(p)
             return _timed(fn)
 
         host = torch.from_numpy(aligned_empty(size))  # page-aligned: O_DIRECT reads land in place
@@ -390,7 +380,7 @@ def store_rows(daemon: DaemonProcess, data: np.ndarray, count: int, cuda: bool,
             extra["nvme_to_gpu_fraction_of_direct_io"] = rows[-1].ratio
         for p in paths:
             if p:
-                _drop_cache(p)
+                drop_page_cache(p)
         get_s = _timed(lambda: kv.release_many(kv.get_many(keys)))  # promote: the daemon reads into its arena
         rows.append(Row("nvme tier", "get (cold, promote to cpu)", _gbps(total, get_s), "direct-I/O read", base,
                         "one run: the first promotes"))

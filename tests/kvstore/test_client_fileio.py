@@ -16,6 +16,7 @@ from kvstore.checksums import host_checksum
 from kvstore.client import fileio
 from kvstore.client.fileio import FileReadSettings, aligned_empty, cached_fraction, plan_pieces, read_file
 from kvstore.errors import BadObject, InvalidRequest, KVStoreError
+from kvstore.testing import drop_page_cache
 
 SMALL = FileReadSettings(threads=3, piece_bytes=64 << 10)  # many pieces from small files
 
@@ -26,14 +27,6 @@ def _file(path: Path, data: bytes) -> str:
         f.flush()
         os.fsync(f.fileno())
     return str(path)
-
-
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_pieces_cover_the_region_once_with_aligned_offsets_and_split_small_objects_across_threads():
@@ -52,7 +45,7 @@ def test_pieces_cover_the_region_once_with_aligned_offsets_and_split_small_objec
 def test_read_file_gives_the_exact_bytes_and_their_checksum(tmp_path, direct, size, aligned):
     data = os.urandom(size)
     path = _file(tmp_path / "obj", data + os.urandom(5000))  # bytes past the region are not copied
-    _drop(path)
+    drop_page_cache(path)
     dst = aligned_empty(size + 4096 + 1)
     dst = dst[:size] if aligned else dst[1: size + 1]
     settings = FileReadSettings(threads=SMALL.threads, piece_bytes=SMALL.piece_bytes, direct=direct)
@@ -107,7 +100,7 @@ def test_the_page_cache_probe_sees_pages_read_and_pages_dropped(tmp_path):
     assert cached_fraction(None, 0, len(data)) == 0.0
     _read_all(path)
     assert cached_fraction(mapping, 0, len(data)) == 1.0
-    _drop(path)
+    drop_page_cache(path)
     if cached_fraction(mapping, 0, len(data)) != 0.0:
         pytest.skip("this file system keeps the pages cached after POSIX_FADV_DONTNEED (tmpfs?)")
     probe = fileio._OpenFile(path, fileio.DEFAULT_SETTINGS)

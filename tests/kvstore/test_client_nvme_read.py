@@ -15,6 +15,7 @@ import torch
 
 from kvstore.client.fileio import aligned_empty, cached_fraction
 from kvstore.errors import BadObject, InvalidRequest
+from kvstore.testing import drop_page_cache
 
 CUDA = torch.cuda.is_available()
 SIZES = [4096, 3 * 4096, 4097, 5000, (1 << 20) + 4096, (2 << 20) + 333]  # 4 KiB multiples and not
@@ -33,14 +34,6 @@ def _flip_byte(path: str, at: int) -> None:
         b = os.pread(fd, 1, at)
         os.pwrite(fd, bytes([b[0] ^ 0x5A]), at)
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
@@ -121,7 +114,7 @@ def test_a_get_without_promotion_starts_no_read_of_the_file(daemon):
         kv.put(b"nvread/cold", data, tier="nvme")
         with kv.get(b"nvread/cold", promote=False) as view:
             path = view.lease.region.path
-        _drop_cache(path)
+        drop_page_cache(path)
         (view,) = kv.get_many([b"nvread/cold"], promote=False, client_verifies=True)
         with view:
             if cached_fraction(view._host, 0, view.size) != 0.0:
