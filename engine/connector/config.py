@@ -27,6 +27,11 @@ bounded wait before it is served by recomputation:
 - `share_poll_s`: how often an idle engine lists offered segments (one List RPC).
 - `share_wait_s`: most time to wait for an offered segment a helper claimed before
   computing it here; also the lifetime of an offer.
+- `device_cache_bytes`: capacity of the engine's own LRU of signatures it holds in its
+  device memory (computed here, or copied here from a host tier), so a segment used
+  again is spliced without a daemon round trip (the L1 of HiCache-style tiering; the
+  daemon stays the shared tier every engine reads). None: DEFAULT_DEVICE_CACHE_BYTES when
+  the engine runs on CUDA, 0 (off) on the CPU.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from typing import Optional
 from engine.connector.errors import ConnectorConfigError
 
 TIERS = ("gpu", "cpu", "nvme")
+DEFAULT_DEVICE_CACHE_BYTES = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class StoreConnectorConfig:
     share_min_segments: int = 2
     share_poll_s: float = 0.01
     share_wait_s: float = 30.0
+    device_cache_bytes: Optional[int] = None
 
     @property
     def sharing(self) -> bool:
@@ -74,6 +81,9 @@ class StoreConnectorConfig:
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ConnectorConfigError(
                 f"reconnect_max_s={self.reconnect_max_s} must be >= reconnect_min_s={self.reconnect_min_s}")
+        d = self.device_cache_bytes
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
+            raise ConnectorConfigError(f"device_cache_bytes={d!r} must be None or an int >= 0")
         for name in ("put_queue_depth", "prefetch_queued", "share_min_segments"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -30,6 +30,8 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   `cold_offloaded` (offered segments another engine computed), `cold_wait_ms_total`
   (time waited for them), `cold_helped` (segments computed for other engines),
   `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
+- `near_hits`: segments spliced from the engine's own device cache (no daemon round
+  trip; StoreConnectorConfig.device_cache_bytes).
 - cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
   computed alone while idle, and stored), `deferred_ms_total`.
 - `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
@@ -50,7 +52,7 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
-    "deferred_computed",
+    "deferred_computed", "near_hits",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
            "deferred_ms_total")

@@ -85,6 +85,8 @@ class StoreReport:
     loaded: dict[bytes, LoadedSegment] = field(default_factory=dict, repr=False)  # key -> segment spliced
     pending: dict[bytes, list] = field(default_factory=dict, repr=False)  # hits at lookup, not taken yet
     late_misses: int = 0  # hits at lookup that could not be loaded (evicted, corrupt): computed at splice
+    near: dict[bytes, object] = field(default_factory=dict, repr=False)  # key -> signature from the device cache
+    near_hits: int = 0  # segments spliced from the engine's device cache (no daemon round trip)
 
     @property
     def load_ms(self) -> float:
@@ -103,6 +105,7 @@ class StoreReport:
             "store_take_wait_ms": round(self.take_wait_ms, 3), "store_device_wait_ms": round(self.device_wait_ms, 3),
             "store_copies_pending_at_use": self.copies_pending_at_use,
             "store_late_misses": self.late_misses, "store_fallback": self.fallback,
+            "store_near_hits": self.near_hits,
         }
 
 
@@ -137,8 +140,13 @@ class StorePicPlanner(PicPlanner):
         state: _RequestState = request.planner_state[_PIC_KEY]
         keys = list(dict.fromkeys(u.key for u in state.units))
         report = StoreReport(request.request_id, segments=len(keys))
-        if keys:
-            report.batch = self.store.prefetch(request.request_id, keys)
+        for k in keys:  # the engine's own device cache first: no daemon round trip for those
+            sig = self.store.near_get(k)
+            if sig is not None:
+                report.near[k] = sig
+        rest = [k for k in keys if k not in report.near]
+        if rest:
+            report.batch = self.store.prefetch(request.request_id, rest)
         request.planner_state[_STORE_KEY] = report
         request.planner_state[_HINTED_KEY] = True
         self._hint_queued()
@@ -178,12 +186,18 @@ class StorePicPlanner(PicPlanner):
         for u in state.units:
             if u.key not in seen:
                 seen.add(u.key)
-                if u.key not in hits:
+                if u.key in sr.near:
+                    state.signatures[u.key] = sr.near[u.key]
+                    sr.near_hits += 1
+                elif u.key not in hits:
                     state.missing.append(u)
                     self.store.metrics.inc("misses")
                     continue
-                sr.pending[u.key] = []
-            if u.key in sr.pending:
+                else:
+                    sr.pending[u.key] = []
+            if u.key in sr.near:
+                report.add_hit(self._reused(u))
+            elif u.key in sr.pending:
                 sr.pending[u.key].append(u)
                 report.add_hit(self._reused(u))
 
@@ -195,6 +209,8 @@ class StorePicPlanner(PicPlanner):
         state.signatures[key] = seg.signature
         sr.hits_by_tier[seg.tier if seg.tier in sr.hits_by_tier else "cpu"] += 1
         sr.loaded[key] = seg
+        if seg.device_buffer is not None:  # a copy this engine owns (not a view of store memory)
+            self.store.remember(key, seg.signature)
 
     def _compute_misses(self, runner, request: Request) -> None:
         state: _RequestState = request.planner_state[_PIC_KEY]
@@ -338,6 +354,7 @@ class StorePicPlanner(PicPlanner):
                 self.store.drop_claim(claim)
             return 0
         for ((key, ids, _), claim), sig in zip(mine, sigs):
+            self.store.remember(key, sig)
             self.store.store(key, sig, claim=claim if claim.status == OWNED else None,
                              cost=float(len(self.anchor_ids) + len(ids)))
         self.store.metrics.inc("deferred_computed", len(mine))
@@ -366,6 +383,7 @@ class StorePicPlanner(PicPlanner):
     def _stored(self, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim, sig) -> None:
         sig.meta["fingerprint"] = self.fingerprint
         state.signatures[u.key] = sig
+        self.store.remember(u.key, sig)
         alone = len(self.anchor_ids) + u.num_tokens
         state.builder.report.add_miss(alone)
         sr.computed += 1

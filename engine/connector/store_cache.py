@@ -63,14 +63,14 @@ import torch
 
 from engine.connector.codec import signature_blob
 from engine.connector.coldshare import ColdShare
-from engine.connector.config import StoreConnectorConfig
+from engine.connector.config import DEFAULT_DEVICE_CACHE_BYTES, StoreConnectorConfig
 from engine.connector.errors import StoreUnavailable
 from engine.connector.link import StoreLink
 from engine.connector.loader import LoadBatch, LoadedSegment, SegmentLoader
 from engine.connector.metrics import ConnectorMetrics
 from engine.connector.putter import PutJob, SignaturePutter
 from engine.pic.signature import SegmentSignature
-from engine.pic.signature_cache import SignatureCache, SignatureCacheStats
+from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, SignatureCacheStats
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("engine.connector")
@@ -137,8 +137,28 @@ class StoreSignatureCache(SignatureCache):
         self._claims: dict[bytes, Claim] = {}
         self._closed = False
         self.share: Optional[ColdShare] = ColdShare(self) if self.config.sharing else None
+        near = self.config.device_cache_bytes
+        if near is None:
+            near = DEFAULT_DEVICE_CACHE_BYTES if self.device.type == "cuda" else 0
+        #: the engine's own device-resident signatures (StoreConnectorConfig.device_cache_bytes)
+        self.near = InMemorySignatureCache(near)
         if connect:
             self.link.start()
+
+    # ------------------------------------------------------------------ device cache
+    def near_get(self, key: bytes) -> Optional[SegmentSignature]:
+        """The signature of `key` from the engine's device cache, or None."""
+        if self.near.capacity_bytes == 0:
+            return None
+        sig = self.near.get(key)
+        if sig is not None:
+            self.metrics.inc("near_hits")
+        return sig
+
+    def remember(self, key: bytes, signature: SegmentSignature) -> None:
+        """Keep a signature whose tensors this engine owns in its device cache."""
+        if self.near.capacity_bytes:
+            self.near.put(key, signature)
 
     @property
     def available(self) -> bool:

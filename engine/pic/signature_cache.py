@@ -155,6 +155,17 @@ class InMemorySignatureCache(SignatureCache):
             self._puts += 1
             return True
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Drop these keys (absent ones are ignored); how many were held."""
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._bytes -= old[1]
+                    dropped += 1
+        return dropped
+
     def stats(self) -> SignatureCacheStats:
         with self._lock:
             return SignatureCacheStats(self._hits, self._misses, self._puts, self._rejected, self._evictions,

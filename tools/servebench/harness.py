@@ -82,8 +82,9 @@ class Harness:
         if self._timed_planner is None:
             from dataclasses import replace
 
+            # no engine-side device cache: the breakdown measures loads from the daemon's tiers
             self._timed_planner = attach_store(self.engine, replace(self.pic_config, sync_timing=True),
-                                               self.connector)
+                                               replace(self.connector, device_cache_bytes=0))
         self.engine.scheduler.planner = self._timed_planner
         return self._timed_planner
 
@@ -98,8 +99,12 @@ class Harness:
         return [it[1].key for it in planner._layout(ids, segs) if it[0] == "splice"]
 
     def forget(self, req: BenchRequest) -> None:
-        """Delete `req`'s segments from the daemon (a cold start for PIC)."""
+        """Delete `req`'s segments from the daemon and from every PIC planner's device
+        cache in this harness (a cold start for PIC)."""
         keys = self.keys_of(req)
+        for p in (self._store_planner, self._timed_planner):
+            if p is not None:
+                p.store.near.discard(keys)
         if keys:
             self.store.flush()
             self.store.link.call("delete", lambda kv: kv.delete(keys))

@@ -109,7 +109,7 @@ def hit_breakdown(h: Harness, req: BenchRequest, tiers: Sequence[str]) -> dict:
     keys = h.keys_of(req)
     if "nvme" in tiers:  # store the request's segments in the NVMe tier: recompute them with puts there
         h.forget(req)
-        to_nvme = attach_store(h.engine, h.pic_config, replace(h.connector, put_tier="nvme"))
+        to_nvme = attach_store(h.engine, h.pic_config, replace(h.connector, put_tier="nvme", device_cache_bytes=0))
         h.run_alone(req)
         to_nvme.store.close()
         h.timed_pic_planner()

@@ -170,3 +170,36 @@ def test_cold_fallback_serves_by_full_recompute_then_idle_help_stores_the_segmen
     assert planner.store.metrics.snapshot()["deferred_computed"] == 3
     out2, rep2, st2 = run_one(engine, planner, prompt((2, 0, 1)), "r2")
     assert not rep2.cold_full and rep2.hit_segments == 3 and st2.hits_by_tier["cpu"] == 3
+
+
+def test_the_device_cache_serves_repeated_segments_without_the_daemon_and_matches(
+        start_daemon, store_engine, memory_engine):
+    d = start_daemon()
+    prompts = [prompt((0, 1, 2)), prompt((2, 0, 1))]
+    want = reference(memory_engine, prompts)
+    engine, planner = store_engine(d, device_cache_bytes=64 << 20)
+    out1, rep1, st1 = run_one(engine, planner, prompts[0], "r1")
+    assert st1.computed == 3 and st1.near_hits == 0
+    assert planner.store.flush()
+    rpcs = planner.store.metrics.snapshot()["lookup_rpcs"]
+    out2, rep2, st2 = run_one(engine, planner, prompts[1], "r2")
+    assert [out1.token_ids, out2.token_ids] == want
+    assert rep2.hit_segments == 3 and rep2.reused_tokens > 0 and st2.near_hits == 3
+    assert sum(st2.hits_by_tier.values()) == 0 and st2.batch is None  # nothing asked of the daemon
+    snap = planner.store.metrics.snapshot()
+    assert snap["near_hits"] == 3 and snap["lookup_rpcs"] == rpcs
+    with d.client() as kv:  # the daemon still got every segment (other engines share them)
+        assert len(kv.list(fingerprint=engine.loaded_model.fingerprint, limit=100)) == 3
+
+
+def test_the_device_cache_is_off_on_the_cpu_by_default_and_its_size_is_checked(start_daemon, store_engine):
+    import pytest
+
+    from engine.connector.config import StoreConnectorConfig
+    from engine.connector.errors import ConnectorConfigError
+
+    d = start_daemon()
+    _, planner = store_engine(d)
+    assert planner.store.near.capacity_bytes == 0 and planner.store.near_get(b"x") is None
+    with pytest.raises(ConnectorConfigError, match="device_cache_bytes"):
+        StoreConnectorConfig(device_cache_bytes=-1)

@@ -65,3 +65,13 @@ def test_a_signature_larger_than_the_whole_cache_is_rejected():
     assert not cache.put(b"x", sig_of_bytes(8))
     s = cache.stats()
     assert (s.rejected, s.entries, s.bytes) == (1, 0, 0)
+
+
+def test_discard_drops_held_keys_and_their_bytes_and_ignores_absent_ones():
+    cache = InMemorySignatureCache(1 << 20)
+    for key in (b"a", b"b"):
+        cache.put(key, sig_of_bytes(8))
+    assert cache.discard([b"a", b"zz"]) == 1
+    assert cache.lookup([b"a", b"b"]) == [False, True]
+    s = cache.stats()
+    assert (s.entries, s.bytes) == (1, sig_of_bytes(8).nbytes())
