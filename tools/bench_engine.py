@@ -30,6 +30,7 @@ import datetime as _dt
 import gc
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -346,6 +347,33 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     started = time.perf_counter()
     hard_deadline = started + 1.5 * total_budget  # nothing new starts after this, warm-up credit or not
+    machine = machine_name(device)
+
+    def save(rows: list[PresetResult], complete: bool) -> Optional[Path]:
+        """Write the run JSON (atomically) with the rows so far; None without --json."""
+        if not (args.json or args.json_path):
+            return None
+        date = _dt.date.today().isoformat()
+        path = Path(args.json_path) if args.json_path else ROOT / "docs" / "results" / f"engine-{machine}-{date}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "benchmark": "engine",
+            "date": date,
+            "machine": machine,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "command": " ".join(["python", "tools/bench_engine.py", *(argv if argv is not None else sys.argv[1:])]),
+            "versions": _versions(),
+            "settings": {"lengths": lengths, "batches": batches, "decode_context": context, "decode_steps": steps,
+                         "repeats": repeats, "max_seconds_per_point": max_s, "time_budget_s": total_budget},
+            "complete": complete,
+            "results": [asdict(r) for r in rows],
+            "wall_s": time.perf_counter() - started,
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
     results: list[PresetResult] = []
     for i, cfg in enumerate(presets):
         preset_budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i), hard_deadline)
@@ -368,30 +396,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             bench_decode(model, paths[name], batches, context, steps, max_s, pr, device, vocab, budget,
                          with_eager=name == "engine" and not args.no_eager_decode)
             res.paths[name] = pr
+            save(results + [res], complete=False)  # a run stopped by a time limit keeps its finished rows
         results.append(res)
         del model, loaded
         _free_memory(device)
 
     table = format_table(results, lengths, batches)
-    machine = machine_name(device)
-    if args.json or args.json_path:
-        date = _dt.date.today().isoformat()
-        path = Path(args.json_path) if args.json_path else ROOT / "docs" / "results" / f"engine-{machine}-{date}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "benchmark": "engine",
-            "date": date,
-            "machine": machine,
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "command": " ".join(["python", "tools/bench_engine.py", *(argv if argv is not None else sys.argv[1:])]),
-            "versions": _versions(),
-            "settings": {"lengths": lengths, "batches": batches, "decode_context": context, "decode_steps": steps,
-                         "repeats": repeats, "max_seconds_per_point": max_s, "time_budget_s": total_budget},
-            "results": [asdict(r) for r in results],
-            "wall_s": time.perf_counter() - started,
-        }
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = save(results, complete=True)
+    if path is not None:
         print(f"wrote {path}", flush=True)
     print(f"\nengine benchmark on {machine} ({device}, {str(dtype).removeprefix('torch.')}), "
           f"decode context {context}, {steps} steps; wall {time.perf_counter() - started:.0f}s")

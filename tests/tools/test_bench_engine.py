@@ -18,6 +18,7 @@ def test_quick_run_writes_prefill_and_decode_measurements(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     doc = json.loads(out.read_text())
+    assert doc["complete"] is True and not (tmp_path / "engine.json.tmp").exists()
     assert doc["settings"]["lengths"] == [32, 64] and doc["device"] == "cpu"
     (res,) = doc["results"]
     assert res["preset"] == "qwen3next-tiny" and res["num_params"] > 0
