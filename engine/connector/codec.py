@@ -9,8 +9,15 @@ token count. The daemon's record gets the same fingerprint and token count (so `
 ls --fingerprint` lists a model's segments) and `cost`, the seconds its alone pass took
 (the eviction policy weighs recompute cost per byte).
 
+Parts of the same kind, dtype and shape in several layers (every linear layer's state,
+every full-attention layer's K, ...) travel stacked as ONE blob part, `S<n>.<part>`
+`[layers, ...]`, and the header meta's `stacked` names the layers' parts in row order: a
+bench-size signature has ~6 blob parts instead of ~70, so a load decodes a few parts and
+unbinds them (views) instead of building ~70 views from the header one by one (the
+loader's per-segment host time). Blobs without `stacked` (written before) read as before.
+
 Reading is zero copy: `signature_from_blob` builds the signature over the tensors that
-`decode_tensors` made over the leased bytes.
+`decode_tensors` made over the leased bytes (rows of a stacked part are views of it).
 """
 from __future__ import annotations
 
@@ -46,7 +53,23 @@ def signature_blob(signature: SegmentSignature, fingerprint: str) -> SignatureBl
     if not fingerprint:
         raise ConnectorError("a signature needs the model fingerprint to be stored; got an empty one")
     tensors, meta, layers = signature.to_tensors()
-    return SignatureBlob(tensors, meta, layers, fingerprint, signature.num_tokens)
+    groups: dict[tuple, list[str]] = {}
+    for name, t in tensors.items():
+        groups.setdefault((name.split(".", 1)[1], t.dtype, tuple(t.shape), t.device), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    out_layers: dict[str, int] = {}
+    stacked: dict[str, list[str]] = {}
+    for i, ((part, *_), names) in enumerate(groups.items()):
+        if len(names) == 1:
+            out[names[0]] = tensors[names[0]]
+            out_layers[names[0]] = layers[names[0]]
+            continue
+        name = f"S{i}.{part}"
+        out[name] = torch.stack([tensors[n] for n in names])
+        out_layers[name] = layers[names[0]]
+        stacked[name] = names
+    meta = dict(meta, stacked=stacked)
+    return SignatureBlob(out, meta, out_layers, fingerprint, signature.num_tokens)
 
 
 def signature_from_blob(header_meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
@@ -56,4 +79,10 @@ def signature_from_blob(header_meta: Mapping[str, Any], tensors: Mapping[str, to
     if expected_fingerprint and fingerprint != expected_fingerprint:
         raise SignatureFormatError(
             f"stored signature belongs to model {fingerprint[:16]!r}, this engine serves {expected_fingerprint[:16]!r}")
-    return SegmentSignature.from_tensors(dict(tensors), dict(header_meta))
+    parts = dict(tensors)
+    for name, rows in (header_meta.get("stacked") or {}).items():
+        whole = parts.pop(name, None)
+        if whole is None or whole.dim() == 0 or whole.shape[0] != len(rows):
+            raise SignatureFormatError(f"stacked part {name!r} does not hold the {len(rows)} rows its meta names")
+        parts.update(zip(rows, whole.unbind(0)))
+    return SegmentSignature.from_tensors(parts, dict(header_meta))
