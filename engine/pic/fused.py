@@ -312,9 +312,11 @@ def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, l
     if tail is None:
         raise SplicePlacementError(f"layer {layer}: signature has no conv tail, the model's layer has a conv")
     tail = tail.to(device=cur.device, dtype=cur.dtype)
+    take = tail.shape[1] if piece.first else min(tail.shape[1], piece.signature.tail_len)
+    if take >= width1:  # the piece alone fills the window: its own tail, whatever came before
+        return tail[:, tail.shape[1] - width1:]
     if piece.first:
         return torch.cat([torch.zeros_like(cur), tail], dim=1)[:, -width1:]
-    take = min(tail.shape[1], piece.signature.tail_len)
     return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
 
 
