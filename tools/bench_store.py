@@ -36,7 +36,6 @@ import platform
 import shutil
 import socket as _socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,9 +52,9 @@ import numpy as np  # noqa: E402
 from kvstore.client.fileio import DEFAULT_SETTINGS as FILE_READ, aligned_empty  # noqa: E402
 from kvstore.config import format_size, parse_size  # noqa: E402
 from kvstore.testing import DaemonProcess, drop_page_cache  # noqa: E402
+from tools.storebench.grpc_baseline import grpc_gbps, run_sink  # noqa: E402
 
 DIRECT_BLOCK = 16 << 20  # bytes per O_DIRECT request in the dd-style baseline
-SINK_SERVICE = "bench.Sink"
 
 
 @dataclass
@@ -183,68 +182,6 @@ class DirectIO:
         self.pool.shutdown()
         for f in self.files:
             f.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------- gRPC sink
-
-
-def run_sink(sock: str, chunk: int) -> None:
-    """`--grpc-sink`: a process answering Put (bytes in) and Get (chunk bytes out)."""
-    import grpc
-
-    payload = os.urandom(chunk)
-    handlers = {
-        "Put": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
-        "Get": grpc.unary_unary_rpc_method_handler(lambda req, ctx: payload),
-    }
-    opts = [("grpc.max_send_message_length", chunk + 1024), ("grpc.max_receive_message_length", chunk + 1024)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=opts)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SINK_SERVICE, handlers),))
-    server.add_insecure_port(f"unix:{sock}")
-    server.start()
-    server.wait_for_termination()
-
-
-def grpc_gbps(data: np.ndarray, count: int, chunk: int, tmp: Path) -> tuple[float, float]:
-    import grpc
-
-    sock = str(tmp / "sink.sock")
-    proc = subprocess.Popen([sys.executable, __file__, "--grpc-sink", sock, "--grpc-chunk", str(chunk)])
-    try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("gRPC sink did not start")
-            time.sleep(0.05)
-        opts = [("grpc.max_send_message_length", chunk + 1024), ("grpc.max_receive_message_length", chunk + 1024)]
-        with grpc.insecure_channel(f"unix:{sock}", options=opts) as ch:
-            grpc.channel_ready_future(ch).result(timeout=30)
-            put = ch.unary_unary(f"/{SINK_SERVICE}/Put")
-            get = ch.unary_unary(f"/{SINK_SERVICE}/Get")
-            size = data.nbytes
-            mv = memoryview(data)
-
-            def put_all() -> None:
-                for _ in range(count):
-                    for off in range(0, size, chunk):
-                        put(bytes(mv[off: off + chunk]))  # a message owns its bytes: one copy in
-
-            out = np.empty(size, dtype=np.uint8)
-
-            def get_all() -> None:
-                for _ in range(count):
-                    for off in range(0, size, chunk):
-                        got = get(b"")
-                        n = min(len(got), size - off)
-                        out[off: off + n] = np.frombuffer(got, dtype=np.uint8, count=n)
-
-            put(b"")
-            p = _timed(put_all)
-            g = _timed(get_all)
-        return _gbps(size * count, p), _gbps(size * count, g)
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 # ---------------------------------------------------------------------------- the store

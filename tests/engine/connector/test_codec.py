@@ -32,7 +32,7 @@ def _round_trip(blob):
     return buf, header, tensors
 
 
-def _same(a, b):
+def _assert_same(a, b):
     ta, ma, _ = a.to_tensors()
     tb, mb, _ = b.to_tensors()
     assert ma == mb and set(ta) == set(tb)
@@ -50,7 +50,7 @@ def test_parts_of_a_kind_are_stacked_into_one_blob_part_and_decode_to_the_same_s
         sum(1 for n in blob.tensors if n not in blob.meta["stacked"]) == len(per_layer)
     buf, header, tensors = _round_trip(blob)
     back = signature_from_blob(header.meta, tensors, header.fingerprint, "fp")
-    _same(back, sig)
+    _assert_same(back, sig)
     base = buf.untyped_storage().data_ptr()
     span = range(base, base + buf.numel())
     back_tensors, _, _ = back.to_tensors()
@@ -63,7 +63,7 @@ def test_a_blob_written_without_stacking_still_decodes(signature_of):
     buf = torch.frombuffer(fmt.encode_tensors(tensors, fingerprint="fp", token_count=sig.num_tokens, meta=meta,
                                               layers=layers), dtype=torch.uint8)
     header, parts = fmt.decode_tensors(buf)
-    _same(signature_from_blob(header.meta, parts, header.fingerprint, "fp"), sig)
+    _assert_same(signature_from_blob(header.meta, parts, header.fingerprint, "fp"), sig)
 
 
 def test_a_stacked_part_that_does_not_match_its_meta_is_a_format_error(signature_of):

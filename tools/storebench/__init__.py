@@ -1,0 +1,1 @@
+"""Baselines of tools/bench_store.py."""
