@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 if __package__ in (None, ""):  # run as `python tools/quality.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -420,11 +420,18 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
     return jobs, config
 
 
-def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int) -> list[dict]:
+def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int,
+             on_model: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """Every model's rows, in the order of `jobs`; `parallel` > 1 measures that many models
-    at once in worker processes (spawned, so CUDA is safe; each with its own `threads`)."""
+    at once in worker processes (spawned, so CUDA is safe; each with its own `threads`).
+    `on_model(rows)` gets each model's rows as soon as that model is done."""
     if parallel <= 1 or len(jobs) <= 1:
-        return [row for job in jobs for row in measure_model(job, reporter)]
+        out = []
+        for job in jobs:
+            rows = measure_model(job, reporter)
+            on_model(rows)
+            out += rows
+        return out
     import concurrent.futures as cf
     import multiprocessing as mp
     import queue as queue_mod
@@ -437,7 +444,7 @@ def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int) -> list[di
         while pending:
             done, pending = cf.wait(pending, timeout=0.2)
             for f in done:
-                f.result()  # a worker's error surfaces here
+                on_model(f.result())  # a worker's error surfaces here
             while True:
                 try:
                     kind, value = events.get_nowait()
@@ -462,11 +469,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     have_rich = _have_rich()
+    finished: list[dict] = []
+
+    def save_partial(model_rows: list[dict]) -> None:  # a run cut short keeps its finished models
+        finished.extend(model_rows)
+        if args.json:
+            write_json(args, argv, config, finished, time.perf_counter() - t0, complete=False)
+
     try:
         jobs, config = plan_jobs(args)
         parallel = args.jobs
         if args.no_progress or not have_rich:
-            rows = run_jobs(jobs, Reporter(), parallel)
+            rows = run_jobs(jobs, Reporter(), parallel, save_partial)
         else:
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -475,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             total = sum(len(j.specs) * len(j.requests) for j in jobs)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=Console(stderr=True)) as progress:
-                rows = run_jobs(jobs, BarReporter(progress, total), parallel)
+                rows = run_jobs(jobs, BarReporter(progress, total), parallel, save_partial)
     except (QualityError, WorkloadError, EngineError) as exc:
         msg = exc.args[0] if exc.args else str(exc)
         print(f"error: {msg}", file=sys.stderr)
@@ -486,14 +500,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"{config['device']}, {seconds:.0f} s")
     print_report(rows, summary, config["tasks"], args.tolerance, args.markdown or not have_rich, title)
     if args.json:
-        path = Path(args.json_path) if args.json_path else default_json_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"schema": SCHEMA, "date": _dt.date.today().isoformat(),
-               "command": "python -m tools.quality " + shlex.join(argv), "config": config,
-               "environment": environment(config["device"]), "seconds": seconds, "rows": rows, "summary": summary}
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_json(args, argv, config, rows, seconds, complete=True)}")
     return 0
+
+
+def write_json(args: argparse.Namespace, argv: list[str], config: dict, rows: list[dict], seconds: float,
+               complete: bool) -> Path:
+    """The run's rows and summary as JSON, written atomically; `complete` is False while
+    models are still being measured."""
+    path = Path(args.json_path) if args.json_path else default_json_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": SCHEMA, "date": _dt.date.today().isoformat(),
+           "command": "python -m tools.quality " + shlex.join(argv), "config": config,
+           "environment": environment(config["device"]), "seconds": seconds, "complete": complete, "rows": rows,
+           "summary": summarize(rows, args.tolerance)}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ def test_quick_run_on_saved_weights_writes_the_table_and_json_rows_and_summary(t
     assert proc.returncode == 0, proc.stderr
     assert "pic s=16" in proc.stdout and "best PIC seam 16" in proc.stdout
     doc = json.loads(out.read_text())
+    assert doc["complete"] is True and not out.with_name(out.name + ".tmp").exists()
     assert doc["schema"] == "quality/v1" and doc["command"].startswith("python -m tools.quality --quick")
     assert doc["config"]["tasks"] == ["fact", "twohop"] and doc["config"]["n"] == 2
     assert [(r["model"], r["method"], r["seam"]) for r in doc["rows"]] == [
@@ -167,8 +168,12 @@ def test_models_measured_in_parallel_workers_give_the_serial_rows(requests):
     reqs = tuple(requests[:2])
     jobs = [ModelJob(p, tuple(expand_specs(get_preset(p), ["naive"], [], ["window"])), reqs, ("fact",), "cpu",
                      max(r.prompt_tokens for r in reqs) + 32, 2, 1, 0) for p in ("ring-tiny", "gla-tiny")]
-    serial = run_jobs(jobs, Reporter(), parallel=1)
-    parallel = run_jobs(jobs, Reporter(), parallel=2)
+    finished: list[list[str]] = []  # each model's rows reach on_model as soon as that model is done
+    serial = run_jobs(jobs, Reporter(), parallel=1, on_model=lambda rows: finished.append([r["model"] for r in rows]))
+    assert finished == [["ring-tiny", "ring-tiny"], ["gla-tiny", "gla-tiny"]]
+    finished.clear()
+    parallel = run_jobs(jobs, Reporter(), parallel=2, on_model=lambda rows: finished.append([r["model"] for r in rows]))
+    assert sorted(finished) == [["gla-tiny", "gla-tiny"], ["ring-tiny", "ring-tiny"]]
     keys = ("model", "method", "tasks", "avg", "kl", "top1", "recomputed_tokens")
     assert [[r[k] for k in keys] for r in parallel] == [[r[k] for k in keys] for r in serial]
     assert [r["model"] for r in serial] == ["ring-tiny", "ring-tiny", "gla-tiny", "gla-tiny"]
