@@ -6,7 +6,11 @@
   request is cached, in another order: prefix caching runs the request's twin first
   (tools.servebench.requests); PIC needs nothing more after its cold pass stored every
   segment (a position-independent signature does not depend on the order it was
-  computed in). Full recompute has one state (its cold and warm are the same runs).
+  computed in); on CUDA its warm hits come from the engine's own device cache
+  (StoreConnectorConfig.device_cache_bytes), as a serving engine's repeated segments
+  would, and `hit_breakdown` measures the daemon's tiers without it. Cold PIC deletes
+  the request's segments from the daemon and from that cache first. Full recompute has
+  one state (its cold and warm are the same runs).
 - `qps_at_slo`: the highest Poisson arrival rate whose p99 TTFT stays under the SLO,
   per method, by a geometric search then one bisection; every trial sends fresh
   requests from the same pool (so nothing repeats exactly), after a warm-up stream.
