@@ -314,7 +314,7 @@ def run_cmd(
     swa_seam: str = typer.Option("window", "--swa-seam", help="SWA seam policy: window (max(seam, window)) or seam."),
     fused: bool = typer.Option(True, "--fused/--no-fused", help="pic/naive: seams, splices and suffix in one pass through the layers (default) or one pass per computed range."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    state_dtype: str = typer.Option("float32", "--state-dtype", help="dtype of cached linear states and delta-rule T (float32, bfloat16, float16)."),
+    state_dtype: str = typer.Option("auto", "--state-dtype", help="dtype of cached linear states and delta-rule T (auto: the model's when it runs in bf16/fp16, else float32; float32, bfloat16, float16)."),
     cache_gib: float = typer.Option(2.0, "--cache-gib", min=0.0, help="Capacity of the in-process signature cache / prefix tree."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -37,7 +37,7 @@ import torch
 from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import SWA
 from engine.models.weights import LoadedModel, load_model
-from engine.pic.config import PicConfig
+from engine.pic.config import STATE_DTYPES as PIC_STATE_DTYPES, PicConfig
 from engine.pic.offline import build_request, prefill_with_plan, release
 from engine.pic.planner import make_planner
 from engine.runtime.runner import ModelRunner
@@ -64,26 +64,43 @@ class MethodSpec:
     method: str
     seam: Optional[int] = None
     swa_seam: Optional[str] = None
+    state_dtype: str = "float32"  # dtype of the cached linear states and T (PicConfig.state_dtype)
 
     @property
     def label(self) -> str:
+        dt = "" if self.state_dtype == "float32" else f" {self.state_dtype} states"
         if self.method != "pic":
-            return self.method
+            return self.method + dt
         rule = {"window": " (window rule)", "seam": " (plain seam)"}.get(self.swa_seam or "", "")
-        return f"pic s={self.seam}{rule}"
+        return f"pic s={self.seam}{rule}{dt}"
 
     def pic_config(self) -> PicConfig:
         if self.method == "pic":
-            return PicConfig(method="pic", seam=int(self.seam or 0), swa_seam="seam")
+            return PicConfig(method="pic", seam=int(self.seam or 0), swa_seam="seam", state_dtype=self.state_dtype)
+        if self.method == "naive":
+            return PicConfig(method="naive", state_dtype=self.state_dtype)
         return PicConfig(method=self.method)
 
 
 def expand_specs(model_config, methods: Sequence[str], seams: Sequence[int],
-                 swa_policies: Sequence[str] = ("window",)) -> list[MethodSpec]:
+                 swa_policies: Sequence[str] = ("window",),
+                 state_dtypes: Sequence[str] = ("float32",)) -> list[MethodSpec]:
     """The rows to measure for one model, `full` first (it is the reference). Each pic seam
     becomes its effective seam on this model under each SWA policy (`window`:
     max(seam, window) on a model with sliding-window layers, docs/pic.md); rows that end
-    up identical are measured once."""
+    up identical are measured once. Each pic and naive row is repeated per cached-state
+    dtype in `state_dtypes` (float32 rows first)."""
+    for d in state_dtypes:
+        if d not in PIC_STATE_DTYPES:
+            raise QualityError(f"state dtype {d!r} must be one of {', '.join(PIC_STATE_DTYPES)}")
+    if len(state_dtypes) > 1 or tuple(state_dtypes) != ("float32",):
+        base = expand_specs(model_config, methods, seams, swa_policies)
+        out = [base[0]]
+        for d in state_dtypes:
+            out += [replace(sp, state_dtype=d) for sp in base[1:] if sp.method in ("pic", "naive")]
+            if d == state_dtypes[0]:
+                out += [sp for sp in base[1:] if sp.method not in ("pic", "naive")]
+        return list(dict.fromkeys(out))
     for m in methods:
         if m not in METHODS:
             raise QualityError(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")

@@ -43,7 +43,7 @@ def attach_store(engine, pic_config: PicConfig, connector: StoreConnectorConfig)
     cache = StoreSignatureCache(fingerprint, engine.device, connector)
     planner = StorePicPlanner(pic_config, engine.runner.model.config, fingerprint,
                               anchor_for(pic_config, engine.tokenizer), cache, engine.device,
-                              prefetch_queued=connector.prefetch_queued)
+                              prefetch_queued=connector.prefetch_queued, model_dtype=engine.runner.model.dtype)
     planner.attach_queue(engine.scheduler.waiting)
     engine.scheduler.planner = planner
     return planner

@@ -113,8 +113,9 @@ class StorePicPlanner(PicPlanner):
     """PIC through the kvstore daemon (module docstring)."""
 
     def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str, anchor_ids: Sequence[int],
-                 cache: StoreSignatureCache, device: torch.device, prefetch_queued: int = 4) -> None:
-        super().__init__(config, model_config, fingerprint, anchor_ids, cache, device)
+                 cache: StoreSignatureCache, device: torch.device, prefetch_queued: int = 4,
+                 model_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(config, model_config, fingerprint, anchor_ids, cache, device, model_dtype)
         self.store = cache
         self.prefetch_queued = prefetch_queued
         self._waiting: Optional[Sequence[Request]] = None

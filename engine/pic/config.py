@@ -24,7 +24,7 @@ METHODS = ("full", "prefix", "naive", "pic")
 SWA_SEAM_POLICIES = ("window", "seam")
 ANCHORS = ("bos", "none")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-STATE_DTYPES = ("float32", "bfloat16", "float16")
+STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SEAM_CHAIN_MODES = ("auto", "on", "off")
 
 DEFAULT_SEAM = 16
@@ -41,7 +41,10 @@ class PicConfig:
     docstring). anchor: `"bos"` computes every segment alone behind the tokenizer's BOS
     (the token a prompt starts with), `"none"` alone from position 0 with nothing before
     it. state_dtype: dtype of cached linear states E and dense transition operators
-    (composition always runs in float32). kernel: `"auto"` runs the Triton kernels on
+    (composition always runs in float32); `"auto"` (default): the model's dtype when it
+    runs in bfloat16 or float16 (half the bytes to store and load; on the tiny models'
+    quality suite bf16 states scored exactly as float32 ones, docs/BENCHMARKS.md), else
+    float32. Keys of non-float32 signatures carry their dtype, so the two never mix. kernel: `"auto"` runs the Triton kernels on
     CUDA and their torch references on the CPU; `"triton"` forces Triton (the interpreter
     on the CPU); `"torch"` forces the references. signature_cache_bytes /
     prefix_cache_bytes: capacity of the in-process caches. sync_timing: have the engine
@@ -70,7 +73,7 @@ class PicConfig:
     seam: int = DEFAULT_SEAM
     swa_seam: str = "window"
     anchor: str = "bos"
-    state_dtype: str = "float32"
+    state_dtype: str = "auto"
     kernel: str = "auto"
     signature_cache_bytes: int = DEFAULT_SIGNATURE_CACHE_BYTES
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES

@@ -56,6 +56,14 @@ from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import PromptSegment, Request
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_state_dtype(name: str, model_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """PicConfig.state_dtype -> a dtype: "auto" is the model's dtype when that is bfloat16
+    or float16, else float32."""
+    if name == "auto":
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return STATE_DTYPES[name]
 #: key of a planner's per-request state in `Request.planner_state`
 STATE_KEY = "pic"
 #: most segments queued for idle-time alone passes (cold fallback); the oldest go first
@@ -156,7 +164,8 @@ class PicPlanner(ReportingPlanner):
     """`pic` and `naive` (module docstring)."""
 
     def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str,
-                 anchor_ids: Sequence[int], cache: SignatureCache, device: torch.device) -> None:
+                 anchor_ids: Sequence[int], cache: SignatureCache, device: torch.device,
+                 model_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(config, device)
         if config.method not in ("pic", "naive"):
             raise PicConfigError(f"PicPlanner serves methods pic and naive, not {config.method!r}")
@@ -167,7 +176,7 @@ class PicPlanner(ReportingPlanner):
         window = model_config.attention.sliding_window if SWA in model_config.layers else None
         self.seam = config.effective_seam(window)
         self.linear_mode = "add" if config.method == "naive" else "compose"
-        self.state_dtype = STATE_DTYPES[config.state_dtype]
+        self.state_dtype = resolve_state_dtype(config.state_dtype, model_dtype)
         #: cold-fallback segments to compute alone when idle: key -> (content tokens, split)
         self.deferred: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
 
@@ -176,6 +185,8 @@ class PicPlanner(ReportingPlanner):
         variant = signature_variant(self.anchor_ids, split)
         if not self.config.keep_end_state:
             variant += ";end_state=0"
+        if self.state_dtype != torch.float32:
+            variant += f";state={str(self.state_dtype).removeprefix('torch.')}"
         return segment_key(self.fingerprint, content, variant)
 
     def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
@@ -414,4 +425,4 @@ def make_planner(config: PicConfig, model, fingerprint: str, tokenizer,
         tree = prefix_tree if prefix_tree is not None else PrefixTree(config.prefix_cache_bytes)
         return PrefixPlanner(config, tree, device)
     cache = signature_cache if signature_cache is not None else InMemorySignatureCache(config.signature_cache_bytes)
-    return PicPlanner(config, model.config, fingerprint, anchor_for(config, tokenizer), cache, device)
+    return PicPlanner(config, model.config, fingerprint, anchor_for(config, tokenizer), cache, device, model.dtype)

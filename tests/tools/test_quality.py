@@ -114,6 +114,14 @@ def test_swa_models_get_the_window_rule_and_duplicate_rows_are_measured_once():
     assert qwen == [MethodSpec("full"), MethodSpec("pic", 0), MethodSpec("pic", 16), MethodSpec("prefix")]
 
 
+def test_each_state_dtype_repeats_the_pic_and_naive_rows_and_names_itself():
+    specs = expand_specs(get_preset(PRESET), ["naive", "pic", "prefix"], [16], ["window"], ["float32", "bfloat16"])
+    assert specs == [MethodSpec("full"), MethodSpec("naive"), MethodSpec("pic", 16), MethodSpec("prefix"),
+                     MethodSpec("naive", state_dtype="bfloat16"), MethodSpec("pic", 16, state_dtype="bfloat16")]
+    assert specs[-1].label == "pic s=16 bfloat16 states" and specs[-1].pic_config().state_dtype == "bfloat16"
+    assert specs[2].pic_config().state_dtype == "float32"  # the table's rows pin float32 unless asked
+
+
 def _row(method, seam, avg, recompute, model="m"):
     return {"model": model, "weights": "init", "method": method, "seam": seam, "swa_seam": None, "avg": avg,
             "avg_delta": avg - 80.0, "kl": 0.0, "top1": 100.0, "recompute_fraction": recompute}
@@ -185,6 +193,7 @@ def test_models_measured_in_parallel_workers_give_the_serial_rows(requests):
     (["--presets", "nope-tiny"], "'nope-tiny'"),
     (["--seams", "8,x"], "'x'"),
     (["--swa-seam", "wide"], "'wide'"),
+    (["--state-dtypes", "float32,float8"], "'float8'"),
     (["--n", "0"], "--n 0"),
     (["--jobs", "0"], "--jobs 0"),
 ])

@@ -79,3 +79,17 @@ def test_the_fallback_is_off_by_default_and_the_fraction_is_validated(model_of, 
     for bad in (0, 1.5, -0.1, True, "half"):
         with pytest.raises(PicConfigError, match="cold_full_fraction"):
             PicConfig(cold_full_fraction=bad)
+
+
+def test_auto_state_dtype_follows_a_half_precision_model_and_keys_name_it(model_of, planner_of):
+    from engine.pic.planner import resolve_state_dtype
+
+    assert resolve_state_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_state_dtype("auto", torch.float16) == torch.float16
+    assert resolve_state_dtype("auto", torch.float32) == torch.float32 and resolve_state_dtype("auto", None) == torch.float32
+    assert resolve_state_dtype("float32", torch.bfloat16) == torch.float32
+    model = model_of(LAYERS)  # float32: auto keeps float32 states and the float32 keys
+    auto, f32 = planner_of(model, fused=True), planner_of(model, fused=True, state_dtype="float32")
+    bf16 = planner_of(model, fused=True, state_dtype="bfloat16")
+    assert auto.state_dtype == torch.float32 and auto.key([5, 6, 7], 4) == f32.key([5, 6, 7], 4)
+    assert bf16.state_dtype == torch.bfloat16 and bf16.key([5, 6, 7], 4) != f32.key([5, 6, 7], 4)
