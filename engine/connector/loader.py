@@ -371,7 +371,9 @@ class SegmentLoader:
         if buf.device.type == "cuda":  # the daemon's GPU tier on another device (CUDA IPC, peer copy)
             self.metrics.inc("peer_loads")
             self.metrics.inc("peer_load_bytes", view.size)
-        header = fmt.read_header(view.array) if buf.device.type != "cuda" else None
+        # the header from the leased bytes themselves (stable while leased), never from the
+        # copy, which the side stream may still be writing
+        header = fmt.read_header(view.array if buf.device.type != "cuda" else buf)
         stream = self._stream
         copy_start = torch.cuda.Event(enable_timing=True)
         copy_start.record(stream)
@@ -379,8 +381,6 @@ class SegmentLoader:
         view.copy_to(dev, stream=stream, verify=self.verify)
         ready = torch.cuda.Event(enable_timing=True)  # after the last piece (same stream), timed
         ready.record(stream)
-        if header is None:  # peer copy: the header is read from the moved bytes
-            header = fmt.read_header(dev)
         tensors = fmt.tensors_over(header, dev)
         sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
         seg = LoadedSegment(key, sig, tier, view.tier, view.size, view)
