@@ -50,7 +50,7 @@ from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
 from engine.models.config import ModelConfig
-from engine.pic.compute import compute_signature, compute_signatures
+from engine.pic.compute import compute_signature
 from engine.pic.config import PicConfig
 from engine.pic.planner import PicPlanner, SpliceUnit, _RequestState
 from engine.runtime.planner import PrefillPlan
@@ -348,7 +348,7 @@ class StorePicPlanner(PicPlanner):
             return 0
         t0 = time.perf_counter()
         try:
-            sigs = self._compute_deferred(runner, [t for t, _ in mine])
+            sigs = self._alone(runner, [(ids, split) for (_, ids, split), _ in mine])
         except Exception:  # idle work must not stop this engine; a later request computes them
             log.exception("computing %d deferred segments failed", len(mine))
             for _, claim in mine:
@@ -371,9 +371,7 @@ class StorePicPlanner(PicPlanner):
         if not units:
             return
         try:
-            sigs = compute_signatures(runner.model, [(state.token_ids[u.offset:u.end], u.split) for u, _ in units],
-                                      self.anchor_ids, backend=runner.backend, state_dtype=self.state_dtype,
-                                      keep_end_state=self.config.keep_end_state)
+            sigs = self._alone(runner, [(state.token_ids[u.offset:u.end], u.split) for u, _ in units])
         except BaseException:
             for _, claim in units:
                 self.store.drop_claim(claim)
@@ -382,7 +380,6 @@ class StorePicPlanner(PicPlanner):
             self._stored(state, sr, u, claim, sig)
 
     def _stored(self, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim, sig) -> None:
-        sig.meta["fingerprint"] = self.fingerprint
         state.signatures[u.key] = sig
         self.store.remember(u.key, sig)
         alone = len(self.anchor_ids) + u.num_tokens

@@ -100,6 +100,13 @@ class _RequestState:
     full: bool = False  # cold fallback: the fused step computes the whole prompt
 
 
+def full_pass(runner, request: Request, ids: list[int], start: int, config: PicConfig, all_logits: bool = False):
+    """Compute prompt positions [start, len(ids)) in context as one fused pass (the `full`
+    baseline, and PIC's cold fallback)."""
+    return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(start, len(ids))],
+                         backend=runner.backend, kernel=config.kernel, chain=config.seam_chain, all_logits=all_logits)
+
+
 class ReportingPlanner:
     """Shared by every planner here: per-request reports, kept for `take_report`."""
 
@@ -155,9 +162,7 @@ class FullPlanner(ReportingPlanner):
         return b.build()
 
     def _run_fused(self, runner, request: Request, ids: list[int], all_logits: bool = False):
-        return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(0, len(ids))],
-                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
-                             all_logits=all_logits)
+        return full_pass(runner, request, ids, 0, self.config, all_logits)
 
 
 class PicPlanner(ReportingPlanner):
@@ -272,9 +277,7 @@ class PicPlanner(ReportingPlanner):
     def _run_fused(self, runner, request: Request, spec: tuple, start: int, all_logits: bool = False):
         state: _RequestState = request.planner_state[STATE_KEY]
         if state.full:  # cold fallback: plain full recompute of the fused step's range
-            return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids,
-                                 [FusedItem(start, len(state.token_ids))], backend=runner.backend,
-                                 kernel=self.config.kernel, chain=self.config.seam_chain, all_logits=all_logits)
+            return full_pass(runner, request, state.token_ids, start, self.config, all_logits)
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s"])
         items = []
         for s in spec:
@@ -319,11 +322,8 @@ class PicPlanner(ReportingPlanner):
         report = state.builder.report
         if self._fall_back_to_full(state):
             return
-        sigs = compute_signatures(runner.model, [(state.token_ids[u.offset:u.end], u.split) for u in state.missing],
-                                  self.anchor_ids, backend=runner.backend, state_dtype=self.state_dtype,
-                                  keep_end_state=self.config.keep_end_state) if state.missing else []
+        sigs = self._alone(runner, [(state.token_ids[u.offset:u.end], u.split) for u in state.missing])
         for u, sig in zip(state.missing, sigs):
-            sig.meta["fingerprint"] = self.fingerprint
             self.cache.put(u.key, sig)
             state.signatures[u.key] = sig
             report.add_miss(len(self.anchor_ids) + u.num_tokens)
@@ -362,8 +362,12 @@ class PicPlanner(ReportingPlanner):
             tokens += len(ids)
         return out
 
-    def _compute_deferred(self, runner, todo: Sequence[tuple[bytes, tuple[int, ...], int]]) -> list[SegmentSignature]:
-        sigs = compute_signatures(runner.model, [(list(ids), split) for _, ids, split in todo], self.anchor_ids,
+    def _alone(self, runner, segments: Sequence[tuple[Sequence[int], int]]) -> list[SegmentSignature]:
+        """Signatures of (content tokens, split) segments, each computed alone behind the
+        anchor (one packed pass), tagged with this model's fingerprint."""
+        if not segments:
+            return []
+        sigs = compute_signatures(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
                                   backend=runner.backend, state_dtype=self.state_dtype,
                                   keep_end_state=self.config.keep_end_state)
         for sig in sigs:
@@ -382,7 +386,7 @@ class PicPlanner(ReportingPlanner):
         todo = [t for t, held in zip(todo, self.cache.lookup([t[0] for t in todo])) if not held]
         if not todo:
             return 0
-        for (key, _, _), sig in zip(todo, self._compute_deferred(runner, todo)):
+        for (key, _, _), sig in zip(todo, self._alone(runner, [(ids, split) for _, ids, split in todo])):
             self.cache.put(key, sig)
         return len(todo)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.connector.planner as connector_planner
+import engine.pic.planner as pic_planner  # the alone passes of every PIC planner run through it
 from connector_testlib import prompt, run_one, wait_until
 from engine.connector.codec import signature_blob
 from engine.connector.coldshare import WANTED_TAG, decode_tokens, encode_tokens
@@ -77,7 +77,7 @@ def metric(url: str, name: str) -> float:
 def slowed_compute(monkeypatch, per_segment_s: float, gate=None):
     """Make this process's alone passes slow (the helper process's are not), optionally
     holding the first one until `gate()` is true."""
-    real = connector_planner.compute_signatures
+    real = pic_planner.compute_signatures
     calls = []
 
     def slow(model, segments, *args, **kwargs):
@@ -88,7 +88,7 @@ def slowed_compute(monkeypatch, per_segment_s: float, gate=None):
             time.sleep(per_segment_s)
         return real(model, segments, *args, **kwargs)
 
-    monkeypatch.setattr(connector_planner, "compute_signatures", slow)
+    monkeypatch.setattr(pic_planner, "compute_signatures", slow)
 
 
 def reference(memory_engine, segments):

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-import engine.connector.planner as connector_planner
+import engine.pic.planner as pic_planner  # the alone passes of every PIC planner run through it
 from connector_testlib import GREEDY, prompt, run_one, wait_until
 from engine.server.app import METRICS_KEY, build_app
 
@@ -49,14 +49,14 @@ def test_two_engines_needing_the_same_cold_segment_compute_it_once(start_daemon,
     d = start_daemon()
     (ea, pa), (eb, pb) = store_engine(d), store_engine(d)
     computing, go = threading.Event(), threading.Event()
-    real = connector_planner.compute_signatures
+    real = pic_planner.compute_signatures
 
     def slow_compute(*args, **kwargs):  # holds engine A inside its alone pass until B waits
         computing.set()
         assert go.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(connector_planner, "compute_signatures", slow_compute)
+    monkeypatch.setattr(pic_planner, "compute_signatures", slow_compute)
     results = {}
     ta = threading.Thread(target=lambda: results.setdefault("a", run_one(ea, pa, prompt((1,)), "a")))
     ta.start()
