@@ -324,30 +324,43 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
     """The short conv of every computed range (each reads the tail left by what precedes
     it: the previous range's, extended by the pieces in between); C's conv outputs, and
     the tail left in the cache. `tails_at` (optional) gets the tail after each computed
-    range, keyed by the range's absolute end."""
+    range, keyed by the range's absolute end.
+
+    The tails are pre-conv inputs (C's own, or the pieces'), all known before any conv
+    runs: every range is laid out behind its tail in one buffer and the layer convolves
+    once (`ShortConv.valid`), whatever the number of seams."""
     tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
-    width1 = None if tail is None else tail.shape[-1]
-    conv_outs: list[torch.Tensor] = []
-    conv_tail = tail
+    if tail is None or mixer.conv is None:
+        if tails_at is not None:
+            for ev in events:
+                if ev[0] == "c":
+                    tails_at[ev[3]] = None
+        return conv_in  # no conv: C's ranges tile conv_in in prompt order
+    width1 = tail.shape[-1]
+    xin = conv_in[0].transpose(0, 1)  # [C, T] pre-conv inputs of C, prompt order
+    parts: list[torch.Tensor] = []
+    take: list[torch.Tensor] = []  # per range: the output columns of the packed conv
+    at = 0
+    cur = tail
     for ev in events:
         if ev[0] == "p":
-            if conv_tail is not None:
-                conv_tail = _conv_tail_after(_linear_part(ev[1], layer), ev[1], conv_tail, width1, layer)
+            cur = _conv_tail_after(_linear_part(ev[1], layer), ev[1], cur, width1, layer)
             continue
         lo, hi = ev[1], ev[2]
-        if conv_tail is not None and mixer.conv is not None:
-            out, new_tail = mixer.conv(conv_in[:, lo:hi], conv_tail[None])
-            conv_tail = new_tail[0].to(cache.conv_tail.dtype)
-            conv_outs.append(out)
-        else:
-            conv_outs.append(conv_in[:, lo:hi] if conv_in is not None else None)
+        seg = xin[:, lo:hi]
+        parts += [cur.to(xin.dtype), seg]
+        take.append(torch.arange(at, at + hi - lo))
+        at += width1 + hi - lo
+        both = seg if hi - lo >= width1 else torch.cat([cur.to(xin.dtype), seg], dim=1)
+        cur = both[:, both.shape[1] - width1:].to(cache.conv_tail.dtype)
         if tails_at is not None:
-            tails_at[ev[3]] = conv_tail
-    if conv_tail is not None:
-        cache.conv_tail[seq.slot] = conv_tail
-    if conv_outs[0] is None:
-        return None
-    return conv_outs[0] if len(conv_outs) == 1 else torch.cat(conv_outs, dim=1)
+            tails_at[ev[3]] = cur
+    y = mixer.conv.valid(torch.cat(parts, dim=1))  # [C, at - width1]
+    cache.conv_tail[seq.slot] = cur  # after the conv: the first part may be a view of this slot
+    if len(take) == 1:
+        return y.transpose(0, 1)[None]
+    idx = torch.cat(take).to(y.device, non_blocking=True)
+    return y.index_select(1, idx).transpose(0, 1)[None]
 
 
 def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=()):

@@ -42,6 +42,14 @@ class ShortConv(nn.Module):
         new_tail = xx[:, :, xx.shape[2] - (self.width - 1):]
         return self._act(y.transpose(1, 2)), new_tail.contiguous()
 
+    def valid(self, xx: torch.Tensor) -> torch.Tensor:
+        """The conv over pre-conv inputs that carry their own left context: xx `[C, L]` ->
+        y `[C, L - (width-1)]`, output i from inputs [i, i + width). The same arithmetic
+        as `forward` (which pads with its tail first): several ranges laid out one after
+        another, each behind its own tail, convolve in one call."""
+        y = F.conv1d(xx[None], self.weight[:, None, :].to(xx.dtype), self.bias, groups=xx.shape[0])[0]
+        return self._act(y)
+
     def step(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per sequence: x `[B, C]`, tail `[B, C, width-1]` -> (y `[B, C]`, new tail)."""
         window = torch.cat([tail.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, W]
