@@ -80,13 +80,16 @@ class ChainLaunch:
     compose_chunk: a delta composition multiplies T's column chunks `[BLOCK_K, chunk]` with
     S's row chunks read back from the program's scratch tile (16, 32 or 64); 0 = the whole
     `[BLOCK_K, BLOCK_K]` T in registers against S (the first version, kept to compare: at
-    dk = 128 its operands spill). prefetch: a computed range loads token t + 1's inputs
-    while token t updates S (hides the loads' latency on the serial token walk)."""
+    dk = 128 its operands spill: ~19 KB of spill stores per thread in ptxas -v for sm_90,
+    against none for chunk 16; tools/ptxas_seam_chain.py). prefetch: a computed range loads
+    token t + 1's inputs while token t updates S (hides the loads' latency on the serial
+    token walk); rule: on, except diag (there it triples the spills of the default shape).
+    The rules come from ptxas register/spill counts; tools/check_seam_chain.py times them."""
 
     block_v: Optional[int] = None
     num_warps: Optional[int] = None
     compose_chunk: int = 16
-    prefetch: bool = True
+    prefetch: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.block_v is not None and (self.block_v < 16 or self.block_v & (self.block_v - 1)):
@@ -96,12 +99,13 @@ class ChainLaunch:
         if self.compose_chunk not in (0, 16, 32, 64):
             raise KernelInputError(f"ChainLaunch.compose_chunk={self.compose_chunk} must be 0, 16, 32 or 64")
 
-    def resolve(self, family: str, dk: int, dv: int) -> tuple[int, int, int]:
-        """(BLOCK_K, BLOCK_V, num_warps) for this family and these dims."""
+    def resolve(self, family: str, dk: int, dv: int) -> tuple[int, int, int, bool]:
+        """(BLOCK_K, BLOCK_V, num_warps, prefetch) for this family and these dims."""
         block_k = max(16, next_pow2(dk))
         block_v = self.block_v or max(16, min(next_pow2(dv), 32 if dk > 64 else 64))
         num_warps = self.num_warps or (8 if (family == "delta" and dk > 64) else 4)
-        return block_k, block_v, num_warps
+        prefetch = self.prefetch if self.prefetch is not None else family != "diag"
+        return block_k, block_v, num_warps, prefetch
 
 
 def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEvents,
@@ -246,7 +250,10 @@ if HAS_TRITON:
         tile_mask = kmask[:, None] & vmask[None, :]
         S = tl.load(s0_ptr + h * s_sh + rk[:, None] * s_sk + rv[None, :] * s_sv,
                     mask=tile_mask, other=0.0).to(tl.float32)
-        e_tile = h * dk * dv + rk[:, None] * dv + rv[None, :]  # E stack contiguous [nE, H, dk, dv]
+        # E stack contiguous [nE, H, dk, dv]: a 64-bit head base, 32-bit offsets in the tile
+        # (a [BLOCK_K, BLOCK_V] int64 offset tile would hold two registers per element)
+        e_head = h * dk * dv
+        e_tile = rk[:, None] * dv + rv[None, :]
         q_h = q_ptr + h * s_qh + rk * s_qk
         k_h = k_ptr + h * s_kh + rk * s_kk
         v_h = v_ptr + h * s_vh + rv * s_vv
@@ -295,7 +302,7 @@ if HAS_TRITON:
                     tl.store(o_t, ot.to(o_ptr.dtype.element_ty), mask=vmask)
                     o_t += s_ot
             else:
-                E = tl.load(e_ptr + a.to(tl.int64) * num_heads * dk * dv + e_tile,
+                E = tl.load(e_ptr + (a.to(tl.int64) * num_heads * dk * dv + e_head) + e_tile,
                             mask=tile_mask, other=0.0).to(tl.float32)
                 if kind == 1:
                     S = E
@@ -320,14 +327,14 @@ if HAS_TRITON:
                             S = S * tl.exp(d)[:, None] + E
                         else:
                             S = S * tl.exp(tl.load(t_ptr + r64).to(tl.float32)) + E
-        tl.store(sout_ptr + e_tile, S, mask=tile_mask)
+        tl.store(sout_ptr + e_head + e_tile, S, mask=tile_mask)
 
 
 def _chain_triton(family, inp, S0, ev, out, launch: "ChainLaunch"):
     _, t, h, dk, dv = inp.shape
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device) if out is None else out
     s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=S0.device)
-    block_k, block_v, num_warps = launch.resolve(family, dk, dv)
+    block_k, block_v, num_warps, prefetch = launch.resolve(family, dk, dv)
     E = ev.E.contiguous()
     T = ev.T.contiguous() if ev.T is not None else E  # placeholder, never read without a compose
     g = inp.log_decay
@@ -344,7 +351,7 @@ def _chain_triton(family, inp, S0, ev, out, launch: "ChainLaunch"):
         *g_strides, *b_strides, *o.stride()[1:],
         *S0.stride(),
         FAMILY=_FAMILY_CODE[family], BLOCK_K=block_k, BLOCK_V=block_v,
-        COMPOSE_CHUNK=launch.compose_chunk, PREFETCH=launch.prefetch, num_warps=num_warps,
+        COMPOSE_CHUNK=launch.compose_chunk, PREFETCH=prefetch, num_warps=num_warps,
     )
     return o, s_out
 

@@ -4,9 +4,9 @@ against its torch reference (fp32 and bf16 inputs) on random event chains (seams
 the per-event path it replaces (fla fused_recurrent per range + torch composition).
 
 After that table, a launch-shape table (bf16 inputs; `--no-variants` skips it): per preset
-the default `ChainLaunch`, the same without the token prefetch, and for the delta rule the
+the default `ChainLaunch`, the same with and without the token prefetch, and for the delta rule the
 first version (whole T in registers, no prefetch: `old`) and a small grid of compose chunk x
-block_v x num_warps, each with its error against the reference, its time and the per-event
+block_v x num_warps (diag: two shapes that spill less), each with its error against the reference, its time and the per-event
 baseline; the fastest launch is named per preset.
 
     python3 tools/check_seam_chain.py [--pieces 10 --seam 16 --suffix 32] [--no-variants]
@@ -77,7 +77,10 @@ def timed(fn, reps=20):
 
 def variants(family):
     """(label, ChainLaunch) pairs to time for this family: default first."""
-    out = [("default", ChainLaunch()), ("no-prefetch", ChainLaunch(prefetch=False))]
+    out = [("default", ChainLaunch()), ("prefetch", ChainLaunch(prefetch=True)),
+           ("no-prefetch", ChainLaunch(prefetch=False))]
+    if family == "diag":  # ptxas: the default shape spills (tools/ptxas_seam_chain.py); these do less
+        out += [("bv=32,warps=4", ChainLaunch(32, 4)), ("bv=64,warps=8", ChainLaunch(64, 8))]
     if family == "delta":
         out.append(("old(whole-T,no-prefetch)", ChainLaunch(compose_chunk=0, prefetch=False)))
         out.append(("whole-T,prefetch", ChainLaunch(compose_chunk=0)))
@@ -101,8 +104,8 @@ def launch_table(a, dev, dtype=torch.bfloat16):
             err_o = (o.float() - o_ref.float()).abs().max().item()
             err_s = ((s - s_ref).abs().max() / s_ref.abs().max().clamp_min(1e-6)).item()
             ms = timed(lambda: seam_chain(inp, S0, ev, family, force_triton=True, launch=launch))
-            bk, bv, nw = launch.resolve(family, dk, dv)
-            print(f"{name:16s} {family:6s} {label:28s} (BLOCK_K={bk} BLOCK_V={bv} warps={nw}) "
+            bk, bv, nw, pf = launch.resolve(family, dk, dv)
+            print(f"{name:16s} {family:6s} {label:28s} (BLOCK_K={bk} BLOCK_V={bv} warps={nw} prefetch={int(pf)}) "
                   f"max|o-ref|={err_o:.2e} rel|S-ref|={err_s:.2e} chain={ms:.3f} ms/call "
                   f"per-event(fla+torch)={base:.3f} ms/call")
             if best is None or ms < best[1]:

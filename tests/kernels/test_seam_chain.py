@@ -125,7 +125,7 @@ def test_delta_compose_in_chunks_matches_reference_over_composes_in_a_row(dk, dv
 
 @needs_triton
 @pytest.mark.parametrize("family", ["scalar", "diag", "delta"])
-def test_triton_with_half_inputs_and_without_prefetch_matches_reference(family):
+def test_triton_with_half_inputs_with_and_without_prefetch_matches_reference(family):
     gen = torch.Generator().manual_seed(11 + len(family))
     ev, t = _events(family, gen)
     inp = _inputs(family, t, gen)
@@ -135,7 +135,7 @@ def test_triton_with_half_inputs_and_without_prefetch_matches_reference(family):
     S0 = torch.randn(H, DK, DV, generator=gen)
     ev, inp = _to(ev, inp, DEVICE)
     o_ref, s_ref = seam_chain_reference(inp, S0.to(DEVICE), ev, family)
-    for launch in (ChainLaunch(), ChainLaunch(prefetch=False)):
+    for launch in (ChainLaunch(prefetch=True), ChainLaunch(prefetch=False)):
         o, s = seam_chain(inp, S0.to(DEVICE), ev, family, force_triton=True, launch=launch)
         torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
