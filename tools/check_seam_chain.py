@@ -4,10 +4,11 @@ against its torch reference (fp32 and bf16 inputs) on random event chains (seams
 the per-event path it replaces (fla fused_recurrent per range + torch composition).
 
 After that table, a launch-shape table (bf16 inputs; `--no-variants` skips it): per preset
-the default `ChainLaunch`, the same with and without the token prefetch, and for the delta rule the
-first version (whole T in registers, no prefetch: `old`) and a small grid of compose chunk x
-block_v x num_warps (diag: two shapes that spill less), each with its error against the reference, its time and the per-event
-baseline; the fastest launch is named per preset.
+the default `ChainLaunch`, the same with and without the token prefetch, for diag two
+shapes that spill less, and for the delta rule the first version (whole T in registers, no
+prefetch: `old`) and a small grid of compose chunk x block_v x num_warps; each with its
+error against the reference, its time and the per-event baseline; the fastest launch is
+named per preset.
 
     python3 tools/check_seam_chain.py [--pieces 10 --seam 16 --suffix 32] [--no-variants]
 """

@@ -20,7 +20,8 @@ from triton.compiler import ASTSource
 
 from kernels.seam_chain import _FAMILY_CODE, ChainLaunch, _seam_chain_kernel
 
-SHAPES = {"qwen3next-bench": ("delta", 128, 128), "gla-bench": ("diag", 64, 128), "ring-bench": ("scalar", 128, 128)}
+SHAPES = {  # preset: (family, dk, dv), as tools/check_seam_chain.py
+    "qwen3next-bench": ("delta", 128, 128), "gla-bench": ("diag", 64, 128), "ring-bench": ("scalar", 128, 128)}
 CONSTEXPRS = ("FAMILY", "BLOCK_K", "BLOCK_V", "COMPOSE_CHUNK", "PREFETCH")
 INPUT_PTRS = ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "o_ptr")
 
