@@ -6,7 +6,9 @@ uncached segment, the suffix) runs the layer's recurrence from the current state
 spliced piece composes S. Run as separate calls that is ~2 small launches per event and
 layer, whose host overhead dominates a warm request on the GPU. `seam_chain` does all of a
 layer's events in ONE launch: one program per (head, dv block) keeps its S tile in
-registers and walks the event table.
+registers and walks the event table. A dense (delta) composition does not hold T: the
+program writes its S tile to its own tile of the S output (scratch until the final store)
+and multiplies T's column chunks by S's row chunks read back from there (`ChainLaunch`).
 
 State orientation (docs/ARCHITECTURE.md): S `[H, dk, dv]` float32, S_t = T_t S_{t-1} + u_t.
 Per token of a computed range (the families of engine.models.layers.linear_ops, q/k as
@@ -41,7 +43,7 @@ from engine.models.layers.linear_ops import FAMILIES, RecurrenceInputs, naive_re
 from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 from kernels.errors import KernelInputError
 
-__all__ = ["ChainEvents", "seam_chain", "seam_chain_reference", "COMPUTE", "SET", "ADD", "COMPOSE"]
+__all__ = ["ChainEvents", "ChainLaunch", "seam_chain", "seam_chain_reference", "COMPUTE", "SET", "ADD", "COMPOSE"]
 
 COMPUTE, SET, ADD, COMPOSE = 0, 1, 2, 3
 _FAMILY_CODE = {"scalar": 0, "diag": 1, "delta": 2}
@@ -67,6 +69,43 @@ class ChainEvents:
     @property
     def num_events(self) -> int:
         return int(self.table.shape[0])
+
+
+@dataclass(frozen=True)
+class ChainLaunch:
+    """The Triton kernel's launch shape: fixed per call, never autotuned. None: the rule.
+
+    block_v: dv columns per program, a power of two >= 16 (rule: 32 when dk > 64 else 64,
+    at most next_pow2(dv)). num_warps: rule 8 for delta with dk > 64, else 4.
+    compose_chunk: a delta composition multiplies T's column chunks `[BLOCK_K, chunk]` with
+    S's row chunks read back from the program's scratch tile (16, 32 or 64); 0 = the whole
+    `[BLOCK_K, BLOCK_K]` T in registers against S (the first version, kept to compare: at
+    dk = 128 its operands spill: ~19 KB of spill stores per thread in ptxas -v for sm_90,
+    against none for chunk 16; tools/ptxas_seam_chain.py). prefetch: a computed range loads
+    token t + 1's inputs while token t updates S (hides the loads' latency on the serial
+    token walk); rule: on, except diag (there it triples the spills of the default shape).
+    The rules come from ptxas register/spill counts; tools/check_seam_chain.py times them."""
+
+    block_v: Optional[int] = None
+    num_warps: Optional[int] = None
+    compose_chunk: int = 16
+    prefetch: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.block_v is not None and (self.block_v < 16 or self.block_v & (self.block_v - 1)):
+            raise KernelInputError(f"ChainLaunch.block_v={self.block_v} must be a power of two >= 16")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise KernelInputError(f"ChainLaunch.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.compose_chunk not in (0, 16, 32, 64):
+            raise KernelInputError(f"ChainLaunch.compose_chunk={self.compose_chunk} must be 0, 16, 32 or 64")
+
+    def resolve(self, family: str, dk: int, dv: int) -> tuple[int, int, int, bool]:
+        """(BLOCK_K, BLOCK_V, num_warps, prefetch) for this family and these dims."""
+        block_k = max(16, next_pow2(dk))
+        block_v = self.block_v or max(16, min(next_pow2(dv), 32 if dk > 64 else 64))
+        num_warps = self.num_warps or (8 if (family == "delta" and dk > 64) else 4)
+        prefetch = self.prefetch if self.prefetch is not None else family != "diag"
+        return block_k, block_v, num_warps, prefetch
 
 
 def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEvents,
@@ -149,6 +188,46 @@ def seam_chain_reference(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainE
 # --------------------------------------------------------------------------- triton
 if HAS_TRITON:
 
+    @triton.jit
+    def _token_inputs(q_t, k_t, v_t, g_t, b_t, rk, s_gk, kmask, vmask, live, scale, FAMILY: tl.constexpr):
+        """One token's k, v, scale q, decay factor exp(g) (a vector for diag) and beta (delta;
+        the decay again otherwise, unused), float32; `live` False: zeros, nothing read."""
+        kt = tl.load(k_t, mask=kmask & live, other=0.0).to(tl.float32)
+        vt = tl.load(v_t, mask=vmask & live, other=0.0).to(tl.float32)
+        qt = tl.load(q_t, mask=kmask & live, other=0.0).to(tl.float32) * scale
+        if FAMILY == 1:
+            gt = tl.exp(tl.load(g_t + rk * s_gk, mask=kmask & live, other=0.0).to(tl.float32))
+        else:
+            gt = tl.exp(tl.load(g_t, mask=live, other=0.0).to(tl.float32))
+        if FAMILY == 2:
+            bt = tl.load(b_t, mask=live, other=0.0).to(tl.float32)
+        else:
+            bt = gt
+        return kt, vt, qt, gt, bt
+
+    @triton.jit
+    def _dense_compose(S, E, t_row_ptr, s_head_ptr, rk, rv, kmask, vmask, tile_mask, dk, dv,
+                       CHUNK: tl.constexpr):
+        """T S + E for the program's S tile `[BLOCK_K, BLOCK_V]` without holding T: S goes to
+        the program's own scratch tile, then T's column chunks `[BLOCK_K, CHUNK]` meet S's row
+        chunks `[CHUNK, BLOCK_V]` read back from it (IEEE float32 products). The barriers
+        order the whole program's scratch writes before the reads, and the reads before the
+        next write (the next compose, or the final store of S)."""
+        tl.store(s_head_ptr + rk[:, None] * dv + rv[None, :], S, mask=tile_mask)
+        tl.debug_barrier()
+        rc = tl.arange(0, CHUNK)
+        acc = E
+        for kc in range(0, dk, CHUNK):
+            ck = kc + rc
+            cmask = ck < dk
+            Tc = tl.load(t_row_ptr + rk[:, None] * dk + ck[None, :], mask=kmask[:, None] & cmask[None, :],
+                         other=0.0).to(tl.float32)
+            Sc = tl.load(s_head_ptr + ck[:, None] * dv + rv[None, :], mask=cmask[:, None] & vmask[None, :],
+                         other=0.0)
+            acc = tl.dot(Tc, Sc, acc, input_precision="ieee")
+        tl.debug_barrier()
+        return acc
+
     # n_events changes with every request: no per-value specialisation (one compiled
     # variant per family and block shape, not a recompilation at a request's first use)
     @triton.jit(do_not_specialize=["n_events"])
@@ -160,6 +239,7 @@ if HAS_TRITON:
         s_gt, s_gh, s_gk, s_bt, s_bh, s_ot, s_oh, s_ov,
         s_sh, s_sk, s_sv,
         FAMILY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        COMPOSE_CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         pid_v = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
@@ -170,7 +250,10 @@ if HAS_TRITON:
         tile_mask = kmask[:, None] & vmask[None, :]
         S = tl.load(s0_ptr + h * s_sh + rk[:, None] * s_sk + rv[None, :] * s_sv,
                     mask=tile_mask, other=0.0).to(tl.float32)
-        e_tile = h * dk * dv + rk[:, None] * dv + rv[None, :]  # E stack contiguous [nE, H, dk, dv]
+        # E stack contiguous [nE, H, dk, dv]: a 64-bit head base, 32-bit offsets in the tile
+        # (a [BLOCK_K, BLOCK_V] int64 offset tile would hold two registers per element)
+        e_head = h * dk * dv
+        e_tile = rk[:, None] * dv + rv[None, :]
         q_h = q_ptr + h * s_qh + rk * s_qk
         k_h = k_ptr + h * s_kh + rk * s_kk
         v_h = v_ptr + h * s_vh + rv * s_vv
@@ -187,29 +270,39 @@ if HAS_TRITON:
                 o_t = o_h + a64 * s_ot
                 g_t = g_ptr + a64 * s_gt + h * s_gh
                 b_t = beta_ptr + a64 * s_bt + h * s_bh
-                for _ in range(a, b):
-                    kt = tl.load(k_t, mask=kmask, other=0.0).to(tl.float32)
-                    vt = tl.load(v_t, mask=vmask, other=0.0).to(tl.float32)
-                    qt = tl.load(q_t, mask=kmask, other=0.0).to(tl.float32) * scale
-                    if FAMILY == 1:
-                        gk = tl.load(g_t + rk * s_gk, mask=kmask, other=0.0)
-                        S = S * tl.exp(gk.to(tl.float32))[:, None]
+                if PREFETCH:  # token a's inputs now, token t + 1's while token t runs
+                    nk, nv, nq, ng, nb = _token_inputs(q_t, k_t, v_t, g_t, b_t, rk, s_gk, kmask, vmask,
+                                                       a < b, scale, FAMILY)
+                for t in range(a, b):
+                    if PREFETCH:
+                        kt, vt, qt, gt, bt = nk, nv, nq, ng, nb
+                        q_t += s_qt
+                        k_t += s_kt
+                        v_t += s_vt
+                        g_t += s_gt
+                        b_t += s_bt
+                        nk, nv, nq, ng, nb = _token_inputs(q_t, k_t, v_t, g_t, b_t, rk, s_gk, kmask, vmask,
+                                                           t + 1 < b, scale, FAMILY)
                     else:
-                        S = S * tl.exp(tl.load(g_t).to(tl.float32))
+                        kt, vt, qt, gt, bt = _token_inputs(q_t, k_t, v_t, g_t, b_t, rk, s_gk, kmask, vmask,
+                                                           t < b, scale, FAMILY)
+                        q_t += s_qt
+                        k_t += s_kt
+                        v_t += s_vt
+                        g_t += s_gt
+                        b_t += s_bt
+                    if FAMILY == 1:
+                        S = S * gt[:, None]
+                    else:
+                        S = S * gt
                     if FAMILY == 2:
-                        bt = tl.load(b_t).to(tl.float32)
                         vt = bt * (vt - tl.sum(S * kt[:, None], axis=0))
                     S = S + kt[:, None] * vt[None, :]
                     ot = tl.sum(S * qt[:, None], axis=0)
                     tl.store(o_t, ot.to(o_ptr.dtype.element_ty), mask=vmask)
-                    q_t += s_qt
-                    k_t += s_kt
-                    v_t += s_vt
                     o_t += s_ot
-                    g_t += s_gt
-                    b_t += s_bt
             else:
-                E = tl.load(e_ptr + a.to(tl.int64) * num_heads * dk * dv + e_tile,
+                E = tl.load(e_ptr + (a.to(tl.int64) * num_heads * dk * dv + e_head) + e_tile,
                             mask=tile_mask, other=0.0).to(tl.float32)
                 if kind == 1:
                     S = E
@@ -222,24 +315,26 @@ if HAS_TRITON:
                     else:
                         r64 = row.to(tl.int64)
                         if FAMILY == 2:
-                            Tm = tl.load(t_ptr + r64 * dk * dk + rk[:, None] * dk + rk[None, :],
-                                         mask=kmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                            S = tl.dot(Tm, S, input_precision="ieee") + E
+                            if COMPOSE_CHUNK == 0:  # the whole T in registers (slow: spills)
+                                Tm = tl.load(t_ptr + r64 * dk * dk + rk[:, None] * dk + rk[None, :],
+                                             mask=kmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                                S = tl.dot(Tm, S, input_precision="ieee") + E
+                            else:
+                                S = _dense_compose(S, E, t_ptr + r64 * dk * dk, sout_ptr + h * dk * dv, rk, rv,
+                                                   kmask, vmask, tile_mask, dk, dv, COMPOSE_CHUNK)
                         elif FAMILY == 1:
                             d = tl.load(t_ptr + r64 * dk + rk, mask=kmask, other=0.0).to(tl.float32)
                             S = S * tl.exp(d)[:, None] + E
                         else:
                             S = S * tl.exp(tl.load(t_ptr + r64).to(tl.float32)) + E
-        tl.store(sout_ptr + h * dk * dv + rk[:, None] * dv + rv[None, :], S, mask=tile_mask)
+        tl.store(sout_ptr + e_head + e_tile, S, mask=tile_mask)
 
 
-def _chain_triton(family, inp, S0, ev, out):
+def _chain_triton(family, inp, S0, ev, out, launch: "ChainLaunch"):
     _, t, h, dk, dv = inp.shape
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device) if out is None else out
     s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=S0.device)
-    block_k = max(16, next_pow2(dk))
-    block_v = max(16, min(next_pow2(dv), 32 if dk > 64 else 64))
-    num_warps = 8 if (family == "delta" and dk > 64) else 4
+    block_k, block_v, num_warps, prefetch = launch.resolve(family, dk, dv)
     E = ev.E.contiguous()
     T = ev.T.contiguous() if ev.T is not None else E  # placeholder, never read without a compose
     g = inp.log_decay
@@ -255,20 +350,22 @@ def _chain_triton(family, inp, S0, ev, out):
         *inp.q.stride()[1:], *inp.k.stride()[1:], *inp.v.stride()[1:],
         *g_strides, *b_strides, *o.stride()[1:],
         *S0.stride(),
-        FAMILY=_FAMILY_CODE[family], BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
+        FAMILY=_FAMILY_CODE[family], BLOCK_K=block_k, BLOCK_V=block_v,
+        COMPOSE_CHUNK=launch.compose_chunk, PREFETCH=prefetch, num_warps=num_warps,
     )
     return o, s_out
 
 
 def seam_chain(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainEvents, family: str,
-               force_triton: Optional[bool] = None,
-               out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               force_triton: Optional[bool] = None, out: Optional[torch.Tensor] = None,
+               launch: Optional[ChainLaunch] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All of one linear layer's events in prompt order (module docstring).
 
     inp: the layer's computed tokens, concatenated in prompt order (B = 1). S0: start state
     `[H, dk, dv]`. Returns (o `[1, T, H, dv]` in v's dtype, final S `[H, dk, dv]` float32).
     out: o is written there (only the rows of this chain's computed ranges; the caller
-    may run other ranges elsewhere, e.g. long ones through a chunked kernel).
+    may run other ranges elsewhere, e.g. long ones through a chunked kernel). launch: the
+    Triton kernel's launch shape (`ChainLaunch`; None: the defaults).
     Runs the Triton kernel on CUDA / under the interpreter (kernels.backend rule) when
     dk, dv <= 128, the reference otherwise."""
     _validate(family, inp, S0, events, out)
@@ -279,4 +376,4 @@ def seam_chain(inp: RecurrenceInputs, S0: torch.Tensor, events: ChainEvents, fam
         return seam_chain_reference(inp, S0, events, family, out)
     if S0.dtype != torch.float32:
         S0 = S0.float()
-    return _chain_triton(family, inp, S0, events, out)
+    return _chain_triton(family, inp, S0, events, out, launch or ChainLaunch())

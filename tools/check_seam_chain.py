@@ -3,7 +3,14 @@ against its torch reference (fp32 and bf16 inputs) on random event chains (seams
 `--seam` tokens between spliced pieces, a suffix), and the kernel's time per call against
 the per-event path it replaces (fla fused_recurrent per range + torch composition).
 
-    python3 tools/check_seam_chain.py [--pieces 10 --seam 16 --suffix 32]
+After that table, a launch-shape table (bf16 inputs; `--no-variants` skips it): per preset
+the default `ChainLaunch`, the same with and without the token prefetch, for diag two
+shapes that spill less, and for the delta rule the first version (whole T in registers, no
+prefetch: `old`) and a small grid of compose chunk x block_v x num_warps; each with its
+error against the reference, its time and the per-event baseline; the fastest launch is
+named per preset.
+
+    python3 tools/check_seam_chain.py [--pieces 10 --seam 16 --suffix 32] [--no-variants]
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import torch
 
 from engine.models.layers.fla_backend import fla_importable, fla_recurrent
 from engine.models.layers.linear_ops import RecurrenceInputs
-from kernels.seam_chain import COMPOSE, COMPUTE, SET, ChainEvents, seam_chain, seam_chain_reference
+from kernels.seam_chain import COMPOSE, COMPUTE, SET, ChainEvents, ChainLaunch, seam_chain, seam_chain_reference
 
 SHAPES = {  # preset: (family, H, dk, dv)
     "qwen3next-bench": ("delta", 32, 128, 128), "gla-bench": ("diag", 16, 64, 128),
@@ -69,11 +76,50 @@ def timed(fn, reps=20):
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def variants(family):
+    """(label, ChainLaunch) pairs to time for this family: default first."""
+    out = [("default", ChainLaunch()), ("prefetch", ChainLaunch(prefetch=True)),
+           ("no-prefetch", ChainLaunch(prefetch=False))]
+    if family == "diag":  # ptxas: the default shape spills (tools/ptxas_seam_chain.py); these do less
+        out += [("bv=32,warps=4", ChainLaunch(32, 4)), ("bv=64,warps=8", ChainLaunch(64, 8))]
+    if family == "delta":
+        out.append(("old(whole-T,no-prefetch)", ChainLaunch(compose_chunk=0, prefetch=False)))
+        out.append(("whole-T,prefetch", ChainLaunch(compose_chunk=0)))
+        for chunk in (16, 32):
+            for bv, nw in ((32, 8), (32, 4), (16, 4), (16, 2), (64, 8)):
+                out.append((f"chunk={chunk},bv={bv},warps={nw}", ChainLaunch(bv, nw, chunk)))
+    return out
+
+
+def launch_table(a, dev, dtype=torch.bfloat16):
+    print(f"\n# launch shapes ({dtype} inputs; pieces={a.pieces} seam={a.seam} suffix={a.suffix})")
+    for name, (family, H, dk, dv) in SHAPES.items():
+        gen = torch.Generator().manual_seed(0)
+        inp, ev = build(family, H, dk, dv, a.pieces, a.seam, a.suffix, dtype, dev, gen)
+        S0 = torch.zeros(H, dk, dv, device=dev)
+        o_ref, s_ref = seam_chain_reference(inp, S0, ev, family)
+        base = timed(lambda: per_event(family, inp, S0, ev)) if fla_importable() else float("nan")
+        best = None
+        for label, launch in variants(family):
+            o, s = seam_chain(inp, S0, ev, family, force_triton=True, launch=launch)
+            err_o = (o.float() - o_ref.float()).abs().max().item()
+            err_s = ((s - s_ref).abs().max() / s_ref.abs().max().clamp_min(1e-6)).item()
+            ms = timed(lambda: seam_chain(inp, S0, ev, family, force_triton=True, launch=launch))
+            bk, bv, nw, pf = launch.resolve(family, dk, dv)
+            print(f"{name:16s} {family:6s} {label:28s} (BLOCK_K={bk} BLOCK_V={bv} warps={nw} prefetch={int(pf)}) "
+                  f"max|o-ref|={err_o:.2e} rel|S-ref|={err_s:.2e} chain={ms:.3f} ms/call "
+                  f"per-event(fla+torch)={base:.3f} ms/call")
+            if best is None or ms < best[1]:
+                best = (label, ms)
+        print(f"{name:16s} {family:6s} fastest: {best[0]} {best[1]:.3f} ms/call")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pieces", type=int, default=10)
     ap.add_argument("--seam", type=int, default=16)
     ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--no-variants", action="store_true", help="skip the launch-shape table")
     a = ap.parse_args()
     dev = "cuda"
     for name, (family, H, dk, dv) in SHAPES.items():
@@ -89,6 +135,8 @@ def main():
             base = timed(lambda: per_event(family, inp, S0, ev)) if fla_importable() else float("nan")
             print(f"{name:16s} {family:6s} {str(dtype):15s} max|o-ref|={err_o:.2e} rel|S-ref|={err_s:.2e} "
                   f"chain={ms:.3f} ms/call per-event(fla+torch)={base:.3f} ms/call")
+    if not a.no_variants:
+        launch_table(a, dev)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import torch
 from engine.models.layers.linear_ops import RecurrenceInputs, chunked_recurrence
 from kernels.backend import HAS_TRITON, INTERPRET
 from kernels.errors import KernelInputError
-from kernels.seam_chain import ADD, COMPOSE, COMPUTE, SET, ChainEvents, seam_chain, seam_chain_reference
+from kernels.seam_chain import (ADD, COMPOSE, COMPUTE, SET, ChainEvents, ChainLaunch, seam_chain,
+                               seam_chain_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -95,6 +96,56 @@ def test_triton_matches_reference_with_dims_that_are_not_powers_of_two(family):
     o, s = seam_chain(inp, S0.to(DEVICE), ev, family, force_triton=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
+
+
+# composes in a row (the scratch tile rewritten each time), a forgotten head, several dv
+# blocks per head; dk not a multiple of the compose chunk
+DELTA_RUN = [(COMPUTE, 3), (COMPOSE, None), (COMPOSE, None), (COMPOSE, None), (COMPUTE, 2), (COMPOSE, None),
+             (COMPUTE, 1)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dk,dv,launch", [
+    (24, 40, ChainLaunch(block_v=16)),
+    (40, 24, ChainLaunch(block_v=16, compose_chunk=32, num_warps=2)),
+    (40, 24, ChainLaunch(compose_chunk=0, prefetch=False)),
+], ids=["dk24-chunk16", "dk40-chunk32", "dk40-whole-T"])
+def test_delta_compose_in_chunks_matches_reference_over_composes_in_a_row(dk, dv, launch):
+    gen = torch.Generator().manual_seed(dk * 100 + dv + launch.compose_chunk)
+    ev, t = _events("delta", gen, DELTA_RUN, dk=dk, dv=dv)
+    inp = _inputs("delta", t, gen, dk=dk, dv=dv)
+    S0 = torch.randn(H, dk, dv, generator=gen)
+    ev, inp = _to(ev, inp, DEVICE)
+    o_ref, s_ref = seam_chain_reference(inp, S0.to(DEVICE), ev, "delta")
+    o, s = seam_chain(inp, S0.to(DEVICE), ev, "delta", force_triton=True, launch=launch)
+    assert ev.t_row[2].tolist() == [ev.t_row[2, 0].item(), -1]  # head 1 forgot in the second compose
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("family", ["scalar", "diag", "delta"])
+def test_triton_with_half_inputs_with_and_without_prefetch_matches_reference(family):
+    gen = torch.Generator().manual_seed(11 + len(family))
+    ev, t = _events(family, gen)
+    inp = _inputs(family, t, gen)
+    half = lambda x: None if x is None else x.half()  # noqa: E731
+    inp = RecurrenceInputs(half(inp.q), half(inp.k), half(inp.v), inp.log_decay, half(inp.beta), inp.scale)
+    ev = ChainEvents(ev.table, ev.t_row, ev.E.half(), ev.T.half() if family == "delta" else ev.T)
+    S0 = torch.randn(H, DK, DV, generator=gen)
+    ev, inp = _to(ev, inp, DEVICE)
+    o_ref, s_ref = seam_chain_reference(inp, S0.to(DEVICE), ev, family)
+    for launch in (ChainLaunch(prefetch=True), ChainLaunch(prefetch=False)):
+        o, s = seam_chain(inp, S0.to(DEVICE), ev, family, force_triton=True, launch=launch)
+        torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw,match", [({"block_v": 24}, "block_v"), ({"num_warps": 3}, "num_warps"),
+                                      ({"compose_chunk": 8}, "compose_chunk")])
+def test_chain_launch_rejects_a_bad_shape(kw, match):
+    with pytest.raises(KernelInputError, match=match):
+        ChainLaunch(**kw)
 
 
 @pytest.mark.parametrize("family", ["scalar", "diag", "delta"])
