@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "requests whose uncached segments hold at least this share of the prompt are prefilled by "
                          "full recompute and their segments computed while idle; 0 turns it off (the two-engine "
                          "phases always run without it: they measure cold PIC itself)")
+    ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
+                    help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
+                         "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
     ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown,cold")
     ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
     ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
@@ -199,7 +202,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     t0 = time.perf_counter()
     engine = build_engine(preset, EngineConfig(**opts))
     connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
-    h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None))
+    h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
+                                               seam_chain=args.seam_chain))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
         warm_kernels(h, scale, args.max_tokens, args.docs)

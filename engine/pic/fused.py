@@ -119,7 +119,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     ids_host = torch.tensor([token_ids[p] for a, b in ranges for p in range(a, b)], dtype=torch.long)
     model._check_ids(ids_host)
     ids, pos = ids_host.to(device), pos_host.to(device)
-    ctx_slots = manager.flat_slots(seq, 0, end)
+    ctx_slots = manager.prefill_slots(seq, 0, end, with_context=False)[0]  # expanded on the device
     write_slots = None if ctx_slots is None else ctx_slots[pos]
     # events in prompt order: ("c", lo, hi, absolute end) with lo/hi local offsets into
     # C, or ("p", piece, None, index of the piece among the pieces)

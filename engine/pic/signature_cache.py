@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+import numpy as np
 
 from engine.pic.errors import PicConfigError
 from engine.pic.signature import SegmentSignature
@@ -48,8 +49,11 @@ def segment_key(fingerprint: str, token_ids: Sequence[int], variant: str = "") -
     """blake2b-256 of (tag, model fingerprint, variant, token ids); see the module docstring."""
     if not isinstance(fingerprint, str) or not fingerprint:
         raise PicConfigError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
-    ids = [int(t) for t in token_ids]
-    if any(t < 0 or t >= 1 << 32 for t in ids):
+    try:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise PicConfigError(f"token ids must be integers in [0, 2**32): {e}") from None
+    if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
         raise PicConfigError("token ids must lie in [0, 2**32)")
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     h.update(KEY_TAG)
@@ -57,7 +61,7 @@ def segment_key(fingerprint: str, token_ids: Sequence[int], variant: str = "") -
     h.update(b"\x00")
     h.update(variant.encode())
     h.update(b"\x00")
-    h.update(struct.pack(f"<{len(ids)}I", *ids))
+    h.update(ids.astype("<u4").tobytes())  # the bytes struct.pack("<nI") gives, without a Python loop
     return h.digest()
 
 
