@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile the last request of each method and cache state per workload (torch.profiler: "
+                         "Chrome traces and op tables in DIR)")
     ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown,cold")
     ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
     ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
@@ -203,14 +206,15 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     engine = build_engine(preset, EngineConfig(**opts))
     connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
-                                               seam_chain=args.seam_chain))
+                                               seam_chain=args.seam_chain),
+                trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
         warm_kernels(h, scale, args.max_tokens, args.docs)
         log(f"{preset}: engine ready in {time.perf_counter() - t0:.1f} s")
         for task in args.workloads:
             reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
-            out["workloads"][task] = measure.ttft_by_method(h, reqs)
+            out["workloads"][task] = measure.ttft_by_method(h, reqs, name=task)
             w = out["workloads"][task]
             log(f"{preset}/{task}: full {w['full']['warm']['ttft_ms_p50']:.1f} ms, prefix warm "
                 f"{w['prefix']['warm']['ttft_ms_p50']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_p50']:.1f} ms")

@@ -45,13 +45,20 @@ class Run:
     miss_segments: int
     split: dict[str, float] = field(default_factory=dict)  # lookup/miss/load_compose/seam/suffix/fused ms
     store: dict[str, Any] = field(default_factory=dict)
+    #: where the TTFT went on the host's clock: queue_ms (arrival -> admission: planning
+    #: included), prefill_host_ms (the plan's steps as the host ran them; the device may
+    #: still be working), after_ms (the rest: device drain, first token sampled)
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 class Harness:
     """See the module docstring."""
 
-    def __init__(self, engine, connector: Optional[StoreConnectorConfig], pic: PicConfig = PicConfig()) -> None:
+    def __init__(self, engine, connector: Optional[StoreConnectorConfig], pic: PicConfig = PicConfig(),
+                 trace_dir: Optional[str] = None) -> None:
         self.engine = engine
+        #: where `run_alone(..., trace=NAME)` writes torch.profiler traces (None: never)
+        self.trace_dir = trace_dir
         self.connector = connector
         self.pic_config = pic
         self._planners: dict[str, Any] = {}
@@ -142,9 +149,12 @@ class Harness:
         self._ids += 1
         return f"{base}#{self._ids}"
 
-    def run_alone(self, req: BenchRequest, max_new_tokens: int = 1) -> Run:
+    def run_alone(self, req: BenchRequest, max_new_tokens: int = 1, trace: Optional[str] = None) -> Run:
+        """`trace`: with a `trace_dir`, profile this run (torch.profiler, host and device)
+        and write `<trace>.json` (Chrome trace) and `<trace>.txt` (op tables) there."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rid = self._rid(req.id)
+        prof = _start_profile() if (trace and self.trace_dir) else None
         engine.add_request(req.as_prompt(), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
                            request_id=rid)
         final = None
@@ -152,6 +162,8 @@ class Harness:
             for out in engine.step():
                 if out.request_id == rid and out.finished:
                     final = out
+        if prof is not None:
+            _write_profile(prof, self.trace_dir, trace)
         rep = planner.take_report(rid)
         take = getattr(planner, "take_store_report", None)
         sr = take(rid) if take else None
@@ -160,8 +172,14 @@ class Harness:
             planner.store.flush()
         d = rep.as_dict() if rep is not None else {}
         split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms", "fused_ms")}
-        return Run(req.id, final.timeline.ttft * 1e3, final.num_prompt_tokens, d.get("reused_tokens", 0),
-                   d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {})
+        tl = final.timeline
+        timeline = {}
+        if tl.scheduled is not None and tl.first_token is not None:
+            host = sum(tl.prefill_split.values())
+            timeline = {"queue_ms": (tl.scheduled - tl.arrival) * 1e3, "prefill_host_ms": host * 1e3,
+                        "after_ms": (tl.first_token - tl.scheduled - host) * 1e3}
+        return Run(req.id, tl.ttft * 1e3, final.num_prompt_tokens, d.get("reused_tokens", 0),
+                   d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {}, timeline)
 
     def run_poisson(self, reqs: Sequence[BenchRequest], rate: float, seed: int,
                     max_new_tokens: int = 4) -> list[float]:
@@ -206,3 +224,29 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     import numpy as np
 
     return float(np.percentile(list(values), q))
+
+
+def _start_profile():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof, directory: str, name: str) -> None:
+    from pathlib import Path
+
+    prof.__exit__(None, None, None)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(d / f"{name}.json"))
+    ka = prof.key_averages()
+    tables = [ka.table(sort_by="self_cpu_time_total", row_limit=40)]
+    try:
+        tables.append(ka.table(sort_by="self_cuda_time_total", row_limit=25))
+    except Exception:  # noqa: BLE001 - a CPU-only profile has no device column
+        pass
+    (d / f"{name}.txt").write_text("\n".join(tables))

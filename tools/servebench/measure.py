@@ -32,34 +32,47 @@ from tools.servebench.requests import BenchRequest, twin
 def summarize(runs: Sequence[Run]) -> dict:
     ttfts = [r.ttft_ms for r in runs]
     prompt = sum(r.prompt_tokens for r in runs)
-    return {"n": len(runs), "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
-            "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None,
-            "prompt_tokens_mean": prompt / len(runs) if runs else 0,
-            "reuse_fraction": sum(r.reused_tokens for r in runs) / prompt if prompt else 0.0,
-            "hit_segments": sum(r.hit_segments for r in runs), "miss_segments": sum(r.miss_segments for r in runs)}
+    out = {"n": len(runs), "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
+           "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+           "prompt_tokens_mean": prompt / len(runs) if runs else 0,
+           "reuse_fraction": sum(r.reused_tokens for r in runs) / prompt if prompt else 0.0,
+           "hit_segments": sum(r.hit_segments for r in runs), "miss_segments": sum(r.miss_segments for r in runs),
+           "ttft_ms": [round(t, 3) for t in ttfts]}
+    for k in ("queue_ms", "prefill_host_ms", "after_ms"):  # Run.timeline: where the TTFT went
+        vals = [r.timeline[k] for r in runs if k in r.timeline]
+        if vals:
+            out[f"{k}_mean"] = sum(vals) / len(vals)
+    return out
 
 
-def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest]) -> dict:
+def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest], name: str = "") -> dict:
+    """`name`: with `h.trace_dir`, the last request of each method and state is profiled
+    (traces `<name>-<method>-<state>`)."""
     out: dict[str, dict] = {}
+    last = len(reqs) - 1
+
+    def tr(i: int, label: str) -> Optional[str]:
+        return f"{name}-{label}" if name and i == last else None
+
     h.planner("full")
-    full = summarize([h.run_alone(r) for r in reqs])
+    full = summarize([h.run_alone(r, trace=tr(i, "full")) for i, r in enumerate(reqs)])
     out["full"] = {"cold": full, "warm": full}
     cold = []
-    for r in reqs:
+    for i, r in enumerate(reqs):
         h.planner("prefix", fresh=True)
-        cold.append(h.run_alone(r))
+        cold.append(h.run_alone(r, trace=tr(i, "prefix-cold")))
     h.planner("prefix", fresh=True)
     warm = []
-    for r in reqs:
+    for i, r in enumerate(reqs):
         h.run_alone(twin(r))
-        warm.append(h.run_alone(r))
+        warm.append(h.run_alone(r, trace=tr(i, "prefix-warm")))
     out["prefix"] = {"cold": summarize(cold), "warm": summarize(warm)}
     h.planner("pic")
     cold = []
-    for r in reqs:
+    for i, r in enumerate(reqs):
         h.forget(r)
-        cold.append(h.run_alone(r))
-    warm = [h.run_alone(r) for r in reqs]
+        cold.append(h.run_alone(r, trace=tr(i, "pic-cold")))
+    warm = [h.run_alone(r, trace=tr(i, "pic-warm")) for i, r in enumerate(reqs)]
     out["pic"] = {"cold": summarize(cold), "warm": summarize(warm)}
     out["pic"]["warm"]["store"] = _mean_store(warm)
     return out
