@@ -75,16 +75,19 @@ class ChainEvents:
 class ChainLaunch:
     """The Triton kernel's launch shape: fixed per call, never autotuned. None: the rule.
 
-    block_v: dv columns per program, a power of two >= 16 (rule: 32 when dk > 64 else 64,
-    at most next_pow2(dv)). num_warps: rule 8 for delta with dk > 64, else 4.
-    compose_chunk: a delta composition multiplies T's column chunks `[BLOCK_K, chunk]` with
-    S's row chunks read back from the program's scratch tile (16, 32 or 64); 0 = the whole
-    `[BLOCK_K, BLOCK_K]` T in registers against S (the first version, kept to compare: at
-    dk = 128 its operands spill: ~19 KB of spill stores per thread in ptxas -v for sm_90,
-    against none for chunk 16; tools/ptxas_seam_chain.py). prefetch: a computed range loads
-    token t + 1's inputs while token t updates S (hides the loads' latency on the serial
-    token walk); rule: on, except diag (there it triples the spills of the default shape).
-    The rules come from ptxas register/spill counts; tools/check_seam_chain.py times them."""
+    block_v: dv columns per program, a power of two >= 16 (rule: delta with dk > 64: 16;
+    else 32 when dk > 64, else 64; at most next_pow2(dv)). num_warps: rule 2 for delta
+    with dk > 64, else 4. compose_chunk: a delta composition multiplies T's column chunks
+    `[BLOCK_K, chunk]` with S's row chunks read back from the program's scratch tile (16,
+    32 or 64); 0 = the whole `[BLOCK_K, BLOCK_K]` T in registers against S (the first
+    version, kept to compare: at dk = 128 its operands spill ~19 KB per thread in ptxas -v
+    for sm_90, tools/ptxas_seam_chain.py, and it ran 4.2 ms per layer call on the H200
+    against 0.24-0.32 ms chunked). prefetch (rule: on): a computed range loads token t + 1's
+    inputs while token t updates S (hides the loads' latency on the serial token walk).
+    The rules are the fastest shapes of tools/check_seam_chain.py on the H200 (2026-11-29,
+    bench presets' shapes, 10 pieces, seam 16, bf16; docs/BENCHMARKS.md): delta 0.241 ms
+    at bv 16 / 2 warps (0.317 at the first rule's bv 32 / 8 warps), diag 0.157 ms with
+    prefetch (0.254 without), scalar 0.102-0.112 ms with prefetch (0.170-0.190 without)."""
 
     block_v: Optional[int] = None
     num_warps: Optional[int] = None
@@ -102,9 +105,10 @@ class ChainLaunch:
     def resolve(self, family: str, dk: int, dv: int) -> tuple[int, int, int, bool]:
         """(BLOCK_K, BLOCK_V, num_warps, prefetch) for this family and these dims."""
         block_k = max(16, next_pow2(dk))
-        block_v = self.block_v or max(16, min(next_pow2(dv), 32 if dk > 64 else 64))
-        num_warps = self.num_warps or (8 if (family == "delta" and dk > 64) else 4)
-        prefetch = self.prefetch if self.prefetch is not None else family != "diag"
+        wide_delta = family == "delta" and dk > 64
+        block_v = self.block_v or max(16, min(next_pow2(dv), 16 if wide_delta else 32 if dk > 64 else 64))
+        num_warps = self.num_warps or (2 if wide_delta else 4)
+        prefetch = self.prefetch if self.prefetch is not None else True
         return block_k, block_v, num_warps, prefetch
 
 

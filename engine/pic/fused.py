@@ -390,11 +390,12 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
     return mixer.output(o, extras)[0]
 
 # ------------------------------------------------------------- linear layers: seam chain
-#: families `auto` runs through the seam chain: on the H200 (2026-11-29,
-#: tools/check_seam_chain.py) the chain took 0.13-0.35 ms per layer for scalar and diagonal
-#: decays against 3.3-4.5 ms for the per-event path, but 4.3 ms for the dense delta rule
-#: against 3.5 ms (bf16): delta stays on the per-event path until its kernel is faster.
-CHAIN_AUTO_FAMILIES = ("scalar", "diag")
+#: families `auto` runs through the seam chain on CUDA: every one since the delta rule's
+#: dense composition was chunked (H200, 2026-11-29, tools/check_seam_chain.py, 10 pieces,
+#: seam 16, bf16: delta 0.24 ms per layer call against 2.56 ms for the per-event path, which
+#: is host-bound; scalar 0.10-0.11, diag 0.16 against 1.9-2.2 ms). The per-event path stays
+#: for the CPU, `chain="off"`, dims over MAX_DIM_TRITON and prefix checkpoints.
+CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
 
 
 def _chain_on(chain: str, mixer, device: torch.device) -> bool:

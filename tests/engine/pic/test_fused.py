@@ -201,11 +201,13 @@ def test_seam_chain_auto_policy_and_a_bad_mode_is_rejected(model_of, runner_of):
     mixer = model.blocks[0].mixer
     assert not _chain_on("auto", mixer, torch.device("cpu"))
     assert _chain_on("on", mixer, torch.device("cpu"))
-    # on CUDA, auto takes the chain for scalar/diagonal decays only (the delta chain measured slower)
+    # on CUDA, auto takes the chain for every family (the delta rule's too, since its
+    # composition is chunked), within the kernel's dims
     from kernels.backend import HAS_TRITON
 
     cuda = torch.device("cuda")
-    assert not _chain_on("auto", mixer, cuda)
+    assert _chain_on("auto", mixer, cuda) == HAS_TRITON
+    assert not _chain_on("off", mixer, cuda)
     assert _chain_on("auto", model_of([LIGHTNING, FULL]).blocks[0].mixer, cuda) == HAS_TRITON
     assert _chain_on("auto", model_of([GLA, FULL]).blocks[0].mixer, cuda) == HAS_TRITON
     with pytest.raises(PicConfigError, match="seam_chain"):
