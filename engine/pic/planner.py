@@ -68,8 +68,9 @@ def resolve_state_dtype(name: str, model_dtype: Optional[torch.dtype]) -> torch.
 STATE_KEY = "pic"
 #: most segments queued for idle-time alone passes (cold fallback); the oldest go first
 MAX_DEFERRED = 512
-#: tokens of alone passes one `help_idle` call computes at most (one packed pass)
-IDLE_BATCH_TOKENS = 16384
+#: tokens of alone passes one `help_idle` call computes at most (one packed pass): a request
+#: arriving meanwhile waits for the pass, so it is kept short (~30-60 ms for a 2B model)
+IDLE_BATCH_TOKENS = 4096
 #: how often an idle engine polls `help_idle` while segments are queued (seconds)
 IDLE_POLL_S = 0.02
 

@@ -12,7 +12,8 @@
   the request's segments from the daemon and from that cache first. Full recompute has
   one state (its cold and warm are the same runs).
 - `qps_at_slo`: the highest Poisson arrival rate whose p99 TTFT stays under the SLO,
-  per method, by a geometric search then one bisection; every trial sends fresh
+  per method, by a geometric search (x2 from a start rate both methods share) then
+  bisection; every trial sends fresh
   requests from the same pool (so nothing repeats exactly), after a warm-up stream.
 - `hit_breakdown`: where the TTFT of a PIC hit goes, per tier the segments are loaded
   from (NVMe, CPU, GPU where the daemon has a GPU tier), with device-synchronised
@@ -46,33 +47,41 @@ def summarize(runs: Sequence[Run]) -> dict:
 
 
 def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest], name: str = "") -> dict:
-    """`name`: with `h.trace_dir`, the last request of each method and state is profiled
-    (traces `<name>-<method>-<state>`)."""
+    """`name`: with `h.trace_dir`, each method and state runs its last request once more,
+    profiled (traces `<name>-<method>-<state>`; the profiled run is not in the figures)."""
     out: dict[str, dict] = {}
-    last = len(reqs) - 1
+    trace = bool(name and h.trace_dir and reqs)
 
-    def tr(i: int, label: str) -> Optional[str]:
-        return f"{name}-{label}" if name and i == last else None
+    def traced(label: str, before=None) -> None:
+        if trace:
+            if before is not None:
+                before()
+            h.run_alone(reqs[-1], trace=f"{name}-{label}")
 
     h.planner("full")
-    full = summarize([h.run_alone(r, trace=tr(i, "full")) for i, r in enumerate(reqs)])
+    full = summarize([h.run_alone(r) for r in reqs])
+    traced("full")
     out["full"] = {"cold": full, "warm": full}
     cold = []
-    for i, r in enumerate(reqs):
+    for r in reqs:
         h.planner("prefix", fresh=True)
-        cold.append(h.run_alone(r, trace=tr(i, "prefix-cold")))
+        cold.append(h.run_alone(r))
+    traced("prefix-cold", lambda: h.planner("prefix", fresh=True))
     h.planner("prefix", fresh=True)
     warm = []
-    for i, r in enumerate(reqs):
+    for r in reqs:
         h.run_alone(twin(r))
-        warm.append(h.run_alone(r, trace=tr(i, "prefix-warm")))
+        warm.append(h.run_alone(r))
+    traced("prefix-warm", lambda: h.run_alone(twin(reqs[-1])))
     out["prefix"] = {"cold": summarize(cold), "warm": summarize(warm)}
     h.planner("pic")
     cold = []
-    for i, r in enumerate(reqs):
+    for r in reqs:
         h.forget(r)
-        cold.append(h.run_alone(r, trace=tr(i, "pic-cold")))
-    warm = [h.run_alone(r, trace=tr(i, "pic-warm")) for i, r in enumerate(reqs)]
+        cold.append(h.run_alone(r))
+    traced("pic-cold", lambda: h.forget(reqs[-1]))
+    warm = [h.run_alone(r) for r in reqs]
+    traced("pic-warm")
     out["pic"] = {"cold": summarize(cold), "warm": summarize(warm)}
     out["pic"]["warm"]["store"] = _mean_store(warm)
     return out
@@ -90,7 +99,7 @@ def _mean_store(runs: Sequence[Run]) -> dict:
 
 
 def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: int, per_trial: int,
-               trials: int, slo_ms: float, start_rate: float, seed: int) -> dict:
+               trials: int, slo_ms: float, start_rate: float, seed: int, factor: float = 2.0) -> dict:
     """Highest tried rate with p99 TTFT <= slo_ms (module docstring). `stream` holds
     warmup + trials * per_trial requests."""
     h.planner(method, fresh=(method == "prefix"))
@@ -116,7 +125,7 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
         if best is not None and worst_fail is not None:
             rate = (best + worst_fail) / 2  # bisect between the best pass and the lowest failure
         else:
-            rate = rate * 1.6 if ok else rate / 1.6
+            rate = rate * factor if ok else rate / factor
     return {"method": method, "slo_ms": slo_ms, "sustainable_qps": best or 0.0, "trials": tried}
 
 

@@ -34,6 +34,29 @@ if TYPE_CHECKING:
 #: queries per block in masked (windowed / offset-causal) attention; bounds mask memory.
 QUERY_BLOCK = 1024
 
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    #: SDPA backends for prefill attention on CUDA, cuDNN left out: cuDNN's SDPA builds an
+    #: execution plan for every new (q, k) length, which never amortises when every
+    #: request has its own prompt length: on the H200 (torch 2.11, 2026-11-29 serving
+    #: traces, docs/BENCHMARKS.md) each call of a new shape cost 12-14 ms of host time, 73-81
+    #: ms per request over qwen3next-bench's 6 full layers, against 2-10 ms of GPU work.
+    #: Flash attention (GQA, causal, lower-right causal) and the memory-efficient kernel
+    #: (masks) need no plan.
+    CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:  # pragma: no cover - torch without torch.nn.attention
+    sdpa_kernel = None
+    CUDA_SDPA_BACKENDS = []
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA restricted to CUDA_SDPA_BACKENDS."""
+    if q.is_cuda and sdpa_kernel is not None:
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
 
 def _expand_kv(x: torch.Tensor, groups: int, head_dim_axis: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=head_dim_axis)
@@ -59,14 +82,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         return _causal_contiguous(qh, kh, vh, q_start, k_start, window, scale, groups).transpose(1, 2)
     if window is None and lq == lk and (q_pos is k_pos or torch.equal(q_pos, k_pos)):
         # positions coincide: top-left causal == the true mask; flash-eligible on GPU
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+        out = sdpa(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=groups > 1)
         return out.transpose(1, 2)
     kh, vh = _expand_kv(kh, groups, 1), _expand_kv(vh, groups, 1)
     if window is None and q.is_cuda and bool((k_pos[-lq:] == q_pos).all()):
         # chunk at the end of its context: lower-right causal, flash/efficient kernels
         from torch.nn.attention.bias import causal_lower_right
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(lq, lk), scale=scale)
+        out = sdpa(qh, kh, vh, attn_mask=causal_lower_right(lq, lk), scale=scale)
         return out.transpose(1, 2)
     outs = []
     for a in range(0, lq, QUERY_BLOCK):
@@ -80,7 +103,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
         mask = kp[None, :] <= qp[:, None]
         if window is not None:
             mask &= (qp[:, None] - kp[None, :]) < window
-        outs.append(F.scaled_dot_product_attention(
+        outs.append(sdpa(
             qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi], attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
@@ -90,11 +113,11 @@ def _causal_contiguous(qh, kh, vh, q_start: int, k_start: int, window: int | Non
     """`causal_attention` over heads-first q/k/v at contiguous positions (host-known layout)."""
     lq, lk = qh.shape[2], kh.shape[2]
     if window is None and q_start == k_start and lq == lk:
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=groups > 1)
+        return sdpa(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=groups > 1)
     kh, vh = _expand_kv(kh, groups, 1), _expand_kv(vh, groups, 1)
     if window is None and k_start + lk == q_start + lq and qh.is_cuda:
         from torch.nn.attention.bias import causal_lower_right
-        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(lq, lk), scale=scale)
+        return sdpa(qh, kh, vh, attn_mask=causal_lower_right(lq, lk), scale=scale)
     outs = []
     for a in range(0, lq, QUERY_BLOCK):
         b = min(lq, a + QUERY_BLOCK)
@@ -106,7 +129,7 @@ def _causal_contiguous(qh, kh, vh, q_start: int, k_start: int, window: int | Non
         mask = kp[None, :] <= qp[:, None]
         if window is not None:
             mask &= (qp[:, None] - kp[None, :]) < window
-        outs.append(F.scaled_dot_product_attention(
+        outs.append(sdpa(
             qh[:, :, a:b], kh[:, :, lo:hi], vh[:, :, lo:hi], attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=2)
 

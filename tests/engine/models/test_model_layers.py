@@ -235,3 +235,16 @@ def test_attention_variants_without_qk_norm_and_with_gqa_match_forward(rotary_di
     runner.prefill(seq, ids[:4])
     for t in range(4, 12):
         torch.testing.assert_close(runner.decode([seq], ids[t:t + 1])[0], ref[t], **TOL)
+
+
+def test_prefill_attention_on_cuda_never_picks_cudnn_sdpa():
+    # cuDNN's SDPA builds a plan per new sequence length (12-14 ms of host time per call on
+    # the H200 when every request has its own length): the engine leaves it out on CUDA
+    from engine.models.layers import attention
+
+    if attention.sdpa_kernel is None:
+        pytest.skip("this torch has no torch.nn.attention.sdpa_kernel")
+    from torch.nn.attention import SDPBackend
+
+    assert SDPBackend.CUDNN_ATTENTION not in attention.CUDA_SDPA_BACKENDS
+    assert SDPBackend.FLASH_ATTENTION in attention.CUDA_SDPA_BACKENDS
