@@ -17,12 +17,14 @@ is needed; the daemon's objects, key prefixes, List and the in-flight claims car
    takes the oldest request's highest-index segment first (the requester computes from
    the lowest), and claims the segment through the ordinary in-flight claim. A claim
    that is not won (the requester or another helper holds it; it landed already) moves
-   on to the next record. A won claim: the record's token ids are read, the record is
+   on to the next record. `take_many(max_tokens)` goes on claiming while the taken
+   segments' tokens stay within the budget, for one packed alone pass. A won claim: the record's token ids are read, the record is
    deleted, and the caller (engine.connector.planner) checks that the key it derives
    from them equals the segment key, computes the signature and stores it under the
    claim (waiters wake once it is stored).
-3. *Collect* (requesting engine): computes, in its usual order, every offered segment
-   it can still claim itself; a segment a helper claimed answers INFLIGHT and is waited
+3. *Collect* (requesting engine): computes, in its usual order and in packed passes of
+   about `share_pack_tokens` (claiming only the next pass's segments), every offered
+   segment it can still claim itself; a segment a helper claimed answers INFLIGHT and is waited
    for after its own (bounded by `share_wait_s`; then computed here). A helper that dies
    mid-compute loses its claim when its reservation expires (daemon lease TTL), which
    wakes the waiter, who computes the segment itself: never slower than alone by more
@@ -166,15 +168,24 @@ class ColdShare:
         """One offered segment of another engine, claimed by this one, or None (nothing
         offered, not yet time to poll, daemon away). The caller computes and stores it
         with the claim, or drops the claim (`cache.drop_claim`)."""
+        taken = self.take_many(0)
+        return taken[0] if taken else None
+
+    def take_many(self, max_tokens: int) -> list[tuple[WantedSegment, "Claim"]]:
+        """Offered segments of other engines, claimed by this one, in `take`'s order, while
+        their tokens stay within `max_tokens` (at least one when any is offered): the
+        caller computes them in one packed pass. Empty when nothing is offered, it is not
+        yet time to poll, or the daemon is away. Each is stored with its claim, or its
+        claim dropped."""
         now = time.monotonic()
         if self._closed or now < self._next_poll or not self.cache.available:
-            return None
+            return []
         self._next_poll = now + self.config.share_poll_s
         try:
             objs = self.cache.link.call("share", lambda c: c.list(fingerprint=self.fingerprint, prefix=WANTED_TAG,
                                                                   limit=LIST_LIMIT))
         except (StoreUnavailable, KVStoreError):
-            return None
+            return []
         wall = time.time()
         offers, stale = [], []
         for o in objs:
@@ -189,7 +200,12 @@ class ColdShare:
             self._delete(stale)
         from engine.connector.store_cache import OWNED, PRESENT
 
+        taken: list[tuple[WantedSegment, "Claim"]] = []
+        tokens = 0
         for _, _, o in sorted(offers, key=lambda t: (t[0], t[1])):
+            n = int((o.meta.extra or {}).get("tokens", 0))
+            if taken and tokens + n > max_tokens:
+                break
             seg_key = o.key[len(WANTED_TAG):]
             claim = self.cache.claim(seg_key)
             if claim.status == PRESENT:  # computed already: the offer is moot
@@ -203,8 +219,9 @@ class ColdShare:
             if wanted is None:
                 self.cache.drop_claim(claim)
                 continue
-            return wanted, claim
-        return None
+            taken.append((wanted, claim))
+            tokens += len(wanted.token_ids)
+        return taken
 
     def _read(self, info, seg_key: bytes) -> Optional[WantedSegment]:
         extra = info.meta.extra

@@ -27,6 +27,11 @@ bounded wait before it is served by recomputation:
 - `share_poll_s`: how often an idle engine lists offered segments (one List RPC).
 - `share_wait_s`: most time to wait for an offered segment a helper claimed before
   computing it here; also the lifetime of an offer.
+- `share_pack_tokens`: tokens of cold segments computed in one packed alone pass while
+  sharing, on both sides: the requester claims and computes its next segments in
+  batches of about this many tokens (claiming no further ahead, so helpers can take the
+  rest), a helper takes offered segments up to this many tokens per idle call. Bigger:
+  less per-pass overhead; smaller: more left for helpers.
 - `device_cache_bytes`: capacity of the engine's own LRU of signatures it holds in its
   device memory (computed here, or copied here from a host tier), so a segment used
   again is spliced without a daemon round trip (the L1 of HiCache-style tiering; the
@@ -65,6 +70,7 @@ class StoreConnectorConfig:
     share_min_segments: int = 2
     share_poll_s: float = 0.01
     share_wait_s: float = 30.0
+    share_pack_tokens: int = 1024
     device_cache_bytes: Optional[int] = None
 
     @property
@@ -84,7 +90,7 @@ class StoreConnectorConfig:
         d = self.device_cache_bytes
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
             raise ConnectorConfigError(f"device_cache_bytes={d!r} must be None or an int >= 0")
-        for name in ("put_queue_depth", "prefetch_queued", "share_min_segments"):
+        for name in ("put_queue_depth", "prefetch_queued", "share_min_segments", "share_pack_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConnectorConfigError(f"{name}={v!r} must be an int >= 0")

@@ -50,7 +50,6 @@ from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
 from engine.models.config import ModelConfig
-from engine.pic.compute import compute_signature
 from engine.pic.config import PicConfig
 from engine.pic.planner import PicPlanner, SpliceUnit, _RequestState
 from engine.runtime.planner import PrefillPlan
@@ -248,7 +247,9 @@ class StorePicPlanner(PicPlanner):
 
     def _compute_misses_shared(self, runner, request: Request, missing: list[SpliceUnit], share: ColdShare) -> None:
         """The miss step with cold sharing (module docstring): offer all but the first
-        miss, claim and compute in order, wait for what helpers claimed, withdraw."""
+        miss, claim and compute in order (packed passes of about
+        `share_pack_tokens`, claiming no further ahead than the pass), wait for what
+        helpers claimed, withdraw."""
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         report = state.builder.report
@@ -257,7 +258,13 @@ class StorePicPlanner(PicPlanner):
             ColdSegment(u.key, tuple(state.token_ids[u.offset:u.end]), u.split) for u in missing[1:]])
         try:
             later: list[tuple[SpliceUnit, Claim]] = []
+            batch: list[tuple[SpliceUnit, Claim]] = []
+            tokens = 0
+            pack = self.store.config.share_pack_tokens
             for u in missing:
+                if batch and tokens + u.num_tokens > pack:  # compute what is claimed before claiming on
+                    self._compute_batch(runner, state, sr, batch)
+                    batch, tokens = [], 0
                 claim = self.store.claim(u.key)
                 if claim.status == PRESENT:  # an offered segment a helper stored already
                     if u.key in offered:
@@ -268,7 +275,9 @@ class StorePicPlanner(PicPlanner):
                 elif claim.status == INFLIGHT:
                     later.append((u, claim))
                 else:
-                    self._compute(runner, state, sr, u, claim)
+                    batch.append((u, claim))
+                    tokens += u.num_tokens
+            self._compute_batch(runner, state, sr, batch)
             for u, claim in later:
                 mine = u.key in offered
                 got = self.store.wait_inflight(claim, self.store.config.share_wait_s if mine else None)
@@ -297,36 +306,37 @@ class StorePicPlanner(PicPlanner):
 
     def help_idle(self, runner) -> int:
         """Idle work, one unit per call: this engine's queued cold-fallback segments
-        first (claimed, computed alone packed, stored), else one cold segment another
-        engine offered (engine.connector.coldshare), stored under its claim. Returns the
+        first (claimed, computed alone packed, stored), else cold segments other engines
+        offered (engine.connector.coldshare; up to `share_pack_tokens`, one packed pass),
+        each stored under its claim. Returns the
         number of segments computed. Called by the engine when it has no request to run."""
         if self.deferred:
             return self._help_deferred(runner)
         share = self.store.share
         if share is None:
             return 0
-        taken = share.take()
-        if taken is None:
-            return 0
-        wanted, claim = taken
-        if self.key(wanted.token_ids, wanted.split) != wanted.key:  # other anchor/seam/options, or forged
-            self.store.metrics.inc("cold_rejected")
-            self.store.drop_claim(claim)
+        taken = []
+        for wanted, claim in share.take_many(self.store.config.share_pack_tokens):
+            if self.key(wanted.token_ids, wanted.split) != wanted.key:  # other anchor/seam/options, or forged
+                self.store.metrics.inc("cold_rejected")
+                self.store.drop_claim(claim)
+            else:
+                taken.append((wanted, claim))
+        if not taken:
             return 0
         t0 = time.perf_counter()
-        try:
-            sig = compute_signature(runner.model, list(wanted.token_ids), self.anchor_ids, wanted.split,
-                                    backend=runner.backend, state_dtype=self.state_dtype,
-                                    keep_end_state=self.config.keep_end_state)
-        except Exception:  # helping must not stop this engine; the requester computes it
-            log.exception("computing offered segment %s failed", wanted.key.hex()[:16])
-            self.store.drop_claim(claim)
+        try:  # one packed alone pass for every segment taken
+            sigs = self._alone(runner, [(w.token_ids, w.split) for w, _ in taken])
+        except Exception:  # helping must not stop this engine; the requesters compute them
+            log.exception("computing %d offered segments failed", len(taken))
+            for _, claim in taken:
+                self.store.drop_claim(claim)
             return 0
-        sig.meta["fingerprint"] = self.fingerprint
-        self.store.store(wanted.key, sig, claim=claim, cost=float(len(self.anchor_ids) + len(wanted.token_ids)))
-        self.store.metrics.inc("cold_helped")
+        for (wanted, claim), sig in zip(taken, sigs):
+            self.store.store(wanted.key, sig, claim=claim, cost=float(len(self.anchor_ids) + len(wanted.token_ids)))
+        self.store.metrics.inc("cold_helped", len(taken))
         self.store.metrics.inc("cold_help_ms_total", (time.perf_counter() - t0) * 1e3)
-        return 1
+        return len(taken)
 
     def _help_deferred(self, runner) -> int:
         todo = self._next_deferred()

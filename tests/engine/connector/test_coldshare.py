@@ -102,7 +102,7 @@ def test_an_idle_engine_process_computes_part_of_a_requests_cold_segments_with_i
     segments = prompt((0, 1, 2))
     want = reference(memory_engine, segments)
     url = helper_server(d)
-    engine, planner = store_engine(d)
+    engine, planner = store_engine(d, share_pack_tokens=1)  # one segment per pass: never claims ahead
     slowed_compute(monkeypatch, 0.6)
     out, rep, st = run_one(engine, planner, segments, "r1")
     assert out.token_ids == want
@@ -140,7 +140,7 @@ def test_a_helper_killed_while_holding_a_claim_does_not_hang_the_requester(
     d = start_daemon(lease_ttl=2.0, expire_interval=0.1)
     segments = prompt((0, 1, 2))
     want = reference(memory_engine, segments)
-    engine, planner = store_engine(d)
+    engine, planner = store_engine(d, share_pack_tokens=1)
     ready = tmp_path / "claimed"
     helper = subprocess.Popen([sys.executable, str(REPO / "tests/engine/connector/hanging_helper.py"), str(d.socket),
                                engine.loaded_model.fingerprint, str(ready)], env=child_env(), cwd=str(REPO))
@@ -206,3 +206,24 @@ def test_an_idle_engine_skips_its_own_offers_and_offers_whose_key_it_cannot_deri
     with d.client() as kv:
         assert kv.lookup([key])[0].hit
         assert kv.list(prefix=WANTED_TAG) == []
+
+
+def test_the_requester_computes_its_cold_segments_in_packed_passes_of_share_pack_tokens(
+        start_daemon, store_engine, memory_engine, monkeypatch):
+    d = start_daemon()
+    segments = prompt((0, 1, 2))
+    want = reference(memory_engine, segments)
+    engine, planner = store_engine(d, share_pack_tokens=1 << 20)  # no helper: all three in one pass
+    passes = []
+    real = pic_planner.compute_signatures
+
+    def counted(model, segs, *args, **kwargs):
+        passes.append(len(segs))
+        return real(model, segs, *args, **kwargs)
+
+    monkeypatch.setattr(pic_planner, "compute_signatures", counted)
+    out, rep, st = run_one(engine, planner, segments, "r1")
+    assert out.token_ids == want
+    assert st.computed == 3 and st.offloaded == 0
+    assert passes == [3]
+    assert planner.store.metrics.snapshot()["cold_offered"] == 2
