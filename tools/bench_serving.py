@@ -187,6 +187,34 @@ def warm_kernels(h, scale: str = "tiny", max_tokens=None, docs=None, seed: int =
             h.forget(r)
 
 
+def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale: str, out: dict, log,
+                      save) -> None:
+    """The phases with two engine processes (sharing, parallel cold prefill), into `out`."""
+    from tools.servebench import requests, sharing
+
+    first = not (args.quick and preset != args.presets[0])
+    threads = 1 if device.type == "cpu" else None
+    gpus = worker_gpus(args.gpus, device)
+    if "sharing" not in args.skip and first:
+        trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
+        out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus),
+                          "private": sharing.run_pair(preset, opts, trace, None, threads, gpus),
+                          "gpus": gpus}
+        log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
+            f"private {out['sharing']['private']['hit_rate']:.2f} (devices "
+            f"{out['sharing']['shared']['devices']})")
+        save(out)
+    if "cold" not in args.skip and first:
+        reqs = requests.load("rag", args.cold_requests, args.seed + 4, scale, args.max_tokens, args.cold_docs)
+        c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus)
+        c["gpus"] = gpus
+        out["cold_parallel"] = c
+        log(f"{preset} cold prefill: alone {c['alone']['ttft_ms_mean']:.1f} ms, helped "
+            f"{c['helped']['ttft_ms_mean']:.1f} ms (x{c['speedup'] or 0:.2f}; helper computed "
+            f"{c['helper']['cold_helped']} segments; devices {c['devices']})")
+        save(out)
+
+
 def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, save=lambda out: None) -> dict:
     """Every phase of one preset; `save(out)` is called after each phase with what is
     measured so far (the run JSON is rewritten then: a run stopped by a time limit keeps
@@ -203,6 +231,12 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     opts = engine_options(args, device)
     scale = "tiny" if args.quick else "bench"
     t0 = time.perf_counter()
+    if not args.workloads and {"qps", "breakdown"} <= set(args.skip):
+        # only the two-engine phases: their worker processes build their own engines
+        out = {"preset": preset, "device": str(device), "engine": opts, "workloads": {}}
+        two_engine_phases(preset, args, opts, socket, device, scale, out, log, save)
+        out["wall_s"] = time.perf_counter() - t0
+        return out
     engine = build_engine(preset, EngineConfig(**opts))
     connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
@@ -241,27 +275,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
             h.run_alone(req)
             out["breakdown"] = measure.hit_breakdown(h, req, tiers)
             save(out)
-        first = not (args.quick and preset != args.presets[0])
-        threads = 1 if device.type == "cpu" else None
-        gpus = worker_gpus(args.gpus, device)
-        if "sharing" not in args.skip and first:
-            trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
-            out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus),
-                              "private": sharing.run_pair(preset, opts, trace, None, threads, gpus),
-                              "gpus": gpus}
-            log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
-                f"private {out['sharing']['private']['hit_rate']:.2f} (devices "
-                f"{out['sharing']['shared']['devices']})")
-            save(out)
-        if "cold" not in args.skip and first:
-            reqs = requests.load("rag", args.cold_requests, args.seed + 4, scale, args.max_tokens, args.cold_docs)
-            c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus)
-            c["gpus"] = gpus
-            out["cold_parallel"] = c
-            log(f"{preset} cold prefill: alone {c['alone']['ttft_ms_mean']:.1f} ms, helped "
-                f"{c['helped']['ttft_ms_mean']:.1f} ms (x{c['speedup'] or 0:.2f}; helper computed "
-                f"{c['helper']['cold_helped']} segments; devices {c['devices']})")
-            save(out)
+        two_engine_phases(preset, args, opts, socket, device, scale, out, log, save)
         out["connector"] = h.store.metrics.snapshot()
         out["purged_objects"] = h.purge()  # room for the next preset
     finally:
