@@ -56,10 +56,11 @@ class PicConfig:
     computed, tail spliced). fused: run everything after the lookups (seams, splices,
     suffix) as one pass through the layers (engine.pic.fused); False runs one model pass
     per computed range with splice steps between them (same numbers, more overhead).
-    seam_chain (fused only): `"auto"` runs each scalar- or diagonal-decay linear layer's
-    recurrences and compositions as ONE kernels.seam_chain launch on CUDA (the delta rule,
-    where the chain measured no faster, and the CPU take the per-event path); `"on"` always uses the chain (Triton per `kernel`, else its torch reference);
-    `"off"` always the per-event path.
+    seam_chain (fused only): `"auto"` runs each linear layer's recurrences and
+    compositions as ONE kernels.seam_chain launch on CUDA (every family; the CPU, dims over
+    the kernel's limit and prefix checkpoints take the per-event path); `"on"` always
+    uses the chain (Triton per `kernel`, else its torch reference); `"off"` always the
+    per-event path.
     cold_full_fraction (`pic`/`naive`): when the segments a request would first have to
     compute alone (its misses) hold at least this fraction of its prompt tokens, the
     request is prefilled by plain full recompute (its TTFT stays that of full recompute
