@@ -163,30 +163,6 @@ def machine() -> dict:
     return info
 
 
-def warm_kernels(h, scale: str = "tiny", max_tokens=None, docs=None, seed: int = 10_000) -> None:
-    """First calls compile Triton kernels (and autotune them per shape specialisation):
-    run each method on a small prompt, then PIC cold and warm on one request of every
-    workload from a seed no measurement uses (segment counts and lengths like the
-    measured ones, so the packed alone passes and the seam chains meet most of their
-    kernel variants here, not in a timed request); its segments are deleted afterwards."""
-    from tools.servebench import requests
-    from tools.servebench.requests import BenchRequest
-
-    req = BenchRequest("warmup", "warmup", ({"text": "warm-up one " * 20, "cache": True},
-                                             {"text": "warm-up two " * 20, "cache": True},
-                                             {"text": "Q: ?\nA: ", "cache": False}))
-    for method in ("full", "prefix", "pic", "pic"):
-        h.planner(method)
-        h.run_alone(req)
-    h.planner("pic")
-    for task in requests.TASKS:
-        for r in requests.load(task, 1, seed, scale, max_tokens, docs):
-            h.forget(r)
-            h.run_alone(r)  # cold: packed alone passes + one-pass prefill
-            h.run_alone(r)  # warm
-            h.forget(r)
-
-
 def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale: str, out: dict, log,
                       save) -> None:
     """The phases with two engine processes (sharing, parallel cold prefill), into `out`."""
@@ -195,10 +171,12 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
     first = not (args.quick and preset != args.presets[0])
     threads = 1 if device.type == "cpu" else None
     gpus = worker_gpus(args.gpus, device)
+    # workers compile their kernels before the timed part (nothing to compile on the CPU)
+    warm = None if device.type == "cpu" else {"scale": scale, "max_tokens": args.max_tokens, "docs": args.docs}
     if "sharing" not in args.skip and first:
         trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
-        out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus),
-                          "private": sharing.run_pair(preset, opts, trace, None, threads, gpus),
+        out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus, warm=warm),
+                          "private": sharing.run_pair(preset, opts, trace, None, threads, gpus, warm=warm),
                           "gpus": gpus}
         log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
             f"private {out['sharing']['private']['hit_rate']:.2f} (devices "
@@ -206,7 +184,7 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
         save(out)
     if "cold" not in args.skip and first:
         reqs = requests.load("rag", args.cold_requests, args.seed + 4, scale, args.max_tokens, args.cold_docs)
-        c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus)
+        c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus, warm=warm)
         c["gpus"] = gpus
         out["cold_parallel"] = c
         log(f"{preset} cold prefill: alone {c['alone']['ttft_ms_mean']:.1f} ms, helped "
@@ -244,7 +222,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
-        warm_kernels(h, scale, args.max_tokens, args.docs)
+        measure.warm_kernels(h, scale, args.max_tokens, args.docs)
         log(f"{preset}: engine ready in {time.perf_counter() - t0:.1f} s")
         for task in args.workloads:
             reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)

@@ -107,8 +107,12 @@ class Harness:
 
     def forget(self, req: BenchRequest) -> None:
         """Delete `req`'s segments from the daemon and from every PIC planner's device
-        cache in this harness (a cold start for PIC)."""
+        cache in this harness (a cold start for PIC); without a daemon, from the engine's
+        in-process signature cache."""
         keys = self.keys_of(req)
+        if self.connector is None:  # PIC over the engine's in-process cache
+            self.planner("pic").cache.discard(keys)
+            return
         for p in (self._store_planner, self._timed_planner):
             if p is not None:
                 p.store.near.discard(keys)

@@ -160,3 +160,26 @@ def _split(run: Run) -> dict:
             "seam_ms": run.split["seam_ms"], "suffix_ms": run.split["suffix_ms"],
             "fused_ms": max(0.0, run.split.get("fused_ms", 0.0) - waited_in_splice),
             "hits_by_tier": s.get("store_hits_by_tier"), "copies_pending_at_use": s.get("store_copies_pending_at_use")}
+
+
+def warm_kernels(h, scale: str = "tiny", max_tokens=None, docs=None, seed: int = 10_000) -> None:
+    """First calls compile Triton kernels (and autotune them per shape specialisation):
+    run each method on a small prompt, then PIC cold and warm on one request of every
+    workload from a seed no measurement uses (segment counts and lengths like the
+    measured ones, so the packed alone passes and the seam chains meet most of their
+    kernel variants here, not in a timed request); its segments are deleted afterwards."""
+    from tools.servebench import requests
+
+    req = BenchRequest("warmup", "warmup", ({"text": "warm-up one " * 20, "cache": True},
+                                             {"text": "warm-up two " * 20, "cache": True},
+                                             {"text": "Q: ?\nA: ", "cache": False}))
+    for method in ("full", "prefix", "pic", "pic"):
+        h.planner(method)
+        h.run_alone(req)
+    h.planner("pic")
+    for task in requests.TASKS:
+        for r in requests.load(task, 1, seed, scale, max_tokens, docs):
+            h.forget(r)
+            h.run_alone(r)  # cold: packed alone passes + one-pass prefill
+            h.run_alone(r)  # warm
+            h.forget(r)

@@ -51,10 +51,12 @@ def _requests(reqs: Sequence[BenchRequest]) -> list[dict]:
 
 def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket: Optional[str],
                 threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None, timeout: float = 900.0,
-                stop_after: Optional[Sequence[str]] = None) -> tuple[list[dict], float]:
+                stop_after: Optional[Sequence[str]] = None, warm: Optional[dict] = None) -> tuple[list[dict], float]:
     """Start one worker per spec (`name`, `role`, `requests`, ...), release them together,
     wait for them; with `stop_after`, `<barrier>/stop` is written once the named workers
-    finished (the helpers then finish). Returns (their outputs, wall seconds after go)."""
+    finished (the helpers then finish). `warm` (scale, max_tokens, docs): each worker runs
+    `measure.warm_kernels` before it is ready (its own seed), so no first-time kernel
+    compilation lands in a timed request. Returns (their outputs, wall seconds after go)."""
     work = Path(tempfile.mkdtemp(prefix="servebench-"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -62,7 +64,7 @@ def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket
     for i, s in enumerate(specs):
         name = s["name"]
         spec = {"preset": preset, "engine": engine_options, "socket": socket, "barrier": str(work),
-                "threads": threads, "device": _device(gpus, i), **s}
+                "threads": threads, "device": _device(gpus, i), "warm": warm, "index": i, **s}
         (work / f"{name}.json").write_text(json.dumps(spec))
         out = work / f"{name}.out.json"
         outs.append(out)
@@ -102,10 +104,11 @@ def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket
 
 
 def run_pair(preset: str, engine_options: dict, requests: Sequence[BenchRequest], socket: Optional[str],
-             threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None, timeout: float = 900.0) -> dict:
+             threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None, timeout: float = 900.0,
+             warm: Optional[dict] = None) -> dict:
     """Run `requests` on two worker processes (module docstring); socket None: private caches."""
     specs = [{"name": f"w{i}", "role": "requests", "requests": _requests(requests[i::2])} for i in range(2)]
-    results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout)
+    results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, warm=warm)
     runs = [r for res in results for r in res["runs"]]
     hits = sum(r["hit_segments"] for r in runs)
     misses = sum(r["miss_segments"] for r in runs)
@@ -135,11 +138,12 @@ def load_paths(snapshots: Sequence[Optional[dict]]) -> dict:
 
 def run_cold_parallel(preset: str, engine_options: dict, requests: Sequence[BenchRequest], socket: str,
                       threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None,
-                      timeout: float = 900.0) -> dict:
+                      timeout: float = 900.0, warm: Optional[dict] = None) -> dict:
     """Cold TTFT alone vs helped by an idle engine (module docstring)."""
     specs = [{"name": "w0", "role": "cold", "requests": _requests(requests)},
              {"name": "w1", "role": "helper", "requests": []}]
-    results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, stop_after=["w0"])
+    results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, stop_after=["w0"],
+                                warm=warm)
     runs = results[0]["runs"]
     out: dict = {"requests": len(requests), "wall_s": wall, "devices": [res["device"] for res in results]}
     for mode in ("alone", "helped"):
