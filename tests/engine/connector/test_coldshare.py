@@ -111,7 +111,9 @@ def test_an_idle_engine_process_computes_part_of_a_requests_cold_segments_with_i
     snap = planner.store.metrics.snapshot()
     assert snap["cold_offered"] == 2 and snap["cold_offloaded"] == st.offloaded
     wait_until(lambda: metric(url, "kvengine_store_cold_helped_total") >= st.offloaded, what="helper metrics")
-    # the signatures the helper stored are bytewise what this engine computes alone
+    # the signatures the helper stored are what this engine computes alone (to float
+    # rounding: a helper computes what it took in one packed pass, whose batched
+    # projections may round differently from a one-segment pass)
     state_keys = [u for u in planner._layout(*_ids_and_segments(engine, segments)) if u[0] == "splice"]
     fp = engine.loaded_model.fingerprint
     with d.client() as kv:
@@ -123,8 +125,12 @@ def test_an_idle_engine_process_computes_part_of_a_requests_cold_segments_with_i
             try:
                 assert set(view.tensors) == set(mine.tensors)
                 for name, t in mine.tensors.items():
-                    assert torch.equal(view.tensors[name].view(torch.uint8).flatten(),
-                                       t.contiguous().view(torch.uint8).flatten()), name
+                    got = view.tensors[name]
+                    assert got.dtype == t.dtype and got.shape == t.shape, name
+                    if t.is_floating_point():
+                        torch.testing.assert_close(got, t, rtol=1e-4, atol=1e-5, msg=name)
+                    else:
+                        assert torch.equal(got, t), name
             finally:
                 view.release()
         planner.store.share.settle()
