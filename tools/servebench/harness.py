@@ -155,7 +155,9 @@ class Harness:
 
     def run_alone(self, req: BenchRequest, max_new_tokens: int = 1, trace: Optional[str] = None) -> Run:
         """`trace`: with a `trace_dir`, profile this run (torch.profiler, host and device)
-        and write `<trace>.json` (Chrome trace) and `<trace>.txt` (op tables) there."""
+        and write `<trace>.json` (Chrome trace) and `<trace>.txt` (op tables) there; the
+        idle work the run queued (cold-fallback segments) is profiled apart as
+        `<trace>-idle`."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rid = self._rid(req.id)
         prof = _start_profile() if (trace and self.trace_dir) else None
@@ -171,6 +173,10 @@ class Harness:
         rep = planner.take_report(rid)
         take = getattr(planner, "take_store_report", None)
         sr = take(rid) if take else None
+        if prof is not None and getattr(planner, "deferred", None):  # the idle work it queued, profiled apart
+            idle = _start_profile()
+            self.drain_idle()
+            _write_profile(idle, self.trace_dir, f"{trace}-idle")
         self.drain_idle()  # requests alone: the engine is idle before the next one arrives
         if hasattr(planner, "store"):
             planner.store.flush()
