@@ -1,0 +1,35 @@
+"""tools.servebench.report.summarize on hand-made runs: the figures the serving issue
+names, the best-baseline ratio, and a PIC that sustained no QPS rate counting as 0."""
+from __future__ import annotations
+
+from tools.servebench.report import summarize
+
+
+def _state(ms: float) -> dict:
+    return {"ttft_ms_mean": ms}
+
+
+def _workload(full: float, prefix: float, pic: float) -> dict:
+    return {"full": {"cold": _state(full), "warm": _state(full)},
+            "prefix": {"cold": _state(prefix), "warm": _state(prefix)},
+            "pic": {"cold": _state(full), "warm": _state(pic)}}
+
+
+def _qps(prefix: float, pic: float) -> dict:
+    return {"prefix": {"sustainable_qps": prefix}, "pic": {"sustainable_qps": pic}}
+
+
+def test_ratios_against_each_baseline_and_the_faster_one():
+    presets = {"a": {"workloads": {"w1": _workload(full=100.0, prefix=200.0, pic=25.0),  # prefix slower than full
+                                   "w2": _workload(full=100.0, prefix=50.0, pic=25.0)}}}  # prefix reused a lot
+    s = summarize(presets)
+    assert s["ttft_reduction_vs_prefix_avg"] == (8.0 + 2.0) / 2
+    assert s["ttft_reduction_vs_full_avg"] == 4.0
+    assert s["ttft_reduction_vs_best_avg"] == (4.0 + 2.0) / 2  # never credits PIC for a slow baseline
+
+
+def test_a_pic_that_sustained_no_rate_counts_as_zero_and_no_prefix_rate_is_left_out():
+    presets = {"a": {"workloads": {}, "qps": _qps(prefix=2.0, pic=0.0)},
+               "b": {"workloads": {}, "qps": _qps(prefix=1.0, pic=1.5)},
+               "c": {"workloads": {}, "qps": _qps(prefix=0.0, pic=1.0)}}
+    assert summarize(presets)["qps_gain_vs_prefix_at_slo"] == (0.0 + 1.5) / 2
