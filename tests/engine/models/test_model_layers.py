@@ -248,3 +248,23 @@ def test_prefill_attention_on_cuda_never_picks_cudnn_sdpa():
 
     assert SDPBackend.CUDNN_ATTENTION not in attention.CUDA_SDPA_BACKENDS
     assert SDPBackend.FLASH_ATTENTION in attention.CUDA_SDPA_BACKENDS
+
+
+def test_short_conv_valid_over_ranges_laid_out_behind_their_tails_equals_forward_with_each_tail():
+    # fused PIC convolves every computed range in one call, each behind its own tail
+    from engine.models.layers.conv import ShortConv
+
+    g = torch.Generator().manual_seed(3)
+    conv = ShortConv(6, 4)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(6, 4, generator=g))
+    xs = [torch.randn(1, n, 6, generator=g) for n in (5, 1, 9)]
+    tails = [torch.randn(1, 6, 3, generator=g) for _ in xs]
+    packed = torch.cat([t for pair in zip(tails, xs) for t in (pair[0][0], pair[1][0].T)], dim=1)
+    y = conv.valid(packed)  # output i sees inputs [i, i + 4)
+    at = 0
+    for x, t in zip(xs, tails):
+        want, _ = conv(x, t)
+        n = x.shape[1]
+        torch.testing.assert_close(y[:, at:at + n].T, want[0], rtol=1e-6, atol=1e-6)
+        at += 3 + n
