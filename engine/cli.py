@@ -322,6 +322,7 @@ def run_cmd(
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
     cold_full_fraction: float = _cold_opt(0.0),
+    prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
     caching or a baseline); print reuse and timing per request. With --store, signatures
@@ -335,7 +336,7 @@ def run_cmd(
         cap = int(cache_gib * (1 << 30))
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
                            signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused,
-                           cold_full_fraction=cold_full_fraction or None)
+                           cold_full_fraction=cold_full_fraction or None, prefix_checkpoints=prefix_checkpoints)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:

@@ -26,6 +26,7 @@ ANCHORS = ("bos", "none")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SEAM_CHAIN_MODES = ("auto", "on", "off")
+PREFIX_CHECKPOINT_POLICIES = ("branch", "every")
 
 DEFAULT_SEAM = 16
 DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
@@ -68,6 +69,15 @@ class PicConfig:
     alone later, while the engine is idle (`help_idle`), so later requests hit them.
     None (the default here; `kvengine serve` and tools/bench_serving turn it on): misses
     are always computed alone and spliced in the request.
+    prefix_checkpoints (`prefix`): where prefix caching keeps linear states (and window
+    rows), which a prefix can only be reused up to; full-attention K/V is kept at every
+    cacheable segment boundary either way. `"branch"` (default, Marconi / SGLang style):
+    at the end of a request's cacheable prefix, and at the boundary where the request
+    leaves a path another request already cached (a shared prefix, likely reused
+    again); the pass splits its linear recurrences at two points at most and costs what
+    full recomputation costs. `"every"`: at every cacheable boundary (any segment prefix
+    reusable, one recurrence split per segment: on the GPU this kept prefix caching
+    1.0-2.7x slower than full recomputation in the session-4 serving run).
     """
 
     method: str = "pic"
@@ -83,6 +93,7 @@ class PicConfig:
     fused: bool = True
     seam_chain: str = "auto"
     cold_full_fraction: float | None = None
+    prefix_checkpoints: str = "branch"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +111,9 @@ class PicConfig:
             raise PicConfigError(f"kernel={self.kernel!r} must be one of {', '.join(KERNEL_BACKENDS)}")
         if self.seam_chain not in SEAM_CHAIN_MODES:
             raise PicConfigError(f"seam_chain={self.seam_chain!r} must be one of {', '.join(SEAM_CHAIN_MODES)}")
+        if self.prefix_checkpoints not in PREFIX_CHECKPOINT_POLICIES:
+            raise PicConfigError(f"prefix_checkpoints={self.prefix_checkpoints!r} must be one of "
+                                 f"{', '.join(PREFIX_CHECKPOINT_POLICIES)}")
         if self.state_dtype not in STATE_DTYPES:
             raise PicConfigError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
         f = self.cold_full_fraction

@@ -101,7 +101,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
-    `end` is the end of a computed item; each is filled as `capture_checkpoint` would
+    `end` is the end of a computed item (any boundary inside the fill for one whose
+    `with_state` is False: K/V only); each is filled as `capture_checkpoint` would
     fill it at that boundary (prefix caching's snapshots, taken inside the one pass; the
     linear layers then take the per-event path, which sees every boundary's state).
     `all_logits`: return the logits of every position of the last item `[n, vocab]`
@@ -134,8 +135,12 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             off += n
     ends = {e[3] for e in events if e[0] == "c"}
     for cp in checkpoints:
-        if cp.end not in ends or not start <= cp.start < cp.end:
+        with_state = getattr(cp, "with_state", True)
+        if not start <= cp.start < cp.end <= end or (with_state and cp.end not in ends):
             raise SplicePlacementError(f"checkpoint [{cp.start}, {cp.end}) does not end a computed item")
+    # K/V-only checkpoints (prefix caching's nodes without states) need no split of the
+    # linear recurrences and no window rows: only the boundaries that keep states do
+    stateful = [cp for cp in checkpoints if getattr(cp, "with_state", True)]
     x = model.embed(ids)
     shared: dict = {}  # per-request layouts reused by every layer of a kind
     for i, block in enumerate(model.blocks):
@@ -148,16 +153,16 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                 k, v = cache.gather(ctx_slots[cp.start:cp.end])
                 cp.kv[i] = (k.clone(), v.clone())
         elif isinstance(cache, WindowRingCache):
-            mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end, checkpoints)
+            mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end, stateful)
         elif isinstance(cache, StateSlotCache):
-            if not checkpoints and _chain_on(chain, mixer, device):
+            if not stateful and _chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = _chain_tables(model, manager, events, device)
                 mixed = _linear_layer_chain(seq, cache, mixer, i, events, h, shared["chain"][i], force, backend)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)
-                mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], checkpoints)
+                mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], stateful)
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x = block._finish(x, mixed)

@@ -8,8 +8,15 @@ the boundary itself the sliding-window rows of the last `window` positions, ever
 layer's state and conv tail. Linear states cannot be rolled back, so a prefix is reusable
 only up to a boundary that has a checkpoint; this is why boundaries sit at segment ends.
 
+Which boundaries keep linear states is `PicConfig.prefix_checkpoints`: `"every"` keeps
+them at every boundary; `"branch"` (default, as Marconi and SGLang's hybrid radix cache
+do) keeps K/V at every boundary but states only at the end of a request's cacheable
+prefix and at the boundary where the request leaves a path another request cached
+before (a branch point: a shared prefix, likely shared again; that node gets its states
+from this request's pass). A match is usable up to its deepest node with states.
+
 `PrefixPlanner` matches the request's leading cached segments (never its last segment,
-whose last token must be computed), restores the deepest matched checkpoint, computes
+whose last token must be computed), restores the deepest usable checkpoint, computes
 the rest, and snapshots a checkpoint after each further leading cached segment. With
 `PicConfig.fused` (default) the rest is ONE pass through the layers (engine.pic.fused)
 that splits only the linear recurrences at the boundaries and takes the snapshots inside
@@ -40,13 +47,16 @@ from engine.runtime.request import Request
 
 @dataclass
 class BoundaryCheckpoint:
-    """Cache contents for positions [start, end) (full K/V) and at `end` (the rest)."""
+    """Cache contents for positions [start, end) (full K/V) and at `end` (the rest; not
+    kept when `with_state` is False: such a node holds K/V only and a match cannot end
+    there)."""
 
     start: int
     end: int
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     ring: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)  # k, v, first position
     states: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=dict)
+    with_state: bool = True
 
     def nbytes(self) -> int:
         tensors = [t for pair in self.kv.values() for t in pair]
@@ -55,15 +65,17 @@ class BoundaryCheckpoint:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def capture_checkpoint(manager, seq, start: int, end: int) -> BoundaryCheckpoint:
-    """Copy what `seq`'s caches hold for [start, end) and at `end`."""
+def capture_checkpoint(manager, seq, start: int, end: int, with_state: bool = True) -> BoundaryCheckpoint:
+    """Copy what `seq`'s caches hold for [start, end) and, `with_state`, at `end`."""
     if seq.num_computed_tokens != end:
         raise SplicePlacementError(f"checkpoint at {end} but the caches hold {seq.num_computed_tokens} positions")
-    cp = BoundaryCheckpoint(start, end)
+    cp = BoundaryCheckpoint(start, end, with_state=with_state)
     for i, cache in enumerate(manager.layers):
         if isinstance(cache, PagedKVCache):
             k, v = cache.gather(manager.flat_slots(seq, start, end))
             cp.kv[i] = (k.clone(), v.clone())
+        elif not with_state:
+            continue
         elif isinstance(cache, WindowRingCache):
             first = max(0, end - cache.window)
             k, v = cache.read(seq.slot, torch.arange(first, end, device=cache.k.device))
@@ -75,9 +87,12 @@ def capture_checkpoint(manager, seq, start: int, end: int) -> BoundaryCheckpoint
 
 
 def restore_checkpoints(manager, seq, path: list[BoundaryCheckpoint]) -> None:
-    """Write a path of checkpoints (root side first) into `seq`, which holds nothing yet."""
+    """Write a path of checkpoints (root side first, the last one with states) into
+    `seq`, which holds nothing yet."""
     if seq.num_computed_tokens != 0:
         raise SplicePlacementError(f"restore into caches that hold {seq.num_computed_tokens} positions")
+    if not path[-1].with_state:
+        raise SplicePlacementError(f"checkpoint [{path[-1].start}, {path[-1].end}) holds no states to restore from")
     end = path[-1].end
     manager.ensure_capacity(seq, end)
     last = path[-1]
@@ -125,7 +140,9 @@ class PrefixTree:
         self.lookups = self.hit_segments = self.hit_tokens = self.inserts = self.evictions = 0
 
     def match(self, edges: list[tuple[int, ...]]) -> list[PrefixNode]:
-        """The longest chain of nodes whose edges equal `edges[0], edges[1], ...`."""
+        """The longest chain of nodes whose edges equal `edges[0], edges[1], ...`, whether
+        or not they hold states (`usable_path` cuts it to what can be restored); the
+        hit counters count the usable part."""
         self.lookups += 1
         node, path = self.root, []
         for edge in edges:
@@ -135,15 +152,20 @@ class PrefixTree:
             child.last_used = next(self._clock)
             path.append(child)
             node = child
-        self.hit_segments += len(path)
-        self.hit_tokens += path[-1].checkpoint.end if path else 0
+        usable = usable_path(path)
+        self.hit_segments += len(usable)
+        self.hit_tokens += usable[-1].checkpoint.end if usable else 0
         return path
 
     def insert(self, parent: PrefixNode, edge: tuple[int, ...], checkpoint: BoundaryCheckpoint) -> Optional[PrefixNode]:
-        """Add (or refresh) the child `edge` of `parent`; None if it cannot fit."""
+        """Add (or refresh) the child `edge` of `parent`; None if it cannot fit. A node
+        that holds K/V only takes a checkpoint with states in its place (a branch point),
+        if it fits."""
         existing = parent.children.get(edge)
         if existing is not None:
             existing.last_used = next(self._clock)
+            if checkpoint.with_state and not existing.checkpoint.with_state:
+                self._upgrade(existing, checkpoint)
             return existing
         node = PrefixNode(edge, parent, checkpoint)
         if node.nbytes > self.capacity_bytes:
@@ -161,6 +183,21 @@ class PrefixTree:
         self.num_nodes += 1
         self.inserts += 1
         return node
+
+    def _upgrade(self, node: PrefixNode, checkpoint: BoundaryCheckpoint) -> None:
+        grown = checkpoint.nbytes() - node.nbytes
+        if node.nbytes + grown > self.capacity_bytes:
+            return
+        node.pins += 1  # it and its path stay while room is made
+        try:
+            self._evict(self.capacity_bytes - grown)
+        finally:
+            node.pins -= 1
+        if self.bytes + grown > self.capacity_bytes:
+            return
+        node.checkpoint = checkpoint
+        node.nbytes += grown
+        self.bytes += grown
 
     def _evict(self, limit: int) -> None:
         while self.bytes > limit:
@@ -184,6 +221,15 @@ class PrefixTree:
         return {"nodes": self.num_nodes, "bytes": self.bytes, "capacity_bytes": self.capacity_bytes,
                 "lookups": self.lookups, "hit_segments": self.hit_segments, "hit_tokens": self.hit_tokens,
                 "inserts": self.inserts, "evictions": self.evictions}
+
+
+def usable_path(path: list[PrefixNode]) -> list[PrefixNode]:
+    """`path` cut after its deepest node whose checkpoint holds states (a prefix can be
+    restored only up to a linear state)."""
+    for i in range(len(path) - 1, -1, -1):
+        if path[i].checkpoint.with_state:
+            return path[: i + 1]
+    return []
 
 
 @dataclass
@@ -215,7 +261,8 @@ class PrefixPlanner(ReportingPlanner):
             bounds.append((bounds[-1][1] if bounds else 0, s.token_end))
         b = self._new_builder(request)
         t0 = time.perf_counter()
-        path = self.tree.match([tuple(ids[lo:hi]) for lo, hi in bounds])
+        matched = self.tree.match([tuple(ids[lo:hi]) for lo, hi in bounds])
+        path = usable_path(matched)
         b.report.lookup_ms += (time.perf_counter() - t0) * 1e3
         state = _PrefixState(b, list(path), path[-1] if path else self.tree.root)
         for node in path:
@@ -229,31 +276,50 @@ class PrefixPlanner(ReportingPlanner):
                 b.report.add_hit(cp.end - cp.start)
         todo = bounds[len(path):]
         b.report.miss_segments += len(todo)
+        stateful = self._stateful_ends(todo, matched, path)
         if self.config.fused:
             start = b.position
-            b.fused(len(ids), lambda runner, req, _t=tuple(todo), **kw: self._run_fused(runner, req, _t, **kw),
-                    {"suffix": len(ids) - start})
+            b.fused(len(ids), lambda runner, req, _t=tuple(todo), _s=frozenset(stateful), **kw: self._run_fused(
+                runner, req, _t, _s, **kw), {"suffix": len(ids) - start})
             return b.build()
         for lo, hi in todo:
             b.compute(hi, "suffix")
-            b.apply(hi, lambda runner, req, _lo=lo, _hi=hi: self._checkpoint(runner, req, _lo, _hi), "checkpoint")
+            b.apply(hi, lambda runner, req, _lo=lo, _hi=hi, _w=hi in stateful: self._checkpoint(
+                runner, req, _lo, _hi, _w), "checkpoint")
         b.compute(len(ids), "suffix")
         return b.build()
 
-    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...], all_logits: bool = False):
-        """Everything after the restored prefix in one pass (engine.pic.fused), split at the
-        boundaries only inside the linear recurrences, with each boundary's checkpoint
-        taken inside the pass; then inserted into the tree in order."""
+    def _stateful_ends(self, todo: list[tuple[int, int]], matched: list[PrefixNode],
+                       path: list[PrefixNode]) -> set[int]:
+        """The boundaries (ends) among `todo` whose checkpoints keep states
+        (PicConfig.prefix_checkpoints)."""
+        if not todo:
+            return set()
+        if self.config.prefix_checkpoints == "every":
+            return {hi for _, hi in todo}
+        ends = {todo[-1][1]}  # the end of the cacheable prefix
+        if len(matched) > len(path):  # the request leaves a cached path there: a branch point
+            ends.add(matched[-1].checkpoint.end)
+        return ends
+
+    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...], stateful: frozenset = None,
+                   all_logits: bool = False):
+        """Everything after the restored prefix in one pass (engine.pic.fused), split inside
+        the linear recurrences only at the boundaries that keep states, with each
+        boundary's checkpoint taken inside the pass; then inserted into the tree in order."""
         from engine.pic.fused import FusedItem, fused_prefill
 
         ids = request.prefill_token_ids()
         start, n = request.seq.num_computed_tokens, len(ids)
-        cuts = [hi for _, hi in todo if start < hi < n]
+        if stateful is None:
+            stateful = frozenset(hi for _, hi in todo)
+        cuts = [hi for _, hi in todo if start < hi < n and hi in stateful]
         edges = [start, *cuts, n]
         items = [FusedItem(a, b) for a, b in zip(edges, edges[1:])]
-        cps = [BoundaryCheckpoint(lo, hi) for lo, hi in todo if hi in cuts]
+        cps = [BoundaryCheckpoint(lo, hi, with_state=hi in stateful) for lo, hi in todo if start < hi < n]
         logits = fused_prefill(runner.model, runner.cache, request.seq, ids, items, backend=runner.backend,
-                               kernel=self.config.kernel, checkpoints=cps, all_logits=all_logits)
+                               kernel=self.config.kernel, chain=self.config.seam_chain, checkpoints=cps,
+                               all_logits=all_logits)
         state: _PrefixState = request.planner_state[STATE_KEY]
         for cp in cps:
             if state.tip is None:  # an earlier checkpoint of this request did not fit
@@ -265,11 +331,11 @@ class PrefixPlanner(ReportingPlanner):
                 state.pinned.append(node)
         return logits
 
-    def _checkpoint(self, runner, request: Request, start: int, end: int) -> None:
+    def _checkpoint(self, runner, request: Request, start: int, end: int, with_state: bool = True) -> None:
         state: _PrefixState = request.planner_state[STATE_KEY]
         if state.tip is None:  # an earlier checkpoint of this request did not fit
             return
-        cp = capture_checkpoint(runner.cache, request.seq, start, end)
+        cp = capture_checkpoint(runner.cache, request.seq, start, end, with_state)
         node = self.tree.insert(state.tip, tuple(request.prefill_token_ids()[start:end]), cp)
         state.tip = node
         if node is not None:

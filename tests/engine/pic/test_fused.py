@@ -120,15 +120,17 @@ def test_fused_prefill_equals_steps_when_some_heads_forgot_their_prefix(kind, mo
         assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in sigs)
 
 
+@pytest.mark.parametrize("policy", ["every", "branch"])
 @pytest.mark.parametrize("mix", ["gdn", "mamba2", "swa"])
-def test_prefix_caching_in_one_pass_takes_the_same_checkpoints_and_logits(mix, model_of, runner_of, planner_of):
+def test_prefix_caching_in_one_pass_takes_the_same_checkpoints_and_logits(mix, policy, model_of, runner_of,
+                                                                          planner_of):
     model = model_of(MIXES[mix])
     docs = [rand_ids(n, 80 + n) for n in (13, 17, 11)]
     q = rand_ids(5, 4)
     runner = runner_of(model)
     got = {}
     for fused in (False, True):
-        planner = planner_of(model, method="prefix", fused=fused)
+        planner = planner_of(model, method="prefix", fused=fused, prefix_checkpoints=policy)
         first = execute(planner, runner, make_request([(d, True) for d in docs] + [(q, False)]))
         # a second request sharing the first two documents restores their checkpoints
         second = execute(planner, runner, make_request([(docs[0], True), (docs[1], True), (q, False)]))
@@ -138,7 +140,8 @@ def test_prefix_caching_in_one_pass_takes_the_same_checkpoints_and_logits(mix, m
     (a1, a2, acps, _), (b1, b2, bcps, rep) = got[False], got[True]
     torch.testing.assert_close(b1, a1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b2, a2, rtol=1e-5, atol=1e-5)
-    assert [(c.start, c.end) for c in bcps] == [(c.start, c.end) for c in acps] and len(bcps) == 3
+    assert [(c.start, c.end, c.with_state) for c in bcps] == [(c.start, c.end, c.with_state) for c in acps]
+    assert len(bcps) == 3
     for x, y in zip(acps, bcps):
         for name in ("kv", "ring", "states"):
             dx, dy = getattr(x, name), getattr(y, name)
@@ -149,7 +152,12 @@ def test_prefix_caching_in_one_pass_takes_the_same_checkpoints_and_logits(mix, m
                         torch.testing.assert_close(ty, tx, rtol=1e-5, atol=1e-5)
                     else:
                         assert tx == ty
-    assert rep.reused_tokens == 1 + len(docs[0]) + len(docs[1])
+    if policy == "every":  # the second request resumes after the first two documents
+        assert rep.reused_tokens == 1 + len(docs[0]) + len(docs[1])
+        assert all(c.with_state for c in bcps)
+    else:  # states only at the first request's prefix end; the second makes its end a branch point
+        assert rep.reused_tokens == 0
+        assert [c.with_state for c in bcps] == [False, True, True]
 
 
 # seam chain (kernels.seam_chain): each linear layer's recurrences and compositions in one

@@ -144,7 +144,7 @@ def test_swa_window_seam_makes_the_second_swa_layer_ring_match_full_recompute(mo
 def test_prefix_caching_matches_full_recompute_when_the_prefix_matches(model_of, runner_of, planner_of):
     model = model_of([GDN, SWA, FULL])
     a, b, c = rand_ids(14, 1), rand_ids(16, 2), rand_ids(12, 3)
-    planner = planner_of(model, method="prefix")
+    planner = planner_of(model, method="prefix", prefix_checkpoints="every")
     runner = runner_of(model, num_slots=8)
     execute(planner, runner, make_request([(a, True), (b, True), (rand_ids(4, 4), False)]))
     second = make_request([(a, True), (b, True), (rand_ids(5, 5), False)])
@@ -210,3 +210,34 @@ def test_bf16_stored_states_stay_close_to_float32_ones(model_of, runner_of, plan
         sig = next(iter(planner.cache._entries.values()))[0]
         assert sig.layers[0].state.dtype == getattr(torch, dtype)
     torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=1e-3)
+
+
+def test_prefix_caching_keeps_states_at_prefix_ends_and_branch_points(model_of, runner_of, planner_of):
+    model = model_of([GDN, SWA, FULL])
+    a, b, c, d = rand_ids(14, 1), rand_ids(16, 2), rand_ids(12, 3), rand_ids(13, 7)
+    planner = planner_of(model, method="prefix")  # prefix_checkpoints="branch", the default
+    runner = runner_of(model, num_slots=8)
+
+    def run(segs, q_seed):
+        req = make_request([(s, True) for s in segs] + [(rand_ids(4, q_seed), False)])
+        got = execute(planner, runner, req)
+        full = plain_prefill(runner, req.prompt_token_ids, [req.num_prompt_tokens])
+        torch.testing.assert_close(got.logits[-1], full.logits[-1], rtol=1e-5, atol=1e-5)
+        return planner.take_report(req.request_id)
+
+    def with_state():
+        return sorted((n.checkpoint.start, n.checkpoint.end) for n in planner.tree._nodes()
+                      if n.checkpoint.with_state)
+
+    assert run([a, b, c], 4).reused_tokens == 0
+    ends = {1 + len(a), 1 + len(a) + len(b), 1 + len(a) + len(b) + len(c)}
+    assert {n.checkpoint.end for n in planner.tree._nodes()} == ends  # K/V at every boundary
+    assert with_state() == [(1 + len(a) + len(b), 1 + len(a) + len(b) + len(c))]  # states at the end only
+    # the same three documents: resumed at the end of the cached prefix
+    assert run([a, b, c], 5).reused_tokens == 1 + len(a) + len(b) + len(c)
+    # leaves the cached path after `a`: nothing to resume from yet; `a` becomes a branch point
+    assert run([a, d], 6).reused_tokens == 0
+    assert (0, 1 + len(a)) in with_state()
+    # a third request through the branch point resumes there
+    rep = run([a, b, d], 8)
+    assert rep.reused_tokens == 1 + len(a) and rep.hit_segments == 1
