@@ -158,11 +158,12 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             if not stateful and _chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = _chain_tables(model, manager, events, device)
-                mixed = _linear_layer_chain(seq, cache, mixer, i, events, h, shared["chain"][i], force, backend)
+                mixed = _linear_layer_chain(seq, cache, mixer, i, events, h, shared["chain"][i], force, backend,
+                                            shared)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)
-                mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], stateful)
+                mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], stateful, shared)
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x = block._finish(x, mixed)
@@ -325,7 +326,8 @@ def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, l
     return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
 
 
-def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tails_at: Optional[dict] = None):
+def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tails_at: Optional[dict] = None,
+                 shared: Optional[dict] = None):
     """The short conv of every computed range (each reads the tail left by what precedes
     it: the previous range's, extended by the pieces in between); C's conv outputs, and
     the tail left in the cache. `tails_at` (optional) gets the tail after each computed
@@ -333,7 +335,9 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
 
     The tails are pre-conv inputs (C's own, or the pieces'), all known before any conv
     runs: every range is laid out behind its tail in one buffer and the layer convolves
-    once (`ShortConv.valid`), whatever the number of seams."""
+    once (`ShortConv.valid`), whatever the number of seams. `shared`: the request's
+    per-layout dict; the output columns to keep are the same for every conv layer, so
+    they cross to the device once per request."""
     tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
     if tail is None or mixer.conv is None:
         if tails_at is not None:
@@ -364,15 +368,24 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
     cache.conv_tail[seq.slot] = cur  # after the conv: the first part may be a view of this slot
     if len(take) == 1:
         return y.transpose(0, 1)[None]
-    idx = torch.cat(take).to(y.device, non_blocking=True)
+    key = ("conv_take", width1)
+    idx = None if shared is None else shared.get(key)
+    if idx is None:
+        idx = torch.cat(take)
+        if y.device.type == "cuda":
+            idx = idx.pin_memory()
+        idx = idx.to(y.device, non_blocking=True)
+        if shared is not None:
+            shared[key] = idx
     return y.index_select(1, idx).transpose(0, 1)[None]
 
 
-def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=()):
+def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=(),
+                  shared: Optional[dict] = None):
     conv_in, extras = mixer.project(h[None])
     state = cache.state[seq.slot]
     tails_at: dict[int, Optional[torch.Tensor]] = {}
-    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at), extras)
+    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared), extras)
     outs: list[torch.Tensor] = []
     for ev in events:
         if ev[0] == "p":
@@ -506,13 +519,14 @@ def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
     return groups
 
 
-def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, h, cl: _ChainLayer, force, backend):
+def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, h, cl: _ChainLayer, force, backend,
+                        shared: Optional[dict] = None):
     """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
     (a computed range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain
     calls when the backend is fla: token by token it would be slower)."""
     conv_in, extras = mixer.project(h[None])
     state = cache.state[seq.slot]
-    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in), extras)
+    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, shared=shared), extras)
     device = state.device
     E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
     T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
