@@ -66,7 +66,9 @@ def _sync(engine):
         torch.cuda.synchronize()
 
 
-def _torch_tables(prof, top: int) -> str:
+def torch_tables(prof, top: int) -> str:
+    """A finished torch.profiler run as text: ops by self CPU time, by self device time
+    (when it recorded CUDA), and the count of host<->device sync-like calls."""
     ka = prof.key_averages()
     out = [ka.table(sort_by="self_cpu_time_total", row_limit=top)]
     try:
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
                 with profile(activities=acts) as prof:
                     run(req)
-                texts[f"{task}-{m}-torchprof"] = _torch_tables(prof, args.top)
+                texts[f"{task}-{m}-torchprof"] = torch_tables(prof, args.top)
 
     # decode at batch 1
     from engine.runtime.sequence import Sequence
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
                 for _ in range(5):
                     runner.decode([seq], tok)
                 _sync(engine)
-            texts["decode-torchprof"] = _torch_tables(prof, args.top)
+            texts["decode-torchprof"] = torch_tables(prof, args.top)
     for name, text in texts.items():
         if out_dir:
             (out_dir / f"{name}.txt").write_text(text)

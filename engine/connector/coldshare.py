@@ -17,18 +17,19 @@ is needed; the daemon's objects, key prefixes, List and the in-flight claims car
    takes the oldest request's highest-index segment first (the requester computes from
    the lowest), and claims the segment through the ordinary in-flight claim. A claim
    that is not won (the requester or another helper holds it; it landed already) moves
-   on to the next record. `take_many(max_tokens)` goes on claiming while the taken
-   segments' tokens stay within the budget, for one packed alone pass. A won claim: the record's token ids are read, the record is
+   on to the next record. A won claim: the record's token ids are read, the record is
    deleted, and the caller (engine.connector.planner) checks that the key it derives
    from them equals the segment key, computes the signature and stores it under the
-   claim (waiters wake once it is stored).
+   claim (waiters wake once it is stored). `take_many(max_tokens)` goes on claiming
+   while the taken segments' tokens stay within the budget, for one packed alone pass.
 3. *Collect* (requesting engine): computes, in its usual order and in packed passes of
    about `share_pack_tokens` (claiming only the next pass's segments), every offered
-   segment it can still claim itself; a segment a helper claimed answers INFLIGHT and is waited
-   for after its own (bounded by `share_wait_s`; then computed here). A helper that dies
-   mid-compute loses its claim when its reservation expires (daemon lease TTL), which
-   wakes the waiter, who computes the segment itself: never slower than alone by more
-   than that bound, nothing lost. Its records are withdrawn (deleted) afterwards.
+   segment it can still claim itself; a segment a helper claimed answers INFLIGHT and is
+   waited for after its own (bounded by `share_wait_s`; then computed here). A helper
+   that dies mid-compute loses its claim when its reservation expires (daemon lease
+   TTL), which wakes the waiter, who computes the segment itself: never slower than
+   alone by more than that bound, nothing lost. Its records are withdrawn (deleted)
+   afterwards.
 
 Counted in the connector metrics: `cold_offered` (records published), `cold_offloaded`
 (offered segments another engine computed while this one waited), `cold_wait_ms_total`

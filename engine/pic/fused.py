@@ -135,12 +135,11 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             off += n
     ends = {e[3] for e in events if e[0] == "c"}
     for cp in checkpoints:
-        with_state = getattr(cp, "with_state", True)
-        if not start <= cp.start < cp.end <= end or (with_state and cp.end not in ends):
+        if not start <= cp.start < cp.end <= end or (cp.with_state and cp.end not in ends):
             raise SplicePlacementError(f"checkpoint [{cp.start}, {cp.end}) does not end a computed item")
     # K/V-only checkpoints (prefix caching's nodes without states) need no split of the
     # linear recurrences and no window rows: only the boundaries that keep states do
-    stateful = [cp for cp in checkpoints if getattr(cp, "with_state", True)]
+    stateful = [cp for cp in checkpoints if cp.with_state]
     x = model.embed(ids)
     shared: dict = {}  # per-request layouts reused by every layer of a kind
     for i, block in enumerate(model.blocks):

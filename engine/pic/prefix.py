@@ -302,7 +302,7 @@ class PrefixPlanner(ReportingPlanner):
             ends.add(matched[-1].checkpoint.end)
         return ends
 
-    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...], stateful: frozenset = None,
+    def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...], stateful: frozenset,
                    all_logits: bool = False):
         """Everything after the restored prefix in one pass (engine.pic.fused), split inside
         the linear recurrences only at the boundaries that keep states, with each
@@ -311,8 +311,6 @@ class PrefixPlanner(ReportingPlanner):
 
         ids = request.prefill_token_ids()
         start, n = request.seq.num_computed_tokens, len(ids)
-        if stateful is None:
-            stateful = frozenset(hi for _, hi in todo)
         cuts = [hi for _, hi in todo if start < hi < n and hi in stateful]
         edges = [start, *cuts, n]
         items = [FusedItem(a, b) for a, b in zip(edges, edges[1:])]

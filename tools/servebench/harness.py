@@ -253,10 +253,6 @@ def _write_profile(prof, directory: str, name: str) -> None:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(d / f"{name}.json"))
-    ka = prof.key_averages()
-    tables = [ka.table(sort_by="self_cpu_time_total", row_limit=40)]
-    try:
-        tables.append(ka.table(sort_by="self_cuda_time_total", row_limit=25))
-    except Exception:  # noqa: BLE001 - a CPU-only profile has no device column
-        pass
-    (d / f"{name}.txt").write_text("\n".join(tables))
+    from tools.profile_engine import torch_tables
+
+    (d / f"{name}.txt").write_text(torch_tables(prof, 40))
