@@ -49,6 +49,8 @@ KvTokensOpt = typer.Option(None, "--kv-cache-tokens", help="Full-attention posit
 MaxLenOpt = typer.Option(None, "--max-model-len", help="Longest prompt + output (default: the model's limit).")
 GraphsOpt = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                          help="Replay decode steps as CUDA graphs (batch buckets up to 32; CUDA only).")
+HostThreadsOpt = typer.Option(None, "--host-threads", min=1,
+                              help="Threads of torch's CPU ops (default: 1 on CUDA, torch's default on the CPU).")
 StoreOpt = typer.Option(
     None, "--store", metavar="[SOCKET]",
     help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
@@ -86,13 +88,14 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _engine_config(device: str, dtype: str, max_batch: int, max_batched_tokens: int, chunk_size: int,
-                   kv_cache_tokens: Optional[int], max_model_len: Optional[int], cuda_graphs: bool = True):
+                   kv_cache_tokens: Optional[int], max_model_len: Optional[int], cuda_graphs: bool = True,
+                   host_threads: Optional[int] = None):
     from engine.builder import EngineConfig
 
     return EngineConfig(
         device=device, dtype=dtype, max_num_seqs=max_batch, max_num_batched_tokens=max_batched_tokens,
         prefill_chunk_size=chunk_size, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, host_threads=host_threads,
     )
 
 
@@ -211,6 +214,7 @@ def serve(
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
     cuda_graphs: bool = GraphsOpt,
+    host_threads: Optional[int] = HostThreadsOpt,
     cold_full_fraction: float = _cold_opt(0.5),
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
@@ -221,7 +225,7 @@ def serve(
 
     connector = _store_config(store, share_cold)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, max_model_len, cuda_graphs))
+                                           kv_cache_tokens, max_model_len, cuda_graphs, host_threads))
     from engine.pic.config import PicConfig
 
     pic = PicConfig(cold_full_fraction=cold_full_fraction or None)
@@ -273,6 +277,7 @@ def bench(
     kv_cache_tokens: Optional[int] = KvTokensOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     cuda_graphs: bool = GraphsOpt,
+    host_threads: Optional[int] = HostThreadsOpt,
 ) -> None:
     """Synthetic load: N requests of a given prompt length; TTFT p50/p99 and throughput."""
     from engine.bench import LoadSpec, run_load
@@ -284,7 +289,7 @@ def bench(
     except InvalidRequestError as exc:
         _fail(f"{_option(exc.field)}: {exc.message}")
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, None, cuda_graphs))
+                                           kv_cache_tokens, None, cuda_graphs, host_threads))
     try:
         report = run_load(engine, spec)
     except EngineError as exc:

@@ -233,3 +233,17 @@ def test_generate_refusing_one_prompt_runs_none():
     with pytest.raises(InvalidRequestError, match="segments"):
         engine.generate(["fine", [{"text": 3}]], GREEDY)
     assert not engine.has_unfinished() and engine.cache_usage() == 0.0
+
+
+def test_host_threads_default_to_one_on_cuda_and_leave_the_cpu_alone():
+    from engine.builder import apply_host_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert apply_host_threads(None, torch.device("cpu")) == before
+        assert apply_host_threads(None, torch.device("cuda")) == 1  # no CUDA needed: only the count is set
+        assert apply_host_threads(2, torch.device("cpu")) == 2
+        with pytest.raises(InvalidRequestError, match="host_threads"):
+            apply_host_threads(0, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
