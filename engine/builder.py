@@ -13,6 +13,7 @@ activations; on the CPU, `max_num_seqs * max_model_len` capped at `CPU_DEFAULT_K
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -139,6 +140,13 @@ def build_engine(
     cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
     manager = CacheManager.for_model(model, cache_cfg)
     runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
+    if runner.prefill_stages is not None:
+        from engine.pic.fused import capture_prefill_stages
+
+        t0 = time.perf_counter()
+        graphs = capture_prefill_stages(runner)
+        log.info("captured %d prefill-stage graphs (buckets %s) in %.1f s", graphs, runner.prefill_stages.buckets,
+                 time.perf_counter() - t0)
     pool = ManagedCachePool(manager)
     log.info(
         "engine for %s on %s/%s: %d KV blocks of %d, %d slots",

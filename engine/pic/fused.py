@@ -38,13 +38,17 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
 from engine.pic.config import SEAM_CHAIN_MODES
 from engine.pic.errors import SplicePlacementError
+from engine.models.layers.attention import Attention
+from engine.models.layers.linear_ops import RecurrenceInputs
 from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
+from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
 from kernels import rope_scatter
 from kernels.backend import HAS_TRITON
@@ -97,7 +101,8 @@ def _check(items: Sequence[FusedItem], pos: int, manager: CacheManager) -> int:
 @torch.inference_mode()
 def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequence, token_ids: Sequence[int],
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
-                  chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False) -> torch.Tensor:
+                  chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False,
+                  stages: Optional[PrefillStages] = None) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
@@ -106,7 +111,9 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     fill it at that boundary (prefix caching's snapshots, taken inside the one pass; the
     linear layers then take the per-event path, which sees every boundary's state).
     `all_logits`: return the logits of every position of the last item `[n, vocab]`
-    (offline quality measurement reads the question's tokens)."""
+    (offline quality measurement reads the question's tokens). `stages`: run the
+    token-wise parts (embedding, norms, projections, gates, MLPs) through these
+    (engine.runtime.prefill_graphs: CUDA graphs per computed-token bucket); None: plainly."""
     if chain not in SEAM_CHAIN_MODES:
         raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
@@ -140,36 +147,151 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     # K/V-only checkpoints (prefix caching's nodes without states) need no split of the
     # linear recurrences and no window rows: only the boundaries that keep states do
     stateful = [cp for cp in checkpoints if cp.with_state]
-    x = model.embed(ids)
     shared: dict = {}  # per-request layouts reused by every layer of a kind
+    tw = _TokenWise(model, stages, ids.shape[0], pos)
+    x, proj = tw.first(ids)
     for i, block in enumerate(model.blocks):
         cache = manager.layers[i]
         mixer = block.mixer
-        h = block.mixer_norm(x)
         if isinstance(cache, PagedKVCache):
-            mixed = _full_layer(shared, cache, mixer, i, pieces, h, pos, write_slots, ctx_slots, end, force)
+            o = _full_attend(shared, cache, mixer, i, pieces, proj, pos, write_slots, ctx_slots, end, force)
             for cp in checkpoints:
                 k, v = cache.gather(ctx_slots[cp.start:cp.end])
                 cp.kv[i] = (k.clone(), v.clone())
+            aux = proj[3]
         elif isinstance(cache, WindowRingCache):
-            mixed = _window_layer(seq, cache, mixer, i, pieces, h, pos, start, end, stateful)
+            o = _window_attend(seq, cache, mixer, i, pieces, proj, pos, start, end, stateful)
+            aux = proj[3]
         elif isinstance(cache, StateSlotCache):
+            conv_in, aux = proj
+            prepare = tw.prepare_of(i, aux)
             if not stateful and _chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = _chain_tables(model, manager, events, device)
-                mixed = _linear_layer_chain(seq, cache, mixer, i, events, h, shared["chain"][i], force, backend,
-                                            shared)
+                o = _linear_layer_chain(seq, cache, mixer, i, events, conv_in, prepare, shared["chain"][i], force,
+                                        backend, shared)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)
-                mixed = _linear_layer(seq, cache, mixer, i, events, h, backend, shared["live"], stateful, shared)
+                o = _linear_layer(seq, cache, mixer, i, events, conv_in, prepare, backend, shared["live"], stateful,
+                                  shared)
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
-        x = block._finish(x, mixed)
+        x, proj = tw.next(i, x, o, aux)
     seq.num_computed_tokens = end
     if all_logits:
         return model.logits(x[x.shape[0] - (items[-1].end - items[-1].start):])
     return model.logits(x[-1])
+
+
+@torch.inference_mode()
+def capture_prefill_stages(runner, buckets: Optional[Sequence[int]] = None) -> int:
+    """Capture the runner's prefill stages (`runner.prefill_stages`) for every bucket up
+    front, with one fused pass of b placeholder tokens per bucket on a scratch sequence,
+    so that no request pays for a capture. Returns the number of graphs held (0 without
+    stages)."""
+    stages = getattr(runner, "prefill_stages", None)
+    if stages is None:
+        return 0
+    for b in (stages.buckets if buckets is None else buckets):
+        seq = runner.cache.allocate(CacheSequence("prefill-stages-capture"))
+        try:
+            fused_prefill(runner.model, runner.cache, seq, [0] * b, [FusedItem(0, b)], backend=runner.backend,
+                          stages=stages)
+        finally:
+            runner.cache.free(seq)
+    return stages.captured
+
+
+# ------------------------------------------------------------------ token-wise stages
+class _TokenWise:
+    """The token-wise parts of the pass, token-major: the embedding; each layer's norm and
+    input projections; a linear layer's `prepare`; each layer's output projection,
+    residual and MLP. With `stages` they run as CUDA graphs per computed-token bucket
+    (engine.runtime.prefill_graphs): what is between them (attention, convs across
+    ranges, recurrences, splices) reads their first n rows. Without, they run plainly."""
+
+    def __init__(self, model: HybridDecoder, stages: Optional[PrefillStages], n: int, pos: torch.Tensor) -> None:
+        self.model, self.stages, self.n, self.pos = model, stages, n, pos
+
+    def _run(self, name, fn, inputs: list):
+        if self.stages is None:
+            return fn(*inputs)
+        return self.stages.run(name, fn, inputs, self.n)
+
+    def _wants_pos(self, i: int) -> bool:
+        return isinstance(self.model.blocks[i].mixer, Attention)
+
+    def _project(self, i: int, x: torch.Tensor, pos: Optional[torch.Tensor]):
+        """Block i's norm and projections of token-major x: attention (q, k, v, gate),
+        linear (conv_in `[C, ch]`, extras {name: `[C, ...]`})."""
+        block = self.model.blocks[i]
+        mixer = block.mixer
+        h = block.mixer_norm(x)
+        if isinstance(mixer, Attention):
+            return mixer.project(h, pos)
+        conv_in, extras = mixer.project(h[None])
+        return conv_in[0], {k: t[0] for k, t in extras.items()}
+
+    def _for_layer(self, i: int, proj):
+        if self._wants_pos(i):
+            return proj
+        return proj[0][None], proj[1]  # the linear layers' conv code takes [1, C, ch]
+
+    def first(self, ids: torch.Tensor):
+        """(x, block 0's projections) of the computed tokens `ids`."""
+        want = self._wants_pos(0)
+
+        def fn(ids_, *pos):
+            x = self.model.embed(ids_)
+            return x, self._project(0, x, pos[0] if want else None)
+
+        x, proj = self._run(("in",), fn, [ids, *([self.pos] if want else [])])
+        return x, self._for_layer(0, proj)
+
+    def prepare_of(self, i: int, extras: dict):
+        """Layer i's `prepare` as a function of its conv output `[1, C, ch]`."""
+        mixer = self.model.blocks[i].mixer
+        keys = list(extras)
+
+        def fn(conv_out, *vals):
+            ex = {k: v[None] for k, v in zip(keys, vals)}
+            inp = mixer.prepare(conv_out[None], ex)
+            beta = None if inp.beta is None else inp.beta[0]
+            added = {k: t[0] for k, t in ex.items() if k not in keys}  # what prepare keeps for output
+            return inp.q[0], inp.k[0], inp.v[0], inp.log_decay[0], beta, inp.scale, added
+
+        def prepare(conv_out: torch.Tensor) -> RecurrenceInputs:
+            q, k, v, g, beta, scale, added = self._run(("prep", i), fn, [conv_out[0], *(extras[k] for k in keys)])
+            extras.update(added)
+            return RecurrenceInputs(q=q[None], k=k[None], v=v[None], log_decay=g[None],
+                                    beta=None if beta is None else beta[None], scale=scale)
+
+        return prepare
+
+    def next(self, i: int, x: torch.Tensor, o: torch.Tensor, aux):
+        """Layer i's output projection (`o`: its mixer output; `aux`: the gate or the
+        extras), residual and MLP, then block i+1's norm and projections: (x, those
+        projections, None after the last block)."""
+        block = self.model.blocks[i]
+        mixer = block.mixer
+        attn = isinstance(mixer, Attention)
+        last = i == len(self.model.blocks) - 1
+        want = not last and self._wants_pos(i + 1)
+        leaves, spec = pytree.tree_flatten(aux)
+        k = len(leaves)
+
+        def fn(x_, o_, *rest):
+            a = pytree.tree_unflatten(list(rest[:k]), spec)
+            if attn:
+                mixed = mixer.output(o_, a)
+            else:
+                mixed = mixer.output(o_[None], {name: t[None] for name, t in a.items()})[0]
+            y = block._finish(x_, mixed)
+            return y, (None if last else self._project(i + 1, y, rest[k] if want else None))
+
+        x, proj = self._run(("next", i), fn, [x, o if attn else o[0], *leaves, *([self.pos] if want else [])])
+        return x, (None if last else self._for_layer(i + 1, proj))
 
 
 # ----------------------------------------------------------------------- attention layers
@@ -219,23 +341,24 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
                  offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force)
 
 
-def _full_layer(state, cache: PagedKVCache, mixer, layer, pieces, h, pos, write_slots, ctx_slots, end, force):
+def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, pos, write_slots, ctx_slots, end, force):
+    """A full-attention layer's pieces and C's K/V into the pool; C's attention output."""
     if pieces:
         if "full_rows" not in state:
-            state["full_rows"] = _full_rows(pieces, layer, ctx_slots, h.device)
+            state["full_rows"] = _full_rows(pieces, layer, ctx_slots, pos.device)
         if state["full_rows"] is not None:
             _splice_full_rows(state["full_rows"], cache, mixer, layer, pieces, force)
-    q, k, v, gate = mixer.project(h, pos)
+    q, k, v, _ = proj
     cache.write(write_slots, k, v)
     k_ctx, v_ctx = cache.gather(ctx_slots)
-    k_pos = torch.arange(end, device=h.device)
-    o = mixer.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
-    return mixer.output(o, gate)
+    k_pos = torch.arange(end, device=pos.device)
+    return mixer.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
 
 
-def _window_layer(seq, cache: WindowRingCache, mixer, layer, pieces, h, pos, start, end, checkpoints=()):
+def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos, start, end, checkpoints=()):
+    """A sliding-window layer's attention output for C (module docstring); the ring refilled."""
     w = mixer.window
-    q, k, v, gate = mixer.project(h, pos)
+    q, k, v, _ = proj
     lo = max(0, start - w + 1)
     kbuf = torch.zeros(end - lo, *k.shape[1:], dtype=k.dtype, device=k.device)
     vbuf = torch.zeros_like(kbuf)
@@ -268,7 +391,7 @@ def _window_layer(seq, cache: WindowRingCache, mixer, layer, pieces, h, pos, sta
     for cp in checkpoints:  # every position before a boundary inside this fill is computed
         first = max(0, cp.end - w)
         cp.ring[layer] = (kbuf[first - lo:cp.end - lo].clone(), vbuf[first - lo:cp.end - lo].clone(), first)
-    return mixer.output(o, gate)
+    return o
 
 
 # -------------------------------------------------------------------------- linear layers
@@ -379,12 +502,14 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
     return y.index_select(1, idx).transpose(0, 1)[None]
 
 
-def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, live, checkpoints=(),
+def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, prepare, backend, live, checkpoints=(),
                   shared: Optional[dict] = None):
-    conv_in, extras = mixer.project(h[None])
+    """A linear layer's events one by one: C's output `[1, C, Hv, dv]`; the slot's state
+    and conv tail left as the step-by-step plan leaves them. `conv_in`: C's pre-conv
+    inputs `[1, C, ch]`; `prepare(conv_out)`: the layer's RecurrenceInputs."""
     state = cache.state[seq.slot]
     tails_at: dict[int, Optional[torch.Tensor]] = {}
-    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared), extras)
+    inp = prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared))
     outs: list[torch.Tensor] = []
     for ev in events:
         if ev[0] == "p":
@@ -403,8 +528,7 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, h, backend, 
                 t = tails_at.get(ev[3])
                 cp.states[layer] = (state.clone(), None if t is None else t.clone())
     cache.state[seq.slot] = state
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return mixer.output(o, extras)[0]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 # ------------------------------------------------------------- linear layers: seam chain
 #: families `auto` runs through the seam chain on CUDA: every one since the delta rule's
@@ -518,14 +642,13 @@ def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
     return groups
 
 
-def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, h, cl: _ChainLayer, force, backend,
-                        shared: Optional[dict] = None):
+def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, conv_in, prepare, cl: _ChainLayer, force,
+                        backend, shared: Optional[dict] = None):
     """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
     (a computed range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain
     calls when the backend is fla: token by token it would be slower)."""
-    conv_in, extras = mixer.project(h[None])
     state = cache.state[seq.slot]
-    inp = mixer.prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, shared=shared), extras)
+    inp = prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, shared=shared))
     device = state.device
     E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
     T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
@@ -540,4 +663,4 @@ def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, h, cl:
         sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)
         _, state = seam_chain(inp, state, sub, mixer.family, force_triton=force, out=o)
     cache.state[seq.slot] = state
-    return mixer.output(o, extras)[0]
+    return o

@@ -105,7 +105,8 @@ def full_pass(runner, request: Request, ids: list[int], start: int, config: PicC
     """Compute prompt positions [start, len(ids)) in context as one fused pass (the `full`
     baseline, and PIC's cold fallback)."""
     return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(start, len(ids))],
-                         backend=runner.backend, kernel=config.kernel, chain=config.seam_chain, all_logits=all_logits)
+                         backend=runner.backend, kernel=config.kernel, chain=config.seam_chain, all_logits=all_logits,
+                         stages=getattr(runner, "prefill_stages", None))
 
 
 class ReportingPlanner:
@@ -290,7 +291,7 @@ class PicPlanner(ReportingPlanner):
             items.append(FusedItem(piece.start, piece.end, piece))
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
                              backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
-                             all_logits=all_logits)
+                             all_logits=all_logits, stages=getattr(runner, "prefill_stages", None))
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
         """One apply step splicing a run of contiguous units (batched kernels)."""

@@ -57,15 +57,21 @@ class ModelRunner:
         self.set_cuda_graphs(cuda_graphs)
 
     def set_cuda_graphs(self, enabled: bool | None) -> None:
-        """Turn CUDA-graph decode on or off (None: on where the device is CUDA). On the CPU,
-        True runs the same static-buffer step eagerly (what tests compare). Needs the paged
-        decode attention; dropping graphs frees their memory."""
+        """Turn CUDA graphs on or off (None: on where the device is CUDA): decode steps, and
+        the token-wise stages of short fused prefills. On the CPU, True runs the decode
+        step's static-buffer path eagerly (what tests compare). Needs the paged decode
+        attention; dropping graphs frees their memory."""
         from engine.runtime.cuda_graphs import DecodeGraphs
+
+        from engine.runtime.prefill_graphs import PrefillStages
 
         on = self.device.type == "cuda" if enabled is None else enabled
         if on and self.decode_attention != "paged":
             raise ValueError("cuda_graphs needs decode_attention='paged' (the gather path has host-side shapes)")
         self.graphs = DecodeGraphs(self.model, self.cache, self.backend) if on else None
+        #: the token-wise stages of short fused prefills (PIC's seams and suffix) as CUDA
+        #: graphs per computed-token bucket (engine.runtime.prefill_graphs); CUDA only
+        self.prefill_stages = PrefillStages(self.device) if on and self.device.type == "cuda" else None
 
     def _ids(self, token_ids) -> torch.Tensor:
         """Token ids as a long tensor on the device, range-checked on the host first (ids

@@ -1,0 +1,176 @@
+"""CUDA-graph stages of a short prefill pass: the token-wise parts of a fused prefill
+(engine.pic.fused), captured per computed-token bucket and replayed.
+
+A warm PIC prefill computes few tokens (seams and the question: tens to hundreds) through
+every layer; launched op by op from Python it is host-bound (H200 serving traces,
+2026-11-30: 4-16 ms of GPU work inside 26-68 ms of TTFT, ~1100 kernel launches a request).
+Most of those ops act on each token alone: the embedding, norms, projections, q/k
+normalisation and decay gates (a linear layer's `prepare`), output gates and projections,
+residuals and MLPs. `PrefillStages.run(name, fn, inputs, n)` runs such a token-wise
+function over n tokens as a CUDA graph captured at the smallest bucket >= n (`buckets`),
+its inputs copied into the graph's static buffers. Rows n.. of a bucket hold whatever an
+earlier pass left there: a token-wise function never mixes rows, so the real rows never
+see them. What depends on the request's layout (attention over the context, the short
+convs across ranges, recurrences and compositions, cache writes) runs eagerly between the
+graphs, on the first n rows of their outputs.
+
+Inputs and outputs are token-major (token dim first) tensors or None; outputs may be any
+pytree of them (tuples, dicts). An input that is an output of an earlier graph of the
+same bucket is read in place (the residual stream goes from one layer's graph to the
+next without a copy). The first use of a (stage, bucket) runs eagerly on a side stream
+(that is the real computation, and it compiles Triton kernels at the bucket's shape),
+then captures the graph, which later passes replay. A stage that fails to capture (a
+host sync inside) runs eagerly from then on, logged once. All graphs share one memory pool
+and replay in the order they were captured (one pass's stages, in layer order).
+
+Off CUDA, `capture=False` runs the same bucketed, static-buffer path eagerly: tests
+compare it with the plain pass.
+
+Contract (as for decode graphs): parameters must not be reallocated after a capture, and
+the outputs returned by `run` are valid until the same stage runs again (the next pass):
+callers copy what they keep.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("engine.runtime")
+
+#: computed-token buckets of the captured stages; a pass of more tokens runs eagerly (it
+#: is GPU-bound anyway). Graph memory grows with the sum of the buckets (every layer's
+#: stage outputs stay allocated: ~2 MB per bucket token for a 2B model of 24 layers).
+BUCKETS = (32, 64, 128, 256, 512)
+
+
+class _Stage:
+    __slots__ = ("inputs", "outputs", "spec", "graph")
+
+    def __init__(self, inputs: list, outputs: list, spec: Any, graph: Optional[Any]) -> None:
+        self.inputs, self.outputs, self.spec, self.graph = inputs, outputs, spec, graph
+
+
+class PrefillStages:
+    """The captured token-wise stages of one model (module docstring)."""
+
+    def __init__(self, device: torch.device, buckets: Sequence[int] = BUCKETS, capture: Optional[bool] = None) -> None:
+        self.device = torch.device(device)
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets={buckets!r} must be positive token counts")
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError(f"capture=True needs a CUDA device, got {self.device}")
+        self._stages: dict[tuple, _Stage] = {}
+        self._eager: set[tuple] = set()  # stages that failed to capture
+        self._owned: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> data_ptr -> stage output
+        self._pool = None
+        #: counters for tests and metrics: replays, captures, eager runs (no bucket / failed)
+        self.replays = self.captures = self.eager_runs = 0
+
+    def bucket(self, n: int) -> Optional[int]:
+        """The smallest bucket holding n tokens (None: more than every bucket)."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    @property
+    def captured(self) -> int:
+        return sum(1 for s in self._stages.values() if s.graph is not None)
+
+    # ------------------------------------------------------------------ running
+    def run(self, name: Any, fn: Callable[..., Any], inputs: Sequence[Optional[torch.Tensor]], n: int) -> Any:
+        """`fn(*inputs)` over n tokens (every input holds at least n token-major rows);
+        returns fn's outputs, each tensor cut to its first n rows. `name` identifies the
+        function: the same name must always mean the same computation on inputs of the
+        same trailing shapes and dtypes."""
+        b = self.bucket(n)
+        if b is None or (name, b) in self._eager:
+            self.eager_runs += 1
+            return fn(*[None if t is None else t[:n] for t in inputs])
+        key = (name, b)
+        stage = self._stages.get(key)
+        if stage is None:
+            return self._first(key, fn, inputs, n, b)
+        self._fill(stage.inputs, inputs, n)
+        if stage.graph is None:  # capture=False: the same buffers, run eagerly
+            stage.outputs, _ = pytree.tree_flatten(fn(*stage.inputs))
+        else:
+            stage.graph.replay()
+            self.replays += 1
+        return self._cut(stage, n)
+
+    def _first(self, key: tuple, fn, inputs, n: int, b: int) -> Any:
+        static = []
+        owned = self._owned.setdefault(b, {})
+        for t in inputs:
+            if t is None:
+                static.append(None)
+                continue
+            mine = owned.get(t.data_ptr()) if self.capture else None
+            if mine is not None and mine.shape[1:] == t.shape[1:] and mine.dtype == t.dtype \
+                    and mine.stride()[1:] == t.stride()[1:]:
+                static.append(mine)  # an earlier stage's output: read in place
+                continue
+            buf = torch.zeros((b, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            buf[:n].copy_(t[:n])
+            static.append(buf)
+        if not self.capture:
+            leaves, spec = pytree.tree_flatten(fn(*static))
+            stage = _Stage(static, leaves, spec, None)
+            self._stages[key] = stage
+            return self._cut(stage, n)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            eager = fn(*static)  # the real computation; compiles kernels at this shape
+        current.wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        leaves, spec = pytree.tree_flatten(eager)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: CUDA calls of other threads (store connector, HTTP server) do not void the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                outs = fn(*static)
+        except Exception:
+            log.warning("prefill stage %r (bucket %d) could not be captured; it runs eagerly", key[0], b,
+                        exc_info=True)
+            self._eager.add(key)
+            torch.cuda.synchronize(self.device)
+            self.eager_runs += 1
+            return pytree.tree_unflatten([x if not isinstance(x, torch.Tensor) else x[:n] for x in leaves], spec)
+        out_leaves, out_spec = pytree.tree_flatten(outs)
+        graph.replay()  # capture ran nothing: fill the static outputs
+        stage = _Stage(static, out_leaves, out_spec, graph)
+        self._stages[key] = stage
+        self._own(b, out_leaves)
+        self.captures += 1
+        return self._cut(stage, n)
+
+    @staticmethod
+    def _fill(static: list, inputs: Sequence[Optional[torch.Tensor]], n: int) -> None:
+        if len(static) != len(inputs):
+            raise ValueError(f"a stage captured with {len(static)} inputs got {len(inputs)}")
+        for buf, t in zip(static, inputs):
+            if (buf is None) != (t is None):
+                raise ValueError("a stage's inputs changed from tensor to None or back")
+            if t is None or t.data_ptr() == buf.data_ptr():
+                continue
+            buf[:n].copy_(t[:n])
+
+    def _own(self, b: int, leaves: list) -> None:
+        owned = self._owned.setdefault(b, {})
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                owned.setdefault(x.data_ptr(), x)
+
+    @staticmethod
+    def _cut(stage: _Stage, n: int) -> Any:
+        return pytree.tree_unflatten([x[:n] if isinstance(x, torch.Tensor) else x for x in stage.outputs], stage.spec)
