@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile the last request of each method and cache state per workload (torch.profiler: "
                          "Chrome traces and op tables in DIR)")
+    ap.add_argument("--put-tier", default=None, choices=("gpu", "cpu", "nvme"),
+                    help="daemon tier the engines put new signatures in (default: the daemon's default tier); "
+                         "gpu: the daemon's GPU tier, which engines on other GPUs read by peer copy")
     ap.add_argument("--skip", default="", help="phases to skip: qps,sharing,breakdown,cold")
     ap.add_argument("--socket", default=None, help="use the kvstore daemon at this socket (default: start one)")
     ap.add_argument("--cpu-capacity", default=None, help="daemon CPU tier (default 32GiB; quick 512MiB)")
@@ -175,7 +178,8 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
     warm = None if device.type == "cpu" else {"scale": scale, "max_tokens": args.max_tokens, "docs": args.docs}
     if "sharing" not in args.skip and first:
         trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
-        out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus, warm=warm),
+        out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus, warm=warm,
+                                                     put_tier=args.put_tier),
                           "private": sharing.run_pair(preset, opts, trace, None, threads, gpus, warm=warm),
                           "gpus": gpus}
         log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
@@ -184,7 +188,7 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
         save(out)
     if "cold" not in args.skip and first:
         reqs = requests.load("rag", args.cold_requests, args.seed + 4, scale, args.max_tokens, args.cold_docs)
-        c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus, warm=warm)
+        c = sharing.run_cold_parallel(preset, opts, reqs, socket, threads, gpus, warm=warm, put_tier=args.put_tier)
         c["gpus"] = gpus
         out["cold_parallel"] = c
         log(f"{preset} cold prefill: alone {c['alone']['ttft_ms_mean']:.1f} ms, helped "
@@ -216,7 +220,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
         out["wall_s"] = time.perf_counter() - t0
         return out
     engine = build_engine(preset, EngineConfig(**opts))
-    connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
+    connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
+                                     put_tier=args.put_tier)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
                                                seam_chain=args.seam_chain),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))

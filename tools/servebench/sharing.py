@@ -51,7 +51,8 @@ def _requests(reqs: Sequence[BenchRequest]) -> list[dict]:
 
 def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket: Optional[str],
                 threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None, timeout: float = 900.0,
-                stop_after: Optional[Sequence[str]] = None, warm: Optional[dict] = None) -> tuple[list[dict], float]:
+                stop_after: Optional[Sequence[str]] = None, warm: Optional[dict] = None,
+                put_tier: Optional[str] = None) -> tuple[list[dict], float]:
     """Start one worker per spec (`name`, `role`, `requests`, ...), release them together,
     wait for them; with `stop_after`, `<barrier>/stop` is written once the named workers
     finished (the helpers then finish). `warm` (scale, max_tokens, docs): each worker runs
@@ -64,7 +65,7 @@ def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket
     for i, s in enumerate(specs):
         name = s["name"]
         spec = {"preset": preset, "engine": engine_options, "socket": socket, "barrier": str(work),
-                "threads": threads, "device": _device(gpus, i), "warm": warm, "index": i, **s}
+                "threads": threads, "device": _device(gpus, i), "warm": warm, "index": i, "put_tier": put_tier, **s}
         (work / f"{name}.json").write_text(json.dumps(spec))
         out = work / f"{name}.out.json"
         outs.append(out)
@@ -105,10 +106,12 @@ def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket
 
 def run_pair(preset: str, engine_options: dict, requests: Sequence[BenchRequest], socket: Optional[str],
              threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None, timeout: float = 900.0,
-             warm: Optional[dict] = None) -> dict:
-    """Run `requests` on two worker processes (module docstring); socket None: private caches."""
+             warm: Optional[dict] = None, put_tier: Optional[str] = None) -> dict:
+    """Run `requests` on two worker processes (module docstring); socket None: private caches.
+    `put_tier`: the daemon tier the workers put signatures in (None: the daemon's default)."""
     specs = [{"name": f"w{i}", "role": "requests", "requests": _requests(requests[i::2])} for i in range(2)]
-    results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, warm=warm)
+    results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, warm=warm,
+                                put_tier=put_tier)
     runs = [r for res in results for r in res["runs"]]
     hits = sum(r["hit_segments"] for r in runs)
     misses = sum(r["miss_segments"] for r in runs)
@@ -138,12 +141,12 @@ def load_paths(snapshots: Sequence[Optional[dict]]) -> dict:
 
 def run_cold_parallel(preset: str, engine_options: dict, requests: Sequence[BenchRequest], socket: str,
                       threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None,
-                      timeout: float = 900.0, warm: Optional[dict] = None) -> dict:
-    """Cold TTFT alone vs helped by an idle engine (module docstring)."""
+                      timeout: float = 900.0, warm: Optional[dict] = None, put_tier: Optional[str] = None) -> dict:
+    """Cold TTFT alone vs helped by an idle engine (module docstring; `put_tier` as run_pair's)."""
     specs = [{"name": "w0", "role": "cold", "requests": _requests(requests)},
              {"name": "w1", "role": "helper", "requests": []}]
     results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, stop_after=["w0"],
-                                warm=warm)
+                                warm=warm, put_tier=put_tier)
     runs = results[0]["runs"]
     out: dict = {"requests": len(requests), "wall_s": wall, "devices": [res["device"] for res in results]}
     for mode in ("alone", "helped"):

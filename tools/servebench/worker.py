@@ -71,7 +71,8 @@ def main() -> None:
     connector = None
     if spec.get("socket"):
         connector = StoreConnectorConfig(socket=spec["socket"], share_cold=bool(spec.get("share_cold", True)),
-                                         rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0)
+                                         rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
+                                         put_tier=spec.get("put_tier"))
     harness = Harness(engine, connector)
     harness.planner("pic")
     name, role = spec["name"], spec.get("role", "requests")
