@@ -33,7 +33,10 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
 - `near_hits`: segments spliced from the engine's own device cache (no daemon round
   trip; StoreConnectorConfig.device_cache_bytes).
 - cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
-  computed alone while idle, and stored), `deferred_ms_total`.
+  computed alone while idle, and stored), `deferred_batches` (idle calls that computed
+  some), `deferred_tokens`, `deferred_ms_total` (whole calls) split into
+  `deferred_alone_ms_total` (the packed alone pass) and `deferred_store_ms_total`
+  (queueing the puts).
 - `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
   than the engine's (copied device to device; CUDA IPC across GPUs).
 """
@@ -52,10 +55,10 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
-    "deferred_computed", "near_hits",
+    "deferred_computed", "deferred_batches", "deferred_tokens", "near_hits",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
-           "deferred_ms_total")
+           "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total")
 
 
 class ConnectorMetrics:

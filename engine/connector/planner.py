@@ -364,12 +364,19 @@ class StorePicPlanner(PicPlanner):
             for _, claim in mine:
                 self.store.drop_claim(claim)
             return 0
+        t1 = time.perf_counter()
         for ((key, ids, _), claim), sig in zip(mine, sigs):
             self.store.remember(key, sig)
             self.store.store(key, sig, claim=claim if claim.status == OWNED else None,
                              cost=float(len(self.anchor_ids) + len(ids)))
-        self.store.metrics.inc("deferred_computed", len(mine))
-        self.store.metrics.inc("deferred_ms_total", (time.perf_counter() - t0) * 1e3)
+        t2 = time.perf_counter()
+        m = self.store.metrics
+        m.inc("deferred_computed", len(mine))
+        m.inc("deferred_batches")
+        m.inc("deferred_tokens", sum(len(ids) for (_, ids, _), _ in mine))
+        m.inc("deferred_ms_total", (t2 - t0) * 1e3)
+        m.inc("deferred_alone_ms_total", (t1 - t0) * 1e3)
+        m.inc("deferred_store_ms_total", (t2 - t1) * 1e3)
         return len(mine)
 
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:

@@ -44,6 +44,13 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
         assert r["offloaded"] == 0 if r["mode"] == "alone" else r["offloaded"] <= r["segments"] - 1
     assert cold["helper"]["cold_helped"] >= cold["helped"]["offloaded"]
     assert first["qps"]["slo_ms"] > 0 and first["qps"]["pic"]["trials"]
+    assert first["qps"]["slo_rule"].endswith("full-recompute rag p99 (idle)")
+    for trial in first["qps"]["pic"]["trials"]:  # where each trial's time went
+        assert len(trial["ttft_ms"]) == len(trial["queue_ms"]) > 0 and trial["idle_ms"] >= 0
+    conn = first["connector"]
+    if conn["deferred_batches"]:  # the cold fallback's idle passes, split
+        assert conn["deferred_tokens"] > 0 and conn["deferred_alone_ms_total"] > 0
+        assert conn["deferred_ms_total"] >= conn["deferred_alone_ms_total"]
     assert run["machine"]["python"] and run["command"].startswith("python tools/bench_serving.py")
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("summary: ttft_reduction_vs_prefix_avg=")

@@ -192,8 +192,11 @@ class Harness:
                    d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {}, timeline)
 
     def run_poisson(self, reqs: Sequence[BenchRequest], rate: float, seed: int,
-                    max_new_tokens: int = 4) -> list[float]:
-        """TTFTs (ms) of `reqs` arriving as a Poisson process of `rate` per second."""
+                    max_new_tokens: int = 4, info: Optional[dict] = None) -> list[float]:
+        """TTFTs (ms) of `reqs` arriving as a Poisson process of `rate` per second. `info`
+        (optional) gets where the time went: `queue_ms` per request (arrival to
+        scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals: a request
+        arriving meanwhile waits for it)."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rng = random.Random(seed)
         t = time.perf_counter() + 0.01
@@ -203,7 +206,9 @@ class Harness:
             t += rng.expovariate(rate)
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         ttfts: dict[str, float] = {}
+        queued: dict[str, float] = {}
         ids: list[str] = []
+        idle_calls, idle_s = 0, 0.0
         while arrivals or engine.has_unfinished():
             now = time.perf_counter()
             while arrivals and arrivals[0][0] <= now:
@@ -212,12 +217,19 @@ class Harness:
                 ids.append(rid)
                 engine.add_request(r.as_prompt(), params, request_id=rid, arrival_time=at)
             if not engine.has_unfinished():
-                if not engine.help_idle():  # idle work (cold-fallback segments) between arrivals
+                t_idle = time.perf_counter()
+                if engine.help_idle():  # idle work (cold-fallback segments) between arrivals
+                    idle_calls += 1
+                    idle_s += time.perf_counter() - t_idle
+                else:
                     time.sleep(max(0.0, min(arrivals[0][0] - time.perf_counter(), 0.05)))
                 continue
             for out in engine.step():
                 if out.finished and out.timeline.ttft is not None:
                     ttfts[out.request_id] = out.timeline.ttft * 1e3
+                    tl = out.timeline
+                    if tl.scheduled is not None:
+                        queued[out.request_id] = (tl.scheduled - tl.arrival) * 1e3
         for rid in ids:
             planner.take_report(rid)
             take = getattr(planner, "take_store_report", None)
@@ -225,6 +237,9 @@ class Harness:
                 take(rid)
         if hasattr(planner, "store"):
             planner.store.flush()
+        if info is not None:
+            info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
+                        idle_ms=round(idle_s * 1e3, 3))
         return [ttfts[i] for i in ids if i in ttfts]
 
 

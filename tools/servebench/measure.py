@@ -114,10 +114,12 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
         chunk = rest[i * per_trial:(i + 1) * per_trial]
         if len(chunk) < per_trial:
             break
-        ttfts = h.run_poisson(chunk, rate, seed + i)
+        info: dict = {}
+        ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
         p99 = percentile(ttfts, 99)
         ok = p99 is not None and p99 <= slo_ms
-        tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok})
+        tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok,
+                      "ttft_ms": [round(t, 3) for t in ttfts], **info})
         if ok:
             best = rate if best is None else max(best, rate)
         else:
