@@ -154,15 +154,13 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
     """The signatures of several segments `(token_ids, split)`, each computed alone behind
     `anchor_ids` exactly as `compute_signature` computes it, in ONE pass through the
     layers: the alone passes are packed one after another, attention runs per segment
-    (each attends only to itself), the short convs as one call per layer, and the linear
-    recurrences as fla varlen calls (one per layer for the passes, one for the tails'
-    E_tail, one for the delta tails' T) or, on the torch backend, per segment. Nothing
-    reads the device back until the end (one sync settles every delta layer's live
-    heads). A cold request with m missing segments pays one pass of per-call overhead
-    instead of m."""
+    (each attends only to itself), and the linear recurrences run as fla varlen calls
+    (one per layer for the passes, one for the tails' E_tail, one for the delta tails'
+    T) or, on the torch backend, per segment. A cold request with m missing segments pays
+    one pass of per-call overhead instead of m."""
     segs = [(list(t), int(s)) for t, s in segments]
-    if not segs:
-        return []
+    if len(segs) == 1:
+        return [compute_signature(model, segs[0][0], anchor_ids, segs[0][1], backend, state_dtype, keep_end_state)]
     a = len(anchor_ids)
     for toks, split in segs:
         _check_segment(len(toks), split, keep_end_state)
@@ -179,13 +177,12 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
     pack = _Pack(starts, lens, tail0)
     x = model.embed(ids)
     parts: list[list] = [[] for _ in segs]
-    pending: list[_PendingTransitions] = []  # delta layers' live heads, settled with one sync at the end
     last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
         h = block.mixer_norm(x)
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):
-            mixed, got = _linear_alone_packed(mixer, h, pack, backend, state_dtype, keep_end_state, pending)
+            mixed, got = _linear_alone_packed(mixer, h, pack, backend, state_dtype, keep_end_state)
         elif isinstance(mixer, Attention):
             mixed, got = _attention_alone_packed(mixer, h, positions, pack)
         else:  # pragma: no cover - every mixer is one of the two
@@ -194,7 +191,6 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
             parts[j].append(p)
         if i < last:
             x = block._finish(x, mixed)
-    _settle(pending)
     return [SegmentSignature(len(t), a, split, tuple(p)) for (t, split), p in zip(segs, parts)]
 
 
@@ -216,32 +212,6 @@ class _Pack:
             out.append(out[-1] + n)
         return torch.tensor(out, dtype=torch.long)
 
-    def device_index(self, key: tuple, build, device: torch.device) -> torch.Tensor:
-        """An index tensor built once per pass (the same for every layer of a kind), on
-        `device` through one (pinned, on CUDA) host-to-device copy."""
-        cache = self.__dict__.setdefault("_index", {})
-        if key not in cache:
-            host = torch.tensor(build(), dtype=torch.long)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            cache[key] = host.to(device, non_blocking=True)
-        return cache[key]
-
-    def conv_layout(self, width1: int) -> tuple[list[int], list[int]]:
-        """Every segment behind `width1` zero columns, one after another: (where each
-        segment's conv outputs lie in the packed conv's output, in token order; the
-        input columns of each segment's last `width1` inputs, for the segments at least
-        that long)."""
-        out, tails = [], []
-        at = 0
-        for j in range(len(self)):
-            s, e = self.span(j)
-            out.extend(range(at, at + e - s))
-            at += width1 + e - s
-            if e - s >= width1:
-                tails.extend(range(e - width1, e))
-        return out, tails
-
 
 def _attention_alone_packed(mixer: Attention, h: torch.Tensor, positions: torch.Tensor, pack: _Pack):
     q, k, v, gate = mixer.project(h, positions)
@@ -258,42 +228,20 @@ def _attention_alone_packed(mixer: Attention, h: torch.Tensor, positions: torch.
     return mixer.output(torch.cat(outs), gate), parts
 
 
-def _packed_conv(mixer: LinearMixer, conv_in: torch.Tensor, pack: _Pack):
-    """Every segment's short conv from a zero tail, as ONE conv over the segments laid out
-    behind zero columns (ShortConv.valid), and each segment's conv tail (its last
-    `width - 1` pre-conv inputs, `[C, r]`, r < width - 1 for a shorter segment)."""
-    m = len(pack)
-    width1 = mixer.conv.width - 1
-    xin = conv_in[0].transpose(0, 1)  # [C, T]
-    zeros = xin.new_zeros(xin.shape[0], width1)
-    cols: list[torch.Tensor] = []
-    for j in range(m):
-        s, e = pack.span(j)
-        cols += [zeros, xin[:, s:e]]
-    y = mixer.conv.valid(torch.cat(cols, dim=1))
-    take = pack.device_index(("conv_out", width1), lambda: pack.conv_layout(width1)[0], conv_in.device)
-    conv_out = y.index_select(1, take).transpose(0, 1)[None]
-    tails: list = [None] * m
-    long = [j for j in range(m) if pack.lens[j] >= width1]
-    if long:
-        idx = pack.device_index(("conv_tail", width1), lambda: pack.conv_layout(width1)[1], conv_in.device)
-        got = conv_in[0].index_select(0, idx).view(len(long), width1, -1).transpose(1, 2).contiguous()
-        for row, j in enumerate(long):
-            tails[j] = got[row]
-    for j in range(m):
-        if tails[j] is None:  # shorter than the conv's window
-            s, e = pack.span(j)
-            tails[j] = conv_in[0, s:e].transpose(0, 1).contiguous()
-    return conv_out, tails
-
-
 def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backend: str,
-                         state_dtype: torch.dtype, keep_end_state: bool, pending: list):
+                         state_dtype: torch.dtype, keep_end_state: bool):
     m = len(pack)
     conv_in, extras = mixer.project(h[None])
     conv_tails: list = [None] * m
     if mixer.conv is not None:
-        conv_out, conv_tails = _packed_conv(mixer, conv_in, pack)
+        outs = []
+        for j in range(m):
+            s, e = pack.span(j)
+            out, _ = mixer.conv(conv_in[:, s:e], None)
+            outs.append(out)
+            r = min(e - s, mixer.conv.width - 1)
+            conv_tails[j] = conv_in[0, e - r:e].transpose(0, 1).contiguous()
+        conv_out = torch.cat(outs, dim=1)
     else:
         conv_out = conv_in
     inp = mixer.prepare(conv_out, extras)
@@ -301,55 +249,56 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
     dev = h.device
     if backend == "fla":
         o, states = fla_backend.fla_chunk(mixer.family, inp, None, cu_seqlens=pack.cu(pack.lens))
+        states = [states[j:j + 1] for j in range(m)]
     else:
         zero = torch.zeros(1, *shape, dtype=torch.float32, device=dev)
-        os_, sts = [], []
+        os_, states = [], []
         for j in range(m):
             s, e = pack.span(j)
             oj, sj = mixer.run_recurrence(inp.slice_time(s, e), zero, backend)
             os_.append(oj)
-            sts.append(sj)
+            states.append(sj)
         o = torch.cat(os_, dim=1)
-        states = torch.cat(sts)
     out = mixer.output(o, extras)[0]
-    states_kept = states.to(state_dtype)  # [m, H, dk, dv]: one conversion, rows are the segments' E
 
     # tails: E_tail (from zero) and T_tail of every segment with a tail, batched
     has_tail = [j for j in range(m) if pack.tail0[j] < pack.lens[j]]
-    from_start = {j for j in has_tail if pack.tail0[j] == 0}
+    from_start = [j for j in has_tail if pack.tail0[j] == 0]
     cut = [j for j in has_tail if pack.tail0[j] > 0]
     tails = {j: inp.slice_time(pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
-    tail_rows: dict[int, torch.Tensor] = {}
+    tail_states: dict[int, torch.Tensor] = {j: states[j] for j in from_start}
     if cut:
         if backend == "fla":
             packed = _cat_inputs([tails[j] for j in cut])
             _, st = fla_backend.fla_chunk(mixer.family, packed, None,
                                           cu_seqlens=pack.cu([pack.lens[j] - pack.tail0[j] for j in cut]))
+            tail_states.update({j: st[i:i + 1] for i, j in enumerate(cut)})
         else:
             zero = torch.zeros(1, *shape, dtype=torch.float32, device=dev)
-            st = torch.cat([mixer.run_recurrence(tails[j], zero, backend)[1] for j in cut])
-        st = st.to(state_dtype)
-        tail_rows = {j: st[i] for i, j in enumerate(cut)}
-    transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend, state_dtype)
+            for j in cut:
+                tail_states[j] = mixer.run_recurrence(tails[j], zero, backend)[1]
+    transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend)
     parts = []
     for j in range(m):
+        tail_state = tail_t = live = None
         same = j in from_start
+        if j in tails:
+            tail_state = tail_states[j]
+            tail_t, live = transitions[has_tail.index(j)]
         part = LinearPart(
             family=mixer.family,
-            state=states_kept[j],
-            tail_state=states_kept[j] if same else tail_rows.get(j),
-            tail_transition=None,
-            live_heads=None,
+            state=states[j][0].to(state_dtype),
+            tail_state=None if tail_state is None else tail_state[0].to(state_dtype),
+            tail_transition=None if tail_t is None else (tail_t if mixer.family != "delta" else tail_t.to(state_dtype)),
+            live_heads=live,
             conv_tail=conv_tails[j],
             tail_state_is_state=same,
         )
+        if same:
+            part.tail_state = part.state
         if not keep_end_state:
             part.state, part.tail_state_is_state = None, False
         parts.append(part)
-    if transitions is not None:
-        transitions.attach([parts[j] for j in has_tail])
-        if isinstance(transitions, _PendingTransitions):
-            pending.append(transitions)
     return out, parts
 
 
@@ -361,70 +310,35 @@ def _cat_inputs(inps: list[RecurrenceInputs]) -> RecurrenceInputs:
         beta=None if first.beta is None else torch.cat([i.beta for i in inps], dim=1), scale=first.scale)
 
 
-class _ScalarTransitions:
-    """Log-decay sums of scalar/diag tails: known at once."""
-
-    def __init__(self, log_sums: list[torch.Tensor]) -> None:
-        self.log_sums = log_sums
-
-    def attach(self, parts: list) -> None:
-        for part, ls in zip(parts, self.log_sums):
-            part.tail_transition = ls
-
-
-class _PendingTransitions:
-    """Dense delta-rule operators of a layer's tails, `[m, H, dk, dk]`, and which heads
-    stay live (`[m, H]` on the device); parts get them when `_settle` has read every
-    layer's live masks in one host sync."""
-
-    def __init__(self, dense: torch.Tensor, live: torch.Tensor) -> None:
-        self.dense, self.live, self.parts = dense, live, []
-
-    def attach(self, parts: list) -> None:
-        self.parts = parts
-
-
-def _settle(pending: list[_PendingTransitions]) -> None:
-    """Give every pending delta part its live heads and operator rows (module docstring:
-    a head whose decay underflowed, or whose operator is exactly 0, forgot its prefix)."""
-    if not pending:
-        return
-    lives = torch.cat([p.live for p in pending]).cpu()  # one sync for every layer
-    row = 0
-    for p in pending:
-        for i, part in enumerate(p.parts):
-            heads = tuple(int(x) for x in torch.nonzero(lives[row + i]).flatten().tolist())
-            part.live_heads = heads
-            if not heads:
-                part.tail_transition = None
-            elif len(heads) == p.dense.shape[1]:
-                part.tail_transition = p.dense[i]
-            else:
-                part.tail_transition = p.dense[i][list(heads)].contiguous()
-        row += len(p.parts)
-
-
-def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend: str,
-                      state_dtype: torch.dtype):
-    """`_tail_transition` of every tail without a host sync: scalar/diag log-decay sums
-    at once; delta operators for every tail (one varlen call on fla) with their live
-    heads left on the device for `_settle`. None when there are no tails."""
+def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend: str) -> list[tuple]:
+    """`_tail_transition` of every tail, with one host sync (and, for delta on fla, one
+    varlen call) for all of them."""
     if not tails:
-        return None
+        return []
+    log_sums = [t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails]  # [H] or [H, dk]
     if mixer.family != "delta":
-        return _ScalarTransitions([t.log_decay.to(torch.float32).sum(dim=1)[0].contiguous() for t in tails])
-    log_sums = torch.stack([t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails])  # [m, H]
+        return [(ls.contiguous(), None) for ls in log_sums]
+    live_any = (torch.stack(log_sums) >= LOG_FLOAT32_TINY).cpu()  # [m, H]: one sync
+    todo = [i for i in range(len(tails)) if bool(live_any[i].any())]
+    out: list[tuple] = [(None, ()) for _ in tails]
+    if not todo:
+        return out
     if backend == "fla":
-        packed = _cat_inputs(tails)
+        packed = _cat_inputs([tails[i] for i in todo])
         b, t, h, kd, _ = packed.shape
-        eye = torch.eye(kd, dtype=torch.float32, device=packed.k.device).expand(len(tails), h, kd, kd).contiguous()
+        eye = torch.eye(kd, dtype=torch.float32, device=packed.k.device).expand(len(todo), h, kd, kd).contiguous()
         probe = replace(packed, v=torch.zeros(b, t, h, kd, dtype=packed.v.dtype, device=packed.v.device))
-        lens = [x.q.shape[1] for x in tails]
+        lens = [tails[i].q.shape[1] for i in todo]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        dense = fla_backend.fla_chunk("delta", probe, eye, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1]
+        dense_all = fla_backend.fla_chunk("delta", probe, eye, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1]
     else:
-        dense = torch.cat([mixer.transition_operator(x, backend) for x in tails])
-    live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
-    return _PendingTransitions(dense.to(state_dtype), live)
+        dense_all = torch.cat([mixer.transition_operator(tails[i], backend) for i in todo])
+    nonzero = (dense_all.abs().amax(dim=(2, 3)) > 0).cpu()  # [len(todo), H]: one sync
+    for row, i in enumerate(todo):
+        live = live_any[i] & nonzero[row]
+        heads = tuple(int(x) for x in torch.nonzero(live).flatten().tolist())
+        if heads:
+            out[i] = (dense_all[row][list(heads)].contiguous(), heads)
+    return out
