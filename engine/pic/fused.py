@@ -193,7 +193,11 @@ def capture_prefill_stages(runner, buckets: Optional[Sequence[int]] = None) -> i
     stages = getattr(runner, "prefill_stages", None)
     if stages is None:
         return 0
+    limit = min(runner.model.config.max_position_embeddings, runner.cache.config.num_blocks * runner.cache.block_size
+                if runner.cache.has_paged else runner.model.config.max_position_embeddings)
     for b in (stages.buckets if buckets is None else buckets):
+        if b > limit:  # a cache this small never holds such a pass; it would be captured on first use
+            continue
         seq = runner.cache.allocate(CacheSequence("prefill-stages-capture"))
         try:
             fused_prefill(runner.model, runner.cache, seq, [0] * b, [FusedItem(0, b)], backend=runner.backend,

@@ -105,3 +105,14 @@ def test_capture_prefill_stages_fills_every_bucket_on_a_scratch_sequence(model_o
     assert ("in",) in names and {("next", i) for i in range(len(model.blocks))} <= names
     assert {key[1] for key in stages._stages} == {8, 16}
     assert runner.cache.slots.num_free == runner.cache.config.num_slots  # the scratch sequences are freed
+
+
+def test_capture_prefill_stages_skips_buckets_the_cache_cannot_hold(model_of, make_runner):
+    from engine.pic.fused import capture_prefill_stages
+
+    model = model_of(MIXES["gdn"])
+    runner = make_runner(model, num_blocks=4)  # a pass of at most 4 * block_size positions
+    room = 4 * runner.cache.block_size
+    runner.prefill_stages = stages = PrefillStages(model.device, buckets=(room // 2, room, room + 1), capture=False)
+    capture_prefill_stages(runner)
+    assert {key[1] for key in stages._stages} == {room // 2, room}
