@@ -55,6 +55,12 @@ StoreOpt = typer.Option(
     None, "--store", metavar="[SOCKET]",
     help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
          "without it the engine keeps them in its own process.")
+ColdPolicyOpt = typer.Option(
+    "fraction", "--cold-full-policy",
+    help="When the cold fallback takes a request: fraction (at --cold-full-fraction) or cost (at the measured "
+         "break-even share of misses, full / alone cost per token, at most --cold-full-fraction).")
+
+
 def _cold_opt(default: float) -> Any:
     return typer.Option(
         default, "--cold-full-fraction", min=0.0, max=1.0,
@@ -216,6 +222,7 @@ def serve(
     cuda_graphs: bool = GraphsOpt,
     host_threads: Optional[int] = HostThreadsOpt,
     cold_full_fraction: float = _cold_opt(0.5),
+    cold_full_policy: str = ColdPolicyOpt,
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -223,12 +230,16 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.server.app import serve as run_server
 
+    from engine.pic.config import PicConfig
+    from engine.pic.errors import PicConfigError
+
+    try:  # before the (slow) engine build
+        pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy)
+    except PicConfigError as exc:
+        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     connector = _store_config(store, share_cold)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, max_model_len, cuda_graphs, host_threads))
-    from engine.pic.config import PicConfig
-
-    pic = PicConfig(cold_full_fraction=cold_full_fraction or None)
     planner = _attach_store(engine, pic, connector) if connector is not None else None
     try:
         run_server(engine, host, port)
@@ -327,6 +338,7 @@ def run_cmd(
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
     cold_full_fraction: float = _cold_opt(0.0),
+    cold_full_policy: str = ColdPolicyOpt,
     prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
@@ -341,7 +353,8 @@ def run_cmd(
         cap = int(cache_gib * (1 << 30))
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
                            signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused,
-                           cold_full_fraction=cold_full_fraction or None, prefix_checkpoints=prefix_checkpoints)
+                           cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
+                           prefix_checkpoints=prefix_checkpoints)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:

@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "requests whose uncached segments hold at least this share of the prompt are prefilled by "
                          "full recompute and their segments computed while idle; 0 turns it off (the two-engine "
                          "phases always run without it: they measure cold PIC itself)")
+    ap.add_argument("--cold-full-policy", default="fraction", choices=("fraction", "cost"),
+                    help="PicConfig.cold_full_policy: fraction (fall back at --cold-full-fraction) or cost (at the "
+                         "measured break-even share, full / alone cost per token, capped by the fraction)")
     ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
@@ -228,7 +231,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
                                      put_tier=args.put_tier)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
-                                               seam_chain=args.seam_chain),
+                                               cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
@@ -266,6 +269,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
             save(out)
         two_engine_phases(preset, args, opts, socket, device, scale, out, log, save)
         out["connector"] = h.store.metrics.snapshot()
+        out["pic_costs"] = h.planner("pic").costs.snapshot()  # engine.pic.costs: alone vs full ms per token
         out["purged_objects"] = h.purge()  # room for the next preset
     finally:
         h.close()

@@ -27,6 +27,8 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SEAM_CHAIN_MODES = ("auto", "on", "off")
 PREFIX_CHECKPOINT_POLICIES = ("branch", "every")
+#: when the cold fallback takes a request (PicConfig.cold_full_policy)
+COLD_FULL_POLICIES = ("fraction", "cost")
 
 DEFAULT_SEAM = 16
 DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
@@ -69,6 +71,10 @@ class PicConfig:
     alone later, while the engine is idle (`help_idle`), so later requests hit them.
     None (the default here; `kvengine serve` and tools/bench_serving turn it on): misses
     are always computed alone and spliced in the request.
+    cold_full_policy (with cold_full_fraction): `"fraction"` (default) falls back at that
+    fraction; `"cost"` falls back as soon as the misses hold more than the measured
+    break-even share (full / alone cost per token on this engine, engine.pic.costs; at
+    most `cold_full_fraction`, which also applies until both costs are measured).
     prefix_checkpoints (`prefix`): where prefix caching keeps linear states (and window
     rows), which a prefix can only be reused up to; full-attention K/V is kept at every
     cacheable segment boundary either way. `"branch"` (default, Marconi / SGLang style):
@@ -93,6 +99,7 @@ class PicConfig:
     fused: bool = True
     seam_chain: str = "auto"
     cold_full_fraction: float | None = None
+    cold_full_policy: str = "fraction"
     prefix_checkpoints: str = "branch"
 
     def __post_init__(self) -> None:
@@ -116,6 +123,9 @@ class PicConfig:
                                  f"{', '.join(PREFIX_CHECKPOINT_POLICIES)}")
         if self.state_dtype not in STATE_DTYPES:
             raise PicConfigError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
+        if self.cold_full_policy not in COLD_FULL_POLICIES:
+            raise PicConfigError(f"cold_full_policy={self.cold_full_policy!r} must be one of "
+                                 f"{', '.join(COLD_FULL_POLICIES)}")
         f = self.cold_full_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
             raise PicConfigError(f"cold_full_fraction={f!r} must be None or a number in (0, 1]")

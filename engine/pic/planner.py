@@ -46,6 +46,7 @@ import torch
 from engine.models.config import SWA, ModelConfig
 from engine.pic.compute import compute_signatures
 from engine.pic.config import PicConfig
+from engine.pic.costs import PathCosts
 from engine.pic.errors import PicConfigError
 from engine.pic.fused import FusedItem, fused_prefill
 from engine.pic.report import PlanBuilder, PrefillReport, ReportBook
@@ -186,6 +187,8 @@ class PicPlanner(ReportingPlanner):
         self.state_dtype = resolve_state_dtype(config.state_dtype, model_dtype)
         #: cold-fallback segments to compute alone when idle: key -> (content tokens, split)
         self.deferred: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
+        #: measured cost per token of alone passes and of full passes (cold_full_policy="cost")
+        self.costs = PathCosts(self.device)
 
     # ------------------------------------------------------------------ planning
     def key(self, content: Sequence[int], split: int) -> bytes:
@@ -279,7 +282,8 @@ class PicPlanner(ReportingPlanner):
     def _run_fused(self, runner, request: Request, spec: tuple, start: int, all_logits: bool = False):
         state: _RequestState = request.planner_state[STATE_KEY]
         if state.full:  # cold fallback: plain full recompute of the fused step's range
-            return full_pass(runner, request, state.token_ids, start, self.config, all_logits)
+            with self.costs.measure("full", len(state.token_ids) - start):
+                return full_pass(runner, request, state.token_ids, start, self.config, all_logits)
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s"])
         items = []
         for s in spec:
@@ -335,7 +339,7 @@ class PicPlanner(ReportingPlanner):
         """Cold fallback (module docstring): True when this request's misses hold at
         least `cold_full_fraction` of its prompt; they are then queued for `help_idle`,
         and the request's fused step computes the whole prompt."""
-        f = self.config.cold_full_fraction
+        f = self.cold_full_threshold()
         if f is None or not state.missing or not self.config.fused:
             return False
         if sum(u.num_tokens for u in state.missing) < f * len(state.token_ids):
@@ -349,6 +353,15 @@ class PicPlanner(ReportingPlanner):
         state.missing = []
         state.full = True
         return True
+
+    def cold_full_threshold(self) -> Optional[float]:
+        """The share of a prompt's tokens in misses from which the cold fallback takes the
+        request (PicConfig.cold_full_fraction / cold_full_policy); None: never."""
+        f = self.config.cold_full_fraction
+        if f is None or self.config.cold_full_policy != "cost":
+            return f
+        even = self.costs.break_even()
+        return f if even is None else min(f, even)
 
     def _next_deferred(self) -> list[tuple[bytes, tuple[int, ...], int]]:
         """The queued segments of the next idle batch (oldest first, within
@@ -369,9 +382,11 @@ class PicPlanner(ReportingPlanner):
         anchor (one packed pass), tagged with this model's fingerprint."""
         if not segments:
             return []
-        sigs = compute_signatures(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
-                                  backend=runner.backend, state_dtype=self.state_dtype,
-                                  keep_end_state=self.config.keep_end_state)
+        tokens = sum(len(self.anchor_ids) + len(ids) for ids, _ in segments)
+        with self.costs.measure("alone", tokens):
+            sigs = compute_signatures(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
+                                      backend=runner.backend, state_dtype=self.state_dtype,
+                                      keep_end_state=self.config.keep_end_state)
         for sig in sigs:
             sig.meta["fingerprint"] = self.fingerprint
         return sigs

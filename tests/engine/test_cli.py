@@ -78,6 +78,8 @@ def test_generate_prints_the_greedy_text_and_timings():
         (["generate", "--preset", "ring-tiny", "hi", "--dtype", "float8"], "--dtype"),
         (["bench", "--preset", "ring-tiny", "--request-rate", "-1"], "--request-rate"),
         (["bench", "--preset", "ring-tiny", "--max-batch", "8", "--max-batched-tokens", "4"], "--max-batched-tokens"),
+        (["serve", "--preset", "ring-tiny", "--cold-full-policy", "sometimes"], "--cold-full-policy"),
+        (["bench", "--preset", "ring-tiny", "--host-threads", "0"], "--host-threads"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(args, named):

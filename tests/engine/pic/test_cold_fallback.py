@@ -93,3 +93,58 @@ def test_auto_state_dtype_follows_a_half_precision_model_and_keys_name_it(model_
     bf16 = planner_of(model, fused=True, state_dtype="bfloat16")
     assert auto.state_dtype == torch.float32 and auto.key([5, 6, 7], 4) == f32.key([5, 6, 7], 4)
     assert bf16.state_dtype == torch.bfloat16 and bf16.key([5, 6, 7], 4) != f32.key([5, 6, 7], 4)
+
+
+def test_the_cost_policy_falls_back_from_the_measured_break_even(model_of, runner_of, planner_of):
+    """cold_full_policy="cost": the configured fraction until both paths are measured,
+    then full / alone cost per token (capped by the fraction)."""
+    model = model_of([GDN, FULL, GDN])
+    runner = runner_of(model)
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5, cold_full_policy="cost")
+    assert planner.cold_full_threshold() == 0.5  # nothing measured yet
+    segments = _segments(3)
+    execute(planner, runner, make_request(segments))  # every segment cold: warms the cache
+    planner.help_idle(runner)
+
+    def one_new(seed):  # one 10-token miss in a ~60-token prompt: below the fraction
+        return segments[:2] + [(rand_ids(10, seed), True)] + segments[2:]
+
+    req = make_request(one_new(77))
+    execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert rep.miss_segments == 1 and not rep.cold_full  # the fraction rule: computed alone in the request
+    planner.costs._add("alone", 1000, 2000.0)  # alone passes 20x dearer per token than full ones
+    planner.costs._add("full", 1000, 100.0)
+    assert planner.cold_full_threshold() == pytest.approx(0.05)
+    req = make_request(one_new(78))
+    execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert rep.cold_full and rep.deferred_segments == 1  # the same small miss now takes the fallback
+    planner.costs._ms_per_token["alone"] = 0.01  # alone passes cheap: the fraction caps the threshold
+    assert planner.cold_full_threshold() == 0.5
+
+
+def test_path_costs_average_per_token_and_skip_short_passes():
+    from engine.pic.costs import PathCosts
+
+    costs = PathCosts(torch.device("cpu"), smoothing=0.5, min_tokens=10)
+    assert costs.break_even() is None
+    with costs.measure("alone", 5):  # too short to count
+        pass
+    assert costs.ms_per_token("alone") is None
+    costs._add("alone", 100, 100.0)
+    costs._add("alone", 100, 300.0)
+    assert costs.ms_per_token("alone") == pytest.approx(2.0)  # 1.0, then halfway to 3.0
+    with costs.measure("full", 1000):
+        sum(range(1000))
+    assert costs.ms_per_token("full") > 0 and 0 < costs.break_even() < 1
+    snap = costs.snapshot()
+    assert snap["alone_passes"] == 2 and snap["full_passes"] == 1
+    with pytest.raises(ValueError, match="kind"):
+        with costs.measure("other", 100):
+            pass
+
+
+def test_a_bad_cold_full_policy_is_refused():
+    with pytest.raises(PicConfigError, match="cold_full_policy"):
+        PicConfig(cold_full_fraction=0.5, cold_full_policy="sometimes")
