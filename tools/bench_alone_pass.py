@@ -1,0 +1,168 @@
+"""What a cold segment costs: packed alone passes (engine.pic.compute.compute_signatures,
+what PIC runs for misses and for the cold fallback's idle work) against a full prefill of
+the same tokens in context, side by side in one process.
+
+For each preset and each batch shape (segments x tokens per segment) it builds the
+segments from random token ids, runs both paths `--repeats` times after a warm-up (the
+device synchronised around each run) and reports per token: the alone pass, the full
+prefill of all the segments' tokens as one prompt, and their ratio, which is the
+break-even share of a prompt in misses above which full recompute serves a request
+sooner (engine.pic.costs; PicConfig.cold_full_policy="cost"). `--profile` adds the torch
+profiler's op table of one alone pass (host syncs counted).
+
+    PYTHONPATH=. python tools/bench_alone_pass.py [--presets qwen3next-bench,ring-bench]
+        [--shapes 1x1400,2x1400,8x500] [--repeats 5] [--json docs/results/alone-pass-<date>.json]
+    PYTHONPATH=. python tools/bench_alone_pass.py --presets qwen3next-tiny --device cpu --shapes 2x64
+
+On the CPU only the ratios mean anything. Prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="qwen3next-bench,ring-bench")
+    ap.add_argument("--shapes", default="1x1400,2x1400,8x500",
+                    help="comma-separated SEGMENTSxTOKENS batches (2x1400: two segments of 1400 tokens)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seam", type=int, default=16, help="each segment's split (its seam)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="op table of one alone pass per preset and shape")
+    ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
+                    help="write the run as JSON (default docs/results/alone-pass-<date>.json)")
+    args = ap.parse_args(argv)
+    try:
+        args.shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    except ValueError:
+        ap.error(f"--shapes {args.shapes!r}: each shape is SEGMENTSxTOKENS, e.g. 2x1400")
+    if not args.shapes or any(len(s) != 2 or min(s) < 1 for s in args.shapes):
+        ap.error("--shapes: each shape is SEGMENTSxTOKENS with both >= 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return args
+
+
+def _timed(fn, sync, repeats: int) -> list[float]:
+    fn()  # warm-up: compiles kernels at these shapes
+    sync()
+    out = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def bench_preset(preset: str, args) -> list[dict]:
+    import torch
+
+    from engine.builder import resolve_device, resolve_dtype
+    from engine.cache.manager import CacheConfig, CacheManager
+    from engine.models.weights import load_model
+    from engine.pic.compute import compute_signatures
+    from engine.pic.planner import resolve_state_dtype
+    from engine.runtime.runner import ModelRunner
+    from engine.runtime.sequence import Sequence
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    loaded = load_model(preset, device=device, dtype=dtype)
+    model = loaded.model
+    vocab = model.config.vocab_size
+    longest = max(m * n for m, n in args.shapes) + 1
+    mgr = CacheManager.for_model(model, CacheConfig(block_size=16, num_blocks=longest // 16 + 8, num_slots=2))
+    runner = ModelRunner(model, mgr, cuda_graphs=False)
+    state_dtype = resolve_state_dtype("auto", dtype)
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for m, n in args.shapes:
+        segs = [(torch.randint(3, vocab, (n,), generator=g).tolist(), min(args.seam, n - 1)) for _ in range(m)]
+        prompt = [1] + [t for s, _ in segs for t in s]
+
+        def alone():
+            compute_signatures(model, segs, [1], backend=runner.backend, state_dtype=state_dtype)
+
+        def full():
+            seq = mgr.allocate(Sequence("full"))
+            try:
+                runner.prefill(seq, prompt)
+            finally:
+                mgr.free(seq)
+
+        a = _timed(alone, sync, args.repeats)
+        f = _timed(full, sync, args.repeats)
+        a_ms, f_ms = statistics.median(a), statistics.median(f)
+        tokens = m * (n + 1)
+        row = {"preset": preset, "segments": m, "tokens_per_segment": n, "alone_ms": round(a_ms, 3),
+               "full_ms": round(f_ms, 3), "alone_ms_per_token": a_ms / tokens, "full_ms_per_token": f_ms / len(prompt),
+               "break_even": (f_ms / len(prompt)) / (a_ms / tokens), "backend": runner.backend,
+               "alone_runs_ms": [round(x, 3) for x in a], "full_runs_ms": [round(x, 3) for x in f]}
+        if args.profile:
+            from tools.profile_engine import torch_tables
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                alone()
+                sync()
+            row["profile"] = torch_tables(prof, 25)
+            print(f"--- {preset} {m}x{n} alone pass\n{row['profile']}", flush=True)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    del model, mgr, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("preset", "batch", "alone ms", "full ms", "alone ms/tok", "full ms/tok", "alone/full", "break-even")
+    out = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = r["alone_ms_per_token"] / r["full_ms_per_token"]
+        out.append(f"| {r['preset']} | {r['segments']}x{r['tokens_per_segment']} | {r['alone_ms']:.1f} | "
+                   f"{r['full_ms']:.1f} | {r['alone_ms_per_token']:.4f} | {r['full_ms_per_token']:.4f} | "
+                   f"{ratio:.1f}x | {r['break_even']:.3f} |")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    rows = []
+    for preset in [p for p in args.presets.split(",") if p]:
+        rows += bench_preset(preset, args)
+    if args.json is not None:
+        path = Path(args.json) if args.json else REPO / "docs" / "results" / f"alone-pass-{date.today()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        machine = {"python": platform.python_version(), "torch": torch.__version__,
+                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                   "cpus": __import__("os").cpu_count()}
+        path.write_text(json.dumps({"date": str(date.today()), "command": "python tools/bench_alone_pass.py "
+                                    + " ".join(sys.argv[1:] if argv is None else argv), "machine": machine,
+                                    "rows": rows}, indent=1) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
