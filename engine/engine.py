@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -256,14 +256,18 @@ class LLMEngine:
         request is in it (None: the planner has no idle work)."""
         return getattr(self.scheduler.planner, "idle_poll_s", None)
 
-    def help_idle(self) -> int:
-        """Work the planner does for other engines while this one is idle (e.g. cold
-        segments another engine offered through the store: engine.connector.coldshare);
-        how many units it did. Only while no request is in the engine."""
+    def help_idle(self, should_stop: Optional[Callable[[], bool]] = None) -> int:
+        """Work the planner does while this engine is idle (its cold-fallback segments,
+        cold segments another engine offered through the store: engine.connector.coldshare);
+        how many units it did. Only while no request is in the engine. `should_stop`
+        (e.g. "a request is waiting"): asked between the layers of the idle pass, which
+        gives way (is dropped and redone later) when it says so."""
         fn = getattr(self.scheduler.planner, "help_idle", None)
         if fn is None or self.has_unfinished():
             return 0
-        return int(fn(self.runner))
+        if should_stop is None:
+            return int(fn(self.runner))
+        return int(fn(self.runner, should_stop=should_stop))
 
     # ---- the step -------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
-    "deferred_computed", "deferred_batches", "deferred_tokens", "near_hits",
+    "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
            "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total")

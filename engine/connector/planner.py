@@ -41,7 +41,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -51,6 +51,7 @@ from engine.connector.metrics import overlap_fraction
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
 from engine.models.config import ModelConfig
 from engine.pic.config import PicConfig
+from engine.pic.errors import AlonePassStopped
 from engine.pic.planner import PicPlanner, SpliceUnit, _RequestState
 from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import Request
@@ -304,14 +305,17 @@ class StorePicPlanner(PicPlanner):
                  if p is not None]
         return min(polls) if polls else None
 
-    def help_idle(self, runner) -> int:
+    def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """Idle work, one unit per call: this engine's queued cold-fallback segments
         first (claimed, computed alone packed, stored), else cold segments other engines
         offered (engine.connector.coldshare; up to `share_pack_tokens`, one packed pass),
         each stored under its claim. Returns the
-        number of segments computed. Called by the engine when it has no request to run."""
+        number of segments computed. Called by the engine when it has no request to run.
+        `should_stop` (a request arrived): asked between the pass's layers; when it says
+        so the pass is dropped, its claims released (waiters compute or claim again), its
+        own queued segments put back in front, and 0 is returned (`idle_stopped`)."""
         if self.deferred:
-            return self._help_deferred(runner)
+            return self._help_deferred(runner, should_stop)
         share = self.store.share
         if share is None:
             return 0
@@ -326,7 +330,12 @@ class StorePicPlanner(PicPlanner):
             return 0
         t0 = time.perf_counter()
         try:  # one packed alone pass for every segment taken
-            sigs = self._alone(runner, [(w.token_ids, w.split) for w, _ in taken])
+            sigs = self._alone(runner, [(w.token_ids, w.split) for w, _ in taken], should_stop)
+        except AlonePassStopped:  # a request arrived: the requesters compute them (or another helper)
+            for _, claim in taken:
+                self.store.drop_claim(claim)
+            self.store.metrics.inc("idle_stopped")
+            return 0
         except Exception:  # helping must not stop this engine; the requesters compute them
             log.exception("computing %d offered segments failed", len(taken))
             for _, claim in taken:
@@ -338,7 +347,7 @@ class StorePicPlanner(PicPlanner):
         self.store.metrics.inc("cold_help_ms_total", (time.perf_counter() - t0) * 1e3)
         return len(taken)
 
-    def _help_deferred(self, runner) -> int:
+    def _help_deferred(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         todo = self._next_deferred()
         try:
             held = self.store.lookup([t[0] for t in todo])
@@ -358,7 +367,13 @@ class StorePicPlanner(PicPlanner):
             return 0
         t0 = time.perf_counter()
         try:
-            sigs = self._alone(runner, [(ids, split) for (_, ids, split), _ in mine])
+            sigs = self._alone(runner, [(ids, split) for (_, ids, split), _ in mine], should_stop)
+        except AlonePassStopped:  # a request arrived: release the claims, queue the batch again
+            for _, claim in mine:
+                self.store.drop_claim(claim)
+            self._requeue([t for t, _ in mine])
+            self.store.metrics.inc("idle_stopped")
+            return 0
         except Exception:  # idle work must not stop this engine; a later request computes them
             log.exception("computing %d deferred segments failed", len(mine))
             for _, claim in mine:

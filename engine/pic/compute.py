@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
 from engine.models.layers import fla_backend
 from engine.models.layers.linear_ops import RecurrenceInputs
-from engine.pic.errors import SignatureFormatError
+from engine.pic.errors import AlonePassStopped, SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
 #: log of the smallest normal float32: a head whose tail decay product is below it has
@@ -45,11 +45,13 @@ def _check_segment(n: int, split: int, keep_end_state: bool) -> None:
 @torch.inference_mode()
 def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids: Sequence[int] = (),
                       split: int = 0, backend: str = "torch", state_dtype: torch.dtype = torch.float32,
-                      keep_end_state: bool = True) -> SegmentSignature:
+                      keep_end_state: bool = True,
+                      should_stop: Optional[Callable[[], bool]] = None) -> SegmentSignature:
     """The signature of `token_ids` computed alone behind `anchor_ids` (module docstring).
     `split`: seam length; tokens [split, n) form the reusable tail. `backend`: the
     linear-layer backend of the runner ("torch" or "fla"). `keep_end_state`: keep each
-    linear layer's end state E (needed only to place the segment first)."""
+    linear layer's end state E (needed only to place the segment first). `should_stop`:
+    asked between layers; True raises AlonePassStopped (idle work giving way)."""
     n, a = len(token_ids), len(anchor_ids)
     _check_segment(n, split, keep_end_state)
     device = model.device
@@ -62,6 +64,7 @@ def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids
     parts = []
     last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
+        _check_stop(should_stop, i)
         h = block.mixer_norm(x)
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):
@@ -74,6 +77,11 @@ def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids
         if i < last:
             x = block._finish(x, mixed)
     return SegmentSignature(n, a, split, tuple(parts))
+
+
+def _check_stop(should_stop: Optional[Callable[[], bool]], layer: int) -> None:
+    if should_stop is not None and layer > 0 and should_stop():
+        raise AlonePassStopped(f"alone pass stopped before layer {layer}")
 
 
 def _attention_alone(mixer: Attention, h: torch.Tensor, positions: torch.Tensor):
@@ -150,7 +158,8 @@ def _tail_transition(mixer: LinearMixer, tail: RecurrenceInputs, backend: str):
 def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[int], int]],
                        anchor_ids: Sequence[int] = (), backend: str = "torch",
                        state_dtype: torch.dtype = torch.float32,
-                       keep_end_state: bool = True) -> list[SegmentSignature]:
+                       keep_end_state: bool = True,
+                       should_stop: Optional[Callable[[], bool]] = None) -> list[SegmentSignature]:
     """The signatures of several segments `(token_ids, split)`, each computed alone behind
     `anchor_ids` exactly as `compute_signature` computes it, in ONE pass through the
     layers: the alone passes are packed one after another, attention runs per segment
@@ -160,7 +169,8 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
     one pass of per-call overhead instead of m."""
     segs = [(list(t), int(s)) for t, s in segments]
     if len(segs) == 1:
-        return [compute_signature(model, segs[0][0], anchor_ids, segs[0][1], backend, state_dtype, keep_end_state)]
+        return [compute_signature(model, segs[0][0], anchor_ids, segs[0][1], backend, state_dtype, keep_end_state,
+                                  should_stop)]
     a = len(anchor_ids)
     for toks, split in segs:
         _check_segment(len(toks), split, keep_end_state)
@@ -179,6 +189,7 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
     parts: list[list] = [[] for _ in segs]
     last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
+        _check_stop(should_stop, i)
         h = block.mixer_norm(x)
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):

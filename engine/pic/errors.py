@@ -21,3 +21,8 @@ class SignatureFormatError(PicError, ValueError):
 class SplicePlacementError(PicError):
     """A splice does not fit the request's caches (wrong start position, placement that
     the signature cannot serve)."""
+
+
+class AlonePassStopped(PicError):
+    """An alone pass was stopped between two layers because its `should_stop` said so
+    (idle work giving way to an arriving request); it computed nothing that is kept."""

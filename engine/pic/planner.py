@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ from engine.models.config import SWA, ModelConfig
 from engine.pic.compute import compute_signatures
 from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
-from engine.pic.errors import PicConfigError
+from engine.pic.errors import AlonePassStopped, PicConfigError
 from engine.pic.fused import FusedItem, fused_prefill
 from engine.pic.report import PlanBuilder, PrefillReport, ReportBook
 from engine.pic.signature import SegmentSignature
@@ -189,6 +189,8 @@ class PicPlanner(ReportingPlanner):
         self.deferred: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
         #: measured cost per token of alone passes and of full passes (cold_full_policy="cost")
         self.costs = PathCosts(self.device)
+        #: idle alone passes stopped half-way for an arriving request (`help_idle(should_stop=...)`)
+        self.idle_stopped = 0
 
     # ------------------------------------------------------------------ planning
     def key(self, content: Sequence[int], split: int) -> bytes:
@@ -377,16 +379,18 @@ class PicPlanner(ReportingPlanner):
             tokens += len(ids)
         return out
 
-    def _alone(self, runner, segments: Sequence[tuple[Sequence[int], int]]) -> list[SegmentSignature]:
+    def _alone(self, runner, segments: Sequence[tuple[Sequence[int], int]],
+               should_stop: Optional[Callable[[], bool]] = None) -> list[SegmentSignature]:
         """Signatures of (content tokens, split) segments, each computed alone behind the
-        anchor (one packed pass), tagged with this model's fingerprint."""
+        anchor (one packed pass), tagged with this model's fingerprint. `should_stop`
+        (idle work): asked between layers; True raises AlonePassStopped."""
         if not segments:
             return []
         tokens = sum(len(self.anchor_ids) + len(ids) for ids, _ in segments)
         with self.costs.measure("alone", tokens):
             sigs = compute_signatures(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
                                       backend=runner.backend, state_dtype=self.state_dtype,
-                                      keep_end_state=self.config.keep_end_state)
+                                      keep_end_state=self.config.keep_end_state, should_stop=should_stop)
         for sig in sigs:
             sig.meta["fingerprint"] = self.fingerprint
         return sigs
@@ -396,16 +400,30 @@ class PicPlanner(ReportingPlanner):
         """How often the engine should call `help_idle` while idle (None: never)."""
         return IDLE_POLL_S if self.config.cold_full_fraction is not None else None
 
-    def help_idle(self, runner) -> int:
+    def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """Compute queued cold-fallback segments alone and cache them; how many. Called
-        by the engine while it has no request."""
+        by the engine while it has no request. `should_stop` (e.g. "a request arrived"):
+        asked between the pass's layers; when it says so the pass is dropped, its
+        segments go back to the front of the queue, and 0 is returned."""
         todo = self._next_deferred()
         todo = [t for t, held in zip(todo, self.cache.lookup([t[0] for t in todo])) if not held]
         if not todo:
             return 0
-        for (key, _, _), sig in zip(todo, self._alone(runner, [(ids, split) for _, ids, split in todo])):
+        try:
+            sigs = self._alone(runner, [(ids, split) for _, ids, split in todo], should_stop)
+        except AlonePassStopped:
+            self._requeue(todo)
+            return 0
+        for (key, _, _), sig in zip(todo, sigs):
             self.cache.put(key, sig)
         return len(todo)
+
+    def _requeue(self, todo: Sequence[tuple[bytes, tuple[int, ...], int]]) -> None:
+        """Put an idle batch stopped half-way back at the front of the queue."""
+        self.idle_stopped += 1
+        for key, ids, split in reversed(todo):
+            self.deferred[key] = (tuple(ids), split)
+            self.deferred.move_to_end(key, last=False)
 
     def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
         """Hook: make every unit's signature available in the request state before it is

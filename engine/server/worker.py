@@ -116,8 +116,8 @@ class EngineLoop:
                         self.metrics.observe_step(self.engine, outputs)
                     self._deliver(outputs)
                 else:
-                    if poll is not None:
-                        self.engine.help_idle()
+                    if poll is not None:  # idle work gives way as soon as a command (a request) arrives
+                        self.engine.help_idle(should_stop=lambda: not self._commands.empty())
                     if self.metrics is not None:
                         self.metrics.observe_gauges(self.engine)
         except BaseException as exc:  # a failed step: fail every live request, then stop

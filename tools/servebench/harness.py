@@ -195,8 +195,9 @@ class Harness:
                     max_new_tokens: int = 4, info: Optional[dict] = None) -> list[float]:
         """TTFTs (ms) of `reqs` arriving as a Poisson process of `rate` per second. `info`
         (optional) gets where the time went: `queue_ms` per request (arrival to
-        scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals: a request
-        arriving meanwhile waits for it)."""
+        scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals; it gives
+        way, between layers, to a request that is due), `idle_stopped` (idle passes
+        dropped for one)."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rng = random.Random(seed)
         t = time.perf_counter() + 0.01
@@ -209,6 +210,7 @@ class Harness:
         queued: dict[str, float] = {}
         ids: list[str] = []
         idle_calls, idle_s = 0, 0.0
+        stopped0 = getattr(planner, "idle_stopped", 0)
         while arrivals or engine.has_unfinished():
             now = time.perf_counter()
             while arrivals and arrivals[0][0] <= now:
@@ -218,10 +220,13 @@ class Harness:
                 engine.add_request(r.as_prompt(), params, request_id=rid, arrival_time=at)
             if not engine.has_unfinished():
                 t_idle = time.perf_counter()
-                if engine.help_idle():  # idle work (cold-fallback segments) between arrivals
+                # idle work (cold-fallback segments) between arrivals; it gives way when the
+                # next request is due, as the server's loop lets it give way to a new request
+                did = engine.help_idle(should_stop=lambda: bool(arrivals) and arrivals[0][0] <= time.perf_counter())
+                idle_s += time.perf_counter() - t_idle
+                if did:
                     idle_calls += 1
-                    idle_s += time.perf_counter() - t_idle
-                else:
+                elif arrivals:
                     time.sleep(max(0.0, min(arrivals[0][0] - time.perf_counter(), 0.05)))
                 continue
             for out in engine.step():
@@ -239,7 +244,7 @@ class Harness:
             planner.store.flush()
         if info is not None:
             info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
-                        idle_ms=round(idle_s * 1e3, 3))
+                        idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0)
         return [ttfts[i] for i in ids if i in ttfts]
 
 

@@ -233,3 +233,24 @@ def test_the_requester_computes_its_cold_segments_in_packed_passes_of_share_pack
     assert st.computed == 3 and st.offloaded == 0
     assert passes == [3]
     assert planner.store.metrics.snapshot()["cold_offered"] == 2
+
+
+def test_a_helper_whose_pass_gives_way_to_a_request_releases_its_claims(start_daemon, store_engine):
+    d = start_daemon()
+    (ea, pa), (eb, pb) = store_engine(d), store_engine(d)
+    ids = list(range(7, 50))
+    key = pa.key(ids, 16)
+    from engine.connector.coldshare import ColdSegment
+
+    pa.store.share.publish("req", [ColdSegment(key, tuple(ids), 16)])
+    pa.store.share.settle()
+    for _ in range(20):  # until the helper has seen the offer and started (then stopped) its pass
+        time.sleep(0.02)
+        if eb.help_idle(should_stop=lambda: True) == 0 and pb.store.metrics.get("idle_stopped"):
+            break
+    assert pb.store.metrics.get("idle_stopped") == 1 and pb.store.metrics.get("cold_helped") == 0
+    with d.client() as kv:
+        assert not kv.lookup([key])[0].hit  # nothing stored
+    claim = pa.store.claim(key)  # and nothing left claimed: the requester gets it to compute
+    assert claim.owned
+    pa.store.drop_claim(claim)

@@ -163,6 +163,13 @@ def test_cold_fallback_serves_by_full_recompute_then_idle_help_stores_the_segmen
     keys = list(planner.deferred)
     with d.client() as kv:
         assert not any(e.hit for e in kv.lookup(keys))
+    # an idle pass gives way to a request: dropped half-way, claims released, queued again
+    asked = []
+    assert engine.help_idle(should_stop=lambda: asked.append(1) or True) == 0 and asked
+    assert list(planner.deferred) == keys and planner.idle_stopped == 1
+    assert planner.store.metrics.snapshot()["idle_stopped"] == 1
+    with d.client() as kv:  # nothing stored, and no claim left behind: another client may claim each key
+        assert not any(e.hit for e in kv.lookup(keys))
     assert engine.idle_poll_s is not None and engine.help_idle() == 3
     assert planner.store.flush()
     with d.client() as kv:

@@ -148,3 +148,22 @@ def test_path_costs_average_per_token_and_skip_short_passes():
 def test_a_bad_cold_full_policy_is_refused():
     with pytest.raises(PicConfigError, match="cold_full_policy"):
         PicConfig(cold_full_fraction=0.5, cold_full_policy="sometimes")
+
+
+def test_an_idle_pass_gives_way_between_layers_and_its_segments_stay_queued(model_of, runner_of, planner_of):
+    from engine.pic.compute import compute_signatures
+    from engine.pic.errors import AlonePassStopped
+
+    model = model_of(LAYERS)
+    runner = runner_of(model)
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5)
+    execute(planner, runner, make_request(_segments(5)))
+    queued = list(planner.deferred)
+    calls = []
+    assert planner.help_idle(runner, should_stop=lambda: calls.append(1) or len(calls) >= 2) == 0
+    assert len(calls) == 2  # asked between layers (never before the first), stopped at the second ask
+    assert list(planner.deferred) == queued and planner.idle_stopped == 1
+    assert planner.cache.stats().entries == 0  # nothing half-computed was kept
+    assert planner.help_idle(runner, should_stop=lambda: False) == 3 and not planner.deferred
+    with pytest.raises(AlonePassStopped, match="layer 1"):
+        compute_signatures(model, [(rand_ids(9, 1), 2)], [256], should_stop=lambda: True)
