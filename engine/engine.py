@@ -265,8 +265,6 @@ class LLMEngine:
         fn = getattr(self.scheduler.planner, "help_idle", None)
         if fn is None or self.has_unfinished():
             return 0
-        if should_stop is None:
-            return int(fn(self.runner))
         return int(fn(self.runner, should_stop=should_stop))
 
     # ---- the step -------------------------------------------------------------------

@@ -127,9 +127,6 @@ def bench_preset(preset: str, args) -> list[dict]:
             print(f"--- {preset} {m}x{n} alone pass\n{row['profile']}", flush=True)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-    del model, mgr, runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -150,7 +147,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rows = []
     for preset in [p for p in args.presets.split(",") if p]:
-        rows += bench_preset(preset, args)
+        rows += bench_preset(preset, args)  # its model and caches are freed on return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.json is not None:
         path = Path(args.json) if args.json else REPO / "docs" / "results" / f"alone-pass-{date.today()}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

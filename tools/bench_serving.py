@@ -213,7 +213,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
 
     from engine.builder import EngineConfig, build_engine, resolve_device
     from engine.connector.config import StoreConnectorConfig
-    from tools.servebench import measure, requests, sharing
+    from tools.servebench import measure, requests
     from tools.servebench.harness import Harness
     from engine.pic.config import PicConfig
 
