@@ -60,6 +60,12 @@ ColdPolicyOpt = typer.Option(
     help="When the cold fallback takes a request: fraction (at --cold-full-fraction) or cost (at the measured "
          "break-even share of misses, full / alone cost per token, at most --cold-full-fraction).")
 
+MissPathOpt = typer.Option(
+    "alone", "--miss-path",
+    help="Where a request's uncached segments are computed: alone (one packed alone pass in the request, then "
+         "spliced) or context (inside the request's fused pass, like prefix caching computes its misses; computed "
+         "alone later while the engine is idle).")
+
 
 def _cold_opt(default: float) -> Any:
     return typer.Option(
@@ -223,6 +229,7 @@ def serve(
     host_threads: Optional[int] = HostThreadsOpt,
     cold_full_fraction: float = _cold_opt(0.5),
     cold_full_policy: str = ColdPolicyOpt,
+    miss_path: str = MissPathOpt,
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -234,7 +241,8 @@ def serve(
     from engine.pic.errors import PicConfigError
 
     try:  # before the (slow) engine build
-        pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy)
+        pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
+                        miss_path=miss_path)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     connector = _store_config(store, share_cold)
@@ -339,6 +347,7 @@ def run_cmd(
     share_cold: bool = ShareColdOpt,
     cold_full_fraction: float = _cold_opt(0.0),
     cold_full_policy: str = ColdPolicyOpt,
+    miss_path: str = MissPathOpt,
     prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
@@ -354,7 +363,7 @@ def run_cmd(
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
                            signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused,
                            cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
-                           prefix_checkpoints=prefix_checkpoints)
+                           miss_path=miss_path, prefix_checkpoints=prefix_checkpoints)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:

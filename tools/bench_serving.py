@@ -97,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cold-full-policy", default="fraction", choices=("fraction", "cost"),
                     help="PicConfig.cold_full_policy: fraction (fall back at --cold-full-fraction) or cost (at the "
                          "measured break-even share, full / alone cost per token, capped by the fraction)")
+    ap.add_argument("--miss-path", default="alone", choices=("alone", "context"),
+                    help="PicConfig.miss_path in the TTFT, QPS and breakdown phases: compute a request's uncached "
+                         "segments alone in the request (alone) or in context in its fused pass, alone later when "
+                         "idle (context)")
     ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
@@ -231,7 +235,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
                                      put_tier=args.put_tier)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
-                                               cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain),
+                                               cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
+                                               miss_path=args.miss_path),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:

@@ -217,7 +217,7 @@ class StorePicPlanner(PicPlanner):
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         report = state.builder.report
-        if self._fall_back_to_full(state):  # cold fallback: full recompute now, misses when idle
+        if self._fall_back_to_full(state) or self._misses_in_context(state):  # compute now, alone when idle
             return
         missing, state.missing = list(state.missing), []
         share = self.store.share

@@ -29,6 +29,8 @@ SEAM_CHAIN_MODES = ("auto", "on", "off")
 PREFIX_CHECKPOINT_POLICIES = ("branch", "every")
 #: when the cold fallback takes a request (PicConfig.cold_full_policy)
 COLD_FULL_POLICIES = ("fraction", "cost")
+#: where a request's uncached segments are computed (PicConfig.miss_path)
+MISS_PATHS = ("alone", "context")
 
 DEFAULT_SEAM = 16
 DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
@@ -75,6 +77,12 @@ class PicConfig:
     fraction; `"cost"` falls back as soon as the misses hold more than the measured
     break-even share (full / alone cost per token on this engine, engine.pic.costs; at
     most `cold_full_fraction`, which also applies until both costs are measured).
+    miss_path (`pic`/`naive`, misses the cold fallback leaves to the request): `"alone"`
+    (default) computes each uncached segment alone in the request (one packed pass),
+    caches it and splices it like a hit; `"context"` (fused only) computes them in context
+    inside the request's one fused pass, like prefix caching computes what it misses (a
+    full prefill's cost per token, not an alone pass's), and queues them for idle-time
+    alone passes (`help_idle`), so later requests hit them.
     prefix_checkpoints (`prefix`): where prefix caching keeps linear states (and window
     rows), which a prefix can only be reused up to; full-attention K/V is kept at every
     cacheable segment boundary either way. `"branch"` (default, Marconi / SGLang style):
@@ -100,6 +108,7 @@ class PicConfig:
     seam_chain: str = "auto"
     cold_full_fraction: float | None = None
     cold_full_policy: str = "fraction"
+    miss_path: str = "alone"
     prefix_checkpoints: str = "branch"
 
     def __post_init__(self) -> None:
@@ -126,6 +135,10 @@ class PicConfig:
         if self.cold_full_policy not in COLD_FULL_POLICIES:
             raise PicConfigError(f"cold_full_policy={self.cold_full_policy!r} must be one of "
                                  f"{', '.join(COLD_FULL_POLICIES)}")
+        if self.miss_path not in MISS_PATHS:
+            raise PicConfigError(f"miss_path={self.miss_path!r} must be one of {', '.join(MISS_PATHS)}")
+        if self.miss_path == "context" and not self.fused:
+            raise PicConfigError("miss_path='context' computes misses inside the fused pass: it needs fused=True")
         f = self.cold_full_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
             raise PicConfigError(f"cold_full_fraction={f!r} must be None or a number in (0, 1]")

@@ -100,6 +100,18 @@ class _RequestState:
     missing: list[SpliceUnit] = field(default_factory=list)
     held: list[bytes] = field(default_factory=list)
     full: bool = False  # cold fallback: the fused step computes the whole prompt
+    in_context: set[bytes] = field(default_factory=set)  # misses the fused step computes (miss_path)
+
+
+def _add_compute(items: list[FusedItem], start: int, end: int) -> None:
+    """Append in-context positions [start, end) to fused items, merged with a computed
+    item right before them (one range instead of two)."""
+    if end <= start:
+        return
+    if items and items[-1].computes and items[-1].end == start:
+        items[-1] = FusedItem(items[-1].start, end)
+    else:
+        items.append(FusedItem(start, end))
 
 
 def full_pass(runner, request: Request, ids: list[int], start: int, config: PicConfig, all_logits: bool = False):
@@ -286,13 +298,16 @@ class PicPlanner(ReportingPlanner):
         if state.full:  # cold fallback: plain full recompute of the fused step's range
             with self.costs.measure("full", len(state.token_ids) - start):
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits)
-        self._ready(runner, request, [s[1] for s in spec if s[0] == "s"])
-        items = []
+        self._ready(runner, request, [s[1] for s in spec if s[0] == "s" and s[1].key not in state.in_context])
+        items: list[FusedItem] = []
         for s in spec:
             if s[0] == "c":
-                items.append(FusedItem(s[1], s[2]))
+                _add_compute(items, s[1], s[2])
                 continue
             u = s[1]
+            if u.key in state.in_context:  # a miss computed in context (miss_path="context")
+                _add_compute(items, 0 if u.first else u.offset + u.split, u.end)
+                continue
             piece = SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode)
             items.append(FusedItem(piece.start, piece.end, piece))
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
@@ -328,7 +343,7 @@ class PicPlanner(ReportingPlanner):
     def _compute_misses(self, runner, request: Request) -> None:
         state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
-        if self._fall_back_to_full(state):
+        if self._fall_back_to_full(state) or self._misses_in_context(state):
             return
         sigs = self._alone(runner, [(state.token_ids[u.offset:u.end], u.split) for u in state.missing])
         for u, sig in zip(state.missing, sigs):
@@ -347,14 +362,36 @@ class PicPlanner(ReportingPlanner):
         if sum(u.num_tokens for u in state.missing) < f * len(state.token_ids):
             return False
         for u in state.missing:
-            self.deferred[u.key] = (tuple(state.token_ids[u.offset:u.end]), u.split)
-            self.deferred.move_to_end(u.key)
-        while len(self.deferred) > MAX_DEFERRED:
-            self.deferred.popitem(last=False)
+            self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
+        self._trim_deferred()
         state.builder.report.set_cold_full(len(state.missing))
         state.missing = []
         state.full = True
         return True
+
+    def _misses_in_context(self, state: _RequestState) -> bool:
+        """miss_path="context": the fused step computes this request's misses in context
+        (each where its splice would be: tail, or anchor + segment when placed first);
+        they are queued for `help_idle`. True when there were misses to take."""
+        if self.config.miss_path != "context" or not state.missing or not self.config.fused:
+            return False
+        for u in state.missing:
+            self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
+            state.in_context.add(u.key)
+        self._trim_deferred()
+        for key in dict.fromkeys(u.key for u in state.missing):  # every placement of each miss
+            state.builder.report.add_in_context_miss(
+                sum(u.end - (0 if u.first else u.offset + u.split) for u in state.units if u.key == key))
+        state.missing = []
+        return True
+
+    def _defer(self, key: bytes, ids: tuple[int, ...], split: int) -> None:
+        self.deferred[key] = (ids, split)
+        self.deferred.move_to_end(key)
+
+    def _trim_deferred(self) -> None:
+        while len(self.deferred) > MAX_DEFERRED:
+            self.deferred.popitem(last=False)
 
     def cold_full_threshold(self) -> Optional[float]:
         """The share of a prompt's tokens in misses from which the cold fallback takes the
@@ -398,7 +435,8 @@ class PicPlanner(ReportingPlanner):
     @property
     def idle_poll_s(self) -> Optional[float]:
         """How often the engine should call `help_idle` while idle (None: never)."""
-        return IDLE_POLL_S if self.config.cold_full_fraction is not None else None
+        queues = self.config.cold_full_fraction is not None or self.config.miss_path == "context"
+        return IDLE_POLL_S if queues else None
 
     def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """Compute queued cold-fallback segments alone and cache them; how many. Called

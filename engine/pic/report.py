@@ -71,6 +71,14 @@ class PrefillReport:
         self.recomputed_tokens += n
         self.miss_segments += 1
 
+    def add_in_context_miss(self, n: int) -> None:
+        """A missing segment computed in context in the request (miss_path="context"):
+        its `n` positions (all its placements) count as suffix compute; it is queued
+        (`deferred_segments`)."""
+        self.add_compute("suffix", n)
+        self.miss_segments += 1
+        self.deferred_segments += 1
+
     def add_hit(self, reused: int) -> None:
         self.hit_segments += 1
         self.reused_tokens += reused

@@ -79,6 +79,7 @@ def test_generate_prints_the_greedy_text_and_timings():
         (["bench", "--preset", "ring-tiny", "--request-rate", "-1"], "--request-rate"),
         (["bench", "--preset", "ring-tiny", "--max-batch", "8", "--max-batched-tokens", "4"], "--max-batched-tokens"),
         (["serve", "--preset", "ring-tiny", "--cold-full-policy", "sometimes"], "--cold-full-policy"),
+        (["serve", "--preset", "ring-tiny", "--miss-path", "later"], "--miss-path"),
         (["bench", "--preset", "ring-tiny", "--host-threads", "0"], "--host-threads"),
     ],
 )

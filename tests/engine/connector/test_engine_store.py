@@ -210,3 +210,30 @@ def test_the_device_cache_is_off_on_the_cpu_by_default_and_its_size_is_checked(s
     assert planner.store.near.capacity_bytes == 0 and planner.store.near_get(b"x") is None
     with pytest.raises(ConnectorConfigError, match="device_cache_bytes"):
         StoreConnectorConfig(device_cache_bytes=-1)
+
+
+def test_misses_in_context_are_served_now_and_stored_by_idle_help(start_daemon, store_engine, memory_engine):
+    """miss_path="context": uncached segments are computed inside the request's pass (an
+    all-cold request generates what full recompute does), nothing is claimed or put on the
+    request's path; idle help computes them alone and stores them; the next request hits."""
+    from engine.pic.config import PicConfig
+
+    d = start_daemon()
+    p = prompt((0, 1, 2))
+    full_engine, full_planner = memory_engine(pic=PicConfig(method="full"))
+    want = run_one(full_engine, full_planner, p, "full")[0].token_ids
+    engine, planner = store_engine(d, pic=PicConfig(miss_path="context"))
+    out1, rep1, st1 = run_one(engine, planner, p, "r1")
+    assert out1.token_ids == want
+    assert rep1.miss_segments == 3 and rep1.deferred_segments == 3 and rep1.reused_tokens == 0
+    assert not rep1.cold_full and st1.computed == 0 and st1.claimed == 0
+    keys = list(planner.deferred)
+    with d.client() as kv:
+        assert len(keys) == 3 and not any(e.hit for e in kv.lookup(keys))
+    assert engine.idle_poll_s is not None and engine.help_idle() == 3
+    assert planner.store.flush()
+    with d.client() as kv:
+        assert all(e.hit for e in kv.lookup(keys))
+    out2, rep2, st2 = run_one(engine, planner, prompt((2, 0, 1)), "r2")
+    assert rep2.hit_segments == 3 and rep2.miss_segments == 0 and st2.hits_by_tier["cpu"] == 3
+    assert out2.token_ids == reference(memory_engine, [p, prompt((2, 0, 1))])[1]
