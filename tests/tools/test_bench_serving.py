@@ -47,6 +47,9 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     assert first["qps"]["slo_rule"].endswith("full-recompute rag p99 (idle)")
     for trial in first["qps"]["pic"]["trials"]:  # where each trial's time went
         assert len(trial["ttft_ms"]) == len(trial["queue_ms"]) > 0 and trial["idle_ms"] >= 0
+    for method in ("prefix", "pic"):  # each method met concurrency once, untimed, before its trials
+        burst = first["qps"][method]["warmup_burst"]
+        assert burst["rate"] == first["qps"]["start_rate"] and len(burst["ttft_ms"]) == len(burst["queue_ms"]) == 4
     conn = first["connector"]
     if conn["deferred_batches"]:  # the cold fallback's idle passes, split
         assert conn["deferred_tokens"] > 0 and conn["deferred_alone_ms_total"] > 0
