@@ -6,8 +6,9 @@ own engine computes the others: a signature is computed alone, behind the anchor
 does not depend on where in the prompt, or on which engine, it is computed. No new RPC
 is needed; the daemon's objects, key prefixes, List and the in-flight claims carry it:
 
-1. *Offer* (requesting engine, in its miss step): after claiming the first cold segment
-   it publishes one small *wanted record* per further cold segment (`publish`, on this
+1. *Offer* (requesting engine, in its miss step): it keeps its first cold segments
+   (`own_share`: about `share_keep` of the cold tokens) and publishes one small
+   *wanted record* per further cold segment (`publish`, on this
    module's thread: the request never waits for it): key `WANTED_TAG + segment key`,
    record fingerprint = the model fingerprint, bytes = the segment's token ids (uint32
    little endian), `meta.extra` = `split`, its `index` among the offered segments, the
@@ -22,10 +23,10 @@ is needed; the daemon's objects, key prefixes, List and the in-flight claims car
    from them equals the segment key, computes the signature and stores it under the
    claim (waiters wake once it is stored). `take_many(max_tokens)` goes on claiming
    while the taken segments' tokens stay within the budget, for one packed alone pass.
-3. *Collect* (requesting engine): computes, in its usual order and in packed passes of
-   about `share_pack_tokens` (claiming only the next pass's segments), every offered
-   segment it can still claim itself; a segment a helper claimed answers INFLIGHT and is
-   waited for after its own (bounded by `share_wait_s`; then computed here). A helper
+3. *Collect* (requesting engine): computes its kept segments (packed passes of at most
+   `share_pack_tokens`), then claims and computes, in one more pass, every offered
+   segment no helper took; a segment a helper claimed answers INFLIGHT and is waited
+   for after its own (bounded by `share_wait_s`; then computed here). A helper
    that dies mid-compute loses its claim when its reservation expires (daemon lease
    TTL), which wakes the waiter, who computes the segment itself: never slower than
    alone by more than that bound, nothing lost. Its records are withdrawn (deleted)
@@ -88,6 +89,20 @@ class WantedSegment:
     requester: str
     request_id: str
     expires: float
+
+
+def own_share(tokens: Sequence[int], keep: float) -> int:
+    """How many of a request's first cold segments (token counts in order) its own engine
+    keeps: the fewest holding at least `keep` of their tokens, one at least and all but
+    one at most (StoreConnectorConfig.share_keep); the rest are offered."""
+    if len(tokens) < 2:
+        return len(tokens)
+    want, held = keep * sum(tokens), 0
+    for i, n in enumerate(tokens[:-1]):
+        held += n
+        if held >= want:
+            return i + 1
+    return len(tokens) - 1
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:

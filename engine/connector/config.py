@@ -27,11 +27,15 @@ bounded wait before it is served by recomputation:
 - `share_poll_s`: how often an idle engine lists offered segments (one List RPC).
 - `share_wait_s`: most time to wait for an offered segment a helper claimed before
   computing it here; also the lifetime of an offer.
-- `share_pack_tokens`: tokens of cold segments computed in one packed alone pass while
-  sharing, on both sides: the requester claims and computes its next segments in
-  batches of about this many tokens (claiming no further ahead, so helpers can take the
-  rest), a helper takes offered segments up to this many tokens per idle call. Bigger:
-  less per-pass overhead; smaller: more left for helpers.
+- `share_keep`: share of a request's cold tokens its own engine computes before it
+  turns to the rest: the smallest run of its first cold segments holding at least this
+  share (one segment at least, all but one at most) is kept and computed (packed); only
+  the others are offered, so helpers take them while it computes. After its share it
+  claims and computes whatever no helper took, then waits for what helpers hold.
+- `share_pack_tokens`: most tokens of cold segments computed in one packed alone pass
+  while sharing, on both sides: the requester's passes (its share, then the rest no
+  helper took), and what a helper takes per idle call. One pass per side is cheapest
+  (an alone pass's cost is mostly per pass, not per token, on a GPU); it bounds memory.
 - `device_cache_bytes`: capacity of the engine's own LRU of signatures it holds in its
   device memory (computed here, or copied here from a host tier), so a segment used
   again is spliced without a daemon round trip (the L1 of HiCache-style tiering; the
@@ -70,7 +74,8 @@ class StoreConnectorConfig:
     share_min_segments: int = 2
     share_poll_s: float = 0.01
     share_wait_s: float = 30.0
-    share_pack_tokens: int = 1024
+    share_pack_tokens: int = 8192
+    share_keep: float = 0.5
     device_cache_bytes: Optional[int] = None
 
     @property
@@ -87,6 +92,9 @@ class StoreConnectorConfig:
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ConnectorConfigError(
                 f"reconnect_max_s={self.reconnect_max_s} must be >= reconnect_min_s={self.reconnect_min_s}")
+        k = self.share_keep
+        if not isinstance(k, (int, float)) or isinstance(k, bool) or not 0.0 < k <= 1.0:
+            raise ConnectorConfigError(f"share_keep={k!r} must be a number in (0, 1]")
         d = self.device_cache_bytes
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
             raise ConnectorConfigError(f"device_cache_bytes={d!r} must be None or an int >= 0")

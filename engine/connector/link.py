@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, Optional, TypeVar
 
 from engine.connector.config import StoreConnectorConfig

@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.connector.coldshare import ColdSegment, ColdShare
+from engine.connector.coldshare import ColdSegment, ColdShare, own_share
 from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
@@ -247,23 +247,26 @@ class StorePicPlanner(PicPlanner):
                 self._compute(runner, state, sr, u, got)
 
     def _compute_misses_shared(self, runner, request: Request, missing: list[SpliceUnit], share: ColdShare) -> None:
-        """The miss step with cold sharing (module docstring): offer all but the first
-        miss, claim and compute in order (packed passes of about
-        `share_pack_tokens`, claiming no further ahead than the pass), wait for what
-        helpers claimed, withdraw."""
+        """The miss step with cold sharing (module docstring): keep the first misses
+        (`share_keep` of the cold tokens), offer the rest, compute the kept ones (packed
+        passes of at most `share_pack_tokens`), then claim and compute what no helper
+        took, wait for what helpers claimed, withdraw."""
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         report = state.builder.report
-        offered = {u.key for u in missing[1:]}
+        kept = own_share([u.num_tokens for u in missing], self.store.config.share_keep)
+        offered = {u.key for u in missing[kept:]}
         records = share.publish(request.request_id, [
-            ColdSegment(u.key, tuple(state.token_ids[u.offset:u.end]), u.split) for u in missing[1:]])
+            ColdSegment(u.key, tuple(state.token_ids[u.offset:u.end]), u.split) for u in missing[kept:]])
         try:
             later: list[tuple[SpliceUnit, Claim]] = []
             batch: list[tuple[SpliceUnit, Claim]] = []
             tokens = 0
             pack = self.store.config.share_pack_tokens
-            for u in missing:
-                if batch and tokens + u.num_tokens > pack:  # compute what is claimed before claiming on
+            for i, u in enumerate(missing):
+                # compute what is claimed before claiming on: at the pack limit, and after the
+                # kept share (helpers take offered segments meanwhile)
+                if batch and (tokens + u.num_tokens > pack or i == kept):
                     self._compute_batch(runner, state, sr, batch)
                     batch, tokens = [], 0
                 claim = self.store.claim(u.key)

@@ -48,8 +48,15 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     for trial in first["qps"]["pic"]["trials"]:  # where each trial's time went
         assert len(trial["ttft_ms"]) == len(trial["queue_ms"]) > 0 and trial["idle_ms"] >= 0
     for method in ("prefix", "pic"):  # each method met concurrency once, untimed, before its trials
-        burst = first["qps"][method]["warmup_burst"]
-        assert burst["rate"] == first["qps"]["start_rate"] and len(burst["ttft_ms"]) == len(burst["queue_ms"]) == 4
+        for part in (first["qps"], first["qps"]["warm"]):
+            burst = part[method]["warmup_burst"]
+            assert burst["rate"] == first["qps"]["start_rate"] and len(burst["ttft_ms"]) == len(burst["queue_ms"]) == 4
+        assert first["qps"][method]["cache"] == "stream" and first["qps"]["warm"][method]["cache"] == "warm"
+    # warm: every segment of a trial's requests was cached before it, so PIC's trials miss nothing
+    assert summary["qps_gain_vs_prefix_at_slo_warm"] is not None
+    for trial in first["qps"]["warm"]["pic"]["trials"]:
+        assert trial["miss_segments"] == 0 and trial["hit_segments"] > 0
+    assert sum(t["miss_segments"] for t in first["qps"]["pic"]["trials"]) > 0  # the stream starts cold
     conn = first["connector"]
     if conn["deferred_batches"]:  # the cold fallback's idle passes, split
         assert conn["deferred_tokens"] > 0 and conn["deferred_alone_ms_total"] > 0

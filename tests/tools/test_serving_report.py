@@ -33,3 +33,12 @@ def test_a_pic_that_sustained_no_rate_counts_as_zero_and_no_prefix_rate_is_left_
                "b": {"workloads": {}, "qps": _qps(prefix=1.0, pic=1.5)},
                "c": {"workloads": {}, "qps": _qps(prefix=0.0, pic=1.0)}}
     assert summarize(presets)["qps_gain_vs_prefix_at_slo"] == (0.0 + 1.5) / 2
+
+
+def test_the_warm_cache_qps_gain_is_its_own_figure():
+    presets = {"a": {"workloads": {}, "qps": dict(_qps(prefix=2.0, pic=3.0), warm=_qps(prefix=2.0, pic=8.0))},
+               "b": {"workloads": {}, "qps": _qps(prefix=1.0, pic=1.0)}}  # a run without the warm state
+    s = summarize(presets)
+    assert s["qps_gain_vs_prefix_at_slo"] == (1.5 + 1.0) / 2
+    assert s["qps_gain_vs_prefix_at_slo_warm"] == 4.0
+    assert summarize({"c": {"workloads": {}}})["qps_gain_vs_prefix_at_slo_warm"] is None

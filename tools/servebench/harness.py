@@ -197,7 +197,7 @@ class Harness:
         (optional) gets where the time went: `queue_ms` per request (arrival to
         scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals; it gives
         way, between layers, to a request that is due), `idle_stopped` (idle passes
-        dropped for one)."""
+        dropped for one), `hit_segments` / `miss_segments` (summed over the requests' reports)."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rng = random.Random(seed)
         t = time.perf_counter() + 0.01
@@ -235,8 +235,11 @@ class Harness:
                     tl = out.timeline
                     if tl.scheduled is not None:
                         queued[out.request_id] = (tl.scheduled - tl.arrival) * 1e3
+        hits = misses = 0
         for rid in ids:
-            planner.take_report(rid)
+            rep = planner.take_report(rid)
+            if rep is not None:
+                hits, misses = hits + rep.hit_segments, misses + rep.miss_segments
             take = getattr(planner, "take_store_report", None)
             if take:
                 take(rid)
@@ -244,7 +247,8 @@ class Harness:
             planner.store.flush()
         if info is not None:
             info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
-                        idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0)
+                        idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0,
+                        hit_segments=hits, miss_segments=misses)
         return [ttfts[i] for i in ids if i in ttfts]
 
 

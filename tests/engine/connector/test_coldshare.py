@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import engine.pic.planner as pic_planner  # the alone passes of every PIC planner run through it
 from connector_testlib import prompt, run_one, wait_until
 from engine.connector.codec import signature_blob
-from engine.connector.coldshare import WANTED_TAG, decode_tokens, encode_tokens
+from engine.connector.coldshare import WANTED_TAG, decode_tokens, encode_tokens, own_share
 from engine.pic.compute import compute_signature
 
 REPO = Path(__file__).resolve().parents[3]
@@ -109,7 +108,7 @@ def test_an_idle_engine_process_computes_part_of_a_requests_cold_segments_with_i
     assert rep.miss_segments + rep.hit_segments == 3
     assert st.offloaded >= 1 and st.computed + st.offloaded == 3  # part of the work done by the idle engine
     snap = planner.store.metrics.snapshot()
-    assert snap["cold_offered"] == 2 and snap["cold_offloaded"] == st.offloaded
+    assert snap["cold_offered"] == 1 and snap["cold_offloaded"] == st.offloaded  # it keeps 2 of 3 (share_keep)
     wait_until(lambda: metric(url, "kvengine_store_cold_helped_total") >= st.offloaded, what="helper metrics")
     # the signatures the helper stored are what this engine computes alone (to float
     # rounding: a helper computes what it took in one packed pass, whose batched
@@ -186,6 +185,14 @@ def test_with_sharing_off_nothing_is_offered(start_daemon, store_engine):
             kv.delete([o.key for o in kv.list()])  # cold again for the next configuration
 
 
+def test_the_requester_keeps_the_fewest_first_segments_holding_its_share():
+    assert own_share([], 0.5) == 0 and own_share([100], 0.5) == 1
+    assert own_share([100, 100], 0.5) == 1 and own_share([100, 100, 100], 0.5) == 2
+    assert own_share([10, 10, 10, 100], 0.5) == 3  # all but one at most
+    assert own_share([500, 10, 10, 10], 0.5) == 1 and own_share([100] * 7, 0.5) == 4
+    assert own_share([100] * 4, 1.0) == 3 and own_share([100] * 4, 0.01) == 1
+
+
 def test_wanted_records_hold_token_ids_as_little_endian_uint32():
     ids = (0, 1, 65535, 2**32 - 1)
     assert encode_tokens(ids) == b"".join(i.to_bytes(4, "little") for i in ids)
@@ -214,12 +221,12 @@ def test_an_idle_engine_skips_its_own_offers_and_offers_whose_key_it_cannot_deri
         assert kv.list(prefix=WANTED_TAG) == []
 
 
-def test_the_requester_computes_its_cold_segments_in_packed_passes_of_share_pack_tokens(
+def test_the_requester_computes_its_share_in_one_pass_then_what_no_helper_took_in_another(
         start_daemon, store_engine, memory_engine, monkeypatch):
     d = start_daemon()
     segments = prompt((0, 1, 2))
     want = reference(memory_engine, segments)
-    engine, planner = store_engine(d, share_pack_tokens=1 << 20)  # no helper: all three in one pass
+    engine, planner = store_engine(d, share_pack_tokens=1 << 20)  # no helper: its two, then the offered one
     passes = []
     real = pic_planner.compute_signatures
 
@@ -231,8 +238,8 @@ def test_the_requester_computes_its_cold_segments_in_packed_passes_of_share_pack
     out, rep, st = run_one(engine, planner, segments, "r1")
     assert out.token_ids == want
     assert st.computed == 3 and st.offloaded == 0
-    assert passes == [3]
-    assert planner.store.metrics.snapshot()["cold_offered"] == 2
+    assert passes == [2, 1]
+    assert planner.store.metrics.snapshot()["cold_offered"] == 1
 
 
 def test_a_helper_whose_pass_gives_way_to_a_request_releases_its_claims(start_daemon, store_engine):

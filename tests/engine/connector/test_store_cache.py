@@ -154,6 +154,7 @@ def test_a_put_failing_on_capacity_is_counted_not_raised(start_daemon, model):
     (dict(rpc_timeout_s=0), "rpc_timeout_s"), (dict(load_timeout_s=float("nan")), "load_timeout_s"),
     (dict(reconnect_min_s=1.0, reconnect_max_s=0.5), "reconnect_max_s"), (dict(put_queue_depth=-1), "put_queue_depth"),
     (dict(put_tier="disk"), "put_tier"), (dict(socket=""), "socket"),
+    (dict(share_keep=0), "share_keep"), (dict(share_keep=1.5), "share_keep"),
 ])
 def test_bad_connector_options_are_refused_naming_the_option(bad, needle):
     from engine.connector.errors import ConnectorConfigError
