@@ -27,6 +27,7 @@ streamable (`kvsum64_partial(chunk, start_word)` for a chunk starting at a word 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -152,6 +153,11 @@ if HAS_TRITON:
         tl.store(out_ptr + pid, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
 
+def _device_of(buf: torch.Tensor):
+    """Make `buf`'s CUDA device current for a launch (nothing to do off CUDA)."""
+    return torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext()
+
+
 def kvsum64(buf: torch.Tensor, *, force_triton: Optional[bool] = None) -> int:
     """kvsum64 of a contiguous 1-D uint8 tensor: the Triton kernel for CUDA tensors (or
     under TRITON_INTERPRET=1), the torch reference otherwise (see `backend.use_triton`).
@@ -172,9 +178,12 @@ def kvsum64(buf: torch.Tensor, *, force_triton: Optional[bool] = None) -> int:
         words = buf[: n_words * 4].view(torch.int32)
         per_program = BLOCK * ITERS
         grid = (triton.cdiv(n_words, per_program),)
-        out = torch.empty(grid[0], dtype=torch.int64, device=buf.device)
-        _kvsum_kernel[grid](words, out, n_words, BLOCK=BLOCK, ITERS=ITERS)
-        partial = int(out.sum().item())
+        # Triton launches on the current device, not the tensor's: a client whose current
+        # device is its engine's GPU sums blobs in the daemon's GPU tier on another one
+        with _device_of(buf):
+            out = torch.empty(grid[0], dtype=torch.int64, device=buf.device)
+            _kvsum_kernel[grid](words, out, n_words, BLOCK=BLOCK, ITERS=ITERS)
+            partial = int(out.sum().item())
     if n % 4:  # the zero-padded last word
         partial += _sum_words_ref(_words_ref(buf[n_words * 4:]), n_words)
     return kvsum64_finish(partial & MASK64, n)

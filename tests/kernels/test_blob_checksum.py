@@ -92,3 +92,14 @@ def test_bad_input_is_refused_naming_the_problem():
         kvsum64(torch.zeros(4, dtype=torch.float32))
     with pytest.raises(KernelInputError, match="contiguous"):
         kvsum64(torch.zeros(8, dtype=torch.uint8)[::2])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices: a buffer on one while the other is current")
+def test_a_buffer_on_another_device_than_the_current_one_is_summed_on_its_own():
+    # an engine on cuda:1 checks a blob it wrote into the daemon's GPU tier on cuda:0
+    gen = torch.Generator().manual_seed(7)
+    buf = torch.randint(0, 256, (BLOCK * ITERS * 4 + 5,), dtype=torch.uint8, generator=gen).to("cuda:0")
+    want = kvsum64_reference(buf.cpu())
+    with torch.cuda.device(1):
+        assert kvsum64(buf, force_triton=True) == want

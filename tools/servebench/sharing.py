@@ -160,7 +160,7 @@ def run_cold_parallel(preset: str, engine_options: dict, requests: Sequence[Benc
     out["speedup"] = a / h if a and h else None
     helper = results[1]["store"] or {}
     out["helper"] = {k: helper.get(k, 0) for k in ("cold_helped", "cold_help_ms_total", "cold_rejected", "claims",
-                                                   "puts_stored", "puts_dropped", "store_errors")}
+                                                   "puts_stored", "puts_dropped", "store_errors", "puts_failed")}
     requester = results[0]["store"] or {}
     out["requester"] = {k: requester.get(k, 0) for k in (
         "cold_offered", "cold_offloaded", "cold_wait_ms_total", "claims", "inflight_waits", "inflight_wait_hits",
