@@ -148,6 +148,7 @@ class Option:
     help: str
     choices: tuple[str, ...] = ()
     minimum: Optional[float] = None
+    maximum: Optional[float] = None
 
     @property
     def flag(self) -> str:
@@ -185,6 +186,10 @@ OPTIONS: tuple[Option, ...] = (
            "checksum NVMe objects on every get (always) or on the first get after a restart (first)",
            choices=("always", "first")),
     Option("writeback_on_close", "bool", False, "on shutdown, write CPU-tier objects back to the NVMe tier"),
+    Option("writeback_watermark", "float", 0.5,
+           "keep CPU-tier bytes without an NVMe copy at or below this share of the CPU tier, writing the coldest "
+           "back in the background so making room never writes under the store's lock (1: off)",
+           minimum=0.0, maximum=1.0),
     Option("shm_name", "str", "", "name of the shared-memory arena (/dev/shm/NAME.arena); empty: derived from the socket"),
     Option("max_message_size", "size", 16 << 20, "largest gRPC message either end accepts", minimum=4096),
     Option("max_batch", "int", 4096, "most keys one batch request may carry", minimum=1),
@@ -215,6 +220,7 @@ class Config:
     expire_interval: float
     verify_nvme: str
     writeback_on_close: bool
+    writeback_watermark: float
     shm_name: str
     max_message_size: int
     max_batch: int
@@ -317,6 +323,8 @@ def _parse(option: Option, value: Any, source: str) -> Any:
         raise AssertionError(f"unknown option kind {kind!r}")
     if option.minimum is not None and isinstance(out, (int, float)) and out < option.minimum:
         raise ConfigError(f"{what}: must be >= {option.minimum:g}, got {value!r}")
+    if option.maximum is not None and isinstance(out, (int, float)) and out > option.maximum:
+        raise ConfigError(f"{what}: must be <= {option.maximum:g}, got {value!r}")
     return out
 
 

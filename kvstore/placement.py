@@ -173,6 +173,9 @@ class Placement:
                     f"{pinned} of them pinned by leases; nothing left to evict"
                 )
             need = max(size - (t.capacity - t.used_bytes), 1)
+            backed = [c for c in cands if self.objects[c.key].tier == tier and self.objects[c.key].backing is not None]
+            if backed and sum(c.size for c in backed) >= need:
+                cands = backed  # demoting these costs no I/O (kvstore.writeback made their NVMe copies)
             for k in self.policy.choose_victims(cands, need):
                 tried.add(k)
                 o = self.objects.get(k)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 TIER_NAMES = ("gpu", "cpu", "nvme")  # fastest first; demotion goes left to right
+VERIFY_MODES = ("always", "first")  # StoreSettings.verify_nvme
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class StoreSettings:
     eviction: str = "cost"  # "lru" | "cost"
     default_tier: str = "cpu"
     writeback_on_close: bool = False  # on close, copy CPU-only objects down to NVMe
+    # Keep CPU-tier bytes without an NVMe copy at or below this share of the CPU tier:
+    # a background thread writes the coldest ones back ahead of need, so making room
+    # never writes under the lock (kvstore.writeback). 1: off.
+    writeback_watermark: float = 0.5
     # When a get serves an object from NVMe, check its checksum: "always" (every get;
     # free when the hit is promoted, since the promoted copy is hashed in memory) or
     # "first" (only the first read since the daemon opened the object's record).
@@ -37,6 +42,23 @@ class StoreSettings:
     # drops them (`corrupt_dropped`). NVMe commits are always hashed in full (they are
     # made durable). -1: hash every commit in full.
     commit_verify_max_bytes: int = 1 << 20
+
+    def validate(self) -> None:
+        """InvalidRequest naming the first bad setting."""
+        from kvstore.errors import InvalidRequest
+
+        for name in ("cpu_capacity", "nvme_capacity", "gpu_capacity"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise InvalidRequest(f"{name} must be an int >= 0 bytes, got {v!r}")
+        if self.default_tier not in TIER_NAMES:
+            raise InvalidRequest(f"unknown default tier {self.default_tier!r}; choose from {TIER_NAMES}")
+        if self.verify_nvme not in VERIFY_MODES:
+            raise InvalidRequest(f"verify_nvme must be one of {VERIFY_MODES}, got {self.verify_nvme!r}")
+        if not self.lease_ttl_s > 0:
+            raise InvalidRequest(f"lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
+        if not 0.0 <= self.writeback_watermark <= 1.0:
+            raise InvalidRequest(f"writeback_watermark must be in [0, 1], got {self.writeback_watermark!r}")
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ or short, deletes orphan and half-written files. Memory tiers start empty.
 
 Locking: one lock guards all metadata, taken with `with`. Checksumming a commit and
 verifying/promoting an NVMe hit run outside it (the object or reservation is pinned);
-demotions and prefetch moves still copy bytes under the lock (see docs: a background
-mover is future work).
+demotions and prefetch moves still copy bytes under the lock; kvstore.writeback gives
+the coldest CPU-tier objects NVMe copies ahead of need, outside it, so demoting them
+writes nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from kvstore.errors import (
 from kvstore.eviction import make_policy
 from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
+from kvstore.writeback import WriteBack
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
     TIER_NAMES,
@@ -82,7 +84,6 @@ from kvstore.tiers.nvme import NvmeTier
 log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 1024
-VERIFY_MODES = ("always", "first")
 
 
 class _PendingPut:
@@ -99,19 +100,10 @@ class Store:
     """The tiered object store. Thread-safe; see the module docstring."""
 
     def __init__(self, settings: StoreSettings, *, wrap_tier: Optional[Callable[[Tier], Tier]] = None) -> None:
-        """Validate settings; allocate nothing until `open`. `wrap_tier` (tests) wraps
-        each tier as it is created, e.g. in a FaultyTier."""
+        """Validate settings (InvalidRequest naming the bad one); allocate nothing until
+        `open`. `wrap_tier` (tests) wraps each tier as it is created, e.g. in a FaultyTier."""
         s = settings
-        for name in ("cpu_capacity", "nvme_capacity", "gpu_capacity"):
-            v = getattr(s, name)
-            if not isinstance(v, int) or v < 0:
-                raise InvalidRequest(f"{name} must be an int >= 0 bytes, got {v!r}")
-        if s.default_tier not in TIER_NAMES:
-            raise InvalidRequest(f"unknown default tier {s.default_tier!r}; choose from {TIER_NAMES}")
-        if s.verify_nvme not in VERIFY_MODES:
-            raise InvalidRequest(f"verify_nvme must be one of {VERIFY_MODES}, got {s.verify_nvme!r}")
-        if not s.lease_ttl_s > 0:
-            raise InvalidRequest(f"lease_ttl_s must be > 0, got {s.lease_ttl_s!r}")
+        s.validate()
         self.settings = s
         self.dir = Path(s.dir)
         self._policy = make_policy(s.eviction)
@@ -127,6 +119,7 @@ class Store:
         self._index: Optional[ObjectIndex] = None
         self._dir_lock = -1
         self._open = False
+        self._writeback = WriteBack(self, s.writeback_watermark)  # started by open (CPU + NVMe tiers, < 1)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -155,6 +148,8 @@ class Store:
                 self._close_media()
                 raise
             self._open = True
+        if {"cpu", "nvme"} <= set(self.tiers) and self.settings.writeback_watermark < 1.0:
+            self._writeback.start()
 
     def _open_tiers(self) -> None:
         s = self.settings
@@ -178,6 +173,7 @@ class Store:
     def close(self) -> None:
         """Abort open reservations, optionally write the CPU tier back to NVMe, flush and
         close the index, unmap and unlink the arenas. Idempotent."""
+        self._writeback.stop()  # first: its rounds take the lock and copy outside it
         with self._lock:
             if not self._open:
                 return
@@ -366,7 +362,9 @@ class Store:
             self._end_reservation_locked(e, free=False)
             self._place.objects[p.key] = o
             self._counters["puts"] += 1
-            return LookupEntry(p.key, True, p.tier, slot.size)
+        if p.tier == "cpu":
+            self._writeback.kick()
+        return LookupEntry(p.key, True, p.tier, slot.size)
 
     def abort(self, reservation_id: int) -> None:
         """Drop a reservation and free its space; waiters on its key are woken (False).
@@ -557,7 +555,8 @@ class Store:
                                    "eviction_policy": self._policy.name}
             for k in ("hits", "misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
                       "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
-                      "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed"):
+                      "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
+                      "writebacks", "writeback_bytes", "writeback_failures"):
                 out[k] = self._counters[k]
             return out
 

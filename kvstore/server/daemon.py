@@ -80,6 +80,7 @@ def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_av
         eviction=config.eviction,
         default_tier=config.default_tier,
         writeback_on_close=config.writeback_on_close,
+        writeback_watermark=config.writeback_watermark,
         verify_nvme=config.verify_nvme,
     )
 

@@ -43,6 +43,9 @@ class _StoreCollector:
             ("demotions", "Objects moved to a slower tier"),
             ("promotions", "Objects moved to a faster tier"),
             ("corrupt_dropped", "Objects dropped because their bytes failed the checksum"),
+            ("writebacks", "CPU-tier objects given an NVMe copy ahead of need (background write-back)"),
+            ("writeback_bytes", "Bytes written back to the NVMe tier in the background"),
+            ("writeback_failures", "Background write-backs that failed (the object stayed as it was)"),
         ):
             if name in s:
                 yield CounterMetricFamily(f"kvstore_{name}", help_text, value=float(s[name]))

@@ -14,8 +14,11 @@ PAGE = 4096
 
 
 def make_settings(root: Path, **kw) -> StoreSettings:
+    """Settings of an in-process test store: background write-back off (its tests turn it
+    on), so demotions happen exactly where a test makes room."""
     base = dict(dir=root / "cache", cpu_capacity=16 * PAGE, nvme_capacity=64 * PAGE,
-                shm_name=f"kvstore-test-{uuid.uuid4().hex[:12]}", lease_ttl_s=30.0, eviction="lru")
+                shm_name=f"kvstore-test-{uuid.uuid4().hex[:12]}", lease_ttl_s=30.0, eviction="lru",
+                writeback_watermark=1.0)
     base.update(kw)
     return StoreSettings(**base)
 

@@ -173,7 +173,7 @@ def test_metrics_endpoint_serves_store_gauges_and_request_latency(daemon):
     assert _metric(text, 'kvstore_tier_objects{tier="cpu"}') == objects
     assert _metric(text, 'kvstore_tier_used_bytes{tier="cpu"}') > 0
     assert 'kvstore_request_seconds_bucket{le="5e-05",rpc="Lookup"}' in text
-    assert "kvstore_leases" in text and "kvstore_evictions_total" in text
+    assert "kvstore_leases" in text and "kvstore_evictions_total" in text and "kvstore_writebacks_total" in text
 
 
 def test_tcp_listener_serves_the_control_plane(daemon):
