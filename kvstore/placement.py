@@ -263,6 +263,26 @@ class Placement:
             log.warning("reading %r from %s failed: %s", o.key, o.slot.path, exc)
             return False
 
+    def evict_tier(self, tier: str) -> int:
+        """Store.evict_tier's body (called with the lock): backing copies in `tier` dropped,
+        unpinned objects demoted; how many left the tier."""
+        victims = [o for o in self.objects.values() if o.tier == tier and not o.pinned]
+        copies = [o for o in self.objects.values() if o.backing is not None and o.backing.tier == tier]
+        for o in copies:
+            self.drop_backing(o)
+        for o in victims:
+            if self.objects.get(o.key) is o and o.tier == tier and not o.pinned:
+                self.demote(o)
+        return len(victims) + len(copies)
+
+    def settle_reads(self, plans: list, outcomes: list) -> None:
+        """Unpin and settle (settle_nvme_read) the (object, CPU slot or None) plans whose
+        reads ran outside the lock (called with the lock)."""
+        for (o, dst), ok in zip(plans, outcomes):
+            o.busy -= 1
+            self.settle_nvme_read(o, dst, ok)
+            self.release_slot_if_unpinned(o)
+
     def settle_nvme_read(self, o: StoredObject, dst: Optional[Slot], ok: bool) -> None:
         """Act on a verify (dst None) or verify-and-promote of `o` done outside the lock:
         an NVMe hit, or a memory-tier object committed unverified."""

@@ -33,9 +33,9 @@ or short, deletes orphan and half-written files. Memory tiers start empty.
 
 Locking: one lock guards all metadata, taken with `with`. Checksumming a commit and
 verifying/promoting an NVMe hit run outside it (the object or reservation is pinned);
-demotions and prefetch moves still copy bytes under the lock; kvstore.writeback gives
-the coldest CPU-tier objects NVMe copies ahead of need, outside it, so demoting them
-writes nothing.
+so do prefetches from NVMe to the CPU tier; demotions and other prefetch moves still
+copy bytes under the lock; kvstore.writeback gives the coldest CPU-tier objects NVMe
+copies ahead of need, outside it, so demoting them writes nothing.
 """
 
 from __future__ import annotations
@@ -432,10 +432,7 @@ class Store:
                     o.busy -= 1
         outcomes = [self._place.verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
         with self._lock:
-            for (o, dst), ok in zip(plans, outcomes):
-                o.busy -= 1
-                self._place.settle_nvme_read(o, dst, ok)
-                self._place.release_slot_if_unpinned(o)
+            self._place.settle_reads(plans, outcomes)
             now = time.time()
             out: list[Optional[Lease]] = []
             for key in keys:
@@ -500,8 +497,10 @@ class Store:
 
     def prefetch(self, keys: Sequence[bytes], tier: str) -> int:
         """Move present keys up to `tier` where room can be made; returns how many now
-        sit in `tier` or above."""
+        sit in `tier` or above. NVMe -> CPU promotions read and hash outside the lock, as
+        a promoting get does (other moves copy under it)."""
         n = 0
+        plans: list[tuple[StoredObject, Slot]] = []
         with self._lock:
             self._require_open()
             self._tier(tier)
@@ -514,6 +513,14 @@ class Store:
                     continue
                 if o.pinned:
                     continue
+                if tier == "cpu" and o.tier == "nvme":
+                    o.busy += 1  # pinned before making room, so making room cannot take it
+                    try:
+                        plans.append((o, self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))))
+                    except KVStoreError as exc:
+                        o.busy -= 1
+                        log.info("prefetch of %r to cpu skipped: %s", key, exc)
+                    continue
                 try:
                     self._place.move(o, tier, allow_evict=True)
                     self._counters["promotions"] += 1
@@ -524,7 +531,10 @@ class Store:
                     self._counters["corrupt_dropped"] += 1
                 except (CapacityExhausted, StorageError) as exc:
                     log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
-        return n
+        outcomes = [self._place.verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
+        with self._lock:
+            self._place.settle_reads(plans, outcomes)
+            return n + sum(self._place.objects.get(o.key) is o and o.tier == "cpu" for o, _ in plans)
 
     def evict_tier(self, tier: str) -> int:
         """Demote every unleased object out of `tier` to the next tier down
@@ -532,14 +542,7 @@ class Store:
         with self._lock:
             self._require_open()
             self._tier(tier)
-            victims = [o for o in self._place.objects.values() if o.tier == tier and not o.pinned]
-            copies = [o for o in self._place.objects.values() if o.backing is not None and o.backing.tier == tier]
-            for o in copies:
-                self._place.drop_backing(o)
-            for o in victims:
-                if self._place.objects.get(o.key) is o and o.tier == tier and not o.pinned:
-                    self._place.demote(o)
-            return len(victims) + len(copies)
+            return self._place.evict_tier(tier)
 
     def stats(self) -> dict[str, Any]:
         """{"tiers": [{"name", "capacity_bytes", "used_bytes", "objects", ...}], "hits",

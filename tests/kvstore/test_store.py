@@ -380,6 +380,36 @@ def test_prefetch_moves_objects_up_and_evict_tier_moves_them_down(store):
     assert store.tiers["nvme"].used_bytes == 0 and store.tiers["cpu"].used_bytes == 0
 
 
+def test_a_prefetch_to_the_cpu_tier_reads_outside_the_lock(store, monkeypatch):
+    import threading
+
+    put(store, b"p", data(PAGE, 5), "nvme")
+    put(store, b"q", data(PAGE, 6), "cpu")
+    real, entered, go = store._place.verify_or_copy, threading.Event(), threading.Event()
+
+    def slow(o, dst):
+        entered.set()
+        assert go.wait(30)
+        return real(o, dst)
+
+    monkeypatch.setattr(store._place, "verify_or_copy", slow)
+    moved = []
+    mover = threading.Thread(target=lambda: moved.append(store.prefetch([b"p"], "cpu")))
+    mover.start()
+    try:
+        assert entered.wait(30)
+        got = []
+        client = threading.Thread(target=lambda: got.append([e.tier for e in store.lookup([b"p", b"q"])]))
+        client.start()
+        client.join(5)  # not blocked by the NVMe read in progress
+        assert not client.is_alive() and got == [["nvme", "cpu"]]
+    finally:
+        go.set()
+        mover.join(30)
+    assert moved == [1] and store.lookup([b"p"])[0].tier == "cpu" and store.stats()["promotions"] == 1
+    assert get_bytes(store, b"p") == data(PAGE, 5)
+
+
 def test_delete_leaves_leased_keys_and_frees_the_rest(store):
     put(store, b"a", data(100))
     put(store, b"b", data(100, 1), "nvme")
