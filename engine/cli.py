@@ -60,11 +60,12 @@ ColdPolicyOpt = typer.Option(
     help="When the cold fallback takes a request: fraction (at --cold-full-fraction) or cost (at the measured "
          "break-even share of misses, full / alone cost per token, at most --cold-full-fraction).")
 
-MissPathOpt = typer.Option(
-    "alone", "--miss-path",
-    help="Where a request's uncached segments are computed: alone (one packed alone pass in the request, then "
-         "spliced) or context (inside the request's fused pass, like prefix caching computes its misses; computed "
-         "alone later while the engine is idle).")
+def _miss_path_opt(default: str) -> Any:
+    return typer.Option(
+        default, "--miss-path",
+        help="Where a request's uncached segments are computed: alone (one packed alone pass in the request, then "
+             "spliced) or context (inside the request's fused pass, like prefix caching computes its misses; "
+             "computed alone later while the engine is idle).")
 
 
 def _cold_opt(default: float) -> Any:
@@ -229,7 +230,7 @@ def serve(
     host_threads: Optional[int] = HostThreadsOpt,
     cold_full_fraction: float = _cold_opt(0.5),
     cold_full_policy: str = ColdPolicyOpt,
-    miss_path: str = MissPathOpt,
+    miss_path: str = _miss_path_opt("context"),  # measured better for serving (BENCHMARKS, session 6)
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -347,7 +348,7 @@ def run_cmd(
     share_cold: bool = ShareColdOpt,
     cold_full_fraction: float = _cold_opt(0.0),
     cold_full_policy: str = ColdPolicyOpt,
-    miss_path: str = MissPathOpt,
+    miss_path: str = _miss_path_opt("alone"),
     prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent

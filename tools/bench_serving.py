@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cold-full-policy", default="fraction", choices=("fraction", "cost"),
                     help="PicConfig.cold_full_policy: fraction (fall back at --cold-full-fraction) or cost (at the "
                          "measured break-even share, full / alone cost per token, capped by the fraction)")
-    ap.add_argument("--miss-path", default="alone", choices=("alone", "context"),
+    ap.add_argument("--miss-path", default="context", choices=("alone", "context"),
                     help="PicConfig.miss_path in the TTFT, QPS and breakdown phases: compute a request's uncached "
                          "segments alone in the request (alone) or in context in its fused pass, alone later when "
                          "idle (context)")
