@@ -33,6 +33,8 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
         assert w["pic"]["warm"]["hit_segments"] > 0 and w["pic"]["warm"]["miss_segments"] == 0
         assert w["pic"]["cold"]["hit_segments"] == 0
     assert first["sharing"]["shared"]["hit_rate"] > first["sharing"]["private"]["hit_rate"]
+    for part in (first["sharing"]["shared"], first["sharing"]["private"], first["cold_parallel"]):
+        assert [set(w) for w in part["startup"]] == [{"build_s", "warm_s"}] * 2  # where worker starts went
     assert {"cpu", "nvme"} <= set(first["breakdown"])
     paths = first["sharing"]["shared"]["paths"]
     assert paths["cpu"]["loads"] > 0 and paths["cpu"]["bytes"] > 0 and paths["peer"]["loads"] == 0

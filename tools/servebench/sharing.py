@@ -120,7 +120,8 @@ def run_pair(preset: str, engine_options: dict, requests: Sequence[BenchRequest]
             "segments_computed": misses, "segments_waited": sum(r.get("waited", 0) for r in runs),
             "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
             "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None, "wall_s": wall,
-            "devices": [res["device"] for res in results], "paths": load_paths([res["store"] for res in results])}
+            "devices": [res["device"] for res in results], "paths": load_paths([res["store"] for res in results]),
+            "startup": [res.get("startup") for res in results]}
 
 
 def load_paths(snapshots: Sequence[Optional[dict]]) -> dict:
@@ -148,7 +149,8 @@ def run_cold_parallel(preset: str, engine_options: dict, requests: Sequence[Benc
     results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, stop_after=["w0"],
                                 warm=warm, put_tier=put_tier)
     runs = results[0]["runs"]
-    out: dict = {"requests": len(requests), "wall_s": wall, "devices": [res["device"] for res in results]}
+    out: dict = {"requests": len(requests), "wall_s": wall, "devices": [res["device"] for res in results],
+                 "startup": [res.get("startup") for res in results]}
     for mode in ("alone", "helped"):
         rs = [r for r in runs if r["mode"] == mode]
         ttfts = [r["ttft_ms"] for r in rs]

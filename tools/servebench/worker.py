@@ -15,7 +15,8 @@ both engines run at the same time), then does its `role`:
 - `helper`: an idle engine: computes cold segments other engines offer
   (`engine.help_idle()` every `share_poll_s`) until `<barrier>/stop` appears.
 
-It writes per-request TTFT, hits and store fields, and its connector metrics, to OUT.
+It writes per-request TTFT, hits and store fields, its connector metrics, and how long
+its start took (`startup`: engine build, kernel warm-up) to OUT.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     spec = json.loads(Path(args.spec).read_text())
+    t_start = time.perf_counter()
 
     import torch
 
@@ -68,6 +70,7 @@ def main() -> None:
         if dev.type == "cuda" and dev.index is not None:
             torch.cuda.set_device(dev)  # Triton kernels launch on the current device, not their tensors'
     engine = build_engine(spec["preset"], EngineConfig(**opts))
+    t_built = time.perf_counter()
     connector = None
     if spec.get("socket"):
         connector = StoreConnectorConfig(socket=spec["socket"], share_cold=bool(spec.get("share_cold", True)),
@@ -89,6 +92,7 @@ def main() -> None:
         warm_kernels(harness, w.get("scale", "bench"), w.get("max_tokens"), w.get("docs"),
                      seed=20_000 + 1000 * int(spec.get("index", 0)))  # leaves the pic planner installed
     barrier = Path(spec["barrier"])
+    startup = {"build_s": round(t_built - t_start, 3), "warm_s": round(time.perf_counter() - t_built, 3)}
     _go(barrier, name)
     runs = []
     if role == "helper":
@@ -118,7 +122,7 @@ def main() -> None:
     snap = harness.store.metrics.snapshot() if connector is not None else None
     harness.close()
     Path(args.out).write_text(json.dumps({"name": name, "role": role, "device": str(engine.device), "runs": runs,
-                                          "store": snap}))
+                                          "store": snap, "startup": startup}))
 
 
 if __name__ == "__main__":
