@@ -263,6 +263,15 @@ class Placement:
             log.warning("reading %r from %s failed: %s", o.key, o.slot.path, exc)
             return False
 
+    def write_back_all(self) -> None:
+        """Move every memory-tier object without an NVMe copy down to NVMe, where room
+        allows (StoreSettings.writeback_on_close; called with the lock)."""
+        for o in [o for o in self.objects.values() if o.tier != "nvme" and o.backing is None]:
+            try:
+                self.move(o, "nvme", allow_evict=False)
+            except KVStoreError as exc:
+                log.warning("write-back of %r to nvme skipped: %s", o.key, exc)
+
     def evict_tier(self, tier: str) -> int:
         """Store.evict_tier's body (called with the lock): backing copies in `tier` dropped,
         unpinned objects demoted; how many left the tier."""

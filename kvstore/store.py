@@ -13,8 +13,7 @@ Lifecycle of a put (bulk bytes never pass through the Store's API)::
                                                       # (memory tiers over commit_verify_max_bytes:
                                                       # verified before first served or moved)
 
-A get pins: `leases = store.get([key], client_id)`, read `lease.region`, then
-`store.release([lease.lease_id])`.
+A get pins: `leases = store.get([key], client_id)`, read `lease.region`, then `release`.
 
 Placement: each object has one primary copy, in one tier; tiers are ordered gpu > cpu >
 nvme. When a tier needs room, the eviction policy picks unpinned victims, which are
@@ -180,11 +179,7 @@ class Store:
             for e in self._reservations.entries():
                 self._end_reservation_locked(e, free=True)
             if self.settings.writeback_on_close and "nvme" in self.tiers:
-                for o in [o for o in self._place.objects.values() if o.tier != "nvme" and o.backing is None]:
-                    try:
-                        self._place.move(o, "nvme", allow_evict=False)
-                    except KVStoreError as exc:
-                        log.warning("write-back of %r to nvme skipped: %s", o.key, exc)
+                self._place.write_back_all()
             if self._index is not None:
                 try:
                     self._index.put_many([self._place.record(o) for o in self._place.objects.values()
@@ -537,12 +532,18 @@ class Store:
             return n + sum(self._place.objects.get(o.key) is o and o.tier == "cpu" for o, _ in plans)
 
     def evict_tier(self, tier: str) -> int:
-        """Demote every unleased object out of `tier` to the next tier down
-        (gpu -> cpu -> nvme -> dropped); returns how many objects left the tier."""
+        """Demote every unleased object out of `tier` one tier down (gpu -> cpu -> nvme ->
+        dropped; write-back pins waited out, 10 s at most); how many objects left it."""
+        deadline = time.monotonic() + 10.0
         with self._lock:
             self._require_open()
             self._tier(tier)
-            return self._place.evict_tier(tier)
+            n = self._place.evict_tier(tier)
+            while time.monotonic() < deadline and any(
+                    o.tier == tier and o.leases == 0 and o.busy for o in self._place.objects.values()):
+                self._cond.wait(0.05)  # lets the write-back settle its copies
+                n += self._place.evict_tier(tier)
+            return n
 
     def stats(self) -> dict[str, Any]:
         """{"tiers": [{"name", "capacity_bytes", "used_bytes", "objects", ...}], "hits",

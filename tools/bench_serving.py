@@ -16,10 +16,11 @@ ring-bench, scalar decay; `--quick`: their tiny versions) on one engine:
    baseline itself meets without load; until 2026-11-30 it was the p50, which the
    idle baseline's own p99 exceeded, so the search degenerated into noise at its lowest
    rate) with Poisson arrivals, PIC vs prefix caching;
-3. two engine processes sharing one daemon vs each with a private cache: hit rate, TTFT,
-   and the loads by path (daemon tier; GPU tier on another GPU through CUDA IPC), bytes
-   and time per path; with `--gpus` (automatic with two or more CUDA devices) each
-   worker engine runs on its own GPU;
+3. two engine processes sharing one daemon vs each with a private cache: hit rate, TTFT
+   per workload (`--share-tasks`), sustainable QPS over both engines on a ladder of
+   Poisson rates (`--share-qps-rates`), and the loads by path (daemon tier; GPU tier on
+   another GPU through CUDA IPC), bytes and time per path; with `--gpus` (automatic with
+   two or more CUDA devices) each worker engine runs on its own GPU;
 4. where the TTFT of a PIC hit goes, per tier: lookup, load, compose, seam, suffix;
 5. parallel cold prefill: the cold TTFT of rag requests (several cold segments each) on
    one engine alone vs helped by a second, idle engine that computes some of their
@@ -84,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qps-warmup", type=int, default=None,
                     help="requests of the same Zipf stream run before the QPS trials, so the caches reach a steady "
                          "state and every kernel variant is compiled (default 2 x --qps-requests)")
+    ap.add_argument("--share-tasks", default="fact,twohop,aggregate,fewshot,rag",
+                    help="workloads whose requests the two engines of the sharing experiment run (each "
+                         "--share-requests requests, dealt alternately)")
+    ap.add_argument("--share-qps-rates", default="auto",
+                    help="total Poisson rates (both engines) of the two-engine QPS ladder, e.g. 2,4,8; auto (see "
+                         "share_qps_rates); none: no ladder")
     ap.add_argument("--share-requests", type=int, default=None,
                     help="sharing experiment requests (default 6; quick 4, first preset only)")
     ap.add_argument("--cold-requests", type=int, default=None,
@@ -129,6 +136,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.presets = [p for p in (args.presets or (QUICK_PRESETS if q else GPU_PRESETS)).split(",") if p]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.skip = {s for s in args.skip.split(",") if s}
+    args.share_tasks = [t for t in args.share_tasks.split(",") if t]
+    from tools.servebench.requests import TASKS
+
+    bad = [t for t in args.share_tasks if t not in TASKS]
+    if bad or not args.share_tasks:
+        ap.error(f"--share-tasks: {bad or 'none given'}; choose from {', '.join(TASKS)}")
+    if args.share_qps_rates == "none":
+        args.share_qps_rates = []
+    elif args.share_qps_rates != "auto":
+        try:
+            args.share_qps_rates = [float(x) for x in args.share_qps_rates.split(",") if x]
+        except ValueError:
+            ap.error(f"--share-qps-rates {args.share_qps_rates!r}: comma-separated rates per second, auto or none")
+        if any(r <= 0 for r in args.share_qps_rates):
+            ap.error("--share-qps-rates: every rate must be > 0")
     defaults = dict(n=(2, 5), max_tokens=(450, None), docs=("2-3", None), qps_trials=(3, 4), qps_requests=(4, 8),
                     share_requests=(4, 6), cold_requests=(2, 4), cold_docs=("4-5", None), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
                     device=("cpu", "auto"))
@@ -182,6 +204,35 @@ def machine() -> dict:
     return info
 
 
+def share_qps_rates(args, out: dict, scale: str) -> list[float]:
+    """Total arrival rates (both engines) of the two-engine QPS ladder: --share-qps-rates,
+    or "auto": twice the single-engine QPS search's start rate x 1, 2, 4, 8 when that
+    phase ran in this process, else 2, 4, 8, 16 (bench scale) / 1, 2 (tiny)."""
+    if args.share_qps_rates != "auto":
+        return args.share_qps_rates
+    start = (out.get("qps") or {}).get("start_rate")
+    if start:
+        return [2 * start * f for f in (1, 2, 4, 8)]
+    return [2.0, 4.0, 8.0, 16.0] if scale == "bench" else [1.0, 2.0]
+
+
+def pair_qps(args, runs: dict) -> dict:
+    """Sustainable QPS of the two engines, shared daemon vs private caches, at one SLO:
+    --slo-ms, else 2 x the private pair's idle rag p99 (one request at a time per engine)."""
+    from tools.servebench import sharing
+
+    private = runs["private"]
+    base = (private["tasks"].get("rag") or {}).get("ttft_ms_p99") or private["ttft_ms_p99"]
+    slo = args.slo_ms or args.slo_factor * base
+    q = {"slo_ms": slo, "slo_rule": f"{args.slo_ms} ms" if args.slo_ms else
+         f"{args.slo_factor} x the private pair's idle rag p99", "rates": [t["rate"] for t in private["trials"][1:]]}
+    for mode in ("private", "shared"):
+        q[mode] = sharing.qps_at_slo(runs[mode]["trials"][1:], slo)
+    p, sh = q["private"]["sustainable_qps"], q["shared"]["sustainable_qps"]
+    q["gain"] = sh / p if p else None
+    return q
+
+
 def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale: str, out: dict, log,
                       save) -> None:
     """The phases with two engine processes (sharing, parallel cold prefill), into `out`."""
@@ -193,11 +244,20 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
     # workers compile their kernels before the timed part (nothing to compile on the CPU)
     warm = None if device.type == "cpu" else {"scale": scale, "max_tokens": args.max_tokens, "docs": args.docs}
     if "sharing" not in args.skip and first:
-        trace = requests.load("rag", args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)
-        out["sharing"] = {"shared": sharing.run_pair(preset, opts, trace, socket, threads, gpus, warm=warm,
-                                                     put_tier=args.put_tier),
-                          "private": sharing.run_pair(preset, opts, trace, None, threads, gpus, warm=warm),
-                          "gpus": gpus}
+        trace = [r for task in args.share_tasks
+                 for r in requests.load(task, args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)]
+        rates = share_qps_rates(args, out, scale)
+        k = args.qps_requests
+        stream = requests.load("rag", k * (len(rates) + 1), args.seed + 6, scale, args.max_tokens, args.docs)
+        # the first trial is an untimed burst: an engine's first concurrent requests pay one-time costs
+        trials = [(rate, stream[j * k:(j + 1) * k]) for j, rate in enumerate(rates[:1] + rates)] if rates else []
+        runs = {mode: sharing.run_pair(preset, opts, trace, socket if mode == "shared" else None, threads, gpus,
+                                       warm=warm, put_tier=args.put_tier if mode == "shared" else None,
+                                       trials=trials, seed=args.seed)
+                for mode in ("private", "shared")}
+        out["sharing"] = {"shared": runs["shared"], "private": runs["private"], "gpus": gpus}
+        if rates:
+            out["sharing"]["qps"] = pair_qps(args, runs)
         log(f"{preset} sharing: hit rate shared {out['sharing']['shared']['hit_rate']:.2f}, "
             f"private {out['sharing']['private']['hit_rate']:.2f} (devices "
             f"{out['sharing']['shared']['devices']})")

@@ -74,7 +74,7 @@ def run_mode(root: Path, args, watermark: float) -> dict:
             kv.put(f"fill-{i}".encode(), payload, tier="cpu")
         if watermark < 1:  # let the write-back thread reach its watermark
             deadline = time.monotonic() + 120
-            want = int((1 - watermark) * args.objects) - 1
+            want = args.objects - int(watermark * args.objects)  # objects over the watermark
             while kv.stats().get("writebacks", 0) < want and time.monotonic() < deadline:
                 time.sleep(0.05)
         keys = [f"fill-{i}".encode() for i in range(64)]

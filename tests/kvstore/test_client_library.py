@@ -206,7 +206,10 @@ def test_leased_object_survives_eviction_pressure(start_daemon):
         view.verify()
         st = kv.stats()
         assert st["demotions"] > 0
-        assert kv.lookup(["filler/0"])[0].tier == "nvme"
+        # the 1 MiB arena holds at most 5 of these; which ones stayed depends on the
+        # background write-back's timing (it pins what it is copying), not on the lease
+        tiers = [e.tier for e in kv.lookup([f"filler/{i}" for i in range(20)])]
+        assert tiers.count("nvme") >= 15 and set(tiers) <= {"cpu", "nvme"}
         view.release()
         assert kv.evict("cpu") >= 1
         assert kv.lookup([b"pinned"])[0].tier == "nvme"

@@ -177,3 +177,33 @@ def test_the_watermark_is_validated():
     with pytest.raises(ConfigError, match="writeback-watermark|writeback_watermark"):
         load_config(env={"KVSTORE_WRITEBACK_WATERMARK": "2"}, config_file=os.devnull)
     assert load_config(env={}, config_file=os.devnull).writeback_watermark == 0.5
+
+
+def test_evicting_a_tier_waits_for_a_write_back_in_progress(tmp_path, monkeypatch):
+    s = _store(tmp_path)
+    real, entered, go = s._place.copy, threading.Event(), threading.Event()
+
+    def slow_copy(*args):
+        entered.set()
+        assert go.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(s._place, "copy", slow_copy)
+    try:
+        for i in range(6):
+            put(s, bytes([97 + i]), data(PAGE, i))
+        mover = threading.Thread(target=s._writeback.run_once)
+        mover.start()
+        assert entered.wait(30)  # a (the coldest) is pinned by its copy now
+        evicted = []
+        evictor = threading.Thread(target=lambda: evicted.append(s.evict_tier("cpu")))
+        evictor.start()
+        time.sleep(0.2)
+        go.set()
+        mover.join(30)
+        evictor.join(30)
+        assert evicted and evicted[0] >= 6
+        assert [e.tier for e in s.lookup([bytes([97 + i]) for i in range(6)])] == ["nvme"] * 6
+    finally:
+        go.set()
+        s.close()

@@ -35,6 +35,19 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     assert first["sharing"]["shared"]["hit_rate"] > first["sharing"]["private"]["hit_rate"]
     for part in (first["sharing"]["shared"], first["sharing"]["private"], first["cold_parallel"]):
         assert [set(w) for w in part["startup"]] == [{"build_s", "warm_s"}] * 2  # where worker starts went
+    for mode in ("shared", "private"):  # every workload on both engines, then the Poisson ladder over both
+        pair = first["sharing"][mode]
+        assert set(pair["tasks"]) == {"fact", "twohop", "aggregate", "fewshot", "rag"}
+        assert sum(t["requests"] for t in pair["tasks"].values()) == pair["requests"] == 20
+    q = first["sharing"]["qps"]
+    start = first["qps"]["start_rate"]  # the ladder: twice the single-engine search's start, x 1, 2, 4, 8
+    assert q["rates"] == [2 * start * f for f in (1, 2, 4, 8)]
+    for mode in ("shared", "private"):
+        trials = first["sharing"][mode]["trials"]
+        assert [t["rate"] for t in trials] == q["rates"][:1] + q["rates"]  # an untimed burst, then the ladder
+        assert all(len(t["ttft_ms"]) == 4 for t in trials)
+    assert q["slo_ms"] > 0 and q["slo_rule"].endswith("private pair's idle rag p99")
+    assert len(q["shared"]["passed"]) == 4 and summary["sharing_qps_gain_shared_vs_private"] == q["gain"]
     assert {"cpu", "nvme"} <= set(first["breakdown"])
     paths = first["sharing"]["shared"]["paths"]
     assert paths["cpu"]["loads"] > 0 and paths["cpu"]["bytes"] > 0 and paths["peer"]["loads"] == 0

@@ -20,7 +20,10 @@ Summary figures (the `summary` of docs/results/serving-<date>.json):
   (None otherwise), and `cross_gpu_peer_loads`: loads served from the daemon's GPU tier
   on the other GPU (CUDA IPC, device-to-device);
 - `cold_parallel_speedup`: mean over presets of the mean cold TTFT of rag requests on
-  one engine alone / with a second, idle engine helping (published: 2.0x with 2 workers).
+  one engine alone / with a second, idle engine helping (published: 2.0x with 2 workers);
+- `sharing_qps_gain_shared_vs_private`: mean over presets of the sustainable Poisson rate
+  of two engines sharing one daemon / with private caches, at one SLO (a fixed ladder of
+  rates over both engines).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def _mean(xs: list[Optional[float]]) -> Optional[float]:
 def summarize(presets: dict[str, dict]) -> dict[str, Any]:
     vs_prefix, vs_full, vs_prefix_cold, vs_full_cold, qps, shared, private = [], [], [], [], [], [], []
     vs_best = []
-    cross, peer, cold, qps_warm = [], [], [], []
+    cross, peer, cold, qps_warm, pair_qps = [], [], [], [], []
     for res in presets.values():
         for w in res.get("workloads", {}).values():
             pic, pre, full = w["pic"], w["prefix"], w["full"]
@@ -54,6 +57,8 @@ def summarize(presets: dict[str, dict]) -> dict[str, Any]:
             if part.get("prefix") and part["prefix"]["sustainable_qps"]:  # PIC sustaining no rate counts as 0
                 got.append((part["pic"]["sustainable_qps"] or 0.0) / part["prefix"]["sustainable_qps"])
         s = res.get("sharing")
+        if s and (s.get("qps") or {}).get("gain") is not None:
+            pair_qps.append(s["qps"]["gain"])
         if s:
             shared.append(s["shared"]["hit_rate"])
             private.append(s["private"]["hit_rate"])
@@ -70,7 +75,7 @@ def summarize(presets: dict[str, dict]) -> dict[str, Any]:
             "qps_gain_vs_prefix_at_slo": _mean(qps), "qps_gain_vs_prefix_at_slo_warm": _mean(qps_warm),
             "sharing_hit_rate_shared": _mean(shared), "sharing_hit_rate_private": _mean(private),
             "cross_gpu_hit_rate": _mean(cross), "cross_gpu_peer_loads": sum(peer) if peer else None,
-            "cold_parallel_speedup": _mean(cold)}
+            "cold_parallel_speedup": _mean(cold), "sharing_qps_gain_shared_vs_private": _mean(pair_qps)}
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -131,6 +136,24 @@ def tables(presets: dict[str, dict], summary: dict[str, Any]) -> str:
         parts.append(_table("Two engine processes: one shared daemon vs private caches",
                             ["preset config", "requests", "hit rate", "computed", "waited", "ttft p50",
                              "ttft p99"], rows))
+    rows = []
+    for name, res in presets.items():
+        s = res.get("sharing") or {}
+        for task, pr in (s.get("private") or {}).get("tasks", {}).items():
+            sh = s["shared"]["tasks"].get(task, {})
+            rows.append([f"{name}/{task}", pr["requests"], pr["ttft_ms_p50"], sh.get("ttft_ms_p50"),
+                         pr["ttft_ms_p99"], sh.get("ttft_ms_p99"), _ratio(pr["ttft_ms_mean"], sh.get("ttft_ms_mean"))])
+        q = s.get("qps")
+        if q:
+            rows.append([f"{name} QPS at p99 <= {q['slo_ms']:.0f} ms", "-", q["private"]["sustainable_qps"],
+                         q["shared"]["sustainable_qps"], "-", "-", q["gain"]])
+    if rows:
+        parts.append(_table("Two engines per workload, private caches vs one shared daemon (TTFT ms; last row: "
+                            "sustainable QPS over both engines, rates " + ", ".join(
+                                f"{r:g}" for name, res in presets.items()
+                                for r in ((res.get("sharing") or {}).get("qps") or {}).get("rates", [])) + ")",
+                            ["preset/workload", "requests", "private p50", "shared p50", "private p99",
+                             "shared p99", "x (mean)"], rows))
     rows = []
     for name, res in presets.items():
         s = res.get("sharing")

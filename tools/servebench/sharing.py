@@ -1,8 +1,10 @@
 """Two engine processes on one host and one kvstore daemon (tools.servebench.worker).
 
 `run_pair`: sharing one daemon vs each with a private in-process signature cache. The
-same request trace (drawn from one pool) is dealt alternately to two workers, which run
-at the same time. With a shared daemon, a segment one engine computed is a hit for the
+same request trace (drawn from one pool per workload) is dealt alternately to two
+workers, which run at the same time (TTFT per workload: `tasks`); then, optionally, a
+ladder of Poisson trials over both engines (`trials`; `qps_at_slo` reads the highest
+rate within an SLO off it). With a shared daemon, a segment one engine computed is a hit for the
 other (and a segment both need at once is computed once: the other waits through the
 daemon); with private caches each engine only reuses what it computed itself.
 Reported: segment hit rate (hits / (hits + misses)), TTFT p50/p99 over both engines'
@@ -106,13 +108,32 @@ def run_workers(preset: str, engine_options: dict, specs: Sequence[dict], socket
 
 def run_pair(preset: str, engine_options: dict, requests: Sequence[BenchRequest], socket: Optional[str],
              threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None, timeout: float = 900.0,
-             warm: Optional[dict] = None, put_tier: Optional[str] = None) -> dict:
+             warm: Optional[dict] = None, put_tier: Optional[str] = None,
+             trials: Sequence[tuple[float, Sequence[BenchRequest]]] = (), seed: int = 0) -> dict:
     """Run `requests` on two worker processes (module docstring); socket None: private caches.
-    `put_tier`: the daemon tier the workers put signatures in (None: the daemon's default)."""
-    specs = [{"name": f"w{i}", "role": "requests", "requests": _requests(requests[i::2])} for i in range(2)]
+    `put_tier`: the daemon tier the workers put signatures in (None: the daemon's default).
+    `trials` (total rate, requests): afterwards, Poisson arrivals of each trial's requests
+    dealt alternately to the two engines at half the rate each, both starting together;
+    reported per trial with the TTFTs of both (`trials`), for a QPS search at an SLO."""
+    names = ["w0", "w1"]
+    specs = [{"name": n, "role": "requests", "requests": _requests(requests[i::2]), "peers": names,
+              "trials": [{"rate": rate / 2, "seed": seed + 100 * j + i, "requests": _requests(reqs[i::2])}
+                         for j, (rate, reqs) in enumerate(trials)]}
+             for i, n in enumerate(names)]
     results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, warm=warm,
                                 put_tier=put_tier)
     runs = [r for res in results for r in res["runs"]]
+    tasks: dict[str, list[float]] = {}
+    for r in runs:
+        tasks.setdefault(r.get("task", "rag"), []).append(r["ttft_ms"])
+    merged = []
+    for j, (rate, _) in enumerate(trials):
+        parts = [res["trials"][j] for res in results]
+        ttft = [t for p in parts for t in p["ttft_ms"]]
+        merged.append({"rate": rate, "ttft_ms": ttft, "ttft_ms_p99": percentile(ttft, 99),
+                       "ttft_ms_p50": percentile(ttft, 50), "queue_ms": [q for p in parts for q in p["queue_ms"]],
+                       "hit_segments": sum(p["hit_segments"] for p in parts),
+                       "miss_segments": sum(p["miss_segments"] for p in parts)})
     hits = sum(r["hit_segments"] for r in runs)
     misses = sum(r["miss_segments"] for r in runs)
     ttfts = [r["ttft_ms"] for r in runs]
@@ -121,7 +142,18 @@ def run_pair(preset: str, engine_options: dict, requests: Sequence[BenchRequest]
             "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
             "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None, "wall_s": wall,
             "devices": [res["device"] for res in results], "paths": load_paths([res["store"] for res in results]),
-            "startup": [res.get("startup") for res in results]}
+            "startup": [res.get("startup") for res in results],
+            "tasks": {k: {"requests": len(v), "ttft_ms_p50": percentile(v, 50), "ttft_ms_p99": percentile(v, 99),
+                          "ttft_ms_mean": sum(v) / len(v)} for k, v in tasks.items()},
+            "trials": merged}
+
+
+def qps_at_slo(trials: Sequence[dict], slo_ms: float) -> dict:
+    """The highest trial rate whose p99 TTFT (both engines' requests) is within `slo_ms`
+    (0.0 when none): rates tried as a fixed ladder, every one run."""
+    ok = [t["rate"] for t in trials if t["ttft_ms_p99"] is not None and t["ttft_ms_p99"] <= slo_ms]
+    return {"slo_ms": slo_ms, "sustainable_qps": max(ok) if ok else 0.0,
+            "passed": [t["ttft_ms_p99"] is not None and t["ttft_ms_p99"] <= slo_ms for t in trials]}
 
 
 def load_paths(snapshots: Sequence[Optional[dict]]) -> dict:

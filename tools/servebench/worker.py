@@ -8,7 +8,8 @@ worker), the requests, the daemon socket (null: PIC over a private in-process ca
 on a prompt of its own, writes `<barrier>/<name>.ready`, waits for `<barrier>/go` (so
 both engines run at the same time), then does its `role`:
 
-- `requests` (default): runs its requests one after the other;
+- `requests` (default): runs its requests one after the other, then its `trials` if any:
+  Poisson arrivals at a rate each, every trial started in step with its `peers`;
 - `cold`: for each request, a cold run without cold sharing and a cold run with it
   (the request's segments are deleted from the daemon before each), so an idle helper
   can compute part of its cold segments in the second;
@@ -33,6 +34,16 @@ def _go(barrier: Path, name: str) -> None:
         if time.monotonic() > deadline:
             raise SystemExit("no go signal within 900 s")
         time.sleep(0.01)
+
+
+def _step(barrier: Path, step: str, name: str, peers: list[str]) -> None:
+    """Wait until every peer reached `step` (each writes `<barrier>/<step>.<name>`)."""
+    (barrier / f"{step}.{name}").write_text("ready")
+    deadline = time.monotonic() + 900
+    while not all((barrier / f"{step}.{p}").exists() for p in peers):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"peers not at step {step} within 900 s")
+        time.sleep(0.005)
 
 
 def _record(run, mode: str = "") -> dict:
@@ -112,17 +123,24 @@ def main() -> None:
         for r in spec["requests"]:
             req = BenchRequest(r["id"], r["task"], tuple(r["segments"]))
             if role != "cold":
-                runs.append(_record(harness.run_alone(req)))
+                runs.append({**_record(harness.run_alone(req)), "task": r["task"]})
                 continue
             for mode in ("alone", "helped"):
                 harness.forget(req)
                 store.share = share if mode == "helped" else None
                 runs.append(_record(harness.run_alone(req), mode))
             store.share = share
+    trials = []
+    for i, t in enumerate(spec.get("trials") or []):  # Poisson trials, in step with the peers
+        _step(barrier, f"t{i}", name, spec["peers"])
+        info: dict = {}
+        reqs = [BenchRequest(r["id"], r["task"], tuple(r["segments"])) for r in t["requests"]]
+        ttfts = harness.run_poisson(reqs, t["rate"], t["seed"], info=info)
+        trials.append({"rate": t["rate"], "ttft_ms": [round(x, 3) for x in ttfts], **info})
     snap = harness.store.metrics.snapshot() if connector is not None else None
     harness.close()
     Path(args.out).write_text(json.dumps({"name": name, "role": role, "device": str(engine.device), "runs": runs,
-                                          "store": snap, "startup": startup}))
+                                          "trials": trials, "store": snap, "startup": startup}))
 
 
 if __name__ == "__main__":
