@@ -32,6 +32,31 @@ def _backed(s, key):
     return s._place.objects[key].backing is not None
 
 
+def _gate_copies(s, monkeypatch):
+    """Make the store's tier copies wait for `go` (after setting `entered`): a write-back
+    held mid-copy, outside the lock."""
+    real, entered, go = s._place.copy, threading.Event(), threading.Event()
+
+    def gated(*args):
+        entered.set()
+        assert go.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(s._place, "copy", gated)
+    return entered, go
+
+
+def _hold_a_write_back(s, entered):
+    """Six pages in a tier whose watermark is four, and a write-back round started and
+    held in its first copy (`_gate_copies`); returns its thread."""
+    for i in range(6):
+        put(s, bytes([97 + i]), data(PAGE, i))
+    mover = threading.Thread(target=s._writeback.run_once)
+    mover.start()
+    assert entered.wait(30)
+    return mover
+
+
 def _nvme_files(s):
     return sorted(p for p in (s.dir / "objects").rglob("*") if p.is_file())
 
@@ -128,20 +153,9 @@ def test_an_object_deleted_during_its_copy_leaves_no_file(tmp_path, monkeypatch)
 
 def test_the_copy_runs_outside_the_lock(tmp_path, monkeypatch):
     s = _store(tmp_path)
-    real, entered, go = s._place.copy, threading.Event(), threading.Event()
-
-    def slow_copy(*args):
-        entered.set()
-        assert go.wait(30)
-        real(*args)
-
-    monkeypatch.setattr(s._place, "copy", slow_copy)
+    entered, go = _gate_copies(s, monkeypatch)
     try:
-        for i in range(6):
-            put(s, bytes([97 + i]), data(PAGE, i))
-        t = threading.Thread(target=s._writeback.run_once)
-        t.start()
-        assert entered.wait(30)
+        t = _hold_a_write_back(s, entered)
         got = []
         client = threading.Thread(target=lambda: got.append([e.hit for e in s.lookup([b"a", b"f"])]))
         client.start()
@@ -181,20 +195,9 @@ def test_the_watermark_is_validated():
 
 def test_evicting_a_tier_waits_for_a_write_back_in_progress(tmp_path, monkeypatch):
     s = _store(tmp_path)
-    real, entered, go = s._place.copy, threading.Event(), threading.Event()
-
-    def slow_copy(*args):
-        entered.set()
-        assert go.wait(30)
-        real(*args)
-
-    monkeypatch.setattr(s._place, "copy", slow_copy)
+    entered, go = _gate_copies(s, monkeypatch)
     try:
-        for i in range(6):
-            put(s, bytes([97 + i]), data(PAGE, i))
-        mover = threading.Thread(target=s._writeback.run_once)
-        mover.start()
-        assert entered.wait(30)  # a (the coldest) is pinned by its copy now
+        mover = _hold_a_write_back(s, entered)  # a (the coldest) is pinned by its copy now
         evicted = []
         evictor = threading.Thread(target=lambda: evicted.append(s.evict_tier("cpu")))
         evictor.start()
