@@ -26,7 +26,9 @@ bounded wait before it is served by recomputation:
   there is nothing to do in parallel).
 - `share_poll_s`: how often an idle engine lists offered segments (one List RPC).
 - `share_wait_s`: most time to wait for an offered segment a helper claimed before
-  computing it here; also the lifetime of an offer.
+  computing it here; also the lifetime of an offer. 5 s: a helper's packed pass of
+  `share_pack_tokens` takes well under a second on a GPU; this bounds a stuck one (30 s
+  before session 6, far above any TTFT SLO).
 - `share_keep`: share of a request's cold tokens its own engine computes before it
   turns to the rest: the smallest run of its first cold segments holding at least this
   share (one segment at least, all but one at most) is kept and computed (packed); only
@@ -73,7 +75,7 @@ class StoreConnectorConfig:
     share_cold: bool = True
     share_min_segments: int = 2
     share_poll_s: float = 0.01
-    share_wait_s: float = 30.0
+    share_wait_s: float = 5.0
     share_pack_tokens: int = 8192
     share_keep: float = 0.5
     device_cache_bytes: Optional[int] = None
