@@ -90,6 +90,12 @@ class SpliceUnit:
     def num_tokens(self) -> int:
         return self.end - self.offset
 
+    @property
+    def splice_start(self) -> int:
+        """First position its splice writes: 0 (anchor included) when placed first, else
+        after its seam (SplicePiece.start, without the signature)."""
+        return 0 if self.first else self.offset + self.split
+
 
 @dataclass
 class _RequestState:
@@ -306,7 +312,7 @@ class PicPlanner(ReportingPlanner):
                 continue
             u = s[1]
             if u.key in state.in_context:  # a miss computed in context (miss_path="context")
-                _add_compute(items, 0 if u.first else u.offset + u.split, u.end)
+                _add_compute(items, u.splice_start, u.end)
                 continue
             piece = SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode)
             items.append(FusedItem(piece.start, piece.end, piece))
@@ -381,7 +387,7 @@ class PicPlanner(ReportingPlanner):
         self._trim_deferred()
         for key in dict.fromkeys(u.key for u in state.missing):  # every placement of each miss
             state.builder.report.add_in_context_miss(
-                sum(u.end - (0 if u.first else u.offset + u.split) for u in state.units if u.key == key))
+                sum(u.end - u.splice_start for u in state.units if u.key == key))
         state.missing = []
         return True
 
