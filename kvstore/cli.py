@@ -347,7 +347,8 @@ def inspect_cmd(
     con.print(t)
     rate = f"{100.0 * stats['hit_rate']:.1f}%" if stats["hit_rate"] is not None else "n/a"
     con.print(f"hits {stats.get('hits', 0)}  misses {stats.get('misses', 0)}  hit rate {rate}  "
-              f"evictions {stats.get('evictions', 0)}  leases {stats.get('leases', 0)}")
+              f"evictions {stats.get('evictions', 0)}  demotions {stats.get('demotions', 0)}  "
+              f"write-backs {stats.get('writebacks', 0)}  leases {stats.get('leases', 0)}")
     if objs:
         o_t = Table(title=f"top {len(objs)} objects by hits", title_justify="left")
         for col in ("key", "tier", "size", "hits", "tokens", "fingerprint"):

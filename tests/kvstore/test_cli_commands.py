@@ -54,7 +54,7 @@ def test_inspect_json_has_the_documented_fields(daemon, tmp_path):
     assert stats["tiers"][0]["capacity_bytes"] == 32 << 20
     assert stats["hits"] >= 1 and any(o["key"] == "inspect/a" for o in stats["top_objects"])
     table = _ok(daemon.cli("inspect"))
-    assert "hit rate" in table and "cpu" in table and "top" in table
+    assert "hit rate" in table and "cpu" in table and "top" in table and "write-backs" in table
 
 
 def test_evict_moves_unleased_objects_one_tier_down(daemon, tmp_path):
