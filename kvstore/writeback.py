@@ -16,8 +16,9 @@ backed objects survive a daemon restart. A failed copy is logged, counted
 (`writeback_failures`) and freed; the object stays as it was.
 
 `run_once()` does one round (the thread's loop body; tests call it directly). The thread
-wakes every `interval_s` and when `kick()`ed (a CPU-tier commit); one round copies at
-most `round_bytes`.
+wakes when `kick()`ed (a CPU-tier commit: the way new unbacked bytes arrive) and every
+`interval_s` (for copies dropped under NVMe pressure); a round copies at most
+`round_bytes`, and rounds repeat while they back something.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 class WriteBack:
     """The write-back thread of one Store (module docstring)."""
 
-    def __init__(self, store: "Store", watermark: float, interval_s: float = 0.05,
+    def __init__(self, store: "Store", watermark: float, interval_s: float = 0.5,
                  round_bytes: int = 256 << 20) -> None:
         self.store = store
         self.watermark = watermark
@@ -76,10 +77,6 @@ class WriteBack:
             except Exception:  # never take the daemon down
                 log.exception("write-back round failed")
 
-    def unbacked_bytes(self) -> int:
-        """Bytes of CPU-tier objects without an NVMe copy (call with the store's lock)."""
-        return sum(o.size for o in self.store._place.objects.values() if o.tier == "cpu" and o.backing is None)
-
     def run_once(self) -> int:
         """One round: back the coldest unbacked CPU objects until the unbacked bytes are
         at the watermark (at most `round_bytes`). Returns how many objects were backed."""
@@ -88,11 +85,11 @@ class WriteBack:
         with s._lock:
             if not s._open or "cpu" not in s.tiers or "nvme" not in s.tiers:
                 return 0
-            excess = self.unbacked_bytes() - int(self.watermark * s.tiers["cpu"].capacity)
+            unbacked = [o for o in place.objects.values() if o.tier == "cpu" and o.backing is None]  # one scan
+            excess = sum(o.size for o in unbacked) - int(self.watermark * s.tiers["cpu"].capacity)
             if excess <= 0:
                 return 0
-            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits)
-                     for o in place.objects.values() if o.tier == "cpu" and o.backing is None and not o.pinned]
+            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits) for o in unbacked if not o.pinned]
             jobs: list[tuple[Any, Any]] = []
             for key in place.policy.choose_victims(cands, min(excess, self.round_bytes)):
                 o = place.objects[key]
