@@ -315,9 +315,10 @@ class StorePicPlanner(PicPlanner):
         each stored under its claim. Returns the
         number of segments computed. Called by the engine when it has no request to run.
         `should_stop` (a request arrived): asked between the pass's layers; when it says
-        so the pass is dropped, its claims released (waiters compute or claim again), its
-        own queued segments put back in front, and 0 is returned (`idle_stopped`)."""
-        if self.deferred:
+        so, 0 is returned (`idle_stopped`) and the pass's claims released (waiters compute
+        or claim again); a pass over this engine's own queue is kept and resumed by the
+        next call (`_help_deferred`), one over offered segments is dropped."""
+        if self.idle_pass is not None or self.deferred:
             return self._help_deferred(runner, should_stop)
         share = self.store.share
         if share is None:
@@ -351,12 +352,57 @@ class StorePicPlanner(PicPlanner):
         return len(taken)
 
     def _help_deferred(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
+        """One idle batch of this engine's queued segments: claimed, computed alone in one
+        packed pass, stored. A pass that gives way to a request releases its claims (the
+        requester or another engine may compute them meanwhile) and is resumed by the
+        next call, which stores what it computed (a put of a segment stored meanwhile
+        counts as `puts_exists`)."""
+        if self.idle_pass is not None:
+            mine, alone = self.idle_pass
+        else:
+            mine = self._claim_deferred()
+            if not mine:
+                return 0
+            alone = self._start_alone(runner, [(ids, split) for (_, ids, split), _ in mine])
+        t0 = time.perf_counter()
+        try:
+            sigs = self._run_idle(mine, alone, should_stop)
+        except Exception:  # idle work must not stop this engine; a later request computes them
+            log.exception("computing %d deferred segments failed", len(mine))
+            self.idle_pass = None
+            for _, claim in mine:
+                self.store.drop_claim(claim)
+            return 0
+        m = self.store.metrics
+        if sigs is None:  # a request arrived: release the claims, resume the pass later
+            for _, claim in mine:
+                self.store.drop_claim(claim)
+            m.inc("idle_stopped")
+            m.inc("deferred_alone_ms_total", (time.perf_counter() - t0) * 1e3)
+            return 0
+        t1 = time.perf_counter()
+        for ((key, ids, _), claim), sig in zip(mine, sigs):
+            self.store.remember(key, sig)
+            self.store.store(key, sig, claim=claim if claim.status == OWNED else None,
+                             cost=float(len(self.anchor_ids) + len(ids)))
+        t2 = time.perf_counter()
+        m.inc("deferred_computed", len(mine))
+        m.inc("deferred_batches")
+        m.inc("deferred_tokens", sum(len(ids) for (_, ids, _), _ in mine))
+        m.inc("deferred_ms_total", (t2 - t0) * 1e3)
+        m.inc("deferred_alone_ms_total", (t1 - t0) * 1e3)
+        m.inc("deferred_store_ms_total", (t2 - t1) * 1e3)
+        return len(mine)
+
+    def _claim_deferred(self) -> list:
+        """The next idle batch of queued segments that no engine holds or computes, each
+        with this engine's claim on it."""
         todo = self._next_deferred()
         try:
             held = self.store.lookup([t[0] for t in todo])
         except Exception:  # the daemon is away: nothing to store into; drop the batch
             log.debug("lookup of deferred segments failed", exc_info=True)
-            return 0
+            return []
         mine: list[tuple[tuple[bytes, tuple[int, ...], int], Claim]] = []
         for t, present in zip(todo, held):
             if present:
@@ -366,36 +412,7 @@ class StorePicPlanner(PicPlanner):
                 self.store.release(t[0])
             elif claim.status != INFLIGHT:  # another engine computes it: nothing to do
                 mine.append((t, claim))
-        if not mine:
-            return 0
-        t0 = time.perf_counter()
-        try:
-            sigs = self._alone(runner, [(ids, split) for (_, ids, split), _ in mine], should_stop)
-        except AlonePassStopped:  # a request arrived: release the claims, queue the batch again
-            for _, claim in mine:
-                self.store.drop_claim(claim)
-            self._requeue([t for t, _ in mine])
-            self.store.metrics.inc("idle_stopped")
-            return 0
-        except Exception:  # idle work must not stop this engine; a later request computes them
-            log.exception("computing %d deferred segments failed", len(mine))
-            for _, claim in mine:
-                self.store.drop_claim(claim)
-            return 0
-        t1 = time.perf_counter()
-        for ((key, ids, _), claim), sig in zip(mine, sigs):
-            self.store.remember(key, sig)
-            self.store.store(key, sig, claim=claim if claim.status == OWNED else None,
-                             cost=float(len(self.anchor_ids) + len(ids)))
-        t2 = time.perf_counter()
-        m = self.store.metrics
-        m.inc("deferred_computed", len(mine))
-        m.inc("deferred_batches")
-        m.inc("deferred_tokens", sum(len(ids) for (_, ids, _), _ in mine))
-        m.inc("deferred_ms_total", (t2 - t0) * 1e3)
-        m.inc("deferred_alone_ms_total", (t1 - t0) * 1e3)
-        m.inc("deferred_store_ms_total", (t2 - t1) * 1e3)
-        return len(mine)
+        return mine
 
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
         self._compute_batch(runner, state, sr, [(u, claim)])

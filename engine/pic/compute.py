@@ -42,7 +42,6 @@ def _check_segment(n: int, split: int, keep_end_state: bool) -> None:
         raise SignatureFormatError(f"without end states a signature needs a tail, but split={split} >= n={n}")
 
 
-@torch.inference_mode()
 def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids: Sequence[int] = (),
                       split: int = 0, backend: str = "torch", state_dtype: torch.dtype = torch.float32,
                       keep_end_state: bool = True,
@@ -52,36 +51,8 @@ def compute_signature(model: HybridDecoder, token_ids: Sequence[int], anchor_ids
     linear-layer backend of the runner ("torch" or "fla"). `keep_end_state`: keep each
     linear layer's end state E (needed only to place the segment first). `should_stop`:
     asked between layers; True raises AlonePassStopped (idle work giving way)."""
-    n, a = len(token_ids), len(anchor_ids)
-    _check_segment(n, split, keep_end_state)
-    device = model.device
-    ids = torch.tensor([*anchor_ids, *token_ids], dtype=torch.long, device=device)
-    model._check_ids(ids)
-    total = a + n
-    tail0 = a + min(split, n)
-    positions = torch.arange(total, device=device)
-    x = model.embed(ids)
-    parts = []
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):
-        _check_stop(should_stop, i)
-        h = block.mixer_norm(x)
-        mixer = block.mixer
-        if isinstance(mixer, LinearMixer):
-            mixed, part = _linear_alone(mixer, h, tail0, backend, state_dtype, keep_end_state)
-        elif isinstance(mixer, Attention):
-            mixed, part = _attention_alone(mixer, h, positions)
-        else:  # pragma: no cover - every mixer is one of the two
-            raise SignatureFormatError(f"layer {i}: mixer {type(mixer).__name__} has no PIC signature")
-        parts.append(part)
-        if i < last:
-            x = block._finish(x, mixed)
-    return SegmentSignature(n, a, split, tuple(parts))
-
-
-def _check_stop(should_stop: Optional[Callable[[], bool]], layer: int) -> None:
-    if should_stop is not None and layer > 0 and should_stop():
-        raise AlonePassStopped(f"alone pass stopped before layer {layer}")
+    return _run_to_end(AlonePass(model, [(token_ids, split)], anchor_ids, backend, state_dtype, keep_end_state),
+                       should_stop)[0]
 
 
 def _attention_alone(mixer: Attention, h: torch.Tensor, positions: torch.Tensor):
@@ -154,7 +125,6 @@ def _tail_transition(mixer: LinearMixer, tail: RecurrenceInputs, backend: str):
 
 
 # ------------------------------------------------------------------ several segments, one pass
-@torch.inference_mode()
 def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[int], int]],
                        anchor_ids: Sequence[int] = (), backend: str = "torch",
                        state_dtype: torch.dtype = torch.float32,
@@ -167,42 +137,119 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
     (one per layer for the passes, one for the tails' E_tail, one for the delta tails'
     T) or, on the torch backend, per segment. A cold request with m missing segments pays
     one pass of per-call overhead instead of m."""
-    segs = [(list(t), int(s)) for t, s in segments]
-    if len(segs) == 1:
-        return [compute_signature(model, segs[0][0], anchor_ids, segs[0][1], backend, state_dtype, keep_end_state,
-                                  should_stop)]
-    a = len(anchor_ids)
-    for toks, split in segs:
-        _check_segment(len(toks), split, keep_end_state)
-    device = model.device
-    lens = [a + len(t) for t, _ in segs]
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    ids_host = torch.tensor([i for t, _ in segs for i in (*anchor_ids, *t)], dtype=torch.long)
-    model._check_ids(ids_host)
-    ids = ids_host.to(device)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    tail0 = [a + min(split, len(t)) for t, split in segs]
-    pack = _Pack(starts, lens, tail0)
-    x = model.embed(ids)
-    parts: list[list] = [[] for _ in segs]
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):
-        _check_stop(should_stop, i)
-        h = block.mixer_norm(x)
+    return _run_to_end(AlonePass(model, segments, anchor_ids, backend, state_dtype, keep_end_state), should_stop)
+
+
+def _run_to_end(alone: "AlonePass", should_stop: Optional[Callable[[], bool]]) -> list[SegmentSignature]:
+    if not alone.run(should_stop):
+        raise AlonePassStopped(f"alone pass stopped before layer {alone.layer}")
+    return alone.signatures()
+
+
+class AlonePass:
+    """The (packed) alone pass of `segments` `(token_ids, split)`, run a layer at a time:
+    `run(should_stop)` runs layers until the pass is done (True) or, between two layers,
+    `should_stop()` says a request is due (False); a later `run` resumes where it
+    stopped, so idle work that gives way to requests loses nothing. `signatures()` once
+    done. One segment runs exactly `compute_signature`'s single pass; several, the
+    packed pass (`compute_signatures`). The pass keeps its own tensors (the hidden
+    states and the layers' parts so far): a suspended pass holds them until resumed."""
+
+    def __init__(self, model: HybridDecoder, segments: Sequence[tuple[Sequence[int], int]],
+                 anchor_ids: Sequence[int] = (), backend: str = "torch", state_dtype: torch.dtype = torch.float32,
+                 keep_end_state: bool = True) -> None:
+        segs = [(list(t), int(s)) for t, s in segments]
+        if not segs:
+            raise SignatureFormatError("an alone pass needs at least one segment")
+        a = len(anchor_ids)
+        for toks, split in segs:
+            _check_segment(len(toks), split, keep_end_state)
+        self.model, self.segs, self.anchor_len = model, segs, a
+        self.backend, self.state_dtype, self.keep_end_state = backend, state_dtype, keep_end_state
+        self.tokens = sum(a + len(t) for t, _ in segs)
+        device = model.device
+        with torch.inference_mode():
+            if len(segs) == 1:
+                ids = torch.tensor([*anchor_ids, *segs[0][0]], dtype=torch.long, device=device)
+                model._check_ids(ids)
+                self.positions = torch.arange(ids.shape[0], device=device)
+                self.pack = None
+                self.tail0 = a + min(segs[0][1], len(segs[0][0]))
+            else:
+                lens = [a + len(t) for t, _ in segs]
+                starts = [0]
+                for n in lens:
+                    starts.append(starts[-1] + n)
+                ids_host = torch.tensor([i for t, _ in segs for i in (*anchor_ids, *t)], dtype=torch.long)
+                model._check_ids(ids_host)
+                ids = ids_host.to(device)
+                self.positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+                self.pack = _Pack(starts, lens, [a + min(split, len(t)) for t, split in segs])
+            self.x = model.embed(ids)
+        self.parts: list[list] = [[] for _ in segs]
+        #: the next layer to run
+        self.layer = 0
+
+    @property
+    def done(self) -> bool:
+        return self.layer == len(self.model.blocks)
+
+    def run(self, should_stop: Optional[Callable[[], bool]] = None) -> bool:
+        """Run layers until done (True) or until `should_stop()` says stop, asked before
+        every layer but the first this call runs (False: call again to resume). On CUDA,
+        with `should_stop`, the host keeps at most one layer queued ahead of the device,
+        so a request that stops the pass waits for one layer, not for the queued rest."""
+        cuda = self.model.device.type == "cuda" and should_stop is not None
+        behind = None
+        first = True
+        with torch.inference_mode():
+            while not self.done:
+                if not first and should_stop is not None:
+                    if behind is not None:  # pragma: no cover - GPU only
+                        behind.synchronize()
+                    if should_stop():
+                        return False
+                first = False
+                mark = None
+                if cuda:  # pragma: no cover - GPU only
+                    mark = torch.cuda.Event()
+                    mark.record()
+                self._step()
+                behind = mark
+        return True
+
+    def _step(self) -> None:
+        i, model = self.layer, self.model
+        block = model.blocks[i]
+        h = block.mixer_norm(self.x)
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):
-            mixed, got = _linear_alone_packed(mixer, h, pack, backend, state_dtype, keep_end_state)
+            if self.pack is None:
+                mixed, part = _linear_alone(mixer, h, self.tail0, self.backend, self.state_dtype, self.keep_end_state)
+                got = [part]
+            else:
+                mixed, got = _linear_alone_packed(mixer, h, self.pack, self.backend, self.state_dtype,
+                                                  self.keep_end_state)
         elif isinstance(mixer, Attention):
-            mixed, got = _attention_alone_packed(mixer, h, positions, pack)
+            if self.pack is None:
+                mixed, part = _attention_alone(mixer, h, self.positions)
+                got = [part]
+            else:
+                mixed, got = _attention_alone_packed(mixer, h, self.positions, self.pack)
         else:  # pragma: no cover - every mixer is one of the two
             raise SignatureFormatError(f"layer {i}: mixer {type(mixer).__name__} has no PIC signature")
         for j, p in enumerate(got):
-            parts[j].append(p)
-        if i < last:
-            x = block._finish(x, mixed)
-    return [SegmentSignature(len(t), a, split, tuple(p)) for (t, split), p in zip(segs, parts)]
+            self.parts[j].append(p)
+        if i < len(model.blocks) - 1:
+            self.x = block._finish(self.x, mixed)
+        else:
+            self.x = None  # nothing after the last mixer is needed
+        self.layer += 1
+
+    def signatures(self) -> list[SegmentSignature]:
+        if not self.done:
+            raise RuntimeError(f"alone pass not done: at layer {self.layer} of {len(self.model.blocks)}")
+        return [SegmentSignature(len(t), self.anchor_len, split, tuple(p)) for (t, split), p in zip(self.segs, self.parts)]
 
 
 class _Pack:

@@ -27,6 +27,16 @@ import torch
 KINDS = ("alone", "full")
 
 
+class Sample:
+    """One bracketed pass (`PathCosts.measure`); `discard()` keeps it out of the averages."""
+
+    def __init__(self) -> None:
+        self.discarded = False
+
+    def discard(self) -> None:
+        self.discarded = True
+
+
 class PathCosts:
     """Measured ms per token of alone passes and full passes (module docstring)."""
 
@@ -42,17 +52,22 @@ class PathCosts:
         self._pending: list[tuple[str, int, object, object]] = []
 
     @contextmanager
-    def measure(self, kind: str, tokens: int) -> Iterator[None]:
+    def measure(self, kind: str, tokens: int) -> Iterator["Sample"]:
+        """Bracket a pass of `tokens` tokens; `sample.discard()` inside drops it (a pass
+        that gave way half-way measures nothing useful)."""
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} must be one of {KINDS}")
+        sample = Sample()
         if tokens < self.min_tokens:
-            yield
+            yield sample
             return
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            yield
+            yield sample
+            if sample.discarded:
+                return
             end.record()
             self._pending.append((kind, tokens, start, end))
             if len(self._pending) > 64:  # never waited for; keep the list short
@@ -60,8 +75,9 @@ class PathCosts:
                 del self._pending[:-64]
             return
         t0 = time.perf_counter()
-        yield
-        self._add(kind, tokens, (time.perf_counter() - t0) * 1e3)
+        yield sample
+        if not sample.discarded:
+            self._add(kind, tokens, (time.perf_counter() - t0) * 1e3)
 
     def _add(self, kind: str, tokens: int, ms: float) -> None:
         per = ms / tokens

@@ -44,7 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.models.config import SWA, ModelConfig
-from engine.pic.compute import compute_signatures
+from engine.pic.compute import AlonePass
 from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
 from engine.pic.errors import AlonePassStopped, PicConfigError
@@ -209,6 +209,8 @@ class PicPlanner(ReportingPlanner):
         self.costs = PathCosts(self.device)
         #: idle alone passes stopped half-way for an arriving request (`help_idle(should_stop=...)`)
         self.idle_stopped = 0
+        #: the idle pass that gave way, with its batch, resumed by the next `help_idle`
+        self.idle_pass: Optional[tuple[list, AlonePass]] = None
 
     # ------------------------------------------------------------------ planning
     def key(self, content: Sequence[int], split: int) -> bytes:
@@ -429,14 +431,39 @@ class PicPlanner(ReportingPlanner):
         (idle work): asked between layers; True raises AlonePassStopped."""
         if not segments:
             return []
-        tokens = sum(len(self.anchor_ids) + len(ids) for ids, _ in segments)
-        with self.costs.measure("alone", tokens):
-            sigs = compute_signatures(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
-                                      backend=runner.backend, state_dtype=self.state_dtype,
-                                      keep_end_state=self.config.keep_end_state, should_stop=should_stop)
+        alone = self._start_alone(runner, segments)
+        with self.costs.measure("alone", alone.tokens):
+            if not alone.run(should_stop):
+                raise AlonePassStopped(f"alone pass stopped before layer {alone.layer}")
+        return self._signed(alone)
+
+    def _start_alone(self, runner, segments: Sequence[tuple[Sequence[int], int]]) -> AlonePass:
+        return AlonePass(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
+                         backend=runner.backend, state_dtype=self.state_dtype,
+                         keep_end_state=self.config.keep_end_state)
+
+    def _signed(self, alone: AlonePass) -> list[SegmentSignature]:
+        sigs = alone.signatures()
         for sig in sigs:
             sig.meta["fingerprint"] = self.fingerprint
         return sigs
+
+    def _run_idle(self, items: list, alone: AlonePass,
+                  should_stop: Optional[Callable[[], bool]]) -> Optional[list[SegmentSignature]]:
+        """Run (or resume) the idle batch `items`' alone pass: its signatures, or None when
+        it gave way to a request; it is then kept with its items (`idle_pass`) and the next
+        `help_idle` resumes it where it stopped. Only a pass run in one go is measured."""
+        self.idle_pass = None
+        fresh = alone.layer == 0
+        with self.costs.measure("alone", alone.tokens if fresh else 0) as sample:
+            finished = alone.run(should_stop)
+            if not finished:
+                sample.discard()
+        if not finished:
+            self.idle_pass = (items, alone)
+            self.idle_stopped += 1
+            return None
+        return self._signed(alone)
 
     @property
     def idle_poll_s(self) -> Optional[float]:
@@ -447,27 +474,22 @@ class PicPlanner(ReportingPlanner):
     def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """Compute queued cold-fallback segments alone and cache them; how many. Called
         by the engine while it has no request. `should_stop` (e.g. "a request arrived"):
-        asked between the pass's layers; when it says so the pass is dropped, its
-        segments go back to the front of the queue, and 0 is returned."""
-        todo = self._next_deferred()
-        todo = [t for t, held in zip(todo, self.cache.lookup([t[0] for t in todo])) if not held]
-        if not todo:
-            return 0
-        try:
-            sigs = self._alone(runner, [(ids, split) for _, ids, split in todo], should_stop)
-        except AlonePassStopped:
-            self._requeue(todo)
+        asked between the pass's layers; when it says so the pass gives way: it is kept,
+        0 is returned, and the next call resumes it where it stopped."""
+        if self.idle_pass is not None:
+            todo, alone = self.idle_pass
+        else:
+            todo = self._next_deferred()
+            todo = [t for t, held in zip(todo, self.cache.lookup([t[0] for t in todo])) if not held]
+            if not todo:
+                return 0
+            alone = self._start_alone(runner, [(ids, split) for _, ids, split in todo])
+        sigs = self._run_idle(todo, alone, should_stop)
+        if sigs is None:
             return 0
         for (key, _, _), sig in zip(todo, sigs):
             self.cache.put(key, sig)
         return len(todo)
-
-    def _requeue(self, todo: Sequence[tuple[bytes, tuple[int, ...], int]]) -> None:
-        """Put an idle batch stopped half-way back at the front of the queue."""
-        self.idle_stopped += 1
-        for key, ids, split in reversed(todo):
-            self.deferred[key] = (tuple(ids), split)
-            self.deferred.move_to_end(key, last=False)
 
     def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
         """Hook: make every unit's signature available in the request state before it is

@@ -76,7 +76,7 @@ def metric(url: str, name: str) -> float:
 def slowed_compute(monkeypatch, per_segment_s: float, gate=None):
     """Make this process's alone passes slow (the helper process's are not), optionally
     holding the first one until `gate()` is true."""
-    real = pic_planner.compute_signatures
+    real = pic_planner.AlonePass
     calls = []
 
     def slow(model, segments, *args, **kwargs):
@@ -87,7 +87,7 @@ def slowed_compute(monkeypatch, per_segment_s: float, gate=None):
             time.sleep(per_segment_s)
         return real(model, segments, *args, **kwargs)
 
-    monkeypatch.setattr(pic_planner, "compute_signatures", slow)
+    monkeypatch.setattr(pic_planner, "AlonePass", slow)
 
 
 def reference(memory_engine, segments):
@@ -228,13 +228,13 @@ def test_the_requester_computes_its_share_in_one_pass_then_what_no_helper_took_i
     want = reference(memory_engine, segments)
     engine, planner = store_engine(d, share_pack_tokens=1 << 20)  # no helper: its two, then the offered one
     passes = []
-    real = pic_planner.compute_signatures
+    real = pic_planner.AlonePass
 
     def counted(model, segs, *args, **kwargs):
         passes.append(len(segs))
         return real(model, segs, *args, **kwargs)
 
-    monkeypatch.setattr(pic_planner, "compute_signatures", counted)
+    monkeypatch.setattr(pic_planner, "AlonePass", counted)
     out, rep, st = run_one(engine, planner, segments, "r1")
     assert out.token_ids == want
     assert st.computed == 3 and st.offloaded == 0

@@ -49,14 +49,14 @@ def test_two_engines_needing_the_same_cold_segment_compute_it_once(start_daemon,
     d = start_daemon()
     (ea, pa), (eb, pb) = store_engine(d), store_engine(d)
     computing, go = threading.Event(), threading.Event()
-    real = pic_planner.compute_signatures
+    real = pic_planner.AlonePass
 
     def slow_compute(*args, **kwargs):  # holds engine A inside its alone pass until B waits
         computing.set()
         assert go.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pic_planner, "compute_signatures", slow_compute)
+    monkeypatch.setattr(pic_planner, "AlonePass", slow_compute)
     results = {}
     ta = threading.Thread(target=lambda: results.setdefault("a", run_one(ea, pa, prompt((1,)), "a")))
     ta.start()
@@ -163,14 +163,15 @@ def test_cold_fallback_serves_by_full_recompute_then_idle_help_stores_the_segmen
     keys = list(planner.deferred)
     with d.client() as kv:
         assert not any(e.hit for e in kv.lookup(keys))
-    # an idle pass gives way to a request: dropped half-way, claims released, queued again
+    # an idle pass gives way to a request: kept half-way (resumed later), claims released
     asked = []
     assert engine.help_idle(should_stop=lambda: asked.append(1) or True) == 0 and asked
-    assert list(planner.deferred) == keys and planner.idle_stopped == 1
+    assert planner.idle_pass is not None and not planner.deferred and planner.idle_stopped == 1
+    assert [key for (key, _, _), _ in planner.idle_pass[0]] == keys
     assert planner.store.metrics.snapshot()["idle_stopped"] == 1
     with d.client() as kv:  # nothing stored, and no claim left behind: another client may claim each key
         assert not any(e.hit for e in kv.lookup(keys))
-    assert engine.idle_poll_s is not None and engine.help_idle() == 3
+    assert engine.idle_poll_s is not None and engine.help_idle() == 3 and planner.idle_pass is None
     assert planner.store.flush()
     with d.client() as kv:
         assert all(e.hit for e in kv.lookup(keys))

@@ -150,7 +150,7 @@ def test_a_bad_cold_full_policy_is_refused():
         PicConfig(cold_full_fraction=0.5, cold_full_policy="sometimes")
 
 
-def test_an_idle_pass_gives_way_between_layers_and_its_segments_stay_queued(model_of, runner_of, planner_of):
+def test_an_idle_pass_gives_way_between_layers_and_resumes_where_it_stopped(model_of, runner_of, planner_of):
     from engine.pic.compute import compute_signatures
     from engine.pic.errors import AlonePassStopped
 
@@ -162,8 +162,22 @@ def test_an_idle_pass_gives_way_between_layers_and_its_segments_stay_queued(mode
     calls = []
     assert planner.help_idle(runner, should_stop=lambda: calls.append(1) or len(calls) >= 2) == 0
     assert len(calls) == 2  # asked between layers (never before the first), stopped at the second ask
-    assert list(planner.deferred) == queued and planner.idle_stopped == 1
-    assert planner.cache.stats().entries == 0  # nothing half-computed was kept
-    assert planner.help_idle(runner, should_stop=lambda: False) == 3 and not planner.deferred
+    assert planner.idle_stopped == 1 and planner.idle_pass is not None
+    items, alone = planner.idle_pass
+    assert [key for key, _, _ in items] == queued and alone.layer == 2 and not planner.deferred
+    assert planner.cache.stats().entries == 0  # nothing half-computed is stored
+    calls.clear()  # resumed: runs at least one layer before it is asked again
+    assert planner.help_idle(runner, should_stop=lambda: calls.append(1) or True) == 0
+    assert calls == [1] and alone.layer == 3 and planner.idle_stopped == 2
+    assert planner.help_idle(runner, should_stop=lambda: False) == 3 and planner.idle_pass is None
+    want = compute_signatures(model, [(ids, split) for _, ids, split in items], planner.anchor_ids,
+                              state_dtype=planner.state_dtype)
+    for (key, _, _), w in zip(items, want):  # the resumed pass stored what one uninterrupted pass computes
+        got = planner.cache.get(key)
+        for pg, pw in zip(got.layers, w.layers):
+            for name, x in vars(pw).items():
+                if isinstance(x, torch.Tensor):
+                    assert torch.equal(getattr(pg, name), x), name
+    assert planner.costs.snapshot()["alone_passes"] == 0  # a resumed pass measures no cost
     with pytest.raises(AlonePassStopped, match="layer 1"):
         compute_signatures(model, [(rand_ids(9, 1), 2)], [256], should_stop=lambda: True)
