@@ -109,9 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="PicConfig.cold_full_policy: fraction (fall back at --cold-full-fraction) or cost (at the "
                          "measured break-even share, full / alone cost per token, capped by the fraction)")
     ap.add_argument("--miss-path", default="context", choices=("alone", "context"),
-                    help="PicConfig.miss_path in the TTFT, QPS and breakdown phases: compute a request's uncached "
-                         "segments alone in the request (alone) or in context in its fused pass, alone later when "
-                         "idle (context)")
+                    help="PicConfig.miss_path in the TTFT, QPS, breakdown and two-engine sharing phases: compute "
+                         "a request's uncached segments alone in the request (alone) or in context in its fused "
+                         "pass, alone later when idle (context); the parallel-cold phase always computes them alone "
+                         "(it measures alone passes split across engines)")
     ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
@@ -247,13 +248,13 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
         trace = [r for task in args.share_tasks
                  for r in requests.load(task, args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)]
         rates = share_qps_rates(args, out, scale)
-        k = args.qps_requests
+        k = 2 * args.qps_requests  # per rung, over both engines
         stream = requests.load("rag", k * (len(rates) + 1), args.seed + 6, scale, args.max_tokens, args.docs)
         # the first trial is an untimed burst: an engine's first concurrent requests pay one-time costs
         trials = [(rate, stream[j * k:(j + 1) * k]) for j, rate in enumerate(rates[:1] + rates)] if rates else []
         runs = {mode: sharing.run_pair(preset, opts, trace, socket if mode == "shared" else None, threads, gpus,
                                        warm=warm, put_tier=args.put_tier if mode == "shared" else None,
-                                       trials=trials, seed=args.seed)
+                                       trials=trials, seed=args.seed, pic={"miss_path": args.miss_path})
                 for mode in ("private", "shared")}
         out["sharing"] = {"shared": runs["shared"], "private": runs["private"], "gpus": gpus}
         if rates:

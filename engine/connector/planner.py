@@ -378,7 +378,9 @@ class StorePicPlanner(PicPlanner):
             for _, claim in mine:
                 self.store.drop_claim(claim)
             m.inc("idle_stopped")
-            m.inc("deferred_alone_ms_total", (time.perf_counter() - t0) * 1e3)
+            spent = (time.perf_counter() - t0) * 1e3  # the layers run before it gave way
+            m.inc("deferred_ms_total", spent)
+            m.inc("deferred_alone_ms_total", spent)
             return 0
         t1 = time.perf_counter()
         for ((key, ids, _), claim), sig in zip(mine, sigs):

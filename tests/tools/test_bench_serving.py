@@ -45,7 +45,7 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     for mode in ("shared", "private"):
         trials = first["sharing"][mode]["trials"]
         assert [t["rate"] for t in trials] == q["rates"][:1] + q["rates"]  # an untimed burst, then the ladder
-        assert all(len(t["ttft_ms"]) == 4 for t in trials)
+        assert all(len(t["ttft_ms"]) == 8 for t in trials)  # 2 x --qps-requests per rung
     assert q["slo_ms"] > 0 and q["slo_rule"].endswith("private pair's idle rag p99")
     assert len(q["shared"]["passed"]) == 4 and summary["sharing_qps_gain_shared_vs_private"] == q["gain"]
     assert {"cpu", "nvme"} <= set(first["breakdown"])

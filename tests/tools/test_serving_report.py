@@ -42,3 +42,13 @@ def test_the_warm_cache_qps_gain_is_its_own_figure():
     assert s["qps_gain_vs_prefix_at_slo"] == (1.5 + 1.0) / 2
     assert s["qps_gain_vs_prefix_at_slo_warm"] == 4.0
     assert summarize({"c": {"workloads": {}}})["qps_gain_vs_prefix_at_slo_warm"] is None
+
+
+def test_the_two_engine_ladder_stops_at_the_first_failing_rung():
+    from tools.servebench.sharing import qps_at_slo
+
+    trials = [{"rate": r, "ttft_ms_p99": p99} for r, p99 in ((2, 100.0), (4, 300.0), (8, 900.0), (16, 200.0))]
+    got = qps_at_slo(trials, 500.0)
+    assert got["sustainable_qps"] == 4 and got["passed"] == [True, True, False, True]  # 16 passing is noise
+    assert qps_at_slo(trials[2:], 500.0)["sustainable_qps"] == 0.0
+    assert qps_at_slo([{"rate": 2, "ttft_ms_p99": None}], 500.0)["sustainable_qps"] == 0.0

@@ -87,7 +87,9 @@ def main() -> None:
         connector = StoreConnectorConfig(socket=spec["socket"], share_cold=bool(spec.get("share_cold", True)),
                                          rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
                                          put_tier=spec.get("put_tier"))
-    harness = Harness(engine, connector)
+    from engine.pic.config import PicConfig
+
+    harness = Harness(engine, connector, PicConfig(**(spec.get("pic") or {})))
     harness.planner("pic")
     name, role = spec["name"], spec.get("role", "requests")
     warm = BenchRequest(f"{name}-warmup", "warmup", (
