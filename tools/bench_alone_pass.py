@@ -43,6 +43,9 @@ def parse_args(argv=None):
     ap.add_argument("--seam", type=int, default=16, help="each segment's split (its seam)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="op table of one alone pass per preset and shape")
+    ap.add_argument("--check", action="store_true",
+                    help="also compare each shape's signatures with the torch backend's (largest relative error "
+                         "per part field; on CUDA the runner's backend is fla)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="write the run as JSON (default docs/results/alone-pass-<date>.json)")
     args = ap.parse_args(argv)
@@ -115,6 +118,9 @@ def bench_preset(preset: str, args) -> list[dict]:
                "full_ms": round(f_ms, 3), "alone_ms_per_token": a_ms / tokens, "full_ms_per_token": f_ms / len(prompt),
                "break_even": (f_ms / len(prompt)) / (a_ms / tokens), "backend": runner.backend,
                "alone_runs_ms": [round(x, 3) for x in a], "full_runs_ms": [round(x, 3) for x in f]}
+        if args.check:
+            row["check"] = check_against_torch(model, segs, runner.backend, state_dtype)
+            print(f"--- {preset} {m}x{n} vs torch backend: {row['check']}", flush=True)
         if args.profile:
             from tools.profile_engine import torch_tables
             from torch.profiler import ProfilerActivity, profile
@@ -128,6 +134,29 @@ def bench_preset(preset: str, args) -> list[dict]:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return rows
+
+
+def check_against_torch(model, segs, backend: str, state_dtype) -> dict:
+    """Largest relative error (max |a - b| / max |b|) per part field of the signatures the
+    runner's backend computes against the torch backend's, over every layer and segment."""
+    import torch
+
+    from engine.pic.compute import compute_signatures
+
+    got = compute_signatures(model, segs, [1], backend=backend, state_dtype=state_dtype)
+    want = compute_signatures(model, segs, [1], backend="torch", state_dtype=state_dtype)
+    worst: dict[str, float] = {}
+    for g, w in zip(got, want):
+        for pg, pw in zip(g.layers, w.layers):
+            for name, b in vars(pw).items():
+                a = getattr(pg, name)
+                if isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor) and a.shape == b.shape:
+                    b32, a32 = b.float(), a.float()
+                    err = float((a32 - b32).abs().max() / b32.abs().max().clamp_min(1e-30))
+                    worst[name] = max(worst.get(name, 0.0), err)
+                elif name == "live_heads" and a != b:
+                    worst["live_heads_differ"] = worst.get("live_heads_differ", 0) + 1
+    return {k: round(v, 6) for k, v in worst.items()}
 
 
 def table(rows: list[dict]) -> str:

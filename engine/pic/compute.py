@@ -67,7 +67,7 @@ def _attention_alone(mixer: Attention, h: torch.Tensor, positions: torch.Tensor)
 
 
 def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str, state_dtype: torch.dtype,
-                  keep_end_state: bool):
+                  keep_end_state: bool, pending: list):
     total = h.shape[0]
     conv_in, extras = mixer.project(h[None])
     conv_tail = None
@@ -82,21 +82,22 @@ def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str,
     o, state = mixer.run_recurrence(inp, zero, backend)
     out = mixer.output(o, extras)[0]
 
-    tail_state = tail_t = live = None
+    tail_state = None
     same = False
+    transitions = None
     if tail0 < total:
         tail = inp.slice_time(tail0, total)
         if tail0 == 0:
             tail_state, same = state, True
         else:
             _, tail_state = mixer.run_recurrence(tail, zero, backend)
-        tail_t, live = _tail_transition(mixer, tail, backend)
+        transitions = _tail_transitions(mixer, [tail], backend, state_dtype)
     part = LinearPart(
         family=mixer.family,
         state=state[0].to(state_dtype),
         tail_state=None if tail_state is None else tail_state[0].to(state_dtype),
-        tail_transition=None if tail_t is None else (tail_t if mixer.family != "delta" else tail_t.to(state_dtype)),
-        live_heads=live,
+        tail_transition=None,
+        live_heads=None,
         conv_tail=conv_tail,
         tail_state_is_state=same,
     )
@@ -104,24 +105,9 @@ def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str,
         part.tail_state = part.state
     if not keep_end_state:
         part.state, part.tail_state_is_state = None, False
+    if transitions is not None:
+        transitions.attach([part], pending)
     return out, part
-
-
-def _tail_transition(mixer: LinearMixer, tail: RecurrenceInputs, backend: str):
-    """(T_tail, live heads): log-decay sums for scalar/diag; for delta the dense operator
-    of the heads whose decay product has not underflowed (None when none has)."""
-    log_sum = tail.log_decay.to(torch.float32).sum(dim=1)[0]  # [H] or [H, dk]
-    if mixer.family != "delta":
-        return log_sum.contiguous(), None
-    live = log_sum >= LOG_FLOAT32_TINY
-    if not bool(live.any()):
-        return None, ()
-    dense = mixer.transition_operator(tail, backend)[0]  # [H, dk, dk]; fla on the GPU
-    live &= dense.abs().amax(dim=(1, 2)) > 0
-    heads = tuple(int(i) for i in torch.nonzero(live).flatten().tolist())
-    if not heads:
-        return None, ()
-    return dense[list(heads)].contiguous(), heads
 
 
 # ------------------------------------------------------------------ several segments, one pass
@@ -187,6 +173,8 @@ class AlonePass:
                 self.pack = _Pack(starts, lens, [a + min(split, len(t)) for t, split in segs])
             self.x = model.embed(ids)
         self.parts: list[list] = [[] for _ in segs]
+        #: delta layers' operators whose live heads are read once, at the end (settle_transitions)
+        self.pending: list = []
         #: the next layer to run
         self.layer = 0
 
@@ -225,11 +213,12 @@ class AlonePass:
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):
             if self.pack is None:
-                mixed, part = _linear_alone(mixer, h, self.tail0, self.backend, self.state_dtype, self.keep_end_state)
+                mixed, part = _linear_alone(mixer, h, self.tail0, self.backend, self.state_dtype, self.keep_end_state,
+                                            self.pending)
                 got = [part]
             else:
                 mixed, got = _linear_alone_packed(mixer, h, self.pack, self.backend, self.state_dtype,
-                                                  self.keep_end_state)
+                                                  self.keep_end_state, self.pending)
         elif isinstance(mixer, Attention):
             if self.pack is None:
                 mixed, part = _attention_alone(mixer, h, self.positions)
@@ -249,6 +238,7 @@ class AlonePass:
     def signatures(self) -> list[SegmentSignature]:
         if not self.done:
             raise RuntimeError(f"alone pass not done: at layer {self.layer} of {len(self.model.blocks)}")
+        settle_transitions(self.pending)
         return [SegmentSignature(len(t), self.anchor_len, split, tuple(p)) for (t, split), p in zip(self.segs, self.parts)]
 
 
@@ -287,7 +277,7 @@ def _attention_alone_packed(mixer: Attention, h: torch.Tensor, positions: torch.
 
 
 def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backend: str,
-                         state_dtype: torch.dtype, keep_end_state: bool):
+                         state_dtype: torch.dtype, keep_end_state: bool, pending: list):
     m = len(pack)
     conv_in, extras = mixer.project(h[None])
     conv_tails: list = [None] * m
@@ -325,7 +315,12 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
     cut = [j for j in has_tail if pack.tail0[j] > 0]
     tails = {j: inp.slice_time(pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
     tail_states: dict[int, torch.Tensor] = {j: states[j] for j in from_start}
-    if cut:
+    dense = None
+    if cut and backend == "fla" and mixer.family == "delta":
+        # E_tail and T of every tail in ONE varlen call (columns of a delta state are independent)
+        e_tail, dense = _delta_tails_fused(inp, pack, has_tail)
+        tail_states.update({j: e_tail[i:i + 1] for i, j in enumerate(has_tail) if j in cut})
+    elif cut:
         if backend == "fla":
             packed = _cat_inputs([tails[j] for j in cut])
             _, st = fla_backend.fla_chunk(mixer.family, packed, None,
@@ -335,20 +330,19 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
             zero = torch.zeros(1, *shape, dtype=torch.float32, device=dev)
             for j in cut:
                 tail_states[j] = mixer.run_recurrence(tails[j], zero, backend)[1]
-    transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend)
+    transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend, state_dtype, dense)
     parts = []
     for j in range(m):
-        tail_state = tail_t = live = None
+        tail_state = None
         same = j in from_start
         if j in tails:
             tail_state = tail_states[j]
-            tail_t, live = transitions[has_tail.index(j)]
         part = LinearPart(
             family=mixer.family,
             state=states[j][0].to(state_dtype),
             tail_state=None if tail_state is None else tail_state[0].to(state_dtype),
-            tail_transition=None if tail_t is None else (tail_t if mixer.family != "delta" else tail_t.to(state_dtype)),
-            live_heads=live,
+            tail_transition=None,
+            live_heads=None,
             conv_tail=conv_tails[j],
             tail_state_is_state=same,
         )
@@ -357,6 +351,8 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
         if not keep_end_state:
             part.state, part.tail_state_is_state = None, False
         parts.append(part)
+    if transitions is not None:
+        transitions.attach([parts[j] for j in has_tail], pending)
     return out, parts
 
 
@@ -368,35 +364,98 @@ def _cat_inputs(inps: list[RecurrenceInputs]) -> RecurrenceInputs:
         beta=None if first.beta is None else torch.cat([i.beta for i in inps], dim=1), scale=first.scale)
 
 
-def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend: str) -> list[tuple]:
-    """`_tail_transition` of every tail, with one host sync (and, for delta on fla, one
-    varlen call) for all of them."""
+def _delta_tails_fused(inp: RecurrenceInputs, pack: "_Pack", has_tail: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E_tail `[n, H, dk, dv]`, T `[n, H, dk, dk]`) of the delta-rule tails `has_tail` in
+    ONE fla varlen call over the packed inputs as they lie (no copy of q, k, decays):
+    every segment is cut into its seam and its tail, each its own sequence; the columns of
+    a delta state evolve independently, so a tail started at [0 | I] with values [v | 0]
+    ends at [E_tail | T] (T as HYPIC computes it: from S0 = I with v = 0); the seams'
+    states are not used."""
+    b, t, h, kd, vd = inp.shape
+    cu, rows = [0], []
+    for j in range(len(pack)):
+        s, e = pack.span(j)
+        cut = s + pack.tail0[j]
+        if s < cut < e:
+            cu.append(cut)
+        if j in has_tail:
+            rows.append(len(cu) - 1)  # the tail is the sequence that ends at e
+        cu.append(e)
+    v = torch.cat([inp.v, inp.v.new_zeros(b, t, h, kd)], dim=-1)
+    s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
+    s0[rows, ..., vd:] = torch.eye(kd, dtype=torch.float32, device=v.device)
+    st = fla_backend.fla_chunk("delta", replace(inp, v=v), s0, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1][rows]
+    return st[..., :vd], st[..., vd:]
+
+
+class _ScalarTransitions:
+    """Log-decay sums of scalar/diagonal-decay tails: known at once."""
+
+    def __init__(self, log_sums: list[torch.Tensor]) -> None:
+        self.log_sums = log_sums
+
+    def attach(self, parts: list, pending: list) -> None:
+        for part, ls in zip(parts, self.log_sums):
+            part.tail_transition = ls
+
+
+class _PendingTransitions:
+    """Dense delta-rule operators of one layer's tails, `[m, H, dk, dk]`, and which heads
+    stay live (`[m, H]`, on the device). Their parts get them when `settle_transitions`
+    reads every layer's live masks in one host sync at the end of the pass (no per-layer
+    device reads: the host keeps launching while the device computes)."""
+
+    def __init__(self, dense: torch.Tensor, live: torch.Tensor) -> None:
+        self.dense, self.live, self.parts = dense, live, []
+
+    def attach(self, parts: list, pending: list) -> None:
+        self.parts = parts
+        pending.append(self)
+
+
+def settle_transitions(pending: list[_PendingTransitions]) -> None:
+    """Give every pending delta part its live heads and operator rows: a head whose decay
+    product underflowed, or whose operator is exactly 0, has forgotten its prefix."""
+    if not pending:
+        return
+    lives = torch.cat([p.live for p in pending]).cpu()  # one sync for every layer
+    row = 0
+    for p in pending:
+        for i, part in enumerate(p.parts):
+            heads = tuple(int(x) for x in torch.nonzero(lives[row + i]).flatten().tolist())
+            part.live_heads = heads
+            if not heads:
+                part.tail_transition = None
+            elif len(heads) == p.dense.shape[1]:
+                part.tail_transition = p.dense[i]
+            else:
+                part.tail_transition = p.dense[i][list(heads)].contiguous()
+        row += len(p.parts)
+    pending.clear()
+
+
+def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend: str, state_dtype: torch.dtype,
+                      dense: Optional[torch.Tensor] = None):
+    """T_tail of every tail without reading the device: scalar/diag log-decay sums at
+    once; delta operators of every tail (`dense` when already computed; else one varlen
+    call on fla) with their live heads left on the device (`settle_transitions`). None
+    without tails."""
     if not tails:
-        return []
-    log_sums = [t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails]  # [H] or [H, dk]
+        return None
     if mixer.family != "delta":
-        return [(ls.contiguous(), None) for ls in log_sums]
-    live_any = (torch.stack(log_sums) >= LOG_FLOAT32_TINY).cpu()  # [m, H]: one sync
-    todo = [i for i in range(len(tails)) if bool(live_any[i].any())]
-    out: list[tuple] = [(None, ()) for _ in tails]
-    if not todo:
-        return out
-    if backend == "fla":
-        packed = _cat_inputs([tails[i] for i in todo])
-        b, t, h, kd, _ = packed.shape
-        eye = torch.eye(kd, dtype=torch.float32, device=packed.k.device).expand(len(todo), h, kd, kd).contiguous()
-        probe = replace(packed, v=torch.zeros(b, t, h, kd, dtype=packed.v.dtype, device=packed.v.device))
-        lens = [tails[i].q.shape[1] for i in todo]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        dense_all = fla_backend.fla_chunk("delta", probe, eye, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1]
-    else:
-        dense_all = torch.cat([mixer.transition_operator(tails[i], backend) for i in todo])
-    nonzero = (dense_all.abs().amax(dim=(2, 3)) > 0).cpu()  # [len(todo), H]: one sync
-    for row, i in enumerate(todo):
-        live = live_any[i] & nonzero[row]
-        heads = tuple(int(x) for x in torch.nonzero(live).flatten().tolist())
-        if heads:
-            out[i] = (dense_all[row][list(heads)].contiguous(), heads)
-    return out
+        return _ScalarTransitions([t.log_decay.to(torch.float32).sum(dim=1)[0].contiguous() for t in tails])
+    log_sums = torch.stack([t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails])  # [m, H]
+    if dense is None:
+        if backend == "fla" and len(tails) > 1:
+            packed = _cat_inputs(tails)
+            b, t, h, kd, _ = packed.shape
+            eye = torch.eye(kd, dtype=torch.float32, device=packed.k.device).expand(len(tails), h, kd, kd).contiguous()
+            probe = replace(packed, v=torch.zeros(b, t, h, kd, dtype=packed.v.dtype, device=packed.v.device))
+            cu = [0]
+            for x in tails:
+                cu.append(cu[-1] + x.q.shape[1])
+            dense = fla_backend.fla_chunk("delta", probe, eye, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1]
+        else:
+            dense = torch.cat([mixer.transition_operator(x, backend) for x in tails])
+    live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
+    return _PendingTransitions(dense.to(state_dtype), live)
