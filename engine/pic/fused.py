@@ -43,6 +43,7 @@ from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCa
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
 from engine.pic.config import SEAM_CHAIN_MODES
+from engine.pic import long_ranges
 from engine.pic.errors import SplicePlacementError
 from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
 from engine.pic.tokenwise import TokenWise
@@ -564,14 +565,28 @@ def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, conv_i
     E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
     T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
-    for a, b in _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None):
+    groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
+    longs = [(events[a][1], events[a][2]) for a, b in groups
+             if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
+    ops = long_ranges.range_operators(mixer.family, inp, longs) if len(longs) > 1 and long_ranges.BATCH_LONG_RANGES \
+        else None
+    starts: list[torch.Tensor] = []
+    for a, b in groups:
         ev = events[a]
         if b - a == 1 and ev[0] == "c" and backend == "fla" and ev[2] - ev[1] > CHAIN_MAX_TOKENS:
+            if ops is not None:  # its outputs come from one call for every long range, below
+                starts.append(state.clone())
+                state = long_ranges.step_over(mixer.family, ops[len(starts) - 1], state)
+                continue
             o_r, st = mixer.run_recurrence(inp.slice_time(ev[1], ev[2]), state.float()[None], backend)
             o[:, ev[1]:ev[2]] = o_r
             state = st[0]
             continue
         sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)
         _, state = seam_chain(inp, state, sub, mixer.family, force_triton=force, out=o)
+    if ops is not None:
+        o_long = long_ranges.range_outputs(mixer.family, inp, longs, starts)
+        for lo, hi in longs:
+            o[:, lo:hi] = o_long[:, lo:hi]
     cache.state[seq.slot] = state
     return o

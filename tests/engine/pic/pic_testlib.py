@@ -113,3 +113,18 @@ def layer0_inputs(model, ids):
         conv_in, extras = mixer.project(h[None])
         conv_out, _ = mixer.apply_conv(conv_in, None)
         return mixer.family, mixer.prepare(conv_out, extras)
+
+
+def fla_emulated(family, inp, initial_state, cu_seqlens=None):
+    """fla_backend.fla_chunk's contract (packed sequences, [N, H, K, V] states) through the
+    torch recurrence: lets the fla-only branches of the alone pass run on the CPU."""
+    from engine.models.layers.linear_ops import chunked_recurrence
+
+    cu = [0, inp.q.shape[1]] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    outs, states = [], []
+    for n in range(len(cu) - 1):
+        s0 = None if initial_state is None else initial_state[n:n + 1]
+        o, st = chunked_recurrence(family, inp.slice_time(cu[n], cu[n + 1]), s0, 16)
+        outs.append(o)
+        states.append(st)
+    return torch.cat(outs, dim=1), torch.cat(states).to(torch.float32)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import FULL, GDN, SWA
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, SWA
 from engine.pic.errors import PicConfigError
 
-from pic_testlib import execute, make_request, rand_ids
+from pic_testlib import execute, fla_emulated, make_request, rand_ids
 
 LAYERS = [GDN, FULL, SWA, GDN]
 
@@ -94,3 +94,47 @@ def test_the_alone_path_is_the_default_and_miss_path_is_validated(model_of, plan
         planner_of(model_of(LAYERS), fused=True, miss_path="later")
     with pytest.raises(PicConfigError, match="fused=True"):
         planner_of(model_of(LAYERS), fused=False, miss_path="context")
+
+
+@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+def test_long_in_context_misses_take_two_varlen_calls_per_layer_and_match_one_call_each(
+        layers, model_of, runner_of, planner_of, monkeypatch):
+    """engine.pic.long_ranges: on fla (emulated here by the torch recurrence), a seam-chain
+    layer's long computed ranges run as one call for their operators and one for their
+    outputs instead of one call each, with the same logits and caches."""
+    from engine.models.layers import fla_backend
+    from engine.pic import fused, long_ranges
+    from test_fused import _caches
+
+    calls = []
+
+    def counted(family, inp, initial_state, cu_seqlens=None):
+        calls.append(family)
+        return fla_emulated(family, inp, initial_state, cu_seqlens)
+
+    monkeypatch.setattr(fla_backend, "fla_chunk", counted)
+    monkeypatch.setattr(fused, "CHAIN_MAX_TOKENS", 8)  # the misses (15-20 tokens) are long ranges
+    model = model_of(layers)
+    docs, question = _docs(7), rand_ids(6, 99)
+    new = [rand_ids(n, 600 + n) for n in (20, 15, 17)]
+    layout = [(docs[0], True), (new[0], True), (docs[1], True), (new[1], True), (docs[2], True), (new[2], True),
+              (question, False)]
+    got = {}
+    for batch in (True, False):
+        monkeypatch.setattr(long_ranges, "BATCH_LONG_RANGES", batch)
+        runner = runner_of(model)
+        runner.backend = "fla"
+        planner = planner_of(model, fused=True, seam=4, miss_path="context", seam_chain="on")
+        _warm(planner, runner, docs, question)
+        calls.clear()
+        req = make_request(layout)
+        run = execute(planner, runner, req)
+        assert planner.take_report(req.request_id).miss_segments == 3
+        got[batch] = (run.logits[-1], _caches(runner, run.seq, len(req.prompt_token_ids)), len(calls))
+    linear = sum(1 for kind in layers if kind in (GDN, GLA, LIGHTNING))
+    assert got[True][2] == 2 * linear and got[False][2] == 3 * linear  # 3 long ranges per layer
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    for i, (a, b) in enumerate(zip(got[False][1], got[True][1])):
+        for x, y in zip(a, b):
+            if x is not None:
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {i}: {m}")

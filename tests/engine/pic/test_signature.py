@@ -9,7 +9,7 @@ from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
-from pic_testlib import plain_prefill, rand_ids
+from pic_testlib import fla_emulated, plain_prefill, rand_ids
 
 ALL_KINDS = [FULL, SWA, GDN, GLA, LIGHTNING, MAMBA2]
 
@@ -142,21 +142,6 @@ def test_several_segments_keep_forgotten_delta_heads_out_of_the_operator(model_o
     assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in got)
 
 
-def _fla_emulated(family, inp, initial_state, cu_seqlens=None):
-    """fla_backend.fla_chunk's contract (packed sequences, [N, H, K, V] states) through the
-    torch recurrence: lets the fla-only branches of the alone pass run on the CPU."""
-    from engine.models.layers.linear_ops import chunked_recurrence
-
-    cu = [0, inp.q.shape[1]] if cu_seqlens is None else [int(x) for x in cu_seqlens]
-    outs, states = [], []
-    for n in range(len(cu) - 1):
-        s0 = None if initial_state is None else initial_state[n:n + 1]
-        o, st = chunked_recurrence(family, inp.slice_time(cu[n], cu[n + 1]), s0, 16)
-        outs.append(o)
-        states.append(st)
-    return torch.cat(outs, dim=1), torch.cat(states).to(torch.float32)
-
-
 @pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL]], ids=["gdn", "gla"])
 def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(layers, model_of, monkeypatch):
     """On fla the delta tails' E_tail and T come from ONE call started at [0 | I] with
@@ -169,7 +154,7 @@ def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(lay
     segs = [(rand_ids(19, 1), 4), (rand_ids(9, 2), 0), (rand_ids(6, 3), 6), (rand_ids(12, 4), 3)]
     want = compute_signatures(model, segs, [256], backend="torch")
     want_one = compute_signature(model, segs[0][0], [256], segs[0][1], backend="torch")
-    monkeypatch.setattr(fla_backend, "fla_chunk", _fla_emulated)
+    monkeypatch.setattr(fla_backend, "fla_chunk", fla_emulated)
     got = compute_signatures(model, segs, [256], backend="fla")
     for g, w in zip(got, want):
         _same_signature(g, w)
