@@ -77,6 +77,7 @@ class StoreLink:
         self._thread: Optional[threading.Thread] = None
         self._daemon_pid: Optional[int] = None
         self._on_restart: list[Callable[[], None]] = []
+        self._on_connect: list[Callable[[], None]] = []
         self._generation = 0  # bumps on every new client
 
     def _new_client(self) -> ConnectorClient:
@@ -105,6 +106,11 @@ class StoreLink:
     def on_restart(self, fn: Callable[[], None]) -> None:
         """Call `fn()` (from the reconnect thread) when the daemon came back as a new process."""
         self._on_restart.append(fn)
+
+    def on_connect(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` after every successful connection (the first one and each reconnect),
+        from the thread that connected: it must return quickly."""
+        self._on_connect.append(fn)
 
     def start(self) -> bool:
         """Try to connect once; start the reconnect thread either way. True if connected."""
@@ -187,13 +193,15 @@ class StoreLink:
         if was_connected:
             self.metrics.inc("reconnects")
             log.info("reconnected to the kvstore daemon at %s (pid %s)", self.target, pid)
+        callbacks = list(self._on_connect)
         if restarted:
             self.metrics.inc("daemon_restarts")
-            for fn in self._on_restart:
-                try:
-                    fn()
-                except Exception:  # a callback must not kill the reconnect loop
-                    log.exception("on_restart callback failed")
+            callbacks = self._on_restart + callbacks
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a callback must not kill the reconnect loop
+                log.exception("connect callback failed")
         return True
 
     def _reconnect_loop(self) -> None:

@@ -142,8 +142,21 @@ class StoreSignatureCache(SignatureCache):
             near = DEFAULT_DEVICE_CACHE_BYTES if self.device.type == "cuda" else 0
         #: the engine's own device-resident signatures (StoreConnectorConfig.device_cache_bytes)
         self.near = InMemorySignatureCache(near)
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            self.link.on_connect(self._map_arenas_soon)
         if connect:
             self.link.start()
+
+    def _map_arenas_soon(self) -> None:
+        """Map and pin the daemon's CPU arena in the background after connecting, so the
+        first CPU-tier load does not pay it (pinning a 24 GiB arena takes seconds)."""
+        def run() -> None:
+            try:
+                self.link.call("map_arenas", lambda kv: kv.map_arenas())
+            except Exception as exc:  # the first load maps it then
+                log.debug("mapping the daemon's arenas ahead failed: %s", exc)
+
+        threading.Thread(target=run, name="kvconn-map-arenas", daemon=True).start()
 
     # ------------------------------------------------------------------ device cache
     def near_get(self, key: bytes) -> Optional[SegmentSignature]:

@@ -182,6 +182,17 @@ class KVStoreClient:
     def stats(self) -> dict[str, Any]:
         return codec.stats_from_pb(self._call("Stats", pb.StatsRequest()))
 
+    def map_arenas(self, pin: bool = True) -> list[str]:
+        """Map the daemon's shared-memory arena(s) into this process now and, with `pin`
+        where CUDA is usable, pin them for full-speed host-to-device copies, instead of at
+        the first read that needs each: pinning a large arena takes seconds (every page
+        is locked). Mappings are shared by every client of the process. Returns the
+        arenas' paths."""
+        paths = [t["path"] for t in self.stats().get("tiers", []) if t.get("name") == "cpu" and t.get("path")]
+        for path in paths:
+            self._core.regions.map_arena(path, pin=pin)
+        return paths
+
     def list(self, fingerprint: Optional[str] = None, prefix: Optional[KeyLike] = None, tier: Optional[str] = None,
              limit: Optional[int] = None) -> list[ObjectInfo]:
         return self._core.objects(self._call("List", self._core.list_request(fingerprint, prefix, tier, limit)))

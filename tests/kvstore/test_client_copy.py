@@ -26,7 +26,7 @@ def test_pinning_that_cannot_run_falls_back_to_an_unpinned_mapping(daemon, caplo
             kv.put(b"copy/pin", data, tier="cpu")
             with kv.get(b"copy/pin") as view:
                 assert view.tensor().numpy().tobytes() == data
-                arenas = list(kv._core.regions._arenas.values())
+                arenas = list(kv._core.regions._table.arenas.values())
         assert arenas and not any(a.pinned for a in arenas)
         assert "cudaHostRegister" in caplog.text
         kv.delete([b"copy/pin"])
@@ -72,3 +72,22 @@ def test_copy_to_reports_a_checksum_mismatch_and_bad_destinations(daemon):
             with pytest.raises(BadObject, match="hash to"):
                 view.copy_to(torch.empty(50_000, dtype=torch.uint8), verify=True)
         kv.delete([b"copy/bad"])
+
+
+def test_clients_of_one_process_share_one_arena_mapping_until_the_last_closes(daemon):
+    """kvstore.client.regions._ArenaTable: an arena is mapped (and, with CUDA, pinned)
+    once per process; `map_arenas` does it ahead of the first read."""
+    from kvstore.client.regions import _TABLE
+
+    a, b = daemon.client(), daemon.client()
+    (path,) = a.map_arenas()
+    assert path.endswith(".arena") and path in _TABLE.arenas
+    arena = _TABLE.arenas[path]
+    b.put(b"copy/shared", b"x" * 8192, tier="cpu")
+    with b.get(b"copy/shared") as view:  # b reads through the mapping a made
+        assert bytes(view.tensor().numpy()[:4]) == b"xxxx" and _TABLE.arenas[path] is arena
+    b.delete([b"copy/shared"])
+    a.close()
+    assert _TABLE.arenas.get(path) is arena  # b still uses it
+    b.close()
+    assert path not in _TABLE.arenas and path not in _TABLE.users  # the last user dropped it

@@ -80,6 +80,8 @@ def test_a_killed_daemon_costs_recomputation_and_a_restarted_one_is_found_with_i
     prompts = [prompt((0, 1)), prompt((1, 0)), prompt((0, 1))]
     want = reference(memory_engine, prompts)
     engine, planner = store_engine(d, put_tier="nvme")
+    connects = []
+    planner.store.link.on_connect(lambda: connects.append(planner.store.link.generation))
     out1, _, _ = run_one(engine, planner, prompts[0], "r1")
     assert planner.store.flush()
     d.kill()
@@ -94,6 +96,21 @@ def test_a_killed_daemon_costs_recomputation_and_a_restarted_one_is_found_with_i
     assert rep3.hit_segments == 2 and st3.hits_by_tier["nvme"] == 2
     snap = planner.store.metrics.snapshot()
     assert snap["reconnects"] >= 1 and snap["daemon_restarts"] == 1 and snap["store_available"] == 1
+    assert connects and connects[-1] == planner.store.link.generation  # told of the reconnection
+
+
+def test_the_connector_maps_the_daemons_cpu_arena_ahead_of_the_first_load(start_daemon, store_engine):
+    """On CUDA the connector maps and pins the CPU arena in the background on connecting
+    (StoreSignatureCache._map_arenas_soon); the mapping is the process's, shared with
+    every other client (kvstore.client.regions._ArenaTable)."""
+    from kvstore.client.regions import _TABLE
+
+    d = start_daemon()
+    _, planner = store_engine(d)
+    with d.client() as kv:
+        (path,) = [t["path"] for t in kv.stats()["tiers"] if t["name"] == "cpu"]
+    planner.store._map_arenas_soon()
+    wait_until(lambda: path in _TABLE.arenas, what="the arena mapped by the background thread")
 
 
 def test_a_frozen_daemon_is_bypassed_within_the_timeouts_then_used_again(start_daemon, store_engine):
