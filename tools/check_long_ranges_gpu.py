@@ -1,7 +1,8 @@
 """GPU check of engine.pic.long_ranges: a request whose missing segments are computed in
 context (PicConfig.miss_path="context") has one long computed range per miss in each
-linear layer; on fla they run as two varlen calls per layer (operators, then outputs)
-instead of one call each. Side by side in one process, the module flag on and off:
+linear layer; on fla they can run as two varlen calls per layer (operators, then outputs)
+instead of one call each. Side by side in one process, the path on (for every family,
+whatever long_ranges.BATCH_FAMILIES says) and off:
 
 1. correctness (tiny presets, float32, their trained weights): last-position logits and
    every linear layer's final state of the same request, batched vs one call per range
@@ -159,6 +160,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from engine.pic import long_ranges
+
+    # every family through the two-call path when "batched" (the engine's default batches
+    # only the delta rule: long_ranges.BATCH_FAMILIES); this tool measures each
+    long_ranges.BATCH_FAMILIES = ("delta", "diag", "scalar")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (the batched path runs on fla); --device cpu dry-runs the script", file=sys.stderr)
         return 2

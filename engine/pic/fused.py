@@ -568,7 +568,7 @@ def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, conv_i
     groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
     longs = [(events[a][1], events[a][2]) for a, b in groups
              if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
-    ops = long_ranges.range_operators(mixer.family, inp, longs) if len(longs) > 1 and long_ranges.BATCH_LONG_RANGES \
+    ops = long_ranges.range_operators(mixer.family, inp, longs) if long_ranges.batches(mixer.family, len(longs)) \
         else None
     starts: list[torch.Tensor] = []
     for a, b in groups:

@@ -19,8 +19,14 @@ host-bound. With two or more long ranges in a layer they now take two calls:
 2. `range_outputs`: ONE varlen call with every long range's start state gives their
    outputs.
 
-`BATCH_LONG_RANGES` (module flag) turns this off, for A/B checks
-(tools/check_long_ranges_gpu.py).
+`BATCH_FAMILIES` names the recurrence families that take this path: the delta rule only
+for now. Session 7's one run with every family batched (docs/BENCHMARKS.md, call D) had
+qwen3next (delta) sustain 3.2x prefix caching's rate on the stream and ring (scalar
+decay) fall to 0.35x, with per-request times above full recompute's; the two passes
+cover all of a layer's computed tokens each, so a cheap recurrence gains little and the
+cause was not isolated. Until `tools/check_long_ranges_gpu.py` measures each family
+(batched vs one call per range, one process), scalar and diagonal decay keep one call
+per range. `BATCH_LONG_RANGES` (module flag) turns the path off altogether.
 """
 from __future__ import annotations
 
@@ -34,6 +40,14 @@ from engine.models.layers.linear_ops import RecurrenceInputs, apply_transition
 
 #: run a layer's long computed ranges as two varlen calls when it has at least two
 BATCH_LONG_RANGES = True
+#: the recurrence families whose layers do (module docstring)
+BATCH_FAMILIES = ("delta",)
+
+
+def batches(family: str, long_ranges: int) -> bool:
+    """Whether a layer of `family` with `long_ranges` long computed ranges takes the
+    two-call path."""
+    return BATCH_LONG_RANGES and family in BATCH_FAMILIES and long_ranges > 1
 
 
 def _layout(ranges: Sequence[tuple[int, int]], total: int) -> tuple[torch.Tensor, list[int]]:

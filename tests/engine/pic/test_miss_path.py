@@ -114,6 +114,8 @@ def test_long_in_context_misses_take_two_varlen_calls_per_layer_and_match_one_ca
 
     monkeypatch.setattr(fla_backend, "fla_chunk", counted)
     monkeypatch.setattr(fused, "CHAIN_MAX_TOKENS", 8)  # the misses (15-20 tokens) are long ranges
+    assert long_ranges.BATCH_FAMILIES == ("delta",)  # the default: scalar/diagonal decay not yet measured
+    monkeypatch.setattr(long_ranges, "BATCH_FAMILIES", ("delta", "diag", "scalar"))
     model = model_of(layers)
     docs, question = _docs(7), rand_ids(6, 99)
     new = [rand_ids(n, 600 + n) for n in (20, 15, 17)]
