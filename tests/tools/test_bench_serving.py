@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     out = tmp_path / "serving.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "tools/bench_serving.py", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "tools/bench_serving.py", "--quick", "--share-warm-pair", "on", "--json",
+                           str(out)],
                           capture_output=True, text=True, cwd=str(REPO), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
@@ -39,6 +40,7 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
         pair = first["sharing"][mode]
         assert set(pair["tasks"]) == {"fact", "twohop", "aggregate", "fewshot", "rag"}
         assert sum(t["requests"] for t in pair["tasks"].values()) == pair["requests"] == 20
+    assert first["sharing"]["warm_pair_s"] > 0  # the untimed pair ran before the measured ones
     q = first["sharing"]["qps"]
     start = first["qps"]["start_rate"]  # the ladder: twice the single-engine search's start, x 1, 2, 4, 8
     assert q["rates"] == [2 * start * f for f in (1, 2, 4, 8)]
