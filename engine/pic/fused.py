@@ -43,22 +43,17 @@ from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCa
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
 from engine.pic.config import SEAM_CHAIN_MODES
-from engine.pic import long_ranges
 from engine.pic.errors import SplicePlacementError
+from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
 from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
 from engine.pic.tokenwise import TokenWise
 from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
 from kernels import rope_scatter
-from kernels.backend import HAS_TRITON
-from kernels.seam_chain import ADD, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents, seam_chain
 
 #: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
 #: rather than its chunk kernel (several launches and host syncs per call)
 RECURRENT_MAX_TOKENS = 64
-#: with the seam chain on fla, computed ranges longer than this run fla's chunk kernel
-#: between chain launches (the chain's per-token loop is serial in time)
-CHAIN_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -164,11 +159,11 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         elif isinstance(cache, StateSlotCache):
             conv_in, aux = proj
             prepare = tw.prepare_of(i, aux)
-            if not stateful and _chain_on(chain, mixer, device):
+            if not stateful and chain_on(chain, mixer, device):
                 if "chain" not in shared:
-                    shared["chain"] = _chain_tables(model, manager, events, device)
-                o = _linear_layer_chain(seq, cache, mixer, i, events, conv_in, prepare, shared["chain"][i], force,
-                                        backend, shared)
+                    shared["chain"] = chain_tables(model, manager, events, device)
+                inp = prepare(_conv_ranges(seq, cache, mixer, i, events, conv_in, shared=shared))
+                o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)
@@ -441,152 +436,3 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, pre
                 cp.states[layer] = (state.clone(), None if t is None else t.clone())
     cache.state[seq.slot] = state
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-# ------------------------------------------------------------- linear layers: seam chain
-#: families `auto` runs through the seam chain on CUDA: every one since the delta rule's
-#: dense composition was chunked (H200, 2026-11-29, tools/check_seam_chain.py, 10 pieces,
-#: seam 16, bf16: delta 0.24 ms per layer call against 2.56 ms for the per-event path, which
-#: is host-bound; scalar 0.10-0.11, diag 0.16 against 1.9-2.2 ms). The per-event path stays
-#: for the CPU, `chain="off"`, dims over MAX_DIM_TRITON and prefix checkpoints.
-CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
-
-
-def _chain_on(chain: str, mixer, device: torch.device) -> bool:
-    """Whether this linear layer runs its events as one kernels.seam_chain call."""
-    if chain == "off":
-        return False
-    if chain == "on":
-        return True
-    return (device.type == "cuda" and HAS_TRITON and mixer.family in CHAIN_AUTO_FAMILIES
-            and mixer.key_dim <= MAX_DIM_TRITON and mixer.value_dim <= MAX_DIM_TRITON)
-
-
-@dataclass
-class _ChainLayer:
-    """One linear layer's seam-chain events: the device table, and the pieces' E and T
-    tensors (stacked at the layer, one torch.cat each)."""
-
-    table: torch.Tensor  # int32 [n, 3] on the device
-    t_row: torch.Tensor  # int32 [n, H] on the device
-    E: list[torch.Tensor]
-    T: list[torch.Tensor]
-
-
-def _chain_layer_rows(events, layer: int, family: str, num_heads: int):
-    """(table rows, t_row rows, E list, T list) of one layer, in the semantics of
-    `_linear_layer` (first placement: S = E; naive addition: S + E_tail; a delta part
-    whose heads all forgot: S = E_tail; else S = T_tail S + E_tail, forgotten delta heads
-    with T row -1)."""
-    table, rows, E, T = [], [], [], []
-    n_t = 0
-    none = [-1] * num_heads
-    for ev in events:
-        if ev[0] == "c":
-            table.append((COMPUTE, ev[1], ev[2]))
-            rows.append(none)
-            continue
-        piece = ev[1]
-        part = _linear_part(piece, layer)
-        r = none
-        if piece.first:
-            kind, e = SET, part.state
-        elif piece.linear == "add":
-            kind, e = ADD, part.tail_state
-        elif family == "delta" and (part.tail_transition is None or not part.live_heads):
-            kind, e = SET, part.tail_state
-        else:
-            kind, e = COMPOSE, part.tail_state
-            heads = part.live_heads if family == "delta" else range(num_heads)
-            r = list(none)
-            for j, hd in enumerate(heads):
-                r[hd] = n_t + j
-            n_t += len(heads)
-            T.append(part.tail_transition)
-        if e is None:
-            raise SplicePlacementError(f"layer {layer}: signature has no {'end' if piece.first else 'tail'} state")
-        table.append((kind, len(E), 0))
-        rows.append(r)
-        E.append(e)
-    return table, rows, E, T
-
-
-def _chain_tables(model: HybridDecoder, manager: CacheManager, events, device) -> dict[int, _ChainLayer]:
-    """Every linear layer's event table, with ONE host-to-device copy per request."""
-    flat: list[int] = []
-    spans = {}
-    lists = {}
-    for i, cache in enumerate(manager.layers):
-        if not isinstance(cache, StateSlotCache):
-            continue
-        mixer = model.blocks[i].mixer
-        h = mixer.state_shape[0]
-        table, rows, E, T = _chain_layer_rows(events, i, mixer.family, h)
-        a = len(flat)
-        for t in table:
-            flat.extend(t)
-        b = len(flat)
-        for r in rows:
-            flat.extend(r)
-        spans[i] = (a, b, len(flat), len(table), h)
-        lists[i] = (E, T)
-    host = torch.tensor(flat, dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    out = {}
-    for i, (a, b, c, n, h) in spans.items():
-        out[i] = _ChainLayer(dev[a:b].view(n, 3), dev[b:c].view(n, h), *lists[i])
-    return out
-
-
-def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
-    """Event index runs [a, b) for seam_chain calls, and single long computed ranges
-    (b - a == 1, a compute event longer than `long_at` tokens) between them."""
-    groups, a = [], 0
-    for j, ev in enumerate(events):
-        if long_at is not None and ev[0] == "c" and ev[2] - ev[1] > long_at:
-            if j > a:
-                groups.append((a, j))
-            groups.append((j, j + 1))
-            a = j + 1
-    if a < len(events):
-        groups.append((a, len(events)))
-    return groups
-
-
-def _linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, conv_in, prepare, cl: _ChainLayer, force,
-                        backend, shared: Optional[dict] = None):
-    """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
-    (a computed range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain
-    calls when the backend is fla: token by token it would be slower)."""
-    state = cache.state[seq.slot]
-    inp = prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, shared=shared))
-    device = state.device
-    E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
-    T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
-    o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
-    groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
-    longs = [(events[a][1], events[a][2]) for a, b in groups
-             if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
-    ops = long_ranges.range_operators(mixer.family, inp, longs) if long_ranges.batches(mixer.family, len(longs)) \
-        else None
-    starts: list[torch.Tensor] = []
-    for a, b in groups:
-        ev = events[a]
-        if b - a == 1 and ev[0] == "c" and backend == "fla" and ev[2] - ev[1] > CHAIN_MAX_TOKENS:
-            if ops is not None:  # its outputs come from one call for every long range, below
-                starts.append(state.clone())
-                state = long_ranges.step_over(mixer.family, ops[len(starts) - 1], state)
-                continue
-            o_r, st = mixer.run_recurrence(inp.slice_time(ev[1], ev[2]), state.float()[None], backend)
-            o[:, ev[1]:ev[2]] = o_r
-            state = st[0]
-            continue
-        sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)
-        _, state = seam_chain(inp, state, sub, mixer.family, force_triton=force, out=o)
-    if ops is not None:
-        o_long = long_ranges.range_outputs(mixer.family, inp, longs, starts)
-        for lo, hi in longs:
-            o[:, lo:hi] = o_long[:, lo:hi]
-    cache.state[seq.slot] = state
-    return o

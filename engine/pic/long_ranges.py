@@ -1,6 +1,6 @@
 """A linear layer's long computed ranges in two fla varlen calls, not one call each.
 
-In the fused prefill's seam chain (engine.pic.fused, `_linear_layer_chain`) a computed
+In the fused prefill's seam chain (engine.pic.seam_chain_layer, `linear_layer_chain`) a computed
 range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain launches. A
 request whose missing segments are computed in context (`PicConfig.miss_path="context"`)
 has one such range per miss, and each fla call costs ~1.7 ms of host time on the H200

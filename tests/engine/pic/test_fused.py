@@ -201,7 +201,7 @@ def test_seam_chain_equals_steps_when_some_delta_heads_forgot_their_prefix(kerne
 
 
 def test_seam_chain_auto_policy_and_a_bad_mode_is_rejected(model_of, runner_of):
-    from engine.pic.fused import _chain_on
+    from engine.pic.seam_chain_layer import chain_on as _chain_on
     from engine.pic.config import PicConfig
     from engine.pic.errors import PicConfigError
 

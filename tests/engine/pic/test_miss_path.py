@@ -103,7 +103,7 @@ def test_long_in_context_misses_take_two_varlen_calls_per_layer_and_match_one_ca
     layer's long computed ranges run as one call for their operators and one for their
     outputs instead of one call each, with the same logits and caches."""
     from engine.models.layers import fla_backend
-    from engine.pic import fused, long_ranges
+    from engine.pic import long_ranges, seam_chain_layer
     from test_fused import _caches
 
     calls = []
@@ -113,7 +113,7 @@ def test_long_in_context_misses_take_two_varlen_calls_per_layer_and_match_one_ca
         return fla_emulated(family, inp, initial_state, cu_seqlens)
 
     monkeypatch.setattr(fla_backend, "fla_chunk", counted)
-    monkeypatch.setattr(fused, "CHAIN_MAX_TOKENS", 8)  # the misses (15-20 tokens) are long ranges
+    monkeypatch.setattr(seam_chain_layer, "CHAIN_MAX_TOKENS", 8)  # the misses (15-20 tokens) are long ranges
     assert long_ranges.BATCH_FAMILIES == ("delta",)  # the default: scalar/diagonal decay not yet measured
     monkeypatch.setattr(long_ranges, "BATCH_FAMILIES", ("delta", "diag", "scalar"))
     model = model_of(layers)
