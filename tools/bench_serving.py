@@ -108,6 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cold-full-policy", default="fraction", choices=("fraction", "cost"),
                     help="PicConfig.cold_full_policy: fraction (fall back at --cold-full-fraction) or cost (at the "
                          "measured break-even share, full / alone cost per token, capped by the fraction)")
+    ap.add_argument("--idle-resume", default="on", choices=("on", "off"),
+                    help="PicConfig.idle_resume: an idle alone pass that gives way to a request is resumed later (on) "
+                         "or dropped and queued again (off: the behaviour before session 7; for A/B runs)")
+    ap.add_argument("--long-range-families", default="delta", choices=("delta", "all", "none"),
+                    help="engine.pic.long_ranges.BATCH_FAMILIES in this process: the linear families whose long "
+                         "in-context ranges run as two varlen calls per layer (delta: the engine's default; all; none)")
     ap.add_argument("--share-warm-pair", default="auto", choices=("auto", "on", "off"),
                     help="run an untimed pair of workers (one request per workload and one Poisson rung) before "
                          "the measured pairs, so neither pays first-time kernel compilation; auto: on CUDA")
@@ -315,7 +321,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
                                      put_tier=args.put_tier)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
                                                cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
-                                               miss_path=args.miss_path),
+                                               miss_path=args.miss_path, idle_resume=args.idle_resume == "on"),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
@@ -443,6 +449,10 @@ def main(argv=None) -> int:
 
     if args.quick:
         torch.set_num_threads(1)
+    from engine.pic import long_ranges
+
+    long_ranges.BATCH_FAMILIES = {"delta": ("delta",), "all": ("delta", "diag", "scalar"),
+                                  "none": ()}[args.long_range_families]
     start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     daemon = None

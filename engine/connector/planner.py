@@ -377,6 +377,8 @@ class StorePicPlanner(PicPlanner):
         if sigs is None:  # a request arrived: release the claims, resume the pass later
             for _, claim in mine:
                 self.store.drop_claim(claim)
+            if self.idle_pass is None:  # not kept (idle_resume=False): queued again
+                self._requeue([t for t, _ in mine])
             m.inc("idle_stopped")
             spent = (time.perf_counter() - t0) * 1e3  # the layers run before it gave way
             m.inc("deferred_ms_total", spent)

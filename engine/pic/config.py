@@ -83,6 +83,9 @@ class PicConfig:
     inside the request's one fused pass, like prefix caching computes what it misses (a
     full prefill's cost per token, not an alone pass's), and queues them for idle-time
     alone passes (`help_idle`), so later requests hit them.
+    idle_resume (`pic`/`naive`): an idle alone pass that gives way to a request is kept
+    and resumed by the next idle call (True, default since session 7), or dropped and its
+    segments queued again (False: the behaviour before; for A/B runs).
     prefix_checkpoints (`prefix`): where prefix caching keeps linear states (and window
     rows), which a prefix can only be reused up to; full-attention K/V is kept at every
     cacheable segment boundary either way. `"branch"` (default, Marconi / SGLang style):
@@ -109,6 +112,7 @@ class PicConfig:
     cold_full_fraction: float | None = None
     cold_full_policy: str = "fraction"
     miss_path: str = "alone"
+    idle_resume: bool = True
     prefix_checkpoints: str = "branch"
 
     def __post_init__(self) -> None:
@@ -135,6 +139,8 @@ class PicConfig:
         if self.cold_full_policy not in COLD_FULL_POLICIES:
             raise PicConfigError(f"cold_full_policy={self.cold_full_policy!r} must be one of "
                                  f"{', '.join(COLD_FULL_POLICIES)}")
+        if not isinstance(self.idle_resume, bool):
+            raise PicConfigError(f"idle_resume={self.idle_resume!r} must be True or False")
         if self.miss_path not in MISS_PATHS:
             raise PicConfigError(f"miss_path={self.miss_path!r} must be one of {', '.join(MISS_PATHS)}")
         if self.miss_path == "context" and not self.fused:

@@ -460,10 +460,17 @@ class PicPlanner(ReportingPlanner):
             if not finished:
                 sample.discard()
         if not finished:
-            self.idle_pass = (items, alone)
+            if self.config.idle_resume:
+                self.idle_pass = (items, alone)
             self.idle_stopped += 1
             return None
         return self._signed(alone)
+
+    def _requeue(self, todo: Sequence[tuple[bytes, tuple[int, ...], int]]) -> None:
+        """Put an idle batch that gave way back at the front of the queue (idle_resume=False)."""
+        for key, ids, split in reversed(todo):
+            self.deferred[key] = (tuple(ids), split)
+            self.deferred.move_to_end(key, last=False)
 
     @property
     def idle_poll_s(self) -> Optional[float]:
@@ -486,6 +493,8 @@ class PicPlanner(ReportingPlanner):
             alone = self._start_alone(runner, [(ids, split) for _, ids, split in todo])
         sigs = self._run_idle(todo, alone, should_stop)
         if sigs is None:
+            if self.idle_pass is None:  # not kept (idle_resume=False): queued again
+                self._requeue(todo)
             return 0
         for (key, _, _), sig in zip(todo, sigs):
             self.cache.put(key, sig)

@@ -52,3 +52,17 @@ def test_the_two_engine_ladder_stops_at_the_first_failing_rung():
     assert got["sustainable_qps"] == 4 and got["passed"] == [True, True, False, True]  # 16 passing is noise
     assert qps_at_slo(trials[2:], 500.0)["sustainable_qps"] == 0.0
     assert qps_at_slo([{"rate": 2, "ttft_ms_p99": None}], 500.0)["sustainable_qps"] == 0.0
+
+
+def test_the_ab_switches_parse_and_refuse_bad_values(capsys):
+    import pytest
+
+    from tools.bench_serving import parse_args
+
+    args = parse_args([])
+    assert (args.idle_resume, args.long_range_families, args.share_warm_pair) == ("on", "delta", "auto")
+    args = parse_args(["--idle-resume", "off", "--long-range-families", "all"])
+    assert (args.idle_resume, args.long_range_families) == ("off", "all")
+    with pytest.raises(SystemExit):
+        parse_args(["--long-range-families", "scalar"])
+    assert "long-range-families" in capsys.readouterr().err

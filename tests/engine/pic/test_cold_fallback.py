@@ -181,3 +181,17 @@ def test_an_idle_pass_gives_way_between_layers_and_resumes_where_it_stopped(mode
     assert planner.costs.snapshot()["alone_passes"] == 0  # a resumed pass measures no cost
     with pytest.raises(AlonePassStopped, match="layer 1"):
         compute_signatures(model, [(rand_ids(9, 1), 2)], [256], should_stop=lambda: True)
+
+
+def test_without_idle_resume_a_pass_that_gives_way_is_dropped_and_queued_again(model_of, runner_of, planner_of):
+    model = model_of(LAYERS)
+    runner = runner_of(model)
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5, idle_resume=False)
+    execute(planner, runner, make_request(_segments(5)))
+    queued = list(planner.deferred)
+    assert planner.help_idle(runner, should_stop=lambda: True) == 0
+    assert planner.idle_pass is None and list(planner.deferred) == queued and planner.idle_stopped == 1
+    assert planner.cache.stats().entries == 0
+    assert planner.help_idle(runner) == 3 and not planner.deferred
+    with pytest.raises(PicConfigError, match="idle_resume"):
+        PicConfig(idle_resume="yes")
