@@ -111,6 +111,12 @@ def test_the_connector_maps_the_daemons_cpu_arena_ahead_of_the_first_load(start_
         (path,) = [t["path"] for t in kv.stats()["tiers"] if t["name"] == "cpu"]
     planner.store._map_arenas_soon()
     wait_until(lambda: path in _TABLE.arenas, what="the arena mapped by the background thread")
+    arena = _TABLE.arenas[path]
+    assert arena.array.size > 0 and not arena.pinned  # no CUDA here: mapped, not pinned
+    with d.client() as kv:  # another client of this process reads through the same mapping
+        kv.put(b"arena/shared", b"y" * 4096, tier="cpu")
+        with kv.get(b"arena/shared") as view:
+            assert bytes(view.tensor().numpy()[:2]) == b"yy" and _TABLE.arenas[path] is arena
 
 
 def test_a_frozen_daemon_is_bypassed_within_the_timeouts_then_used_again(start_daemon, store_engine):
