@@ -15,7 +15,6 @@ The last block's MLP is skipped: nothing a signature holds depends on it.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -25,6 +24,7 @@ from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
 from engine.models.layers import fla_backend
 from engine.models.layers.linear_ops import RecurrenceInputs
+from engine.pic import long_ranges
 from engine.pic.errors import AlonePassStopped, SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
@@ -120,8 +120,8 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
     `anchor_ids` exactly as `compute_signature` computes it, in ONE pass through the
     layers: the alone passes are packed one after another, attention runs per segment
     (each attends only to itself), and the linear recurrences run as fla varlen calls
-    (one per layer for the passes, one for the tails' E_tail, one for the delta tails'
-    T) or, on the torch backend, per segment. A cold request with m missing segments pays
+    (one per layer for the passes, one for the tails: E_tail, and for the delta rule T
+    with it) or, on the torch backend, per segment. A cold request with m missing segments pays
     one pass of per-call overhead instead of m."""
     return _run_to_end(AlonePass(model, segments, anchor_ids, backend, state_dtype, keep_end_state), should_stop)
 
@@ -316,9 +316,10 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
     tails = {j: inp.slice_time(pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
     tail_states: dict[int, torch.Tensor] = {j: states[j] for j in from_start}
     dense = None
-    if cut and backend == "fla" and mixer.family == "delta":
-        # E_tail and T of every tail in ONE varlen call (columns of a delta state are independent)
-        e_tail, dense = _delta_tails_fused(inp, pack, has_tail)
+    if has_tail and backend == "fla" and mixer.family == "delta":
+        # E_tail and T of every tail in ONE varlen call over the packed inputs as they lie
+        dense, e_tail = long_ranges.delta_operators(inp, [(pack.starts[j] + pack.tail0[j], pack.starts[j]
+                                                           + pack.lens[j]) for j in has_tail])
         tail_states.update({j: e_tail[i:i + 1] for i, j in enumerate(has_tail) if j in cut})
     elif cut:
         if backend == "fla":
@@ -362,30 +363,6 @@ def _cat_inputs(inps: list[RecurrenceInputs]) -> RecurrenceInputs:
         q=torch.cat([i.q for i in inps], dim=1), k=torch.cat([i.k for i in inps], dim=1),
         v=torch.cat([i.v for i in inps], dim=1), log_decay=torch.cat([i.log_decay for i in inps], dim=1),
         beta=None if first.beta is None else torch.cat([i.beta for i in inps], dim=1), scale=first.scale)
-
-
-def _delta_tails_fused(inp: RecurrenceInputs, pack: "_Pack", has_tail: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E_tail `[n, H, dk, dv]`, T `[n, H, dk, dk]`) of the delta-rule tails `has_tail` in
-    ONE fla varlen call over the packed inputs as they lie (no copy of q, k, decays):
-    every segment is cut into its seam and its tail, each its own sequence; the columns of
-    a delta state evolve independently, so a tail started at [0 | I] with values [v | 0]
-    ends at [E_tail | T] (T as HYPIC computes it: from S0 = I with v = 0); the seams'
-    states are not used."""
-    b, t, h, kd, vd = inp.shape
-    cu, rows = [0], []
-    for j in range(len(pack)):
-        s, e = pack.span(j)
-        cut = s + pack.tail0[j]
-        if s < cut < e:
-            cu.append(cut)
-        if j in has_tail:
-            rows.append(len(cu) - 1)  # the tail is the sequence that ends at e
-        cu.append(e)
-    v = torch.cat([inp.v, inp.v.new_zeros(b, t, h, kd)], dim=-1)
-    s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
-    s0[rows, ..., vd:] = torch.eye(kd, dtype=torch.float32, device=v.device)
-    st = fla_backend.fla_chunk("delta", replace(inp, v=v), s0, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1][rows]
-    return st[..., :vd], st[..., vd:]
 
 
 class _ScalarTransitions:
@@ -437,25 +414,15 @@ def settle_transitions(pending: list[_PendingTransitions]) -> None:
 def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend: str, state_dtype: torch.dtype,
                       dense: Optional[torch.Tensor] = None):
     """T_tail of every tail without reading the device: scalar/diag log-decay sums at
-    once; delta operators of every tail (`dense` when already computed; else one varlen
-    call on fla) with their live heads left on the device (`settle_transitions`). None
+    once; delta operators of every tail (`dense` when already computed: the packed pass
+    on fla, long_ranges.delta_operators) with their live heads left on the device (`settle_transitions`). None
     without tails."""
     if not tails:
         return None
     if mixer.family != "delta":
         return _ScalarTransitions([t.log_decay.to(torch.float32).sum(dim=1)[0].contiguous() for t in tails])
     log_sums = torch.stack([t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails])  # [m, H]
-    if dense is None:
-        if backend == "fla" and len(tails) > 1:
-            packed = _cat_inputs(tails)
-            b, t, h, kd, _ = packed.shape
-            eye = torch.eye(kd, dtype=torch.float32, device=packed.k.device).expand(len(tails), h, kd, kd).contiguous()
-            probe = replace(packed, v=torch.zeros(b, t, h, kd, dtype=packed.v.dtype, device=packed.v.device))
-            cu = [0]
-            for x in tails:
-                cu.append(cu[-1] + x.q.shape[1])
-            dense = fla_backend.fla_chunk("delta", probe, eye, cu_seqlens=torch.tensor(cu, dtype=torch.long))[1]
-        else:
-            dense = torch.cat([mixer.transition_operator(x, backend) for x in tails])
+    if dense is None:  # a single segment's tail, or the torch backend
+        dense = torch.cat([mixer.transition_operator(x, backend) for x in tails])
     live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
     return _PendingTransitions(dense.to(state_dtype), live)

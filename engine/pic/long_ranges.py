@@ -64,19 +64,29 @@ def _layout(ranges: Sequence[tuple[int, int]], total: int) -> tuple[torch.Tensor
     return torch.tensor(cu, dtype=torch.long), rows
 
 
+def delta_operators(inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T `[n, H, dk, dk]`, E `[n, H, dk, dv]`, float32) of each delta-rule range of `inp`
+    run from zero state, ranges sorted and disjoint, in ONE fla varlen call: a range
+    started at [0 | I] with values [v | 0] ends at [E | T] (T as HYPIC computes it: from
+    S0 = I with v = 0). Also the alone pass's tails (engine.pic.compute)."""
+    cu, rows = _layout(ranges, inp.q.shape[1])
+    b, t, h, kd, vd = inp.shape
+    v = torch.cat([inp.v, inp.v.new_zeros(b, t, h, kd)], dim=-1)
+    s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
+    s0[rows, ..., vd:] = torch.eye(kd, dtype=torch.float32, device=v.device)
+    st = fla_backend.fla_chunk("delta", replace(inp, v=v), s0, cu_seqlens=cu)[1][rows]
+    return st[..., vd:], st[..., :vd]
+
+
 def range_operators(family: str, inp: RecurrenceInputs,
                     ranges: Sequence[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(T, E) of each range of `inp` (`[1, C, ...]`) run from zero state, ranges sorted
     and disjoint: T in `linear_ops.transition_operator`'s form without the batch dim,
     E `[H, dk, dv]` float32."""
-    cu, rows = _layout(ranges, inp.q.shape[1])
     if family == "delta":
-        b, t, h, kd, vd = inp.shape
-        v = torch.cat([inp.v, inp.v.new_zeros(b, t, h, kd)], dim=-1)
-        s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
-        s0[rows, ..., vd:] = torch.eye(kd, dtype=torch.float32, device=v.device)
-        st = fla_backend.fla_chunk("delta", replace(inp, v=v), s0, cu_seqlens=cu)[1][rows]
-        return [(st[i, ..., vd:], st[i, ..., :vd]) for i in range(len(ranges))]
+        T, E = delta_operators(inp, ranges)
+        return list(zip(T.unbind(0), E.unbind(0)))
+    cu, rows = _layout(ranges, inp.q.shape[1])
     st = fla_backend.fla_chunk(family, inp, None, cu_seqlens=cu)[1][rows]
     g = inp.log_decay[0].to(torch.float32)  # [C, H] or [C, H, dk]
     return [(g[a:b].sum(dim=0), st[i]) for i, (a, b) in enumerate(ranges)]
