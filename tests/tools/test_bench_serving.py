@@ -64,6 +64,10 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     assert first["qps"]["slo_rule"].endswith("full-recompute rag p99 (idle)")
     for trial in first["qps"]["pic"]["trials"]:  # where each trial's time went
         assert len(trial["ttft_ms"]) == len(trial["queue_ms"]) > 0 and trial["idle_ms"] >= 0
+        n = len(trial["ttft_ms"])  # per request: its prompt, what it computed, its prefill's host time
+        assert len(trial["prompt_tokens"]) == len(trial["computed_tokens"]) == len(trial["prefill_host_ms"]) == n
+        assert all(0 < c <= p for c, p in zip(trial["computed_tokens"], trial["prompt_tokens"]))
+        assert all(ms > 0 for ms in trial["prefill_host_ms"])
     for method in ("prefix", "pic"):  # each method met concurrency once, untimed, before its trials
         for part in (first["qps"], first["qps"]["warm"]):
             burst = part[method]["warmup_burst"]

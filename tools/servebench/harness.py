@@ -197,7 +197,9 @@ class Harness:
         (optional) gets where the time went: `queue_ms` per request (arrival to
         scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals; it gives
         way, between layers, to a request that is due), `idle_stopped` (idle passes
-        dropped for one), `hit_segments` / `miss_segments` (summed over the requests' reports)."""
+        dropped for one), `hit_segments` / `miss_segments` (summed over the requests' reports),
+        and per request `prompt_tokens`, `computed_tokens` (run through the model in context
+        for it) and `prefill_host_ms` (host wall time of its prefill steps)."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rng = random.Random(seed)
         t = time.perf_counter() + 0.01
@@ -208,6 +210,7 @@ class Harness:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         ttfts: dict[str, float] = {}
         queued: dict[str, float] = {}
+        host_ms: dict[str, float] = {}
         ids: list[str] = []
         idle_calls, idle_s = 0, 0.0
         stopped0 = getattr(planner, "idle_stopped", 0)
@@ -235,11 +238,15 @@ class Harness:
                     tl = out.timeline
                     if tl.scheduled is not None:
                         queued[out.request_id] = (tl.scheduled - tl.arrival) * 1e3
+                    host_ms[out.request_id] = sum(tl.prefill_split.values()) * 1e3
         hits = misses = 0
+        prompt, computed = [], []
         for rid in ids:
             rep = planner.take_report(rid)
             if rep is not None:
                 hits, misses = hits + rep.hit_segments, misses + rep.miss_segments
+                prompt.append(rep.prompt_tokens)
+                computed.append(rep.recomputed_tokens - rep.miss_tokens)
             take = getattr(planner, "take_store_report", None)
             if take:
                 take(rid)
@@ -248,7 +255,8 @@ class Harness:
         if info is not None:
             info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
                         idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0,
-                        hit_segments=hits, miss_segments=misses)
+                        hit_segments=hits, miss_segments=misses, prompt_tokens=prompt, computed_tokens=computed,
+                        prefill_host_ms=[round(host_ms[i], 3) for i in ids if i in host_ms])
         return [ttfts[i] for i in ids if i in ttfts]
 
 
