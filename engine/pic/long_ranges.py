@@ -1,4 +1,4 @@
-"""A linear layer's long computed ranges in two fla varlen calls, not one call each.
+"""A linear layer's long computed ranges in one or two fla varlen calls, not one call each.
 
 In the fused prefill's seam chain (engine.pic.seam_chain_layer, `linear_layer_chain`) a computed
 range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain launches. A
@@ -6,32 +6,33 @@ request whose missing segments are computed in context (`PicConfig.miss_path="co
 has one such range per miss, and each fla call costs ~1.7 ms of host time on the H200
 (session 7 profile: 36 calls, 60 ms of a 123 ms host pass), so a layer of a request with
 four misses spent ~7 ms launching while its device work took less: the request was
-host-bound. With two or more long ranges in a layer they now take two calls:
+host-bound. With two or more long ranges in a layer they now take:
 
-1. `range_operators`: every long range from zero state, in ONE varlen call over the
-   layer's computed inputs as they lie (the ranges between them ride along as their own
+1. `run_from_zero`: every long range from zero state, in ONE varlen call over the layer's
+   computed inputs as they lie (the ranges between them ride along as their own
    sequences, their results unused): each range's end state from zero E and its
    transition T (scalar/diag: log-decay sums; delta: the dense operator, from the same
    call: the columns of a delta state evolve independently, so a range started at
    [0 | I] with values [v | 0] ends at [E | T]). The chain then steps over a long range
    as the composition S = T S + E (float32; exact in exact arithmetic), keeping the
    state the range starts from.
-2. `range_outputs`: ONE varlen call with every long range's start state gives their
-   outputs.
+2. `outputs`: every long range's outputs from its start state S. Scalar and diagonal
+   decay need no second call: a start state adds `scale (q_t * exp(G_t)) S` to the
+   zero-start output of step 1, G_t the log decays summed from the range's first token
+   through t (the identity `linear_ops.chunked_recurrence` uses between chunks). The
+   delta rule's dependence on S runs through every token's transition, so it takes ONE
+   more varlen call from the start states.
 
-`BATCH_FAMILIES` names the recurrence families that take this path: the delta rule only
-for now. Session 7's one run with every family batched (docs/BENCHMARKS.md, call D) had
-qwen3next (delta) sustain 3.2x prefix caching's rate on the stream and ring (scalar
-decay) fall to 0.35x, with per-request times above full recompute's; the two passes
-cover all of a layer's computed tokens each, so a cheap recurrence gains little and the
-cause was not isolated. Until `tools/check_long_ranges_gpu.py` measures each family
-(batched vs one call per range, one process), scalar and diagonal decay keep one call
-per range. `BATCH_LONG_RANGES` (module flag) turns the path off altogether.
+`BATCH_FAMILIES` names the families that take this path. Session 7's one run with scalar
+decay batched as the delta rule is (two calls; docs/BENCHMARKS.md, call D) had ring fall
+to 0.35x on the stream; session 8's run without it (s8A) had 1.0-1.25x, so that drop was
+mostly the QPS ladder's noise, and scalar/diag now take the one-call form above.
+`BATCH_LONG_RANGES` (module flag) turns the path off altogether.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 import torch
 
@@ -41,7 +42,7 @@ from engine.models.layers.linear_ops import RecurrenceInputs, apply_transition
 #: run a layer's long computed ranges as two varlen calls when it has at least two
 BATCH_LONG_RANGES = True
 #: the recurrence families whose layers do (module docstring)
-BATCH_FAMILIES = ("delta",)
+BATCH_FAMILIES = ("delta", "diag", "scalar")
 
 
 def batches(family: str, long_ranges: int) -> bool:
@@ -78,18 +79,26 @@ def delta_operators(inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]]) ->
     return st[..., vd:], st[..., :vd]
 
 
-def range_operators(family: str, inp: RecurrenceInputs,
-                    ranges: Sequence[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(T, E) of each range of `inp` (`[1, C, ...]`) run from zero state, ranges sorted
-    and disjoint: T in `linear_ops.transition_operator`'s form without the batch dim,
-    E `[H, dk, dv]` float32."""
+@dataclass
+class FromZero:
+    """A layer's long ranges run from zero state (`run_from_zero`): each range's (T, E),
+    T in `linear_ops.transition_operator`'s form without the batch dim and E `[H, dk, dv]`
+    float32; for scalar/diagonal decay also the outputs from zero `[1, C, H, dv]`."""
+
+    ops: list[tuple[torch.Tensor, torch.Tensor]]
+    zero_out: Optional[torch.Tensor] = None
+
+
+def run_from_zero(family: str, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]]) -> FromZero:
+    """Step 1 (module docstring) for the ranges of `inp` (`[1, C, ...]`), sorted and disjoint."""
     if family == "delta":
         T, E = delta_operators(inp, ranges)
-        return list(zip(T.unbind(0), E.unbind(0)))
+        return FromZero(list(zip(T.unbind(0), E.unbind(0))))
     cu, rows = _layout(ranges, inp.q.shape[1])
-    st = fla_backend.fla_chunk(family, inp, None, cu_seqlens=cu)[1][rows]
+    o, st = fla_backend.fla_chunk(family, inp, None, cu_seqlens=cu)
+    st = st[rows]
     g = inp.log_decay[0].to(torch.float32)  # [C, H] or [C, H, dk]
-    return [(g[a:b].sum(dim=0), st[i]) for i, (a, b) in enumerate(ranges)]
+    return FromZero([(g[a:b].sum(dim=0), st[i]) for i, (a, b) in enumerate(ranges)], o)
 
 
 def step_over(family: str, op: tuple[torch.Tensor, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
@@ -98,10 +107,33 @@ def step_over(family: str, op: tuple[torch.Tensor, torch.Tensor], state: torch.T
     return apply_transition(family, T, state.to(torch.float32)) + E
 
 
-def range_outputs(family: str, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]],
-                  starts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Outputs `[1, C, H, dv]` of every range run from its start state (`[H, dk, dv]`
-    each), in one varlen call; rows outside the ranges are not meaningful."""
+def outputs(family: str, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]], run: FromZero,
+            starts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Step 2 (module docstring): outputs `[1, C, H, dv]` of every range run from its start
+    state (`[H, dk, dv]` each); rows outside the ranges are not meaningful."""
+    if run.zero_out is None:
+        return _outputs_from_starts(family, inp, ranges, starts)
+    return with_start_states(family, inp, ranges, run.zero_out, starts)
+
+
+def with_start_states(family: str, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]],
+                      zero_out: torch.Tensor, starts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Scalar/diagonal decay: the ranges' zero-start outputs plus each start state's share,
+    `scale (q_t * exp(G_t)) S` (float32, then the outputs' dtype); in place."""
+    if family not in ("scalar", "diag"):
+        raise ValueError(f"family={family!r}: only scalar and diagonal decay have closed-form start states")
+    for (a, b), s in zip(ranges, starts):
+        G = inp.log_decay[0, a:b].to(torch.float32).cumsum(dim=0)  # [L, H] or [L, H, dk]
+        decay = G.exp()[..., None] if family == "scalar" else G.exp()
+        q = inp.q[0, a:b].to(torch.float32) * decay * inp.scale  # [L, H, dk]
+        o = zero_out[0, a:b].to(torch.float32) + torch.einsum("lhk,hkv->lhv", q, s.to(torch.float32))
+        zero_out[0, a:b] = o.to(zero_out.dtype)
+    return zero_out
+
+
+def _outputs_from_starts(family: str, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]],
+                         starts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """ONE varlen call with every range's start state (the delta rule)."""
     cu, rows = _layout(ranges, inp.q.shape[1])
     _, _, h, kd, vd = inp.shape
     s0 = torch.zeros(len(cu) - 1, h, kd, vd, dtype=torch.float32, device=inp.v.device)

@@ -1,7 +1,7 @@
 """A linear layer of the fused prefill (engine.pic.fused) as kernels.seam_chain calls:
 every computed range's recurrence and every piece's composition, in prompt order, in one
 launch per run of events (long computed ranges on fla between them: one fla chunk call
-each, or for the delta rule two varlen calls for all of them, engine.pic.long_ranges).
+each, or with two or more, one or two varlen calls for all of them: engine.pic.long_ranges).
 
 `chain_on` says which layers take this path, `chain_tables` builds every layer's event
 table with one host-to-device copy per request, `linear_layer_chain` runs one layer over
@@ -152,15 +152,15 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
     groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
     longs = [(events[a][1], events[a][2]) for a, b in groups
              if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
-    ops = long_ranges.range_operators(mixer.family, inp, longs) if long_ranges.batches(mixer.family, len(longs)) \
+    run = long_ranges.run_from_zero(mixer.family, inp, longs) if long_ranges.batches(mixer.family, len(longs)) \
         else None
     starts: list[torch.Tensor] = []
     for a, b in groups:
         ev = events[a]
         if b - a == 1 and ev[0] == "c" and backend == "fla" and ev[2] - ev[1] > CHAIN_MAX_TOKENS:
-            if ops is not None:  # its outputs come from one call for every long range, below
+            if run is not None:  # its outputs come with every long range's, below
                 starts.append(state.clone())
-                state = long_ranges.step_over(mixer.family, ops[len(starts) - 1], state)
+                state = long_ranges.step_over(mixer.family, run.ops[len(starts) - 1], state)
                 continue
             o_r, st = mixer.run_recurrence(inp.slice_time(ev[1], ev[2]), state.float()[None], backend)
             o[:, ev[1]:ev[2]] = o_r
@@ -168,8 +168,8 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
             continue
         sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)
         _, state = seam_chain(inp, state, sub, mixer.family, force_triton=force, out=o)
-    if ops is not None:
-        o_long = long_ranges.range_outputs(mixer.family, inp, longs, starts)
+    if run is not None:
+        o_long = long_ranges.outputs(mixer.family, inp, longs, run, starts)
         for lo, hi in longs:
             o[:, lo:hi] = o_long[:, lo:hi]
     cache.state[seq.slot] = state
