@@ -27,5 +27,6 @@ def test_dry_run_on_the_cpu_checks_and_times_both_settings(tmp_path):
     (row,) = run["timing"]
     assert row["miss_segments"] == 2 and row["hit_segments"] == 2
     assert row["batched_ms"] > 0 and row["per_range_ms"] > 0 and row["full_ms"] > 0
+    assert row["max_abs_logit_diff"] == 0.0 and row["logit_abs_max"] > 0  # nothing batched on the CPU
     assert proc.stdout.strip().splitlines()[0].startswith("{")
     assert "| ring-tiny | 2/4 |" in proc.stdout
