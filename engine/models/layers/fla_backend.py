@@ -13,10 +13,23 @@ default `[N, H, K, V]` layout (`state_v_first=False`) with `initial_state` float
 q/k are passed already L2-normalised where the layer wants it (the in-kernel l2norm flag
 stays off), beta already through its sigmoid. fla is used only when CUDA is available and
 the package imports; `linear_backend()` names the path a call takes.
+
+Varlen calls without a host sync: fla 0.6's `chunk_simple_gla` and `chunk_gla` state pass
+(`fla.ops.common.chunk_h.chunk_fwd_h`) reads the number of state splits back from the
+device (`split_offsets[-1].item()`), one host-device sync per varlen call even when the
+caller hands it `cu_seqlens_cpu`. A sync per call stops the host from running ahead of the
+device: on the H200 (session 8, ring-bench) a request's long ranges batched into one varlen
+call per layer took 118 ms against 79 ms for one plain call per range, and the alone
+pass's profile showed 109 syncs. `fla_chunk` therefore passes scalar/diagonal-decay varlen
+calls through `_chunk_fwd_h_host`, the same kernel launch with the offsets computed from
+the host copy of `cu_seqlens` (installed over the name those two modules import when its
+signature matches fla's; otherwise fla's own function runs, with its sync).
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import threading
 
 import torch
 
@@ -62,6 +75,65 @@ def _prep(inp: RecurrenceInputs, initial_state: torch.Tensor | None):
     return q, k, v, g, s0
 
 
+#: scalar/diagonal-decay varlen calls take the chunk offsets from the host (module docstring);
+#: False: fla's own chunk_fwd_h (one device read per call), for A/B runs
+HOST_OFFSETS = True
+#: the host copy of the running varlen call's cu_seqlens (per thread), for _chunk_fwd_h_host
+_HOST_CU = threading.local()
+#: fla's chunk_fwd_h parameters that _chunk_fwd_h_host reproduces
+_CHUNK_FWD_H_PARAMS = ("k", "v", "g", "g_gamma", "gk", "gv", "h0", "output_final_state", "state_v_first",
+                       "cu_seqlens", "chunk_size", "split_size", "states_in_fp32")
+
+
+def _chunk_fwd_h_host(k, v, g=None, g_gamma=None, gk=None, gv=None, h0=None, output_final_state=False,
+                      state_v_first=False, cu_seqlens=None, chunk_size=64, split_size=None, states_in_fp32=False):
+    """fla.ops.common.chunk_h.chunk_fwd_h (fla-core 0.6) with a varlen call's chunk offsets
+    from the host copy of cu_seqlens `fla_chunk` set: the same kernel launch, no device read."""
+    import triton
+    from fla.ops.common import chunk_h
+
+    cpu = getattr(_HOST_CU, "cu", None)
+    if cu_seqlens is None or cpu is None or cpu.numel() != cu_seqlens.numel():
+        return chunk_h.chunk_fwd_h(k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0,
+                                   output_final_state=output_final_state, state_v_first=state_v_first,
+                                   cu_seqlens=cu_seqlens, chunk_size=chunk_size, split_size=split_size,
+                                   states_in_fp32=states_in_fp32)
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    BT = chunk_size
+    BS = BT if split_size is None else split_size
+    assert BS % BT == 0, f"split_size={BS} must be a multiple of chunk_size={BT}"
+    splits = torch.nn.functional.pad((cpu[1:] - cpu[:-1] + BS - 1) // BS, (1, 0)).cumsum(-1)  # prepare_chunk_offsets
+    N, NS = cpu.numel() - 1, int(splits[-1])
+    split_offsets = splits.to(k.device, non_blocking=True)
+    state_shape = (V, K) if state_v_first else (K, V)
+    h = k.new_empty(B, NS, H, *state_shape, dtype=k.dtype if not states_in_fp32 else torch.float)
+    ht = k.new_empty(N, H, *state_shape, dtype=torch.float) if output_final_state else None
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+    chunk_h.chunk_fwd_kernel_h[grid](
+        k=k, v=v, h=h, g=g, g_gamma=g_gamma, gk=gk, gv=gv, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
+        split_offsets=split_offsets, T=T, H=H, K=K, V=V, BT=BT, BS=BS, USE_G=g is not None,
+        USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None, USE_GV=gv is not None, STATE_V_FIRST=state_v_first)
+    return h, ht
+
+
+@functools.lru_cache(maxsize=1)
+def install_host_offsets() -> bool:
+    """Put `_chunk_fwd_h_host` where fla's simple_gla and gla chunk modules look up
+    chunk_fwd_h (once). False, and fla untouched, when fla's function has other parameters."""
+    from fla.ops.common import chunk_h
+    from fla.ops.gla import chunk as gla_chunk
+    from fla.ops.simple_gla import chunk as simple_gla_chunk
+
+    if tuple(inspect.signature(chunk_h.chunk_fwd_h).parameters) != _CHUNK_FWD_H_PARAMS:
+        return False
+    simple_gla_chunk.chunk_fwd_h = _chunk_fwd_h_host
+    gla_chunk.chunk_fwd_h = _chunk_fwd_h_host
+    return True
+
+
 def fla_chunk(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill through fla. Returns (o `[B, T, H, V]`, final state float32).
@@ -77,13 +149,21 @@ def fla_chunk(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | 
         beta = inp.beta.to(v.dtype).contiguous()
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=s0,
                                       output_final_state=True, **var)
-    elif family == "diag":
+    elif family in ("diag", "scalar"):
         from fla.ops.gla import chunk_gla
-        o, s = chunk_gla(q, k, v, g, scale=inp.scale, initial_state=s0, output_final_state=True, **var)
-    elif family == "scalar":
         from fla.ops.simple_gla import chunk_simple_gla
-        o, s = chunk_simple_gla(q, k, v, g=g, scale=inp.scale, initial_state=s0,
-                                output_final_state=True, **var)
+
+        if var and HOST_OFFSETS:
+            install_host_offsets()
+        _HOST_CU.cu = var.get("cu_seqlens_cpu") if HOST_OFFSETS else None
+        try:
+            if family == "diag":
+                o, s = chunk_gla(q, k, v, g, scale=inp.scale, initial_state=s0, output_final_state=True, **var)
+            else:
+                o, s = chunk_simple_gla(q, k, v, g=g, scale=inp.scale, initial_state=s0,
+                                        output_final_state=True, **var)
+        finally:
+            _HOST_CU.cu = None
     else:
         raise ValueError(f"recurrence family={family!r} has no fla kernel")
     return o, s.to(torch.float32)
