@@ -111,10 +111,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--idle-resume", default="on", choices=("on", "off"),
                     help="PicConfig.idle_resume: an idle alone pass that gives way to a request is resumed later (on) "
                          "or dropped and queued again (off: the behaviour before session 7; for A/B runs)")
-    ap.add_argument("--long-range-families", default="all", choices=("delta", "all", "none"),
+    ap.add_argument("--long-range-families", default="delta", choices=("delta", "all", "none"),
                     help="engine.pic.long_ranges.BATCH_FAMILIES in this process: the linear families whose long "
-                         "in-context ranges share varlen calls per layer (all: the engine's default; delta: scalar "
-                         "and diagonal decay one call per range, as before session 8; none: every family so)")
+                         "in-context ranges share varlen calls per layer (delta: the engine's default; all: scalar "
+                         "and diagonal decay too, in one call with closed-form start states; none: one call per "
+                         "range for every family)")
     ap.add_argument("--share-warm-pair", default="auto", choices=("auto", "on", "off"),
                     help="run an untimed pair of workers (one request per workload and one Poisson rung) before "
                          "the measured pairs, so neither pays first-time kernel compilation; auto: on CUDA")

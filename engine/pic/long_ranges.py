@@ -23,11 +23,15 @@ host-bound. With two or more long ranges in a layer they now take:
    delta rule's dependence on S runs through every token's transition, so it takes ONE
    more varlen call from the start states.
 
-`BATCH_FAMILIES` names the families that take this path. Session 7's one run with scalar
-decay batched as the delta rule is (two calls; docs/BENCHMARKS.md, call D) had ring fall
-to 0.35x on the stream; session 8's run without it (s8A) had 1.0-1.25x, so that drop was
-mostly the QPS ladder's noise, and scalar/diag now take the one-call form above.
-`BATCH_LONG_RANGES` (module flag) turns the path off altogether.
+`BATCH_FAMILIES` names the families that take this path by default: the delta rule only.
+Scalar decay batched has not beaten one call per range on the H200 (docs/BENCHMARKS.md,
+session 8; ring-bench, 4 misses of 8 documents, bf16, `tools/check_long_ranges_gpu.py`):
+the one-call form took 117-118 ms in two runs, one call per range 79 ms in the first and
+96-154 ms (drifting) in the second, full recompute 97 ms; the same form with fla's own
+varlen state pass (a device read per call, engine.models.layers.fla_backend) 121 ms. The
+two paths' last-position logits differ by up to 0.11 (of 4.0; bf16, random weights),
+against 1e-5 in float32 (tests/engine/pic). `bench_serving --long-range-families all`
+batches every family. `BATCH_LONG_RANGES` (module flag) turns the path off altogether.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from engine.models.layers.linear_ops import RecurrenceInputs, apply_transition
 #: run a layer's long computed ranges as two varlen calls when it has at least two
 BATCH_LONG_RANGES = True
 #: the recurrence families whose layers do (module docstring)
-BATCH_FAMILIES = ("delta", "diag", "scalar")
+BATCH_FAMILIES = ("delta",)
 
 
 def batches(family: str, long_ranges: int) -> bool:

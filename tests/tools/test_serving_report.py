@@ -60,9 +60,9 @@ def test_the_ab_switches_parse_and_refuse_bad_values(capsys):
     from tools.bench_serving import parse_args
 
     args = parse_args([])
-    assert (args.idle_resume, args.long_range_families, args.share_warm_pair) == ("on", "all", "auto")
-    args = parse_args(["--idle-resume", "off", "--long-range-families", "delta"])
-    assert (args.idle_resume, args.long_range_families) == ("off", "delta")
+    assert (args.idle_resume, args.long_range_families, args.share_warm_pair) == ("on", "delta", "auto")
+    args = parse_args(["--idle-resume", "off", "--long-range-families", "all"])
+    assert (args.idle_resume, args.long_range_families) == ("off", "all")
     with pytest.raises(SystemExit):
         parse_args(["--long-range-families", "scalar"])
     assert "long-range-families" in capsys.readouterr().err
