@@ -130,6 +130,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="profile the last request of each method and cache state per workload (torch.profiler: "
                          "Chrome traces and op tables in DIR)")
+    ap.add_argument("--qps-trace-trial", type=int, default=None, metavar="N",
+                    help="with --trace: profile stream trial N (0-based) of each method in the QPS search "
+                         "(torch.profiler over every thread: requests, idle alone passes, puts)")
+    ap.add_argument("--qps-idle", default="on", choices=("on", "off"),
+                    help="run the engine's idle work (queued alone passes, their puts) between Poisson arrivals "
+                         "(on, as a server does); off: a diagnostic, requests without background work (misses "
+                         "computed in context are then never cached)")
     ap.add_argument("--put-tier", default=None, choices=("gpu", "cpu", "nvme"),
                     help="daemon tier the engines put new signatures in (default: the daemon's default tier); "
                          "gpu: the daemon's GPU tier, which engines on other GPUs read by peer copy")
@@ -325,6 +332,7 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
                                                cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
                                                miss_path=args.miss_path, idle_resume=args.idle_resume == "on"),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
+    h.idle_between_arrivals = args.qps_idle == "on"
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:
         measure.warm_kernels(h, scale, args.max_tokens, args.docs)
@@ -343,14 +351,15 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
             warm = args.qps_warmup if args.qps_warmup is not None else 2 * k
             stream = requests.load("rag", warm + k * trials, args.seed + 1, scale, args.max_tokens, args.docs)
             q = {"slo_ms": slo, "slo_rule": f"{args.slo_ms} ms" if args.slo_ms else
-                 f"{args.slo_factor} x full-recompute rag {args.slo_of} (idle)"}
+                 f"{args.slo_factor} x full-recompute rag {args.slo_of} (idle)", "idle_between_arrivals": args.qps_idle}
             # both methods start at the same rate, half of what full recompute serves back to
             # back, and double it while the SLO holds (bisecting after the first miss)
             start = 500.0 / rag["full"]["warm"]["ttft_ms_mean"]
             q["start_rate"] = start
             if args.qps_cache in ("stream", "both"):
                 for method in ("prefix", "pic"):
-                    q[method] = measure.qps_at_slo(h, method, stream, warm, k, trials, slo, start, args.seed)
+                    q[method] = measure.qps_at_slo(h, method, stream, warm, k, trials, slo, start, args.seed,
+                                                   trace_trial=args.qps_trace_trial)
                     log(f"{preset} qps {method}: {q[method]['sustainable_qps']:.2f}/s at p99 <= {slo:.0f} ms")
             if args.qps_cache in ("warm", "both"):
                 q["warm"] = {}

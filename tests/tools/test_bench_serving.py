@@ -101,3 +101,25 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     assert merged["presets"] == run["presets"] and merged["summary"] == summary
     assert merged["merged_from"] == [str(p) for p in parts]
     assert proc.stdout.strip().splitlines()[-1].startswith("summary: ttft_reduction_vs_prefix_avg=")
+
+
+def test_a_stream_trial_profiled_and_run_without_idle_work(tmp_path):
+    """--qps-trace-trial with --trace writes the op tables of one stream trial per method;
+    --qps-idle off runs no idle work between arrivals (the in-context misses stay queued)."""
+    out, trace = tmp_path / "serving.json", tmp_path / "trace"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "tools/bench_serving.py", "--quick", "--presets", "ring-tiny",
+                           "--workloads", "rag", "--n", "1", "--skip", "sharing,cold,breakdown", "--qps-cache", "stream",
+                           "--qps-trials", "2", "--qps-requests", "3", "--cold-full-fraction", "0", "--qps-idle", "off",
+                           "--trace", str(trace), "--qps-trace-trial", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=str(REPO), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    q = json.loads(out.read_text())["presets"]["ring-tiny"]["qps"]
+    assert q["idle_between_arrivals"] == "off"
+    for method in ("prefix", "pic"):
+        trials = q[method]["trials"]
+        assert [t.get("traced", False) for t in trials] == [False, True]
+        assert all(t["idle_calls"] == 0 for t in trials)
+        table = (trace / "ring-tiny" / f"qps-{method}-trial1.txt").read_text()
+        assert "Self CPU time total" in table and "sync-like calls" in table
+    assert sum(t["miss_segments"] for t in q["pic"]["trials"]) > 0  # nothing cached them between arrivals

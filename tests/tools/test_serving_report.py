@@ -61,8 +61,12 @@ def test_the_ab_switches_parse_and_refuse_bad_values(capsys):
 
     args = parse_args([])
     assert (args.idle_resume, args.long_range_families, args.share_warm_pair) == ("on", "delta", "auto")
+    assert (args.qps_idle, args.qps_trace_trial) == ("on", None)
     args = parse_args(["--idle-resume", "off", "--long-range-families", "all"])
     assert (args.idle_resume, args.long_range_families) == ("off", "all")
     with pytest.raises(SystemExit):
         parse_args(["--long-range-families", "scalar"])
     assert "long-range-families" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--qps-idle", "maybe"])
+    assert "qps-idle" in capsys.readouterr().err

@@ -59,6 +59,9 @@ class Harness:
         self.engine = engine
         #: where `run_alone(..., trace=NAME)` writes torch.profiler traces (None: never)
         self.trace_dir = trace_dir
+        #: `run_poisson` runs the engine's idle work (queued alone passes and their puts)
+        #: between arrivals; False: it only waits (a diagnostic: requests without background work)
+        self.idle_between_arrivals = True
         self.connector = connector
         self.pic_config = pic
         self._planners: dict[str, Any] = {}
@@ -225,7 +228,8 @@ class Harness:
                 t_idle = time.perf_counter()
                 # idle work (cold-fallback segments) between arrivals; it gives way when the
                 # next request is due, as the server's loop lets it give way to a new request
-                did = engine.help_idle(should_stop=lambda: bool(arrivals) and arrivals[0][0] <= time.perf_counter())
+                did = self.idle_between_arrivals and engine.help_idle(
+                    should_stop=lambda: bool(arrivals) and arrivals[0][0] <= time.perf_counter())
                 idle_s += time.perf_counter() - t_idle
                 if did:
                     idle_calls += 1

@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from engine.connector.attach import attach_store
-from tools.servebench.harness import Harness, Run, percentile
+from tools.servebench.harness import Harness, Run, _start_profile, _write_profile, percentile
 from tools.servebench.requests import BenchRequest, twin
 
 
@@ -106,13 +106,15 @@ def _mean_store(runs: Sequence[Run]) -> dict:
 
 def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: int, per_trial: int,
                trials: int, slo_ms: float, start_rate: float, seed: int, factor: float = 2.0,
-               warm_twins: bool = False) -> dict:
+               warm_twins: bool = False, trace_trial: Optional[int] = None) -> dict:
     """Highest tried rate with p99 TTFT <= slo_ms (module docstring). `stream` holds
     warmup + trials * per_trial requests. The warm-up runs its requests alone, its last
     `per_trial` as an untimed Poisson burst at `start_rate` (`warmup_burst`): the first
     requests an engine runs concurrently pay one-time costs (seconds of queueing in
     session 5's runs), which would otherwise fail whichever method's first trial meets
-    them, and the other method would not."""
+    them, and the other method would not. `trace_trial` (with `h.trace_dir`): profile
+    that trial (0-based; host and device, every thread: the idle work and the puts
+    between arrivals too) as `qps-<method>-trial<N>` (the profiled trial counts as run)."""
     h.planner(method, fresh=(method == "prefix"))
     burst = stream[max(0, warmup - per_trial):warmup]
     for r in stream[:max(0, warmup - per_trial)]:
@@ -134,7 +136,11 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
             while h.engine.help_idle():  # PIC's queued alone passes (cold fallback, miss_path="context")
                 pass
         info: dict = {}
+        prof = _start_profile() if (trace_trial == i and h.trace_dir) else None
         ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
+        if prof is not None:
+            _write_profile(prof, h.trace_dir, f"qps-{method}{'-warm' if warm_twins else ''}-trial{i}")
+            info["traced"] = True
         p99 = percentile(ttfts, 99)
         ok = p99 is not None and p99 <= slo_ms
         tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok,
