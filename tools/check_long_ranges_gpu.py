@@ -1,8 +1,9 @@
 """GPU check of engine.pic.long_ranges: a request whose missing segments are computed in
 context (PicConfig.miss_path="context") has one long computed range per miss in each
 linear layer; on fla they can share varlen calls per layer (one for scalar/diagonal decay,
-two for the delta rule: engine.pic.long_ranges) instead of one call each. Side by side in one process, the path on (for every family,
-whatever long_ranges.BATCH_FAMILIES says) and off:
+two for the delta rule: engine.pic.long_ranges) instead of one call each. Side by side in
+one process, the path on (for every family, whatever long_ranges.BATCH_FAMILIES says) and
+off:
 
 1. correctness (tiny presets, float32, their trained weights): last-position logits and
    every linear layer's final state of the same request, batched vs one call per range

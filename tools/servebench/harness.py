@@ -163,7 +163,7 @@ class Harness:
         `<trace>-idle`."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rid = self._rid(req.id)
-        prof = _start_profile() if (trace and self.trace_dir) else None
+        prof = start_profile() if (trace and self.trace_dir) else None
         engine.add_request(req.as_prompt(), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
                            request_id=rid)
         final = None
@@ -172,14 +172,14 @@ class Harness:
                 if out.request_id == rid and out.finished:
                     final = out
         if prof is not None:
-            _write_profile(prof, self.trace_dir, trace)
+            write_profile(prof, self.trace_dir, trace)
         rep = planner.take_report(rid)
         take = getattr(planner, "take_store_report", None)
         sr = take(rid) if take else None
         if prof is not None and getattr(planner, "deferred", None):  # the idle work it queued, profiled apart
-            idle = _start_profile()
+            idle = start_profile()
             self.drain_idle()
-            _write_profile(idle, self.trace_dir, f"{trace}-idle")
+            write_profile(idle, self.trace_dir, f"{trace}-idle")
         self.drain_idle()  # requests alone: the engine is idle before the next one arrives
         if hasattr(planner, "store"):
             planner.store.flush()
@@ -272,7 +272,7 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return float(np.percentile(list(values), q))
 
 
-def _start_profile():
+def start_profile():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -282,7 +282,7 @@ def _start_profile():
     return prof
 
 
-def _write_profile(prof, directory: str, name: str) -> None:
+def write_profile(prof, directory: str, name: str) -> None:
     from pathlib import Path
 
     prof.__exit__(None, None, None)

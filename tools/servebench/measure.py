@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from engine.connector.attach import attach_store
-from tools.servebench.harness import Harness, Run, _start_profile, _write_profile, percentile
+from tools.servebench.harness import Harness, Run, start_profile, write_profile, percentile
 from tools.servebench.requests import BenchRequest, twin
 
 
@@ -114,7 +114,8 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
     session 5's runs), which would otherwise fail whichever method's first trial meets
     them, and the other method would not. `trace_trial` (with `h.trace_dir`): profile
     that trial (0-based; host and device, every thread: the idle work and the puts
-    between arrivals too) as `qps-<method>-trial<N>` (the profiled trial counts as run)."""
+    between arrivals too) as `qps-<method>-trial<N>`; it is marked `traced` (the
+    profiler slows it, so its pass or fail is not a clean figure: for diagnosis only)."""
     h.planner(method, fresh=(method == "prefix"))
     burst = stream[max(0, warmup - per_trial):warmup]
     for r in stream[:max(0, warmup - per_trial)]:
@@ -136,10 +137,10 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
             while h.engine.help_idle():  # PIC's queued alone passes (cold fallback, miss_path="context")
                 pass
         info: dict = {}
-        prof = _start_profile() if (trace_trial == i and h.trace_dir) else None
+        prof = start_profile() if (trace_trial == i and h.trace_dir) else None
         ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
         if prof is not None:
-            _write_profile(prof, h.trace_dir, f"qps-{method}{'-warm' if warm_twins else ''}-trial{i}")
+            write_profile(prof, h.trace_dir, f"qps-{method}{'-warm' if warm_twins else ''}-trial{i}")
             info["traced"] = True
         p99 = percentile(ttfts, 99)
         ok = p99 is not None and p99 <= slo_ms

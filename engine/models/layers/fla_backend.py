@@ -17,13 +17,14 @@ the package imports; `linear_backend()` names the path a call takes.
 Varlen calls without a host sync: fla 0.6's `chunk_simple_gla` and `chunk_gla` state pass
 (`fla.ops.common.chunk_h.chunk_fwd_h`) reads the number of state splits back from the
 device (`split_offsets[-1].item()`), one host-device sync per varlen call even when the
-caller hands it `cu_seqlens_cpu`. A sync per call stops the host from running ahead of the
-device: on the H200 (session 8, ring-bench) a request's long ranges batched into one varlen
-call per layer took 118 ms against 79 ms for one plain call per range, and the alone
-pass's profile showed 109 syncs. `fla_chunk` therefore passes scalar/diagonal-decay varlen
-calls through `_chunk_fwd_h_host`, the same kernel launch with the offsets computed from
-the host copy of `cu_seqlens` (installed over the name those two modules import when its
-signature matches fla's; otherwise fla's own function runs, with its sync).
+caller hands it `cu_seqlens_cpu`, and a sync stops the host from running ahead of the
+device (a ring-bench alone pass, whose every linear layer makes varlen calls, showed 109
+syncs). `fla_chunk` therefore passes scalar/diagonal-decay varlen calls through
+`_chunk_fwd_h_host`, the same kernel launch with the offsets computed from the host copy
+of `cu_seqlens` (installed over the name those two modules import when its signature
+matches fla's; otherwise fla's own function runs, with its sync). Measured on the H200
+(session 8, tools/check_long_ranges_gpu.py, ring-bench, long ranges batched): 117 ms
+with it, 121 ms with fla's sync; `HOST_OFFSETS = False` restores fla's path.
 """
 from __future__ import annotations
 
