@@ -46,6 +46,10 @@ def parse_args(argv=None):
     ap.add_argument("--check", action="store_true",
                     help="also compare each shape's signatures with the torch backend's (largest relative error "
                          "per part field; on CUDA the runner's backend is fla)")
+    ap.add_argument("--tail-states", default="fla", choices=("fla", "direct", "both"),
+                    help="engine.pic.compute.TAIL_STATES for scalar/diagonal-decay tails on fla: fla (a second "
+                         "varlen call: the engine's default), direct (one sum per tail), or both: the pass timed "
+                         "each way in this process (alone_direct_tails_ms next to alone_ms)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="write the run as JSON (default docs/results/alone-pass-<date>.json)")
     args = ap.parse_args(argv)
@@ -79,6 +83,7 @@ def bench_preset(preset: str, args) -> list[dict]:
     from engine.builder import resolve_device, resolve_dtype
     from engine.cache.manager import CacheConfig, CacheManager
     from engine.models.weights import load_model
+    from engine.pic import compute
     from engine.pic.compute import compute_signatures
     from engine.pic.planner import resolve_state_dtype
     from engine.runtime.runner import ModelRunner
@@ -110,14 +115,25 @@ def bench_preset(preset: str, args) -> list[dict]:
             finally:
                 mgr.free(seq)
 
+        default = compute.TAIL_STATES
+        compute.TAIL_STATES = "direct" if args.tail_states == "direct" else "fla"
         a = _timed(alone, sync, args.repeats)
         f = _timed(full, sync, args.repeats)
+        other = None
+        if args.tail_states == "both":
+            compute.TAIL_STATES = "direct"
+            other = _timed(alone, sync, args.repeats)
+        compute.TAIL_STATES = default
         a_ms, f_ms = statistics.median(a), statistics.median(f)
         tokens = m * (n + 1)
         row = {"preset": preset, "segments": m, "tokens_per_segment": n, "alone_ms": round(a_ms, 3),
                "full_ms": round(f_ms, 3), "alone_ms_per_token": a_ms / tokens, "full_ms_per_token": f_ms / len(prompt),
                "break_even": (f_ms / len(prompt)) / (a_ms / tokens), "backend": runner.backend,
-               "alone_runs_ms": [round(x, 3) for x in a], "full_runs_ms": [round(x, 3) for x in f]}
+               "alone_runs_ms": [round(x, 3) for x in a], "full_runs_ms": [round(x, 3) for x in f],
+               "tail_states": "fla" if args.tail_states == "both" else args.tail_states}
+        if other is not None:
+            row["alone_direct_tails_ms"] = round(statistics.median(other), 3)
+            row["alone_direct_tails_runs_ms"] = [round(x, 3) for x in other]
         if args.check:
             row["check"] = check_against_torch(model, segs, runner.backend, state_dtype)
             print(f"--- {preset} {m}x{n} vs torch backend: {row['check']}", flush=True)
@@ -160,13 +176,15 @@ def check_against_torch(model, segs, backend: str, state_dtype) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("preset", "batch", "alone ms", "full ms", "alone ms/tok", "full ms/tok", "alone/full", "break-even")
-    out = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    head = ("preset", "batch", "alone ms", "full ms", "alone ms/tok", "full ms/tok", "alone/full", "break-even",
+            "alone ms, direct tails")
+    out = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["alone_ms_per_token"] / r["full_ms_per_token"]
+        direct = f"{r['alone_direct_tails_ms']:.1f}" if "alone_direct_tails_ms" in r else "-"
         out.append(f"| {r['preset']} | {r['segments']}x{r['tokens_per_segment']} | {r['alone_ms']:.1f} | "
                    f"{r['full_ms']:.1f} | {r['alone_ms_per_token']:.4f} | {r['full_ms_per_token']:.4f} | "
-                   f"{ratio:.1f}x | {r['break_even']:.3f} |")
+                   f"{ratio:.1f}x | {r['break_even']:.3f} | {direct} |")
     return "\n".join(out)
 
 

@@ -23,10 +23,18 @@ from engine.models.decoder import HybridDecoder
 from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
 from engine.models.layers import fla_backend
-from engine.models.layers.linear_ops import RecurrenceInputs
+from engine.models.layers.linear_ops import RecurrenceInputs, end_state_from_zero
 from engine.pic import long_ranges
 from engine.pic.errors import AlonePassStopped, SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
+
+#: E_tail of a packed alone pass's scalar/diagonal-decay tails on fla: "fla" runs every tail
+#: again in one varlen call; "direct" sums each tail's decay-weighted k v^T instead
+#: (linear_ops.end_state_from_zero: a few small ops per tail, no second fla call per layer;
+#: the pass's outputs, K/V and end states are unchanged). The pass is host-bound on the H200
+#: (ring-bench 4 x 1400: 72 ms host for 47 ms device, 42 fla calls of ~1 ms host each), but
+#: "direct" is not yet measured there: `tools/bench_alone_pass.py --tail-states both`.
+TAIL_STATES = "fla"
 
 #: log of the smallest normal float32: a head whose tail decay product is below it has
 #: forgotten its prefix (||T|| <= exp(sum of log decays) for the gated delta rule).
@@ -322,7 +330,9 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
                                                            + pack.lens[j]) for j in has_tail])
         tail_states.update({j: e_tail[i:i + 1] for i, j in enumerate(has_tail) if j in cut})
     elif cut:
-        if backend == "fla":
+        if backend == "fla" and TAIL_STATES == "direct":  # scalar/diagonal decay: no second fla call
+            tail_states.update({j: end_state_from_zero(mixer.family, tails[j]) for j in cut})
+        elif backend == "fla":
             packed = _cat_inputs([tails[j] for j in cut])
             _, st = fla_backend.fla_chunk(mixer.family, packed, None,
                                           cu_seqlens=pack.cu([pack.lens[j] - pack.tail0[j] for j in cut]))

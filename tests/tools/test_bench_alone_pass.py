@@ -11,12 +11,14 @@ from tools.bench_alone_pass import main, parse_args
 def test_a_cpu_run_times_both_paths_and_writes_the_break_even(tmp_path, capsys):
     out = tmp_path / "alone.json"
     assert main(["--presets", "ring-tiny", "--device", "cpu", "--shapes", "2x24", "--repeats", "2",
-                 "--json", str(out)]) == 0
+                 "--tail-states", "both", "--json", str(out)]) == 0
     run = json.loads(out.read_text())
     (row,) = run["rows"]
     assert (row["segments"], row["tokens_per_segment"]) == (2, 24)
     assert len(row["alone_runs_ms"]) == len(row["full_runs_ms"]) == 2 and row["alone_ms"] > 0 and row["full_ms"] > 0
     assert row["break_even"] == pytest.approx(row["full_ms_per_token"] / row["alone_ms_per_token"])
+    assert row["tail_states"] == "fla" and len(row["alone_direct_tails_runs_ms"]) == 2
+    assert row["alone_direct_tails_ms"] > 0
     assert run["command"].startswith("python tools/bench_alone_pass.py")
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| ring-tiny | 2x24 |")
 

@@ -215,6 +215,21 @@ def transition_operator(family: str, inp: RecurrenceInputs, chunk_size: int = 64
     return chunked_recurrence(family, probe, eye, chunk_size)[1]
 
 
+def end_state_from_zero(family: str, inp: RecurrenceInputs) -> torch.Tensor:
+    """E, the end state `[B, H, K, V]` (float32) of the recurrence run from zero, as one sum
+    for scalar/diagonal decay: E = sum_t exp(A_t) k_t v_t^T, A_t the log decays after token t
+    (summed from the end, so no large sums are differenced). One einsum, no recurrence."""
+    _check_family(family, inp)
+    if family == "delta":
+        raise ValueError("end_state_from_zero: the delta rule's end state needs the recurrence")
+    g = inp.log_decay.to(torch.float32)  # [B, T, H] or [B, T, H, K]
+    suffix = g.flip(1).cumsum(1).flip(1)  # sum over s >= t
+    after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], dim=1)  # s > t
+    w = after.exp()
+    k = inp.k.to(torch.float32) * (w[..., None] if family == "scalar" else w)
+    return torch.einsum("bthk,bthv->bhkv", k, inp.v.to(torch.float32))
+
+
 def apply_transition(family: str, transition: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """T applied to a state `[B, H, K, V]` (float32): the linear part of composition."""
     if family == "scalar":

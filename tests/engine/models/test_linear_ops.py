@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.layers.linear_ops import (FAMILIES, RecurrenceInputs, apply_transition, chunked_recurrence,
-                                             naive_recurrence, recurrent_step, transition_operator)
+                                             end_state_from_zero, naive_recurrence, recurrent_step,
+                                             transition_operator)
 
 B, H, K, V = 2, 3, 8, 6
 
@@ -133,3 +134,20 @@ def test_bad_family_and_shapes_are_rejected_by_name():
         chunked_recurrence("diag", inp)
     with pytest.raises(ValueError, match="initial_state shape"):
         naive_recurrence("scalar", inp, torch.zeros(1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("decay_strength", [1.0, 8.0])
+@pytest.mark.parametrize("family", ["scalar", "diag"])
+def test_end_state_from_zero_is_the_recurrence_end_state(family, decay_strength):
+    """One sum (E = sum_t exp(decays after t) k_t v_t^T) against the token loop, on fresh
+    random inputs, with mild and strong decay."""
+    seed = int(torch.randint(0, 2 ** 31 - 1, ()))
+    inp = random_inputs(family, 37, decay_strength, seed)
+    want = naive_recurrence(family, inp, None)[1]
+    torch.testing.assert_close(end_state_from_zero(family, inp), want, rtol=1e-4, atol=1e-5,
+                               msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_end_state_from_zero_refuses_the_delta_rule():
+    with pytest.raises(ValueError, match="delta"):
+        end_state_from_zero("delta", random_inputs("delta", 5))

@@ -142,11 +142,17 @@ def test_several_segments_keep_forgotten_delta_heads_out_of_the_operator(model_o
     assert any(0 < len(s.layers[0].live_heads) < s.layers[0].num_heads for s in got)
 
 
-@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL]], ids=["gdn", "gla"])
-def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(layers, model_of, monkeypatch):
+@pytest.mark.parametrize("tail_states", ["direct", "fla"])
+@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(layers, tail_states, model_of,
+                                                                              monkeypatch):
     """On fla the delta tails' E_tail and T come from ONE call started at [0 | I] with
-    values [v | 0], and every delta layer's live heads are read once at the end of the
-    pass: the signatures equal the torch backend's, packed and single."""
+    values [v | 0], every delta layer's live heads are read once at the end of the pass,
+    and scalar/diagonal tails' E_tail is one sum each (TAIL_STATES="direct") or a second
+    varlen call ("fla"): the signatures equal the torch backend's, packed and single."""
+    from engine.pic import compute
+
+    monkeypatch.setattr(compute, "TAIL_STATES", tail_states)
     from engine.models.layers import fla_backend
     from engine.pic.compute import AlonePass, compute_signature, compute_signatures
 
