@@ -324,23 +324,13 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
     tails = {j: inp.slice_time(pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
     tail_states: dict[int, torch.Tensor] = {j: states[j] for j in from_start}
     dense = None
+    span = {j: (pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
     if has_tail and backend == "fla" and mixer.family == "delta":
         # E_tail and T of every tail in ONE varlen call over the packed inputs as they lie
-        dense, e_tail = long_ranges.delta_operators(inp, [(pack.starts[j] + pack.tail0[j], pack.starts[j]
-                                                           + pack.lens[j]) for j in has_tail])
-        tail_states.update({j: e_tail[i:i + 1] for i, j in enumerate(has_tail) if j in cut})
+        e_tail, dense = tails_from_zero(mixer, inp, [span[j] for j in has_tail], backend)
+        tail_states.update({j: e for j, e in zip(has_tail, e_tail) if j in cut})
     elif cut:
-        if backend == "fla" and TAIL_STATES == "direct":  # scalar/diagonal decay: no second fla call
-            tail_states.update({j: end_state_from_zero(mixer.family, tails[j]) for j in cut})
-        elif backend == "fla":
-            packed = _cat_inputs([tails[j] for j in cut])
-            _, st = fla_backend.fla_chunk(mixer.family, packed, None,
-                                          cu_seqlens=pack.cu([pack.lens[j] - pack.tail0[j] for j in cut]))
-            tail_states.update({j: st[i:i + 1] for i, j in enumerate(cut)})
-        else:
-            zero = torch.zeros(1, *shape, dtype=torch.float32, device=dev)
-            for j in cut:
-                tail_states[j] = mixer.run_recurrence(tails[j], zero, backend)[1]
+        tail_states.update(zip(cut, tails_from_zero(mixer, inp, [span[j] for j in cut], backend)[0]))
     transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend, state_dtype, dense)
     parts = []
     for j in range(m):
@@ -365,6 +355,33 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
     if transitions is not None:
         transitions.attach([parts[j] for j in has_tail], pending)
     return out, parts
+
+
+def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]],
+                    backend: str) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+    """E `[1, H, dk, dv]` (float32) of each range `[a, b)` of `inp`'s time axis run from zero
+    state (ranges sorted and disjoint), and for the delta rule on fla the dense operators
+    `[n, H, dk, dk]` of the same ranges from the same varlen call (else None): the alone
+    pass's tails, and the tails of misses computed in context (engine.pic.capture).
+    On fla at most one varlen call for all ranges ("direct" TAIL_STATES: none for
+    scalar/diagonal decay); on torch one recurrence per range."""
+    if not ranges:
+        return [], None
+    if backend == "fla" and mixer.family == "delta":
+        dense, e = long_ranges.delta_operators(inp, ranges)
+        return [e[i:i + 1] for i in range(len(ranges))], dense
+    tails = [inp.slice_time(a, b) for a, b in ranges]
+    if backend == "fla" and TAIL_STATES == "direct":  # scalar/diagonal decay: no second fla call
+        return [end_state_from_zero(mixer.family, t) for t in tails], None
+    if backend == "fla":
+        cu = [0]
+        for a, b in ranges:
+            cu.append(cu[-1] + b - a)
+        _, st = fla_backend.fla_chunk(mixer.family, _cat_inputs(tails), None,
+                                      cu_seqlens=torch.tensor(cu, dtype=torch.long))
+        return [st[i:i + 1] for i in range(len(ranges))], None
+    zero = torch.zeros(1, *mixer.state_shape, dtype=torch.float32, device=inp.q.device)
+    return [mixer.run_recurrence(t, zero, backend)[1] for t in tails], None
 
 
 def _cat_inputs(inps: list[RecurrenceInputs]) -> RecurrenceInputs:

@@ -31,6 +31,8 @@ PREFIX_CHECKPOINT_POLICIES = ("branch", "every")
 COLD_FULL_POLICIES = ("fraction", "cost")
 #: where a request's uncached segments are computed (PicConfig.miss_path)
 MISS_PATHS = ("alone", "context")
+#: where the signatures of misses computed in context come from (PicConfig.miss_signatures)
+MISS_SIGNATURE_SOURCES = ("alone", "context")
 
 DEFAULT_SEAM = 16
 DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
@@ -83,6 +85,12 @@ class PicConfig:
     inside the request's one fused pass, like prefix caching computes what it misses (a
     full prefill's cost per token, not an alone pass's), and queues them for idle-time
     alone passes (`help_idle`), so later requests hit them.
+    miss_signatures (with miss_path="context"): `"alone"` (default) queues each miss for
+    an idle-time alone pass that computes its signature; `"context"` takes the signature
+    from the request's own pass (engine.pic.capture: the tail's K/V and linear parts as
+    computed in context; exact for a segment placed first, carrying its context
+    otherwise), stores it at once and runs no alone pass. Keys of such planners carry
+    `;ctx=1`, so their signatures never mix with those of alone-only planners.
     idle_resume (`pic`/`naive`): an idle alone pass that gives way to a request is kept
     and resumed by the next idle call (True, default since session 7), or dropped and its
     segments queued again (False: the behaviour before; for A/B runs).
@@ -112,6 +120,7 @@ class PicConfig:
     cold_full_fraction: float | None = None
     cold_full_policy: str = "fraction"
     miss_path: str = "alone"
+    miss_signatures: str = "alone"
     idle_resume: bool = True
     prefix_checkpoints: str = "branch"
 
@@ -143,6 +152,12 @@ class PicConfig:
             raise PicConfigError(f"idle_resume={self.idle_resume!r} must be True or False")
         if self.miss_path not in MISS_PATHS:
             raise PicConfigError(f"miss_path={self.miss_path!r} must be one of {', '.join(MISS_PATHS)}")
+        if self.miss_signatures not in MISS_SIGNATURE_SOURCES:
+            raise PicConfigError(f"miss_signatures={self.miss_signatures!r} must be one of "
+                                 f"{', '.join(MISS_SIGNATURE_SOURCES)}")
+        if self.miss_signatures == "context" and self.miss_path != "context":
+            raise PicConfigError("miss_signatures='context' takes signatures from misses computed in context: "
+                                 f"it needs miss_path='context', not {self.miss_path!r}")
         if self.miss_path == "context" and not self.fused:
             raise PicConfigError("miss_path='context' computes misses inside the fused pass: it needs fused=True")
         f = self.cold_full_fraction

@@ -42,6 +42,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
+from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
 from engine.pic.config import SEAM_CHAIN_MODES
 from engine.pic.errors import SplicePlacementError
 from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
@@ -96,7 +97,8 @@ def _check(items: Sequence[FusedItem], pos: int, manager: CacheManager) -> int:
 def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequence, token_ids: Sequence[int],
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
                   chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False,
-                  stages: Optional[PrefillStages] = None) -> torch.Tensor:
+                  stages: Optional[PrefillStages] = None,
+                  captures: Optional[CaptureSet] = None) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
@@ -107,7 +109,9 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     `all_logits`: return the logits of every position of the last item `[n, vocab]`
     (offline quality measurement reads the question's tokens). `stages`: run the
     token-wise parts (embedding, norms, projections, gates, MLPs) through these
-    (engine.runtime.prefill_graphs: CUDA graphs per computed-token bucket); None: plainly."""
+    (engine.runtime.prefill_graphs: CUDA graphs per computed-token bucket); None: plainly.
+    `captures`: missing segments computed by this pass whose signatures it takes on the
+    way (engine.pic.capture; `captures.signatures()` once it returns)."""
     if chain not in SEAM_CHAIN_MODES:
         raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
@@ -117,6 +121,10 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     force = force_triton_for(kernel, device)
     pieces = [it.piece for it in items if it.piece is not None]
     ranges = [(it.start, it.end) for it in items if it.computes and it.end > it.start]
+    index = None
+    if captures:
+        captures.check(ranges, len(model.blocks))
+        index = LocalIndex(ranges)
     pos_host = torch.cat([torch.arange(a, b) for a, b in ranges])
     ids_host = torch.tensor([token_ids[p] for a, b in ranges for p in range(a, b)], dtype=torch.long)
     model._check_ids(ids_host)
@@ -149,26 +157,36 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         mixer = block.mixer
         if isinstance(cache, PagedKVCache):
             o = _full_attend(shared, cache, mixer, i, pieces, proj, pos, write_slots, ctx_slots, end, force)
+            if index is not None:
+                capture_attention(captures, index, mixer, proj[1], proj[2])
             for cp in checkpoints:
                 k, v = cache.gather(ctx_slots[cp.start:cp.end])
                 cp.kv[i] = (k.clone(), v.clone())
             aux = proj[3]
         elif isinstance(cache, WindowRingCache):
             o = _window_attend(seq, cache, mixer, i, pieces, proj, pos, start, end, stateful)
+            if index is not None:
+                capture_attention(captures, index, mixer, proj[1], proj[2])
             aux = proj[3]
         elif isinstance(cache, StateSlotCache):
             conv_in, aux = proj
             prepare = tw.prepare_of(i, aux)
+            tap = None
+            if index is not None:
+                def tap(inp, _m=mixer, _c=conv_in):
+                    capture_linear(captures, index, _m, inp, _c, backend)
             if not stateful and chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = chain_tables(model, manager, events, device)
                 inp = prepare(_conv_ranges(seq, cache, mixer, i, events, conv_in, shared=shared))
+                if tap is not None:
+                    tap(inp)
                 o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)
                 o = _linear_layer(seq, cache, mixer, i, events, conv_in, prepare, backend, shared["live"], stateful,
-                                  shared)
+                                  shared, tap)
         else:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         x, proj = tw.next(i, x, o, aux)
@@ -410,13 +428,16 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
 
 
 def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, prepare, backend, live, checkpoints=(),
-                  shared: Optional[dict] = None):
+                  shared: Optional[dict] = None, tap=None):
     """A linear layer's events one by one: C's output `[1, C, Hv, dv]`; the slot's state
     and conv tail left as the step-by-step plan leaves them. `conv_in`: C's pre-conv
-    inputs `[1, C, ch]`; `prepare(conv_out)`: the layer's RecurrenceInputs."""
+    inputs `[1, C, ch]`; `prepare(conv_out)`: the layer's RecurrenceInputs; `tap(inp)`
+    (optional) sees them before the recurrences run."""
     state = cache.state[seq.slot]
     tails_at: dict[int, Optional[torch.Tensor]] = {}
     inp = prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared))
+    if tap is not None:
+        tap(inp)
     outs: list[torch.Tensor] = []
     for ev in events:
         if ev[0] == "p":

@@ -44,6 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from engine.models.config import SWA, ModelConfig
+from engine.pic.capture import CaptureSet, ContextCapture
 from engine.pic.compute import AlonePass
 from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
@@ -107,6 +108,8 @@ class _RequestState:
     held: list[bytes] = field(default_factory=list)
     full: bool = False  # cold fallback: the fused step computes the whole prompt
     in_context: set[bytes] = field(default_factory=set)  # misses the fused step computes (miss_path)
+    to_capture: list[SpliceUnit] = field(default_factory=list)  # misses whose signatures the pass takes
+    captured: Optional[CaptureSet] = None  # filled by the fused step, stored when the prefill is done
 
 
 def _add_compute(items: list[FusedItem], start: int, end: int) -> None:
@@ -120,12 +123,13 @@ def _add_compute(items: list[FusedItem], start: int, end: int) -> None:
         items.append(FusedItem(start, end))
 
 
-def full_pass(runner, request: Request, ids: list[int], start: int, config: PicConfig, all_logits: bool = False):
+def full_pass(runner, request: Request, ids: list[int], start: int, config: PicConfig, all_logits: bool = False,
+              captures: Optional[CaptureSet] = None):
     """Compute prompt positions [start, len(ids)) in context as one fused pass (the `full`
-    baseline, and PIC's cold fallback)."""
+    baseline, and PIC's cold fallback; `captures`: misses whose signatures it takes)."""
     return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(start, len(ids))],
                          backend=runner.backend, kernel=config.kernel, chain=config.seam_chain, all_logits=all_logits,
-                         stages=getattr(runner, "prefill_stages", None))
+                         stages=getattr(runner, "prefill_stages", None), captures=captures)
 
 
 class ReportingPlanner:
@@ -219,6 +223,8 @@ class PicPlanner(ReportingPlanner):
             variant += ";end_state=0"
         if self.state_dtype != torch.float32:
             variant += f";state={str(self.state_dtype).removeprefix('torch.')}"
+        if self.config.miss_signatures == "context":
+            variant += ";ctx=1"
         return segment_key(self.fingerprint, content, variant)
 
     def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
@@ -303,9 +309,10 @@ class PicPlanner(ReportingPlanner):
 
     def _run_fused(self, runner, request: Request, spec: tuple, start: int, all_logits: bool = False):
         state: _RequestState = request.planner_state[STATE_KEY]
+        captures = self._captures(state)
         if state.full:  # cold fallback: plain full recompute of the fused step's range
             with self.costs.measure("full", len(state.token_ids) - start):
-                return full_pass(runner, request, state.token_ids, start, self.config, all_logits)
+                return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s" and s[1].key not in state.in_context])
         items: list[FusedItem] = []
         for s in spec:
@@ -316,11 +323,38 @@ class PicPlanner(ReportingPlanner):
             if u.key in state.in_context:  # a miss computed in context (miss_path="context")
                 _add_compute(items, u.splice_start, u.end)
                 continue
-            piece = SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode)
+            sig = state.signatures[u.key]
+            first = u.first and sig.has_end_state
+            if u.first and not first:  # a context signature placed first: anchor and seam computed
+                _add_compute(items, 0, u.offset + u.split)
+            piece = SplicePiece(sig, u.offset, first, self.linear_mode)
             items.append(FusedItem(piece.start, piece.end, piece))
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
                              backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
-                             all_logits=all_logits, stages=getattr(runner, "prefill_stages", None))
+                             all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
+                             captures=captures)
+
+    def _captures(self, state: _RequestState) -> Optional[CaptureSet]:
+        """The fused step's captures (miss_signatures="context"), kept in the request state
+        until the prefill is done; None without misses to capture."""
+        if not state.to_capture:
+            return None
+        a = len(self.anchor_ids)
+        state.captured = CaptureSet([ContextCapture(u.key, u.offset, u.end, u.split, u.first, a)
+                                     for u in state.to_capture], self.state_dtype)
+        return state.captured
+
+    def on_prefill_done(self, request: Request) -> None:
+        state = request.planner_state.get(STATE_KEY)
+        if state is not None and state.captured is not None:
+            caps, state.captured = state.captured, None
+            for cap, sig in zip(caps.captures, caps.signatures({"fingerprint": self.fingerprint})):
+                self._keep_captured(request, cap, sig)
+        super().on_prefill_done(request)
+
+    def _keep_captured(self, request: Request, cap: ContextCapture, sig: SegmentSignature) -> None:
+        """Cache a context signature (the store-backed planner stores it through the daemon)."""
+        self.cache.put(cap.key, sig)
 
     def _flush(self, b: PlanBuilder, run: list[SpliceUnit]) -> None:
         """One apply step splicing a run of contiguous units (batched kernels)."""
@@ -369,10 +403,14 @@ class PicPlanner(ReportingPlanner):
             return False
         if sum(u.num_tokens for u in state.missing) < f * len(state.token_ids):
             return False
-        for u in state.missing:
-            self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
-        self._trim_deferred()
-        state.builder.report.set_cold_full(len(state.missing))
+        if self.config.miss_signatures == "context":
+            state.to_capture = self._first_placements(state.missing)
+            state.builder.report.set_cold_full(0, len(state.to_capture))
+        else:
+            for u in state.missing:
+                self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
+            self._trim_deferred()
+            state.builder.report.set_cold_full(len(state.missing))
         state.missing = []
         state.full = True
         return True
@@ -383,15 +421,27 @@ class PicPlanner(ReportingPlanner):
         they are queued for `help_idle`. True when there were misses to take."""
         if self.config.miss_path != "context" or not state.missing or not self.config.fused:
             return False
+        capture = self.config.miss_signatures == "context"
         for u in state.missing:
-            self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
+            if not capture:
+                self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
             state.in_context.add(u.key)
         self._trim_deferred()
+        if capture:
+            state.to_capture = self._first_placements(state.missing)
         for key in dict.fromkeys(u.key for u in state.missing):  # every placement of each miss
             state.builder.report.add_in_context_miss(
-                sum(u.end - u.splice_start for u in state.units if u.key == key))
+                sum(u.end - u.splice_start for u in state.units if u.key == key), captured=capture)
         state.missing = []
         return True
+
+    @staticmethod
+    def _first_placements(missing: Sequence[SpliceUnit]) -> list[SpliceUnit]:
+        """One unit per missing key: its first placement in the prompt."""
+        seen: dict[bytes, SpliceUnit] = {}
+        for u in missing:
+            seen.setdefault(u.key, u)
+        return sorted(seen.values(), key=lambda u: u.offset)
 
     def _defer(self, key: bytes, ids: tuple[int, ...], split: int) -> None:
         self.deferred[key] = (ids, split)

@@ -56,6 +56,7 @@ class PrefillReport:
     checkpoint_ms: float = 0.0
     fused_ms: float = 0.0  # the one-pass prefill (seams + splices + suffix together)
     deferred_segments: int = 0  # cold fallback: misses queued for idle-time alone passes
+    captured_segments: int = 0  # misses whose signatures the request's own pass took (miss_signatures)
     cold_full: bool = False  # cold fallback: the prompt was computed by full recompute
     complete: bool = False  # the plan ran to its end (False after a preemption mid-way)
 
@@ -71,23 +72,28 @@ class PrefillReport:
         self.recomputed_tokens += n
         self.miss_segments += 1
 
-    def add_in_context_miss(self, n: int) -> None:
+    def add_in_context_miss(self, n: int, captured: bool = False) -> None:
         """A missing segment computed in context in the request (miss_path="context"):
         its `n` positions (all its placements) count as suffix compute; it is queued
-        (`deferred_segments`)."""
+        (`deferred_segments`), or its signature is taken from the pass (`captured`)."""
         self.add_compute("suffix", n)
         self.miss_segments += 1
-        self.deferred_segments += 1
+        if captured:
+            self.captured_segments += 1
+        else:
+            self.deferred_segments += 1
 
     def add_hit(self, reused: int) -> None:
         self.hit_segments += 1
         self.reused_tokens += reused
 
-    def set_cold_full(self, deferred: int) -> None:
+    def set_cold_full(self, deferred: int, captured: int = 0) -> None:
         """The request is served by full recompute (cold fallback): nothing reused,
-        every prompt token computed in context, `deferred` misses queued."""
+        every prompt token computed in context, `deferred` misses queued, `captured`
+        misses' signatures taken from the pass."""
         self.cold_full = True
         self.deferred_segments = deferred
+        self.captured_segments = captured
         self.reused_tokens = self.hit_segments = self.seam_tokens = 0
         self.suffix_tokens = self.recomputed_tokens = self.prompt_tokens
 

@@ -1,0 +1,153 @@
+"""PicConfig.miss_signatures="context" (engine.pic.capture): the signatures of misses
+computed in context are taken from the request's own fused pass, stored at once, and no
+alone pass runs. Pinned: spliced back into the same context a captured signature gives
+exactly what computing the segment in context gives (every part: re-rotated K, window rows,
+E_tail, T_tail, conv tail); a first placement's capture is its alone signature; the fla
+path (emulated) captures what the torch path captures; hits elsewhere; keys kept apart."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.pic.capture import ORIGIN
+from engine.pic.compute import compute_signature
+from engine.pic.errors import PicConfigError
+from engine.pic.signature import AttentionPart
+
+from pic_testlib import BOS, execute, fla_emulated, make_request, rand_ids
+
+MIXES = {"gdn-full-swa": [GDN, FULL, SWA, GDN], "gla-full": [GLA, FULL, GLA], "lightning-swa": [LIGHTNING, SWA, FULL],
+         "mamba2-full": [MAMBA2, FULL, MAMBA2]}
+
+
+def _ctx(planner_of, model, **kw):
+    kw.setdefault("seam", 4)
+    return planner_of(model, fused=True, miss_path="context", miss_signatures="context", **kw)
+
+
+def _docs(seed: int):
+    return [rand_ids(n, seed + n) for n in (18, 14, 16)]
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_a_captured_signature_spliced_back_into_its_context_gives_the_in_context_computation(
+        mix, where, model_of, runner_of, planner_of):
+    model = model_of(MIXES[mix])
+    runner = runner_of(model)
+    planner = _ctx(planner_of, model)
+    docs, question = _docs(10 * where), rand_ids(6, 99)
+    layout = [(d, True) for d in docs] + [(question, False)]
+    for d in docs[:where] + docs[where + 1:]:  # every doc cached but the one at `where`
+        execute(planner, runner, make_request([(d, True), (rand_ids(5, 7), False)]))
+    cold = make_request(layout)
+    first = execute(planner, runner, cold)
+    rep = planner.take_report(cold.request_id)
+    assert rep.miss_segments == 1 and rep.captured_segments == 1 and rep.deferred_segments == 0
+    assert not planner.deferred and planner.help_idle(runner) == 0  # nothing left for an alone pass
+    warm = make_request(layout)
+    again = execute(planner, runner, warm)
+    rep2 = planner.take_report(warm.request_id)
+    assert rep2.miss_segments == 0 and rep2.hit_segments == 3
+    torch.testing.assert_close(again.logits[-1], first.logits[-1], rtol=2e-5, atol=2e-5)
+
+
+def test_a_first_placement_capture_is_the_alone_signature(model_of, runner_of, planner_of):
+    model = model_of([GDN, FULL, SWA, GLA])
+    runner = runner_of(model)
+    planner = _ctx(planner_of, model)
+    doc, question = rand_ids(21, 3), rand_ids(6, 4)
+    execute(planner, runner, make_request([(doc, True), (question, False)]))
+    split = planner.seam  # the window rule: max(4, window 6)
+    got = planner.cache.get(planner.key(doc, split))
+    assert got is not None and got.meta["origin"] == ORIGIN and got.has_end_state
+    ref = compute_signature(model, doc, [BOS], split=split)
+    assert (got.num_tokens, got.anchor_len, got.split) == (ref.num_tokens, ref.anchor_len, ref.split)
+    for i, (a, b) in enumerate(zip(got.layers, ref.layers)):
+        if isinstance(b, AttentionPart):
+            assert (a.kind, a.first_pos) == (b.kind, b.first_pos), i
+            torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.v, b.v, rtol=1e-5, atol=1e-5)
+            continue
+        for name in ("state", "tail_state", "tail_transition", "conv_tail"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None), (i, name)
+            if y is not None:
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {i} {name}: {m}")
+        assert a.live_heads == b.live_heads
+
+
+def test_a_later_capture_keeps_no_end_state_and_is_placed_first_as_a_later_piece(model_of, runner_of, planner_of):
+    """A context signature of a later placement carries its context in E; so it keeps none,
+    and a request that starts with that segment computes anchor and seam, splices its tail."""
+    model = model_of([GDN, FULL, GDN])
+    runner = runner_of(model)
+    planner = _ctx(planner_of, model)
+    a, b, question = rand_ids(15, 1), rand_ids(19, 2), rand_ids(6, 3)
+    execute(planner, runner, make_request([(a, True), (b, True), (question, False)]))
+    sig = planner.cache.get(planner.key(b, 4))
+    assert sig is not None and not sig.has_end_state and sig.meta["origin"] == ORIGIN
+    req = make_request([(b, True), (question, False)])
+    run = execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert rep.hit_segments == 1 and rep.miss_segments == 0
+    assert torch.isfinite(run.logits[-1]).all()
+
+
+@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+def test_the_fla_path_captures_what_the_torch_path_captures(layers, model_of, runner_of, planner_of, monkeypatch):
+    """On fla (emulated by the torch recurrence) the tails come from one varlen call per
+    layer for every capture (the delta rule's operators from the same call), through the
+    seam chain; the signatures equal the torch path's."""
+    from engine.models.layers import fla_backend
+
+    monkeypatch.setattr(fla_backend, "fla_chunk", fla_emulated)
+    model = model_of(layers)
+    docs, question = _docs(3), rand_ids(6, 5)
+    new = [rand_ids(n, 700 + n) for n in (20, 15)]
+    layout = [(docs[0], True), (new[0], True), (docs[1], True), (new[1], True), (question, False)]
+    sigs = {}
+    for backend in ("torch", "fla"):
+        runner = runner_of(model)
+        runner.backend = backend
+        planner = _ctx(planner_of, model, seam_chain="on" if backend == "fla" else "off")
+        for d in docs[:2]:
+            execute(planner, runner, make_request([(d, True), (question, False)]))
+        req = make_request(layout)
+        execute(planner, runner, req)
+        assert planner.take_report(req.request_id).captured_segments == 2
+        sigs[backend] = [planner.cache.get(planner.key(n, 4)) for n in new]
+    for s_t, s_f in zip(sigs["torch"], sigs["fla"]):
+        tt, _, _ = s_t.to_tensors()
+        tf, _, _ = s_f.to_tensors()
+        assert tt.keys() == tf.keys()
+        for name in tt:
+            torch.testing.assert_close(tf[name], tt[name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_captured_signatures_hit_at_other_offsets_and_in_the_cold_fallback(model_of, runner_of, planner_of):
+    model = model_of([GDN, FULL, SWA])
+    runner = runner_of(model)
+    planner = _ctx(planner_of, model, cold_full_fraction=0.5)
+    docs, question = _docs(40), rand_ids(6, 41)
+    cold = make_request([(d, True) for d in docs] + [(question, False)])
+    execute(planner, runner, cold)
+    rep = planner.take_report(cold.request_id)
+    assert rep.cold_full and rep.captured_segments == 3 and rep.deferred_segments == 0 and not planner.deferred
+    shuffled = make_request([(docs[2], True), (docs[0], True), (docs[1], True), (question, False)])
+    execute(planner, runner, shuffled)
+    rep2 = planner.take_report(shuffled.request_id)
+    assert rep2.hit_segments == 3 and rep2.miss_segments == 0 and not rep2.cold_full
+
+
+def test_context_keys_never_mix_with_alone_keys_and_the_option_is_validated(model_of, planner_of):
+    model = model_of([GDN, FULL])
+    doc = rand_ids(12, 0)
+    alone = planner_of(model, fused=True, seam=4, miss_path="context")
+    assert alone.config.miss_signatures == "alone"
+    assert _ctx(planner_of, model).key(doc, 4) != alone.key(doc, 4)
+    with pytest.raises(PicConfigError, match="miss_path='context'"):
+        planner_of(model, fused=True, miss_signatures="context")
+    with pytest.raises(PicConfigError, match="miss_signatures"):
+        planner_of(model, fused=True, miss_path="context", miss_signatures="later")
