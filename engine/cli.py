@@ -7,6 +7,7 @@
     kvengine bench --preset NAME [--num-requests N --prompt-len L --max-new-tokens M --request-rate R --json]
     kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json] [--store [SOCKET]]
     kvengine serve ... [--store [SOCKET]] [--share-cold/--no-share-cold]
+    kvengine run|serve ... [--miss-path alone|context] [--miss-signatures alone|context]
 
 `--store [SOCKET]` keeps segment signatures in a kvstore daemon (engine.connector) instead
 of the engine's process: given without a value it uses the daemon's default socket
@@ -16,6 +17,12 @@ have an optional value). With `--store`, `--share-cold` (the default) offers a r
 cold segments to idle engines attached to the same daemon and, while this engine is
 idle (`serve`), computes segments other engines offer (engine.connector.coldshare);
 `--no-share-cold` turns both off.
+
+`--miss-signatures context` (PicConfig.miss_signatures) takes the signature of a miss
+computed in context from the request's own pass instead of an idle alone pass; it needs
+`--miss-path context` (serve's default; `run`'s default is alone, and `run --miss-signatures
+context` without `--miss-path context` exits 2 naming both options rather than changing
+the miss path behind the user's back).
 
 These command and option names are an interface that scripts depend on; keep them.
 Bad input exits with status 2 and a message naming the option.
@@ -66,6 +73,22 @@ def _miss_path_opt(default: str) -> Any:
         help="Where a request's uncached segments are computed: alone (one packed alone pass in the request, then "
              "spliced) or context (inside the request's fused pass, like prefix caching computes its misses; "
              "computed alone later while the engine is idle).")
+
+
+def _miss_signatures_opt() -> Any:
+    return typer.Option(
+        "alone", "--miss-signatures",
+        help="With --miss-path context, where the signatures of misses computed in context come from: alone (an "
+             "alone pass per miss while the engine is idle) or context (taken from the request's own pass, stored "
+             "at once; no idle alone pass).")
+
+
+def _check_miss_signatures(miss_signatures: str, miss_path: str) -> None:
+    """--miss-signatures context needs --miss-path context: say so in option names (PicConfig
+    would refuse it too, in field names)."""
+    if miss_signatures == "context" and miss_path == "alone":
+        _fail("--miss-signatures: context takes a miss's signature from the request's own pass, where only "
+              "--miss-path context computes it; add --miss-path context (got --miss-path alone)")
 
 
 def _cold_opt(default: float) -> Any:
@@ -231,6 +254,7 @@ def serve(
     cold_full_fraction: float = _cold_opt(0.5),
     cold_full_policy: str = ColdPolicyOpt,
     miss_path: str = _miss_path_opt("context"),  # measured better for serving (BENCHMARKS, session 6)
+    miss_signatures: str = _miss_signatures_opt(),
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -241,9 +265,10 @@ def serve(
     from engine.pic.config import PicConfig
     from engine.pic.errors import PicConfigError
 
+    _check_miss_signatures(miss_signatures, miss_path)
     try:  # before the (slow) engine build
         pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
-                        miss_path=miss_path)
+                        miss_path=miss_path, miss_signatures=miss_signatures)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     connector = _store_config(store, share_cold)
@@ -349,6 +374,7 @@ def run_cmd(
     cold_full_fraction: float = _cold_opt(0.0),
     cold_full_policy: str = ColdPolicyOpt,
     miss_path: str = _miss_path_opt("alone"),
+    miss_signatures: str = _miss_signatures_opt(),
     prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
@@ -359,12 +385,14 @@ def run_cmd(
     from engine.pic.errors import PicConfigError
     from engine.pic.run import attach_planner, read_requests
 
+    _check_miss_signatures(miss_signatures, miss_path)
     try:
         cap = int(cache_gib * (1 << 30))
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,
                            signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused,
                            cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
-                           miss_path=miss_path, prefix_checkpoints=prefix_checkpoints)
+                           miss_path=miss_path, miss_signatures=miss_signatures,
+                           prefix_checkpoints=prefix_checkpoints)
     except PicConfigError as exc:
         _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
     try:

@@ -124,6 +124,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "a request's uncached segments alone in the request (alone) or in context in its fused "
                          "pass, alone later when idle (context); the parallel-cold phase always computes them alone "
                          "(it measures alone passes split across engines)")
+    ap.add_argument("--miss-signatures", default="alone", choices=("alone", "context"),
+                    help="PicConfig.miss_signatures wherever --miss-path applies (needs --miss-path context for "
+                         "context): the signature of a miss computed in context comes from an idle alone pass "
+                         "(alone) or from the request's own pass, stored at once, with no idle alone pass (context)")
     ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
@@ -155,6 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.presets = [p for p in (args.presets or (QUICK_PRESETS if q else GPU_PRESETS)).split(",") if p]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.skip = {s for s in args.skip.split(",") if s}
+    if args.miss_signatures == "context" and args.miss_path != "context":
+        ap.error("--miss-signatures context takes a miss's signature from the request's own pass, where only "
+                 f"--miss-path context computes it (got --miss-path {args.miss_path})")
     args.share_tasks = [t for t in args.share_tasks.split(",") if t]
     from tools.servebench.requests import TASKS
 
@@ -262,6 +269,7 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
     gpus = worker_gpus(args.gpus, device)
     # workers compile their kernels before the timed part (nothing to compile on the CPU)
     warm = None if device.type == "cpu" else {"scale": scale, "max_tokens": args.max_tokens, "docs": args.docs}
+    pic = {"miss_path": args.miss_path, "miss_signatures": args.miss_signatures}  # the workers' PicConfig fields
     if "sharing" not in args.skip and first:
         trace = [r for task in args.share_tasks
                  for r in requests.load(task, args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)]
@@ -279,10 +287,10 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
             primer_stream = requests.load("rag", k, args.seed + 8, scale, args.max_tokens, args.docs)
             warm_pair_s = sharing.run_pair(preset, opts, primer, None, threads, gpus, warm=warm,
                                            trials=[(rates[0], primer_stream)] if rates else [], seed=args.seed + 7,
-                                           pic={"miss_path": args.miss_path})["wall_s"]
+                                           pic=pic)["wall_s"]
         runs = {mode: sharing.run_pair(preset, opts, trace, socket if mode == "shared" else None, threads, gpus,
                                        warm=warm, put_tier=args.put_tier if mode == "shared" else None,
-                                       trials=trials, seed=args.seed, pic={"miss_path": args.miss_path})
+                                       trials=trials, seed=args.seed, pic=pic)
                 for mode in ("private", "shared")}
         out["sharing"] = {"shared": runs["shared"], "private": runs["private"], "gpus": gpus,
                           "warm_pair_s": warm_pair_s}
@@ -330,7 +338,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
                                      put_tier=args.put_tier)
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
                                                cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
-                                               miss_path=args.miss_path, idle_resume=args.idle_resume == "on"),
+                                               miss_path=args.miss_path, miss_signatures=args.miss_signatures,
+                                               idle_resume=args.idle_resume == "on"),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     h.idle_between_arrivals = args.qps_idle == "on"
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}

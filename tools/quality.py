@@ -3,7 +3,8 @@ recomputation, per model and workload (issue 5). See docs/quality.md.
 
     python -m tools.quality [--quick] [--json] [--json-path FILE] [--markdown]
         [--presets a,b] [--tasks fact,twohop,aggregate,fewshot,rag] [--methods full,prefix,naive,pic]
-        [--seams 0,8,16,32,64] [--swa-seam window,seam] [--state-dtypes float32,bfloat16] [--n N] [--seed S] [--device cpu|cuda]
+        [--seams 0,8,16,32,64] [--swa-seam window,seam] [--state-dtypes float32,bfloat16] [--miss-signatures alone,context]
+        [--n N] [--seed S] [--device cpu|cuda]
         [--batch-size B] [--threads T] [--jobs J] [--tolerance POINTS] [--docs MIN-MAX]
         [--facts-per-doc F] [--init-seed S] [--no-progress]
 
@@ -56,7 +57,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRESETS = ("qwen3next-tiny", "ring-tiny", "gemma3-tiny", "nemotronh-tiny", "gla-tiny")
 DEFAULT_SEAMS = (0, 8, 16, 32, 64)
 DEFAULTS = dict(presets=",".join(DEFAULT_PRESETS), tasks=",".join(TASKS), methods=",".join(METHODS),
-                seams=",".join(map(str, DEFAULT_SEAMS)), swa_seam="window,seam", state_dtypes="float32", n=50, seed=0,
+                seams=",".join(map(str, DEFAULT_SEAMS)), swa_seam="window,seam", state_dtypes="float32", miss_signatures="alone",
+                n=50, seed=0,
                 device="auto",
                 batch_size=16, docs=None, facts_per_doc=None)
 QUICK = dict(presets="qwen3next-tiny", tasks="fact,twohop", methods="full,naive,pic", seams="16", n=3,
@@ -96,6 +98,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                       "(seam = max(seam, window)), seam (as given); default window,seam")
     p.add_argument("--state-dtypes", help="dtypes of the cached linear states and T for the pic and naive rows "
                                           "(float32, bfloat16, float16; a row per dtype); default float32")
+    p.add_argument("--miss-signatures", help="where the pic rows' miss signatures come from: alone (an alone "
+                   "pass in the request), context (misses computed in context, signatures from that pass: "
+                   "engine.pic.capture), or both as alone,context; default alone")
     p.add_argument("--n", type=int, help=f"requests per task; default {DEFAULTS['n']}")
     p.add_argument("--seed", type=int, help="workload seed; default 0")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto (cuda when available)")
@@ -163,6 +168,7 @@ def make_row(model: str, weights: str, run: MethodRun, tasks: Sequence[str]) -> 
     top1s = [t["top1"] for t in per_task.values()]
     return {
         "model": model, "weights": weights, "method": spec.method, "seam": spec.seam, "swa_seam": spec.swa_seam,
+        "miss_signatures": spec.miss_signatures,
         "label": spec.label, "tasks": per_task,
         "avg": sum(t["score"] for t in per_task.values()) / len(per_task), "avg_delta": None,
         "kl": None if None in kls else sum(kls) / len(kls),
@@ -404,6 +410,7 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
     methods, seams = _csv(args.methods, "methods"), _ints(args.seams, "seams")
     policies = _csv(args.swa_seam, "swa-seam")
     state_dtypes = _csv(args.state_dtypes, "state-dtypes")
+    sources = _csv(args.miss_signatures, "miss-signatures")
     for t in tasks:
         if t not in TASKS:
             raise QualityError(f"unknown task {t!r}; expected some of {', '.join(TASKS)}")
@@ -414,10 +421,11 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
     overrides = {"docs": args.docs, "facts_per_doc": args.facts_per_doc}
     requests = tuple(r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides))
     max_tokens = max(r.prompt_tokens + 1 + max_new_tokens(r.metric) for r in requests)
-    jobs = [ModelJob(p, tuple(expand_specs(model_config_of(p), methods, seams, policies, state_dtypes)), requests, tuple(tasks),
+    jobs = [ModelJob(p, tuple(expand_specs(model_config_of(p), methods, seams, policies, state_dtypes,
+                                                      sources)), requests, tuple(tasks),
                      device, max_tokens, args.batch_size, args.threads, args.init_seed) for p in presets]
     config = {"presets": presets, "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
-              "state_dtypes": state_dtypes,
+              "state_dtypes": state_dtypes, "miss_signatures": sources,
               "n": args.n, "seed": args.seed, "scale": "tiny",
               "workload_overrides": {k: v for k, v in overrides.items() if v is not None},
               "device": device, "threads": args.threads, "jobs": args.jobs, "batch_size": args.batch_size,

@@ -37,7 +37,7 @@ import torch
 from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import SWA
 from engine.models.weights import LoadedModel, load_model
-from engine.pic.config import STATE_DTYPES as PIC_STATE_DTYPES, PicConfig
+from engine.pic.config import MISS_SIGNATURE_SOURCES, STATE_DTYPES as PIC_STATE_DTYPES, PicConfig
 from engine.pic.offline import build_request, prefill_with_plan, release
 from engine.pic.planner import make_planner
 from engine.runtime.runner import ModelRunner
@@ -65,6 +65,9 @@ class MethodSpec:
     seam: Optional[int] = None
     swa_seam: Optional[str] = None
     state_dtype: str = "float32"  # dtype of the cached linear states and T (PicConfig.state_dtype)
+    #: pic: where misses' signatures come from (PicConfig.miss_signatures): "alone" passes in
+    #: the request, or "context": misses computed in context, signatures from that pass
+    miss_signatures: str = "alone"
 
     @property
     def label(self) -> str:
@@ -72,9 +75,13 @@ class MethodSpec:
         if self.method != "pic":
             return self.method + dt
         rule = {"window": " (window rule)", "seam": " (plain seam)"}.get(self.swa_seam or "", "")
-        return f"pic s={self.seam}{rule}{dt}"
+        src = " ctx sigs" if self.miss_signatures == "context" else ""
+        return f"pic s={self.seam}{rule}{dt}{src}"
 
     def pic_config(self) -> PicConfig:
+        if self.method == "pic" and self.miss_signatures == "context":
+            return PicConfig(method="pic", seam=int(self.seam or 0), swa_seam="seam", state_dtype=self.state_dtype,
+                             miss_path="context", miss_signatures="context")
         if self.method == "pic":
             return PicConfig(method="pic", seam=int(self.seam or 0), swa_seam="seam", state_dtype=self.state_dtype)
         if self.method == "naive":
@@ -84,12 +91,24 @@ class MethodSpec:
 
 def expand_specs(model_config, methods: Sequence[str], seams: Sequence[int],
                  swa_policies: Sequence[str] = ("window",),
-                 state_dtypes: Sequence[str] = ("float32",)) -> list[MethodSpec]:
+                 state_dtypes: Sequence[str] = ("float32",),
+                 miss_signatures: Sequence[str] = ("alone",)) -> list[MethodSpec]:
     """The rows to measure for one model, `full` first (it is the reference). Each pic seam
     becomes its effective seam on this model under each SWA policy (`window`:
     max(seam, window) on a model with sliding-window layers, docs/pic.md); rows that end
     up identical are measured once. Each pic and naive row is repeated per cached-state
-    dtype in `state_dtypes` (float32 rows first)."""
+    dtype in `state_dtypes` (float32 rows first), and each pic row per source of miss
+    signatures in `miss_signatures` (PicConfig.miss_signatures; "alone" rows first)."""
+    for src in miss_signatures:
+        if src not in MISS_SIGNATURE_SOURCES:
+            raise QualityError(f"miss signature source {src!r} must be one of {', '.join(MISS_SIGNATURE_SOURCES)}")
+    if tuple(miss_signatures) != ("alone",):
+        base = expand_specs(model_config, methods, seams, swa_policies, state_dtypes)
+        out = [sp for sp in base if sp.method != "pic" or "alone" in miss_signatures]
+        for src in miss_signatures:
+            if src != "alone":
+                out += [replace(sp, miss_signatures=src) for sp in base if sp.method == "pic"]
+        return list(dict.fromkeys(out))
     for d in state_dtypes:
         if d not in PIC_STATE_DTYPES:
             raise QualityError(f"state dtype {d!r} must be one of {', '.join(PIC_STATE_DTYPES)}")

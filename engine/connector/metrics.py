@@ -37,6 +37,8 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   some), `deferred_tokens`, `deferred_ms_total` (whole calls) split into
   `deferred_alone_ms_total` (the packed alone pass) and `deferred_store_ms_total`
   (queueing the puts).
+- `captured`: signatures of misses taken from the requests' own passes and stored
+  (PicConfig.miss_signatures="context", engine.pic.capture): alone passes not run.
 - `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
   than the engine's (copied device to device; CUDA IPC across GPUs).
 """
@@ -55,7 +57,7 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
-    "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits",
+    "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits", "captured",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
            "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total")

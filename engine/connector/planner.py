@@ -447,6 +447,14 @@ class StorePicPlanner(PicPlanner):
         # eviction weighs it per byte)
         self.store.store(u.key, sig, claim=claim if claim.status == OWNED else None, cost=float(alone))
 
+    def _keep_captured(self, request: Request, cap, sig) -> None:
+        """A context signature (miss_signatures="context"): kept in the device cache and
+        stored through the daemon (the put thread; never on the request's path), with the
+        alone pass it saves as its cost."""
+        self.store.remember(cap.key, sig)
+        self.store.store(cap.key, sig, cost=float(len(self.anchor_ids) + cap.num_tokens))
+        self.store.metrics.inc("captured")
+
     def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
         """Every unit's signature taken from the loader and its device copies waited on
         (by the compute stream) before the units are spliced."""

@@ -13,7 +13,7 @@ takes the signature from the pass the request runs anyway (`ContextCapture`):
 |---|---|---|
 | full attention | K/V of the tail rows (later placement) or of every row (first) | the pass's own K/V, K re-rotated to its alone position (RoPE composes) |
 | sliding window | K/V of the segment's last min(n, w) positions | the same |
-| linear | E_tail, T_tail over the tail tokens | the tail's recurrence inputs in context, run from zero (one varlen call per layer on fla for every capture of the request: `compute.tails_from_zero`); T as the alone pass derives it |
+| linear | E_tail, T_tail over the tail tokens | the tail's recurrence inputs in context, run from zero (`compute.tails_from_zero`: on fla, the delta rule's E_tail and T in ONE varlen call per layer for every capture of the request; scalar/diagonal decay's E_tail as one decay-weighted sum each, `DIRECT_TAILS`); T as the alone pass derives it |
 | linear | E (first placement only) | the in-context run from position 0, which *is* the alone pass there |
 | linear with a conv | the last conv-1 pre-conv inputs | the pass's own |
 
@@ -41,6 +41,10 @@ from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
 #: what a context signature's meta says of where it came from
 ORIGIN = "context"
+#: on fla, scalar/diagonal-decay tails' E_tail as one decay-weighted sum each
+#: (linear_ops.end_state_from_zero: a few small ops) rather than an fla varlen call per
+#: layer (~1 ms of host time each on the H200): the capture runs on the request's path
+DIRECT_TAILS = True
 
 
 @dataclass
@@ -60,8 +64,9 @@ class ContextCapture:
 
     def __post_init__(self) -> None:
         n = self.end - self.offset
-        if n < 1 or not 0 <= self.split < n:
-            raise SplicePlacementError(f"capture [{self.offset}, {self.end}) with split {self.split} has no tail")
+        if n < 1 or self.split < 0 or self.split > n or (self.split == n and not self.first):
+            raise SplicePlacementError(f"capture [{self.offset}, {self.end}) with split {self.split} has no tail "
+                                       "(only a first placement may have none)")
         if self.first and self.offset != self.anchor_len:
             raise SplicePlacementError(f"a first capture starts right behind the anchor ({self.anchor_len}), "
                                        f"not at {self.offset}")
@@ -188,10 +193,13 @@ def capture_linear(captures: CaptureSet, index: LocalIndex, mixer, inp: Recurren
     if not caps:
         return
     dtype = captures.state_dtype
-    spans = [index.span(c.tail_start, c.end) for c in caps]
-    e_tail, dense = tails_from_zero(mixer, inp, spans, backend)
+    tailed = [c for c in caps if c.tail_start < c.end]  # a first placement may have no tail
+    spans = [index.span(c.tail_start, c.end) for c in tailed]
+    e_tails, dense = tails_from_zero(mixer, inp, spans, backend, direct=DIRECT_TAILS)
+    e_of = {id(c): e for c, e in zip(tailed, e_tails)}
     parts = []
-    for cap, e in zip(caps, e_tail):
+    for cap in caps:
+        e = e_of.get(id(cap))
         state, same = None, False
         if cap.first:
             if cap.split == 0 and cap.anchor_len == 0:  # the tail is the whole pass
@@ -206,11 +214,13 @@ def capture_linear(captures: CaptureSet, index: LocalIndex, mixer, inp: Recurren
             a, b = index.span(cap.end - r, cap.end)
             conv_tail = conv_in[0, a:b].transpose(0, 1).contiguous()
         part = LinearPart(family=mixer.family, state=None if state is None else state[0].to(dtype),
-                          tail_state=e[0].to(dtype), tail_transition=None, live_heads=None, conv_tail=conv_tail,
-                          tail_state_is_state=same)
+                          tail_state=None if e is None else e[0].to(dtype), tail_transition=None, live_heads=None,
+                          conv_tail=conv_tail, tail_state_is_state=same)
         if same:
             part.state = part.tail_state
-        parts.append(part)
+        if e is not None:
+            parts.append(part)
         cap.parts.append(part)
     transitions = _tail_transitions(mixer, [inp.slice_time(a, b) for a, b in spans], backend, dtype, dense)
-    transitions.attach(parts, captures.pending)
+    if transitions is not None:
+        transitions.attach(parts, captures.pending)

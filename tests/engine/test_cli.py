@@ -2,7 +2,8 @@
 generate, serve), and in-process through typer's CliRunner where only the command's
 logic matters (bad options, bench, JSON output). The presets JSON schema, generate on a
 tiny preset (text equals the engine's greedy output), bad options rejected by name,
-bench's report, and serve answering over HTTP until SIGTERM."""
+bench's report, `run` with context signatures (--miss-signatures context), and serve
+answering over HTTP until SIGTERM."""
 import json
 import os
 import re
@@ -80,6 +81,14 @@ def test_generate_prints_the_greedy_text_and_timings():
         (["bench", "--preset", "ring-tiny", "--max-batch", "8", "--max-batched-tokens", "4"], "--max-batched-tokens"),
         (["serve", "--preset", "ring-tiny", "--cold-full-policy", "sometimes"], "--cold-full-policy"),
         (["serve", "--preset", "ring-tiny", "--miss-path", "later"], "--miss-path"),
+        (["serve", "--preset", "ring-tiny", "--miss-signatures", "later"], "--miss-signatures"),
+        (["serve", "--preset", "ring-tiny", "--miss-path", "alone", "--miss-signatures", "context"],
+         "--miss-signatures"),
+        (["run", "--preset", "ring-tiny", "--requests", "unread.jsonl", "--miss-path", "context",
+          "--miss-signatures", "later"], "--miss-signatures"),
+        # run's miss path is alone by default: context signatures need it said
+        (["run", "--preset", "ring-tiny", "--requests", "unread.jsonl", "--miss-signatures", "context"],
+         "--miss-path context"),
         (["bench", "--preset", "ring-tiny", "--host-threads", "0"], "--host-threads"),
     ],
 )
@@ -87,6 +96,28 @@ def test_bad_options_exit_2_naming_the_option(args, named):
     res = kvengine_in_process(*args)
     assert res.exit_code == 2, res.output
     assert named in res.stderr
+
+
+DOCS = ["## doc 1\nk1aa: v1aa\nk1bb: v1bb\nk1cc: v1cc\nk1dd: v1dd\n",
+        "## doc 2\nk2aa: v2aa\nk2bb: v2bb\nk2cc: v2cc\nk2dd: v2dd\n"]
+
+
+def test_run_with_context_signatures_reuses_what_the_first_request_computed_in_context(tmp_path):
+    """--miss-path context --miss-signatures context: the first request's misses are computed
+    in its own pass and their signatures taken from it (captured, none queued for an idle
+    alone pass); the second, the same documents in the other order, reuses them."""
+    requests = tmp_path / "requests.jsonl"
+    lines = [{"id": rid, "segments": [{"text": DOCS[i], "cache": True} for i in order]
+              + [{"text": "Q: value of k2bb?\nA: ", "cache": False}]} for rid, order in (("a", (0, 1)), ("b", (1, 0)))]
+    requests.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    res = kvengine_in_process("run", "--preset", "qwen3next-tiny", "--requests", str(requests), "--method", "pic",
+                              "--miss-path", "context", "--miss-signatures", "context", "--max-new-tokens", "2",
+                              "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.output
+    first, second = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert first["reused_tokens"] == 0 and first["miss_segments"] == 2
+    assert first["captured_segments"] == 2 and first["deferred_segments"] == 0
+    assert second["hit_segments"] == 2 and second["reused_tokens"] > 0 and second["captured_segments"] == 0
 
 
 def test_bench_reports_ttft_percentiles_and_throughput():

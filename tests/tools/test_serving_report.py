@@ -70,3 +70,11 @@ def test_the_ab_switches_parse_and_refuse_bad_values(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--qps-idle", "maybe"])
     assert "qps-idle" in capsys.readouterr().err
+    assert (parse_args([]).miss_path, parse_args([]).miss_signatures) == ("context", "alone")
+    assert parse_args(["--miss-signatures", "context"]).miss_signatures == "context"
+    with pytest.raises(SystemExit):
+        parse_args(["--miss-signatures", "later"])
+    assert "miss-signatures" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # context signatures come from misses computed in context
+        parse_args(["--miss-path", "alone", "--miss-signatures", "context"])
+    assert "--miss-signatures" in capsys.readouterr().err

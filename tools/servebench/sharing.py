@@ -113,7 +113,7 @@ def run_pair(preset: str, engine_options: dict, requests: Sequence[BenchRequest]
              pic: Optional[dict] = None) -> dict:
     """Run `requests` on two worker processes (module docstring); socket None: private caches.
     `put_tier`: the daemon tier the workers put signatures in (None: the daemon's default).
-    `pic`: PicConfig fields of the workers' PIC planner (e.g. miss_path; default PicConfig()).
+    `pic`: PicConfig fields of the workers' PIC planner (e.g. miss_path, miss_signatures; default PicConfig()).
     `trials` (total rate, requests): afterwards, Poisson arrivals of each trial's requests
     dealt alternately to the two engines at half the rate each, both starting together;
     reported per trial with the TTFTs of both (`trials`), for a QPS search at an SLO."""

@@ -261,3 +261,29 @@ def test_misses_in_context_are_served_now_and_stored_by_idle_help(start_daemon, 
     out2, rep2, st2 = run_one(engine, planner, prompt((2, 0, 1)), "r2")
     assert rep2.hit_segments == 3 and rep2.miss_segments == 0 and st2.hits_by_tier["cpu"] == 3
     assert out2.token_ids == reference(memory_engine, [p, prompt((2, 0, 1))])[1]
+
+
+def test_context_signatures_are_stored_through_the_daemon_and_hit_by_another_engine(
+        start_daemon, store_engine, memory_engine):
+    """miss_signatures="context": the misses' signatures come from the request's own pass
+    and are put through the daemon when its prefill is done (no idle alone pass); a second
+    engine on the same daemon hits every segment, and generates what in-process PIC with
+    the same option generates."""
+    from engine.pic.config import PicConfig
+
+    ctx = PicConfig(miss_path="context", miss_signatures="context")
+    d = start_daemon()
+    prompts = [prompt((0, 1, 2)), prompt((2, 0, 1))]
+    ref_engine, ref_planner = memory_engine(pic=ctx)
+    want = [run_one(ref_engine, ref_planner, p, f"ref-{i}")[0].token_ids for i, p in enumerate(prompts)]
+    a, pa = store_engine(d, pic=ctx)
+    out1, rep1, st1 = run_one(a, pa, prompts[0], "a1")
+    assert rep1.miss_segments == 3 and rep1.captured_segments == 3 and rep1.deferred_segments == 0
+    assert st1.computed == 0 and not pa.deferred and a.help_idle() == 0
+    assert pa.store.flush() and pa.store.metrics.snapshot()["captured"] == 3
+    b, pb = store_engine(d, pic=ctx)
+    out2, rep2, st2 = run_one(b, pb, prompts[1], "b1")
+    assert rep2.hit_segments == 3 and rep2.miss_segments == 0 and st2.hits_by_tier["cpu"] == 3
+    assert [out1.token_ids, out2.token_ids] == want
+    with d.client() as kv:
+        assert kv.stats()["leases"] == 0

@@ -53,13 +53,14 @@ def test_a_captured_signature_spliced_back_into_its_context_gives_the_in_context
     torch.testing.assert_close(again.logits[-1], first.logits[-1], rtol=2e-5, atol=2e-5)
 
 
-def test_a_first_placement_capture_is_the_alone_signature(model_of, runner_of, planner_of):
+@pytest.mark.parametrize("n", [21, 5], ids=["with-tail", "no-tail"])  # 5 tokens: all seam (6), no tail
+def test_a_first_placement_capture_is_the_alone_signature(n, model_of, runner_of, planner_of):
     model = model_of([GDN, FULL, SWA, GLA])
     runner = runner_of(model)
     planner = _ctx(planner_of, model)
-    doc, question = rand_ids(21, 3), rand_ids(6, 4)
+    doc, question = rand_ids(n, 3), rand_ids(6, 4)
     execute(planner, runner, make_request([(doc, True), (question, False)]))
-    split = planner.seam  # the window rule: max(4, window 6)
+    split = min(n, planner.seam)  # the window rule: max(4, window 6)
     got = planner.cache.get(planner.key(doc, split))
     assert got is not None and got.meta["origin"] == ORIGIN and got.has_end_state
     ref = compute_signature(model, doc, [BOS], split=split)
