@@ -129,6 +129,8 @@ class CaptureSet:
                                            f"the pass ran {self.num_layers}")
             sig = SegmentSignature(cap.num_tokens, cap.anchor_len, cap.split, tuple(cap.parts), dict(meta or {}))
             sig.meta["origin"] = ORIGIN
+            if not cap.first:  # its rows start at the tail: never spliced whole at the start
+                sig.meta["placeable_first"] = False
             out.append(sig)
         return out
 

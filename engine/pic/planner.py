@@ -324,7 +324,7 @@ class PicPlanner(ReportingPlanner):
                 _add_compute(items, u.splice_start, u.end)
                 continue
             sig = state.signatures[u.key]
-            first = u.first and sig.has_end_state
+            first = u.first and sig.placeable_first
             if u.first and not first:  # a context signature placed first: anchor and seam computed
                 _add_compute(items, 0, u.offset + u.split)
             piece = SplicePiece(sig, u.offset, first, self.linear_mode)

@@ -142,6 +142,22 @@ class SegmentSignature:
         return all(p.state is not None for p in self.layers if isinstance(p, LinearPart))
 
     @property
+    def placeable_first(self) -> bool:
+        """Whether it can start a prompt right behind the anchor, spliced whole: every linear
+        layer keeps E and every attention layer the rows from alone position 0 (full: all
+        rows; sliding window: rows up to the end). A context signature of a later placement
+        (engine.pic.capture) keeps only its tail's rows and no E."""
+        if not self.has_end_state:
+            return False
+        for p in self.layers:
+            if isinstance(p, AttentionPart):
+                if p.kind == "full" and (p.first_pos != 0 or p.num_rows != self.alone_len):
+                    return False
+                if p.kind == "swa" and p.first_pos + p.num_rows != self.alone_len:
+                    return False
+        return self.meta.get("placeable_first", True) is not False
+
+    @property
     def alone_len(self) -> int:
         """Positions of the alone pass: anchor plus segment."""
         return self.anchor_len + self.num_tokens

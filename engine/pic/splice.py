@@ -72,6 +72,9 @@ class SplicePiece:
             raise SplicePlacementError(f"linear={self.linear!r} must be one of {LINEAR_MODES}")
         if self.first and not sig.has_end_state:
             raise SplicePlacementError("the signature keeps no end states, so it cannot be placed first")
+        if self.first and not sig.placeable_first:
+            raise SplicePlacementError("the signature keeps only its tail's attention rows (a context signature of "
+                                       "a later placement), so it cannot be placed first")
         if self.first and self.offset != sig.anchor_len:
             raise SplicePlacementError(
                 f"a first piece sits right behind the anchor (offset {sig.anchor_len}), got offset {self.offset}")

@@ -18,7 +18,7 @@ from engine.pic.signature import AttentionPart
 from pic_testlib import BOS, execute, fla_emulated, make_request, rand_ids
 
 MIXES = {"gdn-full-swa": [GDN, FULL, SWA, GDN], "gla-full": [GLA, FULL, GLA], "lightning-swa": [LIGHTNING, SWA, FULL],
-         "mamba2-full": [MAMBA2, FULL, MAMBA2]}
+         "mamba2-full": [MAMBA2, FULL, MAMBA2], "swa-full": [SWA, SWA, FULL]}
 
 
 def _ctx(planner_of, model, **kw):
@@ -79,21 +79,39 @@ def test_a_first_placement_capture_is_the_alone_signature(n, model_of, runner_of
         assert a.live_heads == b.live_heads
 
 
-def test_a_later_capture_keeps_no_end_state_and_is_placed_first_as_a_later_piece(model_of, runner_of, planner_of):
-    """A context signature of a later placement carries its context in E; so it keeps none,
-    and a request that starts with that segment computes anchor and seam, splices its tail."""
-    model = model_of([GDN, FULL, GDN])
+@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [SWA, FULL, SWA]], ids=["gdn", "attention-only"])
+def test_a_later_capture_is_never_spliced_whole_at_the_start(layers, model_of, runner_of, planner_of):
+    """A context signature of a later placement keeps only its tail's rows (and no E: the
+    state after anchor + segment alone is not in the pass), so a request that starts with
+    that segment computes anchor and seam and splices the tail; with an attention-only
+    model (no E to miss) too. Spliced back into its own context after the anchor, that
+    equals computing the segment there."""
+    from engine.pic.errors import SplicePlacementError
+    from engine.pic.splice import SplicePiece
+
+    model = model_of(layers)
     runner = runner_of(model)
     planner = _ctx(planner_of, model)
     a, b, question = rand_ids(15, 1), rand_ids(19, 2), rand_ids(6, 3)
     execute(planner, runner, make_request([(a, True), (b, True), (question, False)]))
-    sig = planner.cache.get(planner.key(b, 4))
-    assert sig is not None and not sig.has_end_state and sig.meta["origin"] == ORIGIN
+    sig = planner.cache.get(planner.key(b, planner.seam))
+    assert sig is not None and not sig.placeable_first and sig.meta["origin"] == ORIGIN
+    with pytest.raises(SplicePlacementError, match="placed first"):
+        SplicePiece(sig, 1, first=True).validate()
     req = make_request([(b, True), (question, False)])
     run = execute(planner, runner, req)
     rep = planner.take_report(req.request_id)
     assert rep.hit_segments == 1 and rep.miss_segments == 0
-    assert torch.isfinite(run.logits[-1]).all()
+    plain = planner_of(model, fused=True, seam=4)  # the same prompt with nothing cacheable
+    runner2 = runner_of(model)
+    ref = execute(plain, runner2, make_request([(b, False), (question, False)]))
+    head = 1 + planner.seam  # anchor and seam: computed in context by both, so equal
+    full = [i for i, kind in enumerate(layers) if kind == FULL][0]
+    k, v = runner.cache.layers[full].gather(runner.cache.flat_slots(run.seq, 0, head))
+    k2, v2 = runner2.cache.layers[full].gather(runner2.cache.flat_slots(ref.seq, 0, head))
+    torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
+    assert (run.logits[-1] - ref.logits[-1]).abs().max() > 0  # the tail came from the other context
 
 
 @pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
