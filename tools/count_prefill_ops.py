@@ -8,8 +8,12 @@ DeltaNet : 1 full attention, ring-bench's 7 scalar decay : 1 full) at tiny width
 weights, runs the CUDA path's structure on the CPU: seam-chain layers (`seam_chain="on"`)
 and fla's chunk and fused recurrent calls (emulated by the torch recurrence; each call
 counts as ONE, as do seam-chain calls, whose insides are not counted). Every other aten op the prefill
-dispatches is counted (TorchDispatchMode), split into compute ops and views (views
-launch no kernel but cost host time). The request is a rag-like prompt: a system
+dispatches is counted (TorchDispatchMode), split into compute ops and views or no-op
+casts (no kernel, but host time), and device reads (item, nonzero, equal: each a host
+sync on CUDA; on the CPU every tensor is a host tensor, so reads of host copies, which
+sync nothing on CUDA, count too). `launches` = compute ops + fla calls + seam-chain
+calls; the idle work a request leaves (alone passes of its misses, `help_idle`) is
+counted apart. The request is a rag-like prompt: a system
 prompt, `--docs` documents of `--doc-tokens`, a question; states: `warm` (every
 document cached, in another order), `half` (every other document cached), `cold`
 (nothing cached). Methods: full, prefix (warmed with the documents in another order:
@@ -38,6 +42,8 @@ if str(REPO) not in sys.path:
 VIEW_OPS = ("view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "transpose", "permute",
             "alias", "detach", "split", "unbind", "_reshape_alias", "reshape", "t.default", "unfold", "narrow",
             "diagonal", "lift_fresh", "_unsafe_view")
+#: ops that read a value back to the host (a sync on CUDA); fla's own reads are inside its calls
+SYNC_OPS = ("_local_scalar_dense", "aten.nonzero", "aten.equal", "is_nonzero", "aten.item")
 STATES = ("warm", "half", "cold")
 
 
@@ -64,9 +70,13 @@ class Counting:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
                 if counter.depth == 0:
-                    counter.ops[str(func)] += 1
-                return func(*args, **(kwargs or {}))
+                    name = str(func)
+                    if name.startswith("aten.to.") and args and out is args[0]:
+                        name = "alias:" + name  # a no-op conversion: host time, no kernel
+                    counter.ops[name] += 1
+                return out
 
         self.mode = Mode()
         self.ops: Counter = Counter()
@@ -85,9 +95,11 @@ class Counting:
         return inner
 
     def summary(self) -> dict:
-        views = sum(n for op, n in self.ops.items() if any(v in op for v in VIEW_OPS))
+        views = sum(n for op, n in self.ops.items() if op.startswith("alias:") or any(v in op for v in VIEW_OPS))
         total = sum(self.ops.values())
-        return {"ops": total, "compute_ops": total - views, "view_ops": views, "fla_calls": self.calls["fla"],
+        syncs = sum(n for op, n in self.ops.items() if any(x in op for x in SYNC_OPS))
+        return {"ops": total, "compute_ops": total - views, "view_ops": views, "device_reads": syncs,
+                "fla_calls": self.calls["fla"],
                 "chain_calls": self.calls["chain"],
                 "launches": total - views + self.calls["fla"] + self.calls["chain"],
                 "top": self.ops.most_common(8)}
@@ -157,6 +169,12 @@ def count_preset(preset: str, args) -> dict:
             with counting.mode:
                 execute(planner, r, make_request(prompt))
             s = counting.summary()
+            counting.ops.clear()
+            counting.calls.clear()
+            with counting.mode:  # the idle work it left (alone passes of its misses)
+                while getattr(planner, "help_idle", lambda _r: 0)(r):
+                    pass
+            s["idle_launches"] = counting.summary()["launches"]
             out[f"{name}/{state}"] = s
             print(f"{preset} {name} {state}: {s}", flush=True)
     return {"preset": preset, "layers": len(model.blocks), "docs": args.docs, "doc_tokens": args.doc_tokens,
@@ -164,12 +182,12 @@ def count_preset(preset: str, args) -> dict:
 
 
 def table(results) -> str:
-    lines = ["| preset | method / state | launches | compute ops | view ops | fla calls | chain calls |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| preset | method / state | launches | compute ops | views, no-op casts | device reads | fla calls | "
+             "chain calls | idle launches after |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         for k, s in r["counts"].items():
             lines.append(f"| {r['preset']} | {k} | {s['launches']} | {s['compute_ops']} | {s['view_ops']} | "
-                         f"{s['fla_calls']} | {s['chain_calls']} |")
+                         f"{s['device_reads']} | {s['fla_calls']} | {s['chain_calls']} | {s['idle_launches']} |")
     return "\n".join(lines)
 
 

@@ -156,7 +156,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         cache = manager.layers[i]
         mixer = block.mixer
         if isinstance(cache, PagedKVCache):
-            o = _full_attend(shared, cache, mixer, i, pieces, proj, pos, write_slots, ctx_slots, end, force)
+            o = _full_attend(shared, cache, mixer, i, pieces, proj, ranges, write_slots, ctx_slots, force)
             if index is not None:
                 capture_attention(captures, index, mixer, proj[1], proj[2])
             for cp in checkpoints:
@@ -266,18 +266,19 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
                  offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force)
 
 
-def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, pos, write_slots, ctx_slots, end, force):
-    """A full-attention layer's pieces and C's K/V into the pool; C's attention output."""
+def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges, write_slots, ctx_slots, force):
+    """A full-attention layer's pieces and C's K/V into the pool; C's attention output: each
+    computed range against the pool's positions [0, its end), as host-known runs (no
+    position read back from the device, no mask over every query)."""
+    q, k, v, _ = proj
     if pieces:
         if "full_rows" not in state:
-            state["full_rows"] = _full_rows(pieces, layer, ctx_slots, pos.device)
+            state["full_rows"] = _full_rows(pieces, layer, ctx_slots, q.device)
         if state["full_rows"] is not None:
             _splice_full_rows(state["full_rows"], cache, mixer, layer, pieces, force)
-    q, k, v, _ = proj
     cache.write(write_slots, k, v)
     k_ctx, v_ctx = cache.gather(ctx_slots)
-    k_pos = torch.arange(end, device=pos.device)
-    return mixer.attend_prefill(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), pos, k_pos)
+    return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges)
 
 
 def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos, start, end, checkpoints=()):

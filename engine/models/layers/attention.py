@@ -134,6 +134,32 @@ def _causal_contiguous(qh, kh, vh, q_start: int, k_start: int, window: int | Non
     return torch.cat(outs, dim=2)
 
 
+def causal_attention_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, window: int | None,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of queries that lie in host-known runs of positions against keys at
+    positions 0..Lk-1: q `[Lq, H, D]` holds the queries of `ranges` (absolute `[a, b)`,
+    ascending, b <= Lk) one after another, k/v `[Lk, Hkv, D]`. Query at p sees keys j <= p
+    (and p - j < window). Returns `[Lq, H, D]`.
+
+    The same numbers as `causal_attention` over the scattered positions, without reading a
+    position back from the device (no host sync) or building a mask over all queries:
+    each run is a chunk at the end of its context [0, b), which on CUDA is SDPA's
+    lower-right causal form (flash / efficient kernels); K/V are expanded for GQA once."""
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    kh, vh = _expand_kv(k.transpose(0, 1)[None], groups, 1), _expand_kv(v.transpose(0, 1)[None], groups, 1)
+    outs, at = [], 0
+    for a, b in ranges:
+        n = b - a
+        lo = 0 if window is None else max(0, a - window + 1)
+        outs.append(_causal_contiguous(qh[:, :, at:at + n], kh[:, :, lo:b], vh[:, :, lo:b], a, lo, window, scale, 1))
+        at += n
+    if at != q.shape[0]:
+        raise ValueError(f"ranges cover {at} queries, q holds {q.shape[0]}")
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out[0].transpose(0, 1)
+
+
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                              scale: float) -> torch.Tensor:
     """One query per sequence against its gathered context, GQA without expanding K/V.
@@ -214,6 +240,11 @@ class Attention(TokenMixer):
         (`q_start`/`k_start`: the positions are contiguous from there; see causal_attention)."""
         return causal_attention(q[None], k_ctx[None], v_ctx[None], q_pos, k_pos, self.window, self.scale,
                                 q_start, k_start)[0]
+
+    def attend_ranges(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, ranges) -> torch.Tensor:
+        """One sequence: the queries of host-known position runs `ranges` against context
+        K/V at positions 0..L-1 (see causal_attention_ranges)."""
+        return causal_attention_ranges(q, k_ctx, v_ctx, ranges, self.window, self.scale)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:

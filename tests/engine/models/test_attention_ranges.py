@@ -1,0 +1,29 @@
+"""causal_attention_ranges (the fused prefill's full-attention layers): queries in
+host-known runs of positions against keys at 0..L-1 give exactly what causal_attention
+gives over the same scattered positions, with GQA and with a window, on fresh inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.layers.attention import causal_attention, causal_attention_ranges
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("runs", [[(0, 37)], [(20, 37)], [(0, 3), (9, 14), (15, 16), (30, 37)], [(4, 5), (6, 37)]])
+def test_runs_of_queries_attend_as_the_scattered_positions_do(runs, window):
+    g = torch.Generator().manual_seed(hash((tuple(runs), window)) % 1000)
+    lk, h, hkv, d = runs[-1][1], 4, 2, 8
+    n = sum(b - a for a, b in runs)
+    q = torch.randn(n, h, d, generator=g)
+    k, v = torch.randn(lk, hkv, d, generator=g), torch.randn(lk, hkv, d, generator=g)
+    pos = torch.cat([torch.arange(a, b) for a, b in runs])
+    want = causal_attention(q[None], k[None], v[None], pos, torch.arange(lk), window, d ** -0.5)[0]
+    got = causal_attention_ranges(q, k, v, runs, window, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ranges_must_cover_the_queries():
+    q, k = torch.zeros(5, 2, 4), torch.zeros(9, 2, 4)
+    with pytest.raises(ValueError, match="cover 3 queries"):
+        causal_attention_ranges(q, k, k, [(0, 3)], None, 0.5)
