@@ -34,8 +34,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.models.layers.linear_ops import RecurrenceInputs
-from engine.pic.compute import _tail_transitions, settle_transitions, tails_from_zero
+from engine.models.layers.linear_ops import RecurrenceInputs, end_states_and_log_sums, padded_ranges
+from engine.pic import long_ranges
+from engine.pic.compute import (LOG_FLOAT32_TINY, _PendingTransitions, _ScalarTransitions, _tail_transitions,
+                                settle_transitions, tails_from_zero)
 from engine.pic.errors import SplicePlacementError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
@@ -102,6 +104,11 @@ class CaptureSet:
         self.state_dtype = state_dtype
         self.pending: list = []
         self.num_layers: Optional[int] = None
+        self.layout: Optional["_Layout"] = None
+
+    def prepare(self, index: "LocalIndex", device: torch.device) -> None:
+        """Lay the captures out over the pass's computed tokens (fused_prefill, once)."""
+        self.layout = _Layout(self, index, torch.device(device))
 
     def __len__(self) -> int:
         return len(self.captures)
@@ -166,63 +173,151 @@ class LocalIndex:
         return self(lo), self(lo) + hi - lo
 
 
-def capture_attention(captures: CaptureSet, index: LocalIndex, mixer, k: torch.Tensor, v: torch.Tensor) -> None:
+@dataclass
+class _Rows:
+    """Where one kind of layer's captured rows lie in C, for every capture at once: `idx`
+    (device, the rows of all captures one after another), per-row position deltas (device;
+    None when all are 0), each capture's [a, b) in the batch and its `first_pos`."""
+
+    idx: torch.Tensor
+    delta: Optional[torch.Tensor]
+    bounds: list[tuple[int, int]]
+    first_pos: list[int]
+
+
+class _Layout:
+    """A request's capture layout in C, worked out on the host once and copied to the
+    device once per kind, shared by every layer of that kind (one gather per layer, not
+    one per capture)."""
+
+    def __init__(self, captures: "CaptureSet", index: LocalIndex, device: torch.device) -> None:
+        self.captures, self.index, self.device = captures, index, device
+        self._rows: dict = {}
+        caps = captures.captures
+        self.tailed = sorted((c for c in caps if c.tail_start < c.end), key=lambda c: c.tail_start)
+        self.spans = [index.span(c.tail_start, c.end) for c in self.tailed]
+        self._padded = None
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def rows(self, key, spec) -> _Rows:
+        """`spec(cap)` -> (absolute lo, first_pos) of the rows [lo, cap.end) a layer keeps."""
+        got = self._rows.get(key)
+        if got is None:
+            idx, delta, bounds, first_pos = [], [], [], []
+            for cap in self.captures.captures:
+                lo, fp = spec(cap)
+                a, b = self.index.span(lo, cap.end)
+                bounds.append((len(idx), len(idx) + b - a))
+                idx.extend(range(a, b))
+                delta.extend([cap.delta] * (b - a))
+                first_pos.append(fp)
+            host = torch.tensor([idx, delta], dtype=torch.long)
+            dev = self._to_device(host)
+            got = _Rows(dev[0], dev[1] if any(delta) else None, bounds, first_pos)
+            self._rows[key] = got
+        return got
+
+    def padded_tails(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._padded is None:
+            self._padded = padded_ranges(self.spans, self.device)
+        return self._padded
+
+
+def _full_spec(cap: ContextCapture) -> tuple[int, int]:
+    return cap.rows_start, (0 if cap.first else cap.anchor_len + cap.split)
+
+
+def capture_attention(captures: CaptureSet, mixer, k: torch.Tensor, v: torch.Tensor) -> None:
     """A full or sliding-window layer's part of every capture, from the pass's own K
-    (rotated at its absolute position) and V `[C, Hkv, D]` (module docstring)."""
-    for cap in captures.captures:
-        if mixer.window is None:
-            lo, first_pos = cap.rows_start, (0 if cap.first else cap.anchor_len + cap.split)
-            kind = "full"
-        else:
-            m = min(cap.end if cap.first else cap.num_tokens, mixer.window)
-            lo, kind = cap.end - m, "swa"
-            first_pos = lo + cap.delta
-        a, b = index.span(lo, cap.end)
-        rows_k = k[a:b]
-        if cap.delta and mixer.inv_freq.numel():
-            rows_k = mixer.rope_shift(rows_k, cap.delta)
-        cap.parts.append(AttentionPart(kind, rows_k.clone(), v[a:b].clone(), first_pos))
+    (rotated at its absolute position) and V `[C, Hkv, D]` (module docstring): one gather
+    and one re-rotation for all captures."""
+    lay = captures.layout
+    if mixer.window is None:
+        rows, kind = lay.rows("full", _full_spec), "full"
+    else:
+        w = mixer.window
+
+        def swa_spec(cap: ContextCapture) -> tuple[int, int]:
+            m = min(cap.end if cap.first else cap.num_tokens, w)
+            return cap.end - m, cap.end - m + cap.delta
+
+        rows, kind = lay.rows(("swa", w), swa_spec), "swa"
+    rk, rv = k.index_select(0, rows.idx), v.index_select(0, rows.idx)
+    if rows.delta is not None and mixer.inv_freq.numel():
+        rk = mixer.rope_shift(rk, rows.delta)
+    for cap, (a, b), fp in zip(captures.captures, rows.bounds, rows.first_pos):
+        cap.parts.append(AttentionPart(kind, rk[a:b], rv[a:b], fp))
 
 
-def capture_linear(captures: CaptureSet, index: LocalIndex, mixer, inp: RecurrenceInputs, conv_in: torch.Tensor,
-                   backend: str) -> None:
+def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: torch.Tensor, backend: str) -> None:
     """A linear layer's part of every capture (module docstring), from the layer's
     recurrence inputs over C (`inp`, `[1, C, ...]`) and its pre-conv inputs `conv_in`
-    `[1, C, ch]`: E_tail of every capture's tail from zero in one call
-    (`compute.tails_from_zero`), T_tail as the alone pass derives it, E of a first
-    placement from the in-context run from position 0."""
-    caps = sorted(captures.captures, key=lambda c: c.tail_start)
-    if not caps:
-        return
+    `[1, C, ch]`: E_tail and T_tail of every capture's tail from zero (on fla: scalar and
+    diagonal decay as one batched sum for all tails, `DIRECT_TAILS`; the delta rule in one
+    varlen call, `compute.tails_from_zero`), E of a first placement from the in-context
+    run from position 0, the conv tails in one gather."""
+    lay = captures.layout
     dtype = captures.state_dtype
-    tailed = [c for c in caps if c.tail_start < c.end]  # a first placement may have no tail
-    spans = [index.span(c.tail_start, c.end) for c in tailed]
-    e_tails, dense = tails_from_zero(mixer, inp, spans, backend, direct=DIRECT_TAILS)
-    e_of = {id(c): e for c, e in zip(tailed, e_tails)}
-    parts = []
-    for cap in caps:
+    family = mixer.family
+    e_of: dict[int, torch.Tensor] = {}
+    transitions = None
+    if lay.tailed:
+        if backend == "fla" and family != "delta" and DIRECT_TAILS:
+            idx, valid = lay.padded_tails()
+            E, log_sums = end_states_and_log_sums(family, inp, idx, valid)
+            E = E.to(dtype)
+            e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
+            transitions = _ScalarTransitions(list(log_sums.unbind(0)))
+        elif backend == "fla" and family == "delta":  # E_tail and T of every tail in ONE varlen call
+            dense, E = long_ranges.delta_operators(inp, lay.spans)
+            E = E.to(dtype)
+            e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
+            idx, valid = lay.padded_tails()
+            log_sums = (inp.log_decay[0].to(torch.float32)[idx] * valid[..., None]).sum(dim=1)  # [n, H]
+            live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
+            transitions = _PendingTransitions(dense.to(dtype), live)
+        else:
+            e_tails, dense = tails_from_zero(mixer, inp, lay.spans, backend, direct=False)
+            e_of = {id(c): e[0].to(dtype) for c, e in zip(lay.tailed, e_tails)}
+            transitions = _tail_transitions(mixer, [inp.slice_time(a, b) for a, b in lay.spans], backend, dtype,
+                                            dense)
+    conv = None
+    if mixer.conv is not None:
+        width1 = mixer.conv.width - 1
+
+        def conv_spec(cap: ContextCapture) -> tuple[int, int]:
+            return cap.end - min(cap.end if cap.first else cap.num_tokens, width1), 0
+
+        rows = lay.rows(("conv", width1), conv_spec)
+        got = conv_in[0].index_select(0, rows.idx)  # [rows, C]
+        sizes = {b - a for a, b in rows.bounds}
+        if len(sizes) == 1:  # every capture keeps r rows: one transposing copy for all
+            r = sizes.pop()
+            tails = got.view(len(rows.bounds), r, got.shape[-1]).transpose(1, 2).contiguous()  # [n, C, r]
+            conv = [tails[j] for j in range(len(rows.bounds))]
+        else:
+            conv = [got[a:b].transpose(0, 1).contiguous() for a, b in rows.bounds]
+    tail_parts = []
+    for j, cap in enumerate(captures.captures):
         e = e_of.get(id(cap))
         state, same = None, False
         if cap.first:
             if cap.split == 0 and cap.anchor_len == 0:  # the tail is the whole pass
                 state, same = e, True
             else:
-                a, b = index.span(0, cap.end)
+                a, b = lay.index.span(0, cap.end)
                 zero = torch.zeros(1, *mixer.state_shape, dtype=torch.float32, device=inp.q.device)
-                state = mixer.run_recurrence(inp.slice_time(a, b), zero, backend)[1]
-        conv_tail = None
-        if mixer.conv is not None:
-            r = min(cap.end if cap.first else cap.num_tokens, mixer.conv.width - 1)
-            a, b = index.span(cap.end - r, cap.end)
-            conv_tail = conv_in[0, a:b].transpose(0, 1).contiguous()
-        part = LinearPart(family=mixer.family, state=None if state is None else state[0].to(dtype),
-                          tail_state=None if e is None else e[0].to(dtype), tail_transition=None, live_heads=None,
+                state = mixer.run_recurrence(inp.slice_time(a, b), zero, backend)[1][0].to(dtype)
+        conv_tail = None if conv is None else conv[j]  # [C, r]
+        part = LinearPart(family=family, state=state, tail_state=e, tail_transition=None, live_heads=None,
                           conv_tail=conv_tail, tail_state_is_state=same)
-        if same:
-            part.state = part.tail_state
-        if e is not None:
-            parts.append(part)
         cap.parts.append(part)
-    transitions = _tail_transitions(mixer, [inp.slice_time(a, b) for a, b in spans], backend, dtype, dense)
+        if e is not None:
+            tail_parts.append((cap, part))
     if transitions is not None:
-        transitions.attach(parts, captures.pending)
+        order = {id(c): i for i, c in enumerate(lay.tailed)}
+        transitions.attach([p for _, p in sorted(tail_parts, key=lambda cp: order[id(cp[0])])], captures.pending)

@@ -425,11 +425,11 @@ def settle_transitions(pending: list[_PendingTransitions]) -> None:
     product underflowed, or whose operator is exactly 0, has forgotten its prefix."""
     if not pending:
         return
-    lives = torch.cat([p.live for p in pending]).cpu()  # one sync for every layer
+    lives = torch.cat([p.live for p in pending]).cpu().tolist()  # one sync for every layer
     row = 0
     for p in pending:
         for i, part in enumerate(p.parts):
-            heads = tuple(int(x) for x in torch.nonzero(lives[row + i]).flatten().tolist())
+            heads = tuple(h for h, alive in enumerate(lives[row + i]) if alive)
             part.live_heads = heads
             if not heads:
                 part.tail_transition = None

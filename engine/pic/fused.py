@@ -125,6 +125,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     if captures:
         captures.check(ranges, len(model.blocks))
         index = LocalIndex(ranges)
+        captures.prepare(index, manager.device)
     pos_host = torch.cat([torch.arange(a, b) for a, b in ranges])
     ids_host = torch.tensor([token_ids[p] for a, b in ranges for p in range(a, b)], dtype=torch.long)
     model._check_ids(ids_host)
@@ -158,7 +159,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         if isinstance(cache, PagedKVCache):
             o = _full_attend(shared, cache, mixer, i, pieces, proj, ranges, write_slots, ctx_slots, force)
             if index is not None:
-                capture_attention(captures, index, mixer, proj[1], proj[2])
+                capture_attention(captures, mixer, proj[1], proj[2])
             for cp in checkpoints:
                 k, v = cache.gather(ctx_slots[cp.start:cp.end])
                 cp.kv[i] = (k.clone(), v.clone())
@@ -166,7 +167,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         elif isinstance(cache, WindowRingCache):
             o = _window_attend(seq, cache, mixer, i, pieces, proj, pos, start, end, stateful)
             if index is not None:
-                capture_attention(captures, index, mixer, proj[1], proj[2])
+                capture_attention(captures, mixer, proj[1], proj[2])
             aux = proj[3]
         elif isinstance(cache, StateSlotCache):
             conv_in, aux = proj
@@ -174,7 +175,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             tap = None
             if index is not None:
                 def tap(inp, _m=mixer, _c=conv_in):
-                    capture_linear(captures, index, _m, inp, _c, backend)
+                    capture_linear(captures, _m, inp, _c, backend)
             if not stateful and chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = chain_tables(model, manager, events, device)

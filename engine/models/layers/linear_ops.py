@@ -230,6 +230,43 @@ def end_state_from_zero(family: str, inp: RecurrenceInputs) -> torch.Tensor:
     return torch.einsum("bthk,bthv->bhkv", k, inp.v.to(torch.float32))
 
 
+def padded_ranges(ranges, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx `[n, L]` long, valid `[n, L]` bool) on `device` for ranges `[a, b)` of a time
+    axis, L the longest: row i holds a..b-1 then padding (index a, not valid). One
+    host-to-device copy."""
+    n, L = len(ranges), max(b - a for a, b in ranges)
+    idx = torch.empty(n, L, dtype=torch.long)
+    valid = torch.zeros(n, L, dtype=torch.bool)
+    for i, (a, b) in enumerate(ranges):
+        idx[i, : b - a] = torch.arange(a, b)
+        idx[i, b - a:] = a
+        valid[i, : b - a] = True
+    both = torch.cat([idx, valid.long()])
+    if torch.device(device).type == "cuda":  # pragma: no cover - GPU only
+        both = both.pin_memory()
+    both = both.to(device, non_blocking=True)
+    return both[:n], both[n:].bool()
+
+
+def end_states_and_log_sums(family: str, inp: RecurrenceInputs, idx: torch.Tensor,
+                            valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scalar/diagonal decay, every range of `padded_ranges` at once (B = 1): E `[n, H,
+    K, V]` run from zero (`end_state_from_zero`'s one sum per range, batched) and the
+    log-decay sums `[n, H]` / `[n, H, K]`. A fixed number of ops whatever n."""
+    _check_family(family, inp)
+    if family == "delta":
+        raise ValueError("end_states_and_log_sums: the delta rule's end state needs the recurrence")
+    m = valid.to(torch.float32)
+    g = inp.log_decay[0].to(torch.float32)[idx]  # [n, L, H] or [n, L, H, K]
+    g = g * (m[..., None] if family == "scalar" else m[..., None, None])
+    suffix = g.flip(1).cumsum(1).flip(1)  # sum over s >= t (padding adds 0)
+    after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], dim=1)
+    w = after.exp() * (m[..., None] if family == "scalar" else m[..., None, None])
+    k = inp.k[0].to(torch.float32)[idx] * (w[..., None] if family == "scalar" else w)
+    E = torch.einsum("nlhk,nlhv->nhkv", k, inp.v[0].to(torch.float32)[idx])
+    return E, suffix[:, 0]
+
+
 def apply_transition(family: str, transition: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """T applied to a state `[B, H, K, V]` (float32): the linear part of composition."""
     if family == "scalar":

@@ -151,3 +151,24 @@ def test_end_state_from_zero_is_the_recurrence_end_state(family, decay_strength)
 def test_end_state_from_zero_refuses_the_delta_rule():
     with pytest.raises(ValueError, match="delta"):
         end_state_from_zero("delta", random_inputs("delta", 5))
+
+
+@pytest.mark.parametrize("family", ["scalar", "diag"])
+def test_end_states_of_padded_ranges_match_one_sum_per_range(family):
+    """linear_ops.end_states_and_log_sums (the context capture's batched tails) against
+    end_state_from_zero per range and the log-decay sums, on fresh random inputs."""
+    from engine.models.layers.linear_ops import end_state_from_zero, end_states_and_log_sums, padded_ranges
+
+    g = torch.Generator().manual_seed(7 if family == "scalar" else 8)
+    t, h, kd, vd = 40, 3, 5, 4
+    decay_shape = (1, t, h) if family == "scalar" else (1, t, h, kd)
+    inp = RecurrenceInputs(q=torch.randn(1, t, h, kd, generator=g), k=torch.randn(1, t, h, kd, generator=g),
+                           v=torch.randn(1, t, h, vd, generator=g),
+                           log_decay=-torch.rand(*decay_shape, generator=g), scale=0.5)
+    ranges = [(0, 7), (9, 30), (31, 32), (33, 40)]
+    idx, valid = padded_ranges(ranges, "cpu")
+    E, logs = end_states_and_log_sums(family, inp, idx, valid)
+    for i, (a, b) in enumerate(ranges):
+        part = inp.slice_time(a, b)
+        torch.testing.assert_close(E[i], end_state_from_zero(family, part)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logs[i], part.log_decay[0].sum(dim=0), rtol=1e-5, atol=1e-5)

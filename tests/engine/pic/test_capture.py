@@ -170,3 +170,32 @@ def test_context_keys_never_mix_with_alone_keys_and_the_option_is_validated(mode
         planner_of(model, fused=True, miss_signatures="context")
     with pytest.raises(PicConfigError, match="miss_signatures"):
         planner_of(model, fused=True, miss_path="context", miss_signatures="later")
+
+
+@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, SWA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+def test_on_fla_a_captured_signature_spliced_back_into_its_context_gives_the_in_context_computation(
+        layers, model_of, runner_of, planner_of, monkeypatch):
+    """The CUDA path's structure (fla emulated, seam chain on, long ranges): the batched
+    tails (one sum for scalar/diagonal decay, one varlen call for the delta rule) splice
+    back exactly."""
+    from engine.models.layers import fla_backend
+    from engine.pic import seam_chain_layer
+
+    monkeypatch.setattr(fla_backend, "fla_chunk", fla_emulated)
+    monkeypatch.setattr(seam_chain_layer, "CHAIN_MAX_TOKENS", 8)  # misses of 15-20 tokens are long ranges
+    model = model_of(layers)
+    runner = runner_of(model)
+    runner.backend = "fla"
+    planner = _ctx(planner_of, model, seam_chain="on")
+    docs, question = _docs(50), rand_ids(6, 51)
+    new = [rand_ids(n, 800 + n) for n in (20, 15)]
+    layout = [(docs[0], True), (new[0], True), (docs[1], True), (new[1], True), (question, False)]
+    for d in docs[:2]:
+        execute(planner, runner, make_request([(d, True), (question, False)]))
+    cold = make_request(layout)
+    first = execute(planner, runner, cold)
+    assert planner.take_report(cold.request_id).captured_segments == 2
+    warm = make_request(layout)
+    again = execute(planner, runner, warm)
+    assert planner.take_report(warm.request_id).hit_segments == 4
+    torch.testing.assert_close(again.logits[-1], first.logits[-1], rtol=5e-5, atol=5e-5)
