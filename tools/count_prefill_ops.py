@@ -122,18 +122,32 @@ def count_preset(preset: str, args) -> dict:
 
     import engine.pic.seam_chain_layer as scl
     from engine.models.layers import fla_backend
-    from engine.pic.config import PicConfig
-    from engine.pic.planner import make_planner
-    from engine.runtime.runner import ModelRunner
-    sys.path.insert(0, str(REPO / "tests" / "engine" / "pic"))  # the PIC tests' request builders and fla emulation
-    from pic_testlib import FakeTokenizer, execute, fla_emulated, make_request, rand_ids
+    pic_tests = str(REPO / "tests" / "engine" / "pic")  # the PIC tests' request builders and fla emulation
+    if pic_tests not in sys.path:
+        sys.path.insert(0, pic_tests)
+    from pic_testlib import fla_emulated
 
     torch.manual_seed(0)
     model = _model(preset)
     counting = Counting()
+    saved = (fla_backend.fla_chunk, fla_backend.fla_recurrent, scl.seam_chain)
     fla_backend.fla_chunk = counting.wrap("fla", fla_emulated)
     fla_backend.fla_recurrent = counting.wrap("fla", lambda family, inp, s0: fla_emulated(family, inp, s0))
     scl.seam_chain = counting.wrap("chain", scl.seam_chain)
+    try:
+        return _count(preset, args, model, counting)
+    finally:
+        fla_backend.fla_chunk, fla_backend.fla_recurrent, scl.seam_chain = saved
+
+
+def _count(preset: str, args, model, counting: Counting) -> dict:
+    import torch
+
+    from engine.pic.config import PicConfig
+    from engine.pic.planner import make_planner
+    from engine.runtime.runner import ModelRunner
+    from pic_testlib import FakeTokenizer, execute, make_request, rand_ids
+
     docs = [rand_ids(args.doc_tokens, 100 + i) for i in range(args.docs)]
     system, question = rand_ids(60, 7), rand_ids(20, 8)
     prompt = [(system, True)] + [(d, True) for d in docs] + [(question, False)]

@@ -13,7 +13,7 @@ takes the signature from the pass the request runs anyway (`ContextCapture`):
 |---|---|---|
 | full attention | K/V of the tail rows (later placement) or of every row (first) | the pass's own K/V, K re-rotated to its alone position (RoPE composes) |
 | sliding window | K/V of the segment's last min(n, w) positions | the same |
-| linear | E_tail, T_tail over the tail tokens | the tail's recurrence inputs in context, run from zero (`compute.tails_from_zero`: on fla, the delta rule's E_tail and T in ONE varlen call per layer for every capture of the request; scalar/diagonal decay's E_tail as one decay-weighted sum each, `DIRECT_TAILS`); T as the alone pass derives it |
+| linear | E_tail, T_tail over the tail tokens | the tail's recurrence inputs in context, run from zero: scalar/diagonal decay as one padded decay-weighted sum for every tail of the layer (`DIRECT_TAILS`), the delta rule from a run started at [0 I] with values [v 0] (on fla ONE varlen call per layer for every capture of the request); the live heads as the alone pass finds them |
 | linear | E (first placement only) | the in-context run from position 0, which *is* the alone pass there |
 | linear with a conv | the last conv-1 pre-conv inputs | the pass's own |
 
@@ -29,7 +29,7 @@ is the quality harness's question (tools/quality.py --miss-signatures).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -43,9 +43,10 @@ from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
 #: what a context signature's meta says of where it came from
 ORIGIN = "context"
-#: on fla, scalar/diagonal-decay tails' E_tail as one decay-weighted sum each
-#: (linear_ops.end_state_from_zero: a few small ops) rather than an fla varlen call per
-#: layer (~1 ms of host time each on the H200): the capture runs on the request's path
+#: scalar/diagonal-decay tails' E_tail as one decay-weighted sum each, all tails of a layer
+#: in one padded batch (linear_ops.end_states_and_log_sums: a fixed handful of ops) rather
+#: than an fla varlen call per layer (~1 ms of host time each on the H200) or a torch
+#: recurrence per tail: the capture runs on the request's path
 DIRECT_TAILS = True
 
 
@@ -227,6 +228,23 @@ class _Layout:
         return self._padded
 
 
+def _delta_operators_torch(mixer, inp: RecurrenceInputs, spans) -> tuple[torch.Tensor, torch.Tensor]:
+    """`long_ranges.delta_operators` on the torch backend: (T `[n, H, dk, dk]`, E `[n, H,
+    dk, dv]`) of each range from zero, one recurrence per range instead of two (the state
+    [0 | I] with values [v | 0] ends at [E | T])."""
+    _, _, h, kd, vd = inp.shape
+    s0 = torch.zeros(1, h, kd, vd + kd, dtype=torch.float32, device=inp.v.device)
+    s0[..., vd:] = torch.eye(kd, dtype=torch.float32, device=inp.v.device)
+    Ts, Es = [], []
+    for a, b in spans:
+        part = inp.slice_time(a, b)
+        v = torch.cat([part.v, part.v.new_zeros(*part.v.shape[:-1], kd)], dim=-1)
+        st = mixer.run_recurrence(replace(part, v=v), s0, "torch")[1][0]
+        Ts.append(st[..., vd:])
+        Es.append(st[..., :vd])
+    return torch.stack(Ts), torch.stack(Es)
+
+
 def _full_spec(cap: ContextCapture) -> tuple[int, int]:
     return cap.rows_start, (0 if cap.first else cap.anchor_len + cap.split)
 
@@ -256,24 +274,27 @@ def capture_attention(captures: CaptureSet, mixer, k: torch.Tensor, v: torch.Ten
 def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: torch.Tensor, backend: str) -> None:
     """A linear layer's part of every capture (module docstring), from the layer's
     recurrence inputs over C (`inp`, `[1, C, ...]`) and its pre-conv inputs `conv_in`
-    `[1, C, ch]`: E_tail and T_tail of every capture's tail from zero (on fla: scalar and
-    diagonal decay as one batched sum for all tails, `DIRECT_TAILS`; the delta rule in one
-    varlen call, `compute.tails_from_zero`), E of a first placement from the in-context
-    run from position 0, the conv tails in one gather."""
+    `[1, C, ch]`: E_tail and T_tail of every capture's tail from zero (scalar and diagonal
+    decay as one batched sum for all tails, `DIRECT_TAILS`; the delta rule from one run
+    per tail started at [0 | I], on fla one varlen call for all), E of a first placement
+    from the in-context run from position 0, the conv tails in one gather."""
     lay = captures.layout
     dtype = captures.state_dtype
     family = mixer.family
     e_of: dict[int, torch.Tensor] = {}
     transitions = None
     if lay.tailed:
-        if backend == "fla" and family != "delta" and DIRECT_TAILS:
+        if family != "delta" and DIRECT_TAILS:
             idx, valid = lay.padded_tails()
             E, log_sums = end_states_and_log_sums(family, inp, idx, valid)
             E = E.to(dtype)
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             transitions = _ScalarTransitions(list(log_sums.unbind(0)))
-        elif backend == "fla" and family == "delta":  # E_tail and T of every tail in ONE varlen call
-            dense, E = long_ranges.delta_operators(inp, lay.spans)
+        elif family == "delta":  # E_tail and T of every tail from one run: [0 | I] start, values [v | 0]
+            if backend == "fla":  # ONE varlen call for every tail
+                dense, E = long_ranges.delta_operators(inp, lay.spans)
+            else:
+                dense, E = _delta_operators_torch(mixer, inp, lay.spans)
             E = E.to(dtype)
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             idx, valid = lay.padded_tails()
