@@ -34,6 +34,7 @@ logits are returned).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -165,7 +166,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                 cp.kv[i] = (k.clone(), v.clone())
             aux = proj[3]
         elif isinstance(cache, WindowRingCache):
-            o = _window_attend(seq, cache, mixer, i, pieces, proj, pos, start, end, stateful)
+            o = _window_attend(seq, cache, mixer, i, pieces, proj, pos, ranges, start, end, stateful)
             if index is not None:
                 capture_attention(captures, mixer, proj[1], proj[2])
             aux = proj[3]
@@ -282,19 +283,36 @@ def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges,
     return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges)
 
 
-def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos, start, end, checkpoints=()):
-    """A sliding-window layer's attention output for C (module docstring); the ring refilled."""
+def _present(lo: int, start: int, pieces, layer: int, ranges) -> list[int]:
+    """Positions >= lo whose sliding-window K/V a fill holds: the ring's [lo, start), each
+    piece's rows, the computed ranges; ascending, known on the host."""
+    spans = [(lo, start)] if start > lo else []
+    for p in pieces:
+        part = _part(p, layer, "swa")
+        first = max(p.first_row - part.first_pos, 0)
+        if first < part.num_rows:
+            spans.append((max(lo, part.first_pos + first + p.delta), part.first_pos + part.num_rows + p.delta))
+    spans += list(ranges)
+    out: list[int] = []
+    for a, b in sorted(spans):
+        a = max(a, out[-1] + 1) if out else a
+        out.extend(range(a, b))
+    return out
+
+
+def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos, ranges, start, end,
+                   checkpoints=()):
+    """A sliding-window layer's attention output for C (module docstring); the ring refilled.
+    Which positions are present is known on the host (nothing read back from the device)."""
     w = mixer.window
     q, k, v, _ = proj
     lo = max(0, start - w + 1)
     kbuf = torch.zeros(end - lo, *k.shape[1:], dtype=k.dtype, device=k.device)
     vbuf = torch.zeros_like(kbuf)
-    have = torch.zeros(end - lo, dtype=torch.bool, device=k.device)
     if start > lo:  # rows already in the ring (positions before this fill)
         past = torch.arange(lo, start, device=k.device)
         kp, vp = cache.read(seq.slot, past)
         kbuf[: start - lo], vbuf[: start - lo] = kp.to(k.dtype), vp.to(k.dtype)
-        have[: start - lo] = True
     for p in pieces:
         part = _part(p, layer, "swa")
         first = max(p.first_row - part.first_pos, 0)
@@ -308,12 +326,11 @@ def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos,
         keep = at >= 0
         kbuf[at[keep]] = rows_k[keep]
         vbuf[at[keep]] = part.v[first:].to(device=k.device, dtype=k.dtype)[keep]
-        have[at[keep]] = True
     kbuf[pos - lo], vbuf[pos - lo] = k, v
-    have[pos - lo] = True
-    k_pos = torch.nonzero(have).flatten() + lo
-    o = mixer.attend_prefill(q, kbuf[k_pos - lo], vbuf[k_pos - lo], pos, k_pos)
-    ring = k_pos[k_pos >= end - w]
+    present = _present(lo, start, pieces, layer, ranges)
+    k_pos = torch.as_tensor(present, dtype=torch.long).to(k.device, non_blocking=True)
+    o = mixer.attend_known(q, kbuf[k_pos - lo], vbuf[k_pos - lo], ranges, present)
+    ring = k_pos[bisect_left(present, end - w):]
     cache.write(seq.slot, ring, kbuf[ring - lo], vbuf[ring - lo])
     for cp in checkpoints:  # every position before a boundary inside this fill is computed
         first = max(0, cp.end - w)

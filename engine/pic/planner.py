@@ -526,6 +526,8 @@ class PicPlanner(ReportingPlanner):
     def idle_poll_s(self) -> Optional[float]:
         """How often the engine should call `help_idle` while idle (None: never)."""
         queues = self.config.cold_full_fraction is not None or self.config.miss_path == "context"
+        if self.config.miss_signatures == "context":  # misses' signatures come from their requests
+            queues = False
         return IDLE_POLL_S if queues else None
 
     def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:

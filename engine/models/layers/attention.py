@@ -160,6 +160,39 @@ def causal_attention_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     return out[0].transpose(0, 1)
 
 
+def causal_attention_known(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, k_pos, window: int | None,
+                           scale: float) -> torch.Tensor:
+    """`causal_attention` with every position known on the host: q `[Lq, H, D]` holds the
+    queries of `ranges` (absolute `[a, b)`, ascending) one after another, k/v `[Lk, Hkv,
+    D]` the keys at `k_pos` (a host sequence of Lk ascending positions, with gaps). Query at
+    p sees the keys at j <= p (and p - j < window). Each block's key span is found on the
+    host (no position read back from the device); K/V are expanded for GQA once."""
+    from bisect import bisect_left, bisect_right
+
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    kh, vh = _expand_kv(k.transpose(0, 1)[None], groups, 1), _expand_kv(v.transpose(0, 1)[None], groups, 1)
+    kp_dev = torch.as_tensor(list(k_pos), dtype=torch.long).to(q.device, non_blocking=True)
+    outs, at = [], 0
+    for a, b in ranges:
+        for s in range(a, b, QUERY_BLOCK):
+            e = min(b, s + QUERY_BLOCK)
+            lo = bisect_left(k_pos, s - window + 1) if window is not None else 0
+            hi = bisect_right(k_pos, e - 1)
+            qp = torch.arange(s, e, device=q.device)
+            kp = kp_dev[lo:hi]
+            mask = kp[None, :] <= qp[:, None]
+            if window is not None:
+                mask &= (qp[:, None] - kp[None, :]) < window
+            outs.append(sdpa(qh[:, :, at + s - a:at + e - a], kh[:, :, lo:hi], vh[:, :, lo:hi], attn_mask=mask,
+                             scale=scale))
+        at += b - a
+    if at != q.shape[0]:
+        raise ValueError(f"ranges cover {at} queries, q holds {q.shape[0]}")
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out[0].transpose(0, 1)
+
+
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                              scale: float) -> torch.Tensor:
     """One query per sequence against its gathered context, GQA without expanding K/V.
@@ -245,6 +278,11 @@ class Attention(TokenMixer):
         """One sequence: the queries of host-known position runs `ranges` against context
         K/V at positions 0..L-1 (see causal_attention_ranges)."""
         return causal_attention_ranges(q, k_ctx, v_ctx, ranges, self.window, self.scale)
+
+    def attend_known(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, k_pos) -> torch.Tensor:
+        """One sequence: the queries of host-known runs `ranges` against keys at the host-known
+        positions `k_pos` (see causal_attention_known)."""
+        return causal_attention_known(q, k, v, ranges, k_pos, self.window, self.scale)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:

@@ -27,3 +27,21 @@ def test_ranges_must_cover_the_queries():
     q, k = torch.zeros(5, 2, 4), torch.zeros(9, 2, 4)
     with pytest.raises(ValueError, match="cover 3 queries"):
         causal_attention_ranges(q, k, k, [(0, 3)], None, 0.5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_known_key_positions_with_gaps_attend_as_causal_attention_does(window):
+    """causal_attention_known (the fused pass's sliding-window layers): keys at host-known
+    positions with gaps, queries in runs, as causal_attention over the same positions."""
+    g = torch.Generator().manual_seed(11 if window else 12)
+    k_pos = [0, 1, 2, 5, 6, 7, 8, 12, 13, 14, 15, 16, 17, 20, 21, 22]
+    runs = [(6, 9), (13, 15), (20, 23)]
+    h, hkv, d = 4, 2, 8
+    n = sum(b - a for a, b in runs)
+    q = torch.randn(n, h, d, generator=g)
+    k, v = torch.randn(len(k_pos), hkv, d, generator=g), torch.randn(len(k_pos), hkv, d, generator=g)
+    pos = torch.cat([torch.arange(a, b) for a, b in runs])
+    want = causal_attention(q[None], k[None], v[None], pos, torch.tensor(k_pos), window, d ** -0.5)[0]
+    from engine.models.layers.attention import causal_attention_known
+    got = causal_attention_known(q, k, v, runs, k_pos, window, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,7 @@ def test_a_captured_signature_spliced_back_into_its_context_gives_the_in_context
     rep = planner.take_report(cold.request_id)
     assert rep.miss_segments == 1 and rep.captured_segments == 1 and rep.deferred_segments == 0
     assert not planner.deferred and planner.help_idle(runner) == 0  # nothing left for an alone pass
+    assert planner.idle_poll_s is None  # so the engine need not poll for idle work
     warm = make_request(layout)
     again = execute(planner, runner, warm)
     rep2 = planner.take_report(warm.request_id)
