@@ -60,6 +60,14 @@ def parse_args(argv=None):
     return args
 
 
+def _same(out, inp) -> bool:
+    """Whether a conversion returned its input's bytes (no copy)."""
+    import torch
+
+    return (isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.data_ptr() == inp.data_ptr()
+            and out.dtype == inp.dtype and out.device == inp.device)
+
+
 class Counting:
     """Counts aten ops while active; `paused()` stops counting inside an op that counts as one."""
 
@@ -73,7 +81,7 @@ class Counting:
                 out = func(*args, **(kwargs or {}))
                 if counter.depth == 0:
                     name = str(func)
-                    if name.startswith("aten.to.") and args and out is args[0]:
+                    if name.startswith(("aten.to.", "aten.contiguous.")) and args and _same(out, args[0]):
                         name = "alias:" + name  # a no-op conversion: host time, no kernel
                     counter.ops[name] += 1
                 return out

@@ -139,7 +139,7 @@ class CaptureSet:
             sig.meta["origin"] = ORIGIN
             if not cap.first:  # its rows start at the tail: never spliced whole at the start
                 sig.meta["placeable_first"] = False
-            out.append(sig)
+            out.append(sig.compacted())  # its own bytes, not views of the request's batches
         return out
 
 
@@ -295,12 +295,12 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
                 dense, E = long_ranges.delta_operators(inp, lay.spans)
             else:
                 dense, E = _delta_operators_torch(mixer, inp, lay.spans)
-            E = E.to(dtype)
+            E = E.to(dtype).contiguous()  # the varlen call's [E | T] halves are strided: one copy for all
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             idx, valid = lay.padded_tails()
             log_sums = (inp.log_decay[0].to(torch.float32)[idx] * valid[..., None]).sum(dim=1)  # [n, H]
             live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
-            transitions = _PendingTransitions(dense.to(dtype), live)
+            transitions = _PendingTransitions(dense.to(dtype).contiguous(), live)
         else:
             e_tails, dense = tails_from_zero(mixer, inp, lay.spans, backend, direct=False)
             e_of = {id(c): e[0].to(dtype) for c, e in zip(lay.tailed, e_tails)}

@@ -193,6 +193,25 @@ class SegmentSignature:
         tensors, meta, _ = self.to_tensors()
         return SegmentSignature.from_tensors({k: v.to(device) for k, v in tensors.items()}, meta)
 
+    def compacted(self) -> "SegmentSignature":
+        """The same signature over one buffer per dtype (one torch.cat each), so it holds
+        exactly its own bytes whatever its parts were views of (a context capture's parts
+        are views of per-layer batches shared by every capture of the request: a cache
+        keeping one would keep them all)."""
+        tensors, meta, _ = self.to_tensors()
+        names_of: dict[torch.dtype, list[str]] = {}
+        for name, t in tensors.items():
+            names_of.setdefault(t.dtype, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for names in names_of.values():
+            flat = torch.cat([tensors[n].reshape(-1) for n in names])
+            at = 0
+            for n in names:
+                t = tensors[n]
+                out[n] = flat[at:at + t.numel()].view(t.shape)
+                at += t.numel()
+        return SegmentSignature.from_tensors(out, meta)
+
     # ---------------------------------------------------------- serialisation
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, int]]:
         """(named tensors, meta, part -> layer index). Names are `L<i>.<part>`; `meta`

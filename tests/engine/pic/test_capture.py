@@ -200,3 +200,24 @@ def test_on_fla_a_captured_signature_spliced_back_into_its_context_gives_the_in_
     again = execute(planner, runner, warm)
     assert planner.take_report(warm.request_id).hit_segments == 4
     torch.testing.assert_close(again.logits[-1], first.logits[-1], rtol=5e-5, atol=5e-5)
+
+
+def test_captured_signatures_hold_their_own_bytes(model_of, runner_of, planner_of):
+    """The capture gathers every capture's rows in one batch per layer; the signatures it
+    returns are compacted (one buffer per dtype each), so a cache keeping one keeps only
+    its bytes, and its accounting (nbytes) is what it holds."""
+    model = model_of([GDN, FULL, SWA])
+    runner = runner_of(model)
+    planner = _ctx(planner_of, model)
+    docs, question = _docs(60), rand_ids(6, 61)
+    execute(planner, runner, make_request([(d, True) for d in docs] + [(question, False)]))
+    sigs = [planner.cache.get(planner.key(d, planner.seam)) for d in docs]
+    storages = []
+    for sig in sigs:
+        tensors, _, _ = sig.to_tensors()
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors.values()}
+        assert len(ptrs) == len({t.dtype for t in tensors.values()})  # one buffer per dtype
+        assert sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                                          for t in tensors.values()}.values()) == sig.nbytes()
+        storages.append(ptrs)
+    assert not set.intersection(*storages)  # nothing shared between the request's signatures
