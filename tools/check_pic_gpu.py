@@ -6,7 +6,10 @@ rope_scatter / state_compose kernels for splicing): for each tiny preset,
   (max abs difference; 0 means bit-identical),
 - the state of the first linear layer after a 3-document PIC prefill vs a plain prefill
   of the whole prompt (relative error; its inputs are context-free, so it must be small),
-- a seam as wide as every segment vs full recompute (max abs logit difference).
+- a seam as wide as every segment vs full recompute (max abs logit difference),
+- context signatures (engine.pic.capture): a captured miss spliced back into its own
+  context vs the request that captured it (max abs logit difference), and a first
+  placement's capture vs its alone signature (worst relative error of any part).
 
 Part 2, time to first token on a bench preset (bf16, random weights) with the `rag`
 workload at bench scale (about 12k-token prompts, Zipf-popular documents): every
@@ -92,12 +95,49 @@ def correctness(device: torch.device, presets=TINY) -> list[dict]:
             else:
                 row[key] = (got.logits[-1] - ref_logits).abs().max().item()
             release(p, runner, got.request)
+        row.update(_context_signatures(model, loaded.fingerprint, tok, runner, docs, q))
         rows.append(row)
         print(json.dumps(row), flush=True)
         del model, mgr, runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _context_signatures(model, fingerprint: str, tok, runner, docs: list[str], q: str) -> dict:
+    """Context signatures (PicConfig.miss_signatures, engine.pic.capture) on this device: a
+    request whose middle document is a miss captures it; the same request again splices
+    it back into the same context, which must give the first request's logits; and the
+    first document's capture (placed first) against its alone signature."""
+    from engine.pic.compute import compute_signature
+
+    ctx = PicConfig(seam=16, miss_path="context", miss_signatures="context")
+    planner = make_planner(ctx, model, fingerprint, tok)
+    for d in (docs[0], docs[2]):
+        got = prefill_with_plan(planner, runner, build_request(tok, [{"text": d, "cache": True},
+                                                                    {"text": q, "cache": False}]))
+        release(planner, runner, got.request)
+    segs = [{"text": d, "cache": True} for d in docs] + [{"text": q, "cache": False}]
+    first = prefill_with_plan(planner, runner, build_request(tok, segs))
+    logits = first.logits[-1].clone()
+    release(planner, runner, first.request)
+    again = prefill_with_plan(planner, runner, build_request(tok, segs))
+    out = {"ctx_splice_back_max_abs_logit_diff": (again.logits[-1] - logits).abs().max().item()}
+    release(planner, runner, again.request)
+    req = build_request(tok, segs)
+    ids = req.prompt_token_ids
+    seg0 = req.segments[0]
+    anchor = ids[:seg0.token_start]
+    content = ids[seg0.token_start:seg0.token_end]
+    split = min(len(content), planner.seam)
+    sig = planner.cache.get(planner.key(content, split))
+    ref = compute_signature(model, content, anchor, split=split, backend=runner.backend)
+    worst = 0.0
+    for a, b in zip(sig.to_tensors()[0].items(), ref.to_tensors()[0].items()):
+        x, y = a[1].float(), b[1].float()
+        worst = max(worst, ((x - y).norm() / y.norm().clamp_min(1e-30)).item())
+    out["ctx_first_capture_vs_alone_rel_err"] = worst
+    return out
 
 
 def timing(preset: str, n: int, seams: list[int], cache_gib: float, seed: int, device: str = "cuda",

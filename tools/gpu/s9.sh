@@ -13,9 +13,11 @@
 # A: stream QPS, PIC with context signatures (GPU 0) vs alone signatures (GPU 1), both
 #    presets, against prefix caching in the same run; then merge into
 #    docs/results/serving-<date>-s9.json.
-# B: the capture's correctness on CUDA (tests with the real fla and the seam chain), the
-#    per-request work of a cold stream (tools/bench_miss_signatures.py), and the quality
-#    table on the GPU with both signature sources.
+# B: correctness on CUDA (the per-range attention's SDPA lower-right form against the
+#    masked reference; context signatures with the real fla, Triton splicing and the seam
+#    chain in tools/check_pic_gpu.py), the per-request work of a cold stream
+#    (tools/bench_miss_signatures.py), and the quality table on the GPU with both
+#    signature sources.
 set -uo pipefail
 part=${1:?usage: tools/gpu/s9.sh A|B}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,7 +39,10 @@ A)
   tail -n 40 "$OUT"/serving-*-ctx.log "$OUT"/serving-*-alone.log
   ;;
 B)
-  python3 -m pytest -q tests/engine/pic/test_capture.py tests/kernels 2>&1 | tail -n 5 | tee "$OUT/pytest.txt"
+  python3 -m pytest -q tests/engine/models/test_attention_ranges.py tests/engine/pic/test_capture.py tests/kernels \
+    2>&1 | tail -n 5 | tee "$OUT/pytest.txt"
+  timeout 200 python3 tools/check_pic_gpu.py --skip-timing --json-path "$OUT/check-pic-gpu.json" 2>&1 | tail -n 8 \
+    | tee "$OUT/check-pic-gpu.log"   # ctx_splice_back_max_abs_logit_diff, ctx_first_capture_vs_alone_rel_err
   timeout 240 python3 tools/bench_miss_signatures.py --presets qwen3next-bench,ring-bench --n 24 \
     --json "$OUT/miss-signatures-gpu.json" 2>&1 | tee "$OUT/miss-signatures-gpu.log"
   timeout 200 python3 -m tools.quality --presets qwen3next-tiny,ring-tiny --methods full,pic --seams 16 \

@@ -6,21 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers.attention import causal_attention, causal_attention_ranges
+from engine.models.layers.attention import causal_attention, causal_attention_known, causal_attention_ranges
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="the CUDA form (SDPA lower-right causal) needs a GPU"))]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("runs", [[(0, 37)], [(20, 37)], [(0, 3), (9, 14), (15, 16), (30, 37)], [(4, 5), (6, 37)]])
-def test_runs_of_queries_attend_as_the_scattered_positions_do(runs, window):
-    g = torch.Generator().manual_seed(hash((tuple(runs), window)) % 1000)
+def test_runs_of_queries_attend_as_the_scattered_positions_do(runs, window, device):
+    g = torch.Generator().manual_seed(sum(a * 31 + b for a, b in runs) + (window or 0))
     lk, h, hkv, d = runs[-1][1], 4, 2, 8
     n = sum(b - a for a, b in runs)
-    q = torch.randn(n, h, d, generator=g)
-    k, v = torch.randn(lk, hkv, d, generator=g), torch.randn(lk, hkv, d, generator=g)
-    pos = torch.cat([torch.arange(a, b) for a, b in runs])
-    want = causal_attention(q[None], k[None], v[None], pos, torch.arange(lk), window, d ** -0.5)[0]
+    q = torch.randn(n, h, d, generator=g).to(device)
+    k, v = torch.randn(lk, hkv, d, generator=g).to(device), torch.randn(lk, hkv, d, generator=g).to(device)
+    pos = torch.cat([torch.arange(a, b) for a, b in runs]).to(device)
+    want = causal_attention(q[None].cpu(), k[None].cpu(), v[None].cpu(), pos.cpu(), torch.arange(lk), window,
+                            d ** -0.5)[0]
     got = causal_attention_ranges(q, k, v, runs, window, d ** -0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_ranges_must_cover_the_queries():
@@ -29,8 +34,9 @@ def test_ranges_must_cover_the_queries():
         causal_attention_ranges(q, k, k, [(0, 3)], None, 0.5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 4])
-def test_known_key_positions_with_gaps_attend_as_causal_attention_does(window):
+def test_known_key_positions_with_gaps_attend_as_causal_attention_does(window, device):
     """causal_attention_known (the fused pass's sliding-window layers): keys at host-known
     positions with gaps, queries in runs, as causal_attention over the same positions."""
     g = torch.Generator().manual_seed(11 if window else 12)
@@ -42,6 +48,5 @@ def test_known_key_positions_with_gaps_attend_as_causal_attention_does(window):
     k, v = torch.randn(len(k_pos), hkv, d, generator=g), torch.randn(len(k_pos), hkv, d, generator=g)
     pos = torch.cat([torch.arange(a, b) for a, b in runs])
     want = causal_attention(q[None], k[None], v[None], pos, torch.tensor(k_pos), window, d ** -0.5)[0]
-    from engine.models.layers.attention import causal_attention_known
-    got = causal_attention_known(q, k, v, runs, k_pos, window, d ** -0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got = causal_attention_known(q.to(device), k.to(device), v.to(device), runs, k_pos, window, d ** -0.5)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
