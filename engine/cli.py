@@ -428,7 +428,7 @@ def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset,
         _fail(f"{exc.field}: {exc.message}", 1)
     except EngineError as exc:
         _fail(str(exc), 1)
-    while engine.help_idle():  # cold fallback: compute the queued segments before exiting
+    while engine.help_idle():  # cold fallback, context signatures: finish the queued work before exiting
         pass
     if with_store:
         planner.store.flush()

@@ -8,7 +8,8 @@ serving default). `alone`: each miss is queued and computed by an idle-time alon
 is taken from the request's pass and no alone pass runs. The stream is rag requests from
 the Zipf document pool (tools.servebench.requests, a cold start: most documents new at
 first, recurring later), one request at a time, each followed by the idle work it left
-(drained to the end, as an engine with enough idle time between arrivals would). Per
+(drained to the end, as an engine with enough idle time between arrivals would; context
+signatures are kept there too, after the request's first token: `keep_captured`). Per
 request it records the TTFT, the idle work after it, and hits; the table gives means,
 the work per request (TTFT + idle: what bounds a saturated engine's rate) and the
 context / alone ratios. `full` and `prefix` run the same stream as baselines.
@@ -85,6 +86,7 @@ def run_stream(engine, planner, stream, device) -> list[dict]:
                     final = o
         rep = planner.take_report(rid)
         t0 = time.perf_counter()
+        kept = getattr(planner, "keep_captured", lambda: 0)()  # context signatures: kept after the first token
         idle_segments = 0
         while True:
             n = engine.help_idle()
@@ -95,6 +97,7 @@ def run_stream(engine, planner, stream, device) -> list[dict]:
         idle_ms = (time.perf_counter() - t0) * 1e3
         d = rep.as_dict() if rep is not None else {}
         out.append({"ttft_ms": final.timeline.ttft * 1e3, "idle_ms": idle_ms, "idle_segments": idle_segments,
+                    "kept_after": kept,
                     "prompt_tokens": final.num_prompt_tokens, "hit_segments": d.get("hit_segments", 0),
                     "miss_segments": d.get("miss_segments", 0), "reused_tokens": d.get("reused_tokens", 0),
                     "captured_segments": d.get("captured_segments", 0)})

@@ -39,11 +39,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-VIEW_OPS = ("view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "transpose", "permute",
-            "alias", "detach", "split", "unbind", "_reshape_alias", "reshape", "t.default", "unfold", "narrow",
-            "diagonal", "lift_fresh", "_unsafe_view")
+#: aten ops that make views or wrap host data: no kernel, host time only (matched by name)
+VIEW_OPS = frozenset(("view", "slice", "select", "expand", "expand_as", "as_strided", "unsqueeze", "squeeze",
+                      "transpose", "permute", "alias", "detach", "split", "split_with_sizes", "unbind",
+                      "_reshape_alias", "reshape", "t", "unfold", "narrow", "diagonal", "lift_fresh",
+                      "_unsafe_view", "view_as", "chunk", "flatten", "movedim"))
 #: ops that read a value back to the host (a sync on CUDA); fla's own reads are inside its calls
-SYNC_OPS = ("_local_scalar_dense", "aten.nonzero", "aten.equal", "is_nonzero", "aten.item")
+SYNC_OPS = frozenset(("_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item"))
 STATES = ("warm", "half", "cold")
 
 
@@ -58,6 +60,12 @@ def parse_args(argv=None):
     if args.docs < 2 or args.doc_tokens < args.seam + 1:
         ap.error("--docs must be >= 2 and --doc-tokens > --seam")
     return args
+
+
+def _name(op: str) -> str:
+    """`aten.slice.Tensor` -> `slice`."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "aten" else op
 
 
 def _same(out, inp) -> bool:
@@ -103,9 +111,9 @@ class Counting:
         return inner
 
     def summary(self) -> dict:
-        views = sum(n for op, n in self.ops.items() if op.startswith("alias:") or any(v in op for v in VIEW_OPS))
+        views = sum(n for op, n in self.ops.items() if op.startswith("alias:") or _name(op) in VIEW_OPS)
         total = sum(self.ops.values())
-        syncs = sum(n for op, n in self.ops.items() if any(x in op for x in SYNC_OPS))
+        syncs = sum(n for op, n in self.ops.items() if _name(op) in SYNC_OPS)
         return {"ops": total, "compute_ops": total - views, "view_ops": views, "device_reads": syncs,
                 "fla_calls": self.calls["fla"],
                 "chain_calls": self.calls["chain"],

@@ -317,7 +317,11 @@ class StorePicPlanner(PicPlanner):
         `should_stop` (a request arrived): asked between the pass's layers; when it says
         so, 0 is returned (`idle_stopped`) and the pass's claims released (waiters compute
         or claim again); a pass over this engine's own queue is kept and resumed by the
-        next call (`_help_deferred`), one over offered segments is dropped."""
+        next call (`_help_deferred`), one over offered segments is dropped. Context
+        signatures waiting to be stored go first (`keep_captured`)."""
+        kept = self.keep_captured()
+        if kept:
+            return kept
         if self.idle_pass is not None or self.deferred:
             return self._help_deferred(runner, should_stop)
         share = self.store.share
@@ -447,7 +451,7 @@ class StorePicPlanner(PicPlanner):
         # eviction weighs it per byte)
         self.store.store(u.key, sig, claim=claim if claim.status == OWNED else None, cost=float(alone))
 
-    def _keep_captured(self, request: Request, cap, sig) -> None:
+    def _keep_captured(self, cap, sig) -> None:
         """A context signature (miss_signatures="context"): kept in the device cache and
         stored through the daemon (the put thread; never on the request's path), with the
         alone pass it saves as its cost."""

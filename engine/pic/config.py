@@ -89,8 +89,9 @@ class PicConfig:
     an idle-time alone pass that computes its signature; `"context"` takes the signature
     from the request's own pass (engine.pic.capture: the tail's K/V and linear parts as
     computed in context; exact for a segment placed first, carrying its context
-    otherwise), stores it at once and runs no alone pass. Keys of such planners carry
-    `;ctx=1`, so their signatures never mix with those of alone-only planners.
+    otherwise), keeps it once the first token is out (`keep_captured`) and runs no
+    alone pass. Keys of such planners carry `;ctx=1`, so their signatures never mix with
+    those of alone-only planners.
     idle_resume (`pic`/`naive`): an idle alone pass that gives way to a request is kept
     and resumed by the next idle call (True, default since session 7), or dropped and its
     segments queued again (False: the behaviour before; for A/B runs).

@@ -37,7 +37,7 @@ engine.pic.prefix. Planners are called from the engine loop's thread only.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -109,7 +109,7 @@ class _RequestState:
     full: bool = False  # cold fallback: the fused step computes the whole prompt
     in_context: set[bytes] = field(default_factory=set)  # misses the fused step computes (miss_path)
     to_capture: list[SpliceUnit] = field(default_factory=list)  # misses whose signatures the pass takes
-    captured: Optional[CaptureSet] = None  # filled by the fused step, stored when the prefill is done
+    captured: Optional[CaptureSet] = None  # filled by the fused step, kept after the first token
 
 
 def _add_compute(items: list[FusedItem], start: int, end: int) -> None:
@@ -209,6 +209,8 @@ class PicPlanner(ReportingPlanner):
         self.state_dtype = resolve_state_dtype(config.state_dtype, model_dtype)
         #: cold-fallback segments to compute alone when idle: key -> (content tokens, split)
         self.deferred: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
+        #: captures of finished prefills whose signatures are still to be kept (keep_captured)
+        self.captured: deque[CaptureSet] = deque()
         #: measured cost per token of alone passes and of full passes (cold_full_policy="cost")
         self.costs = PathCosts(self.device)
         #: idle alone passes stopped half-way for an arriving request (`help_idle(should_stop=...)`)
@@ -269,6 +271,7 @@ class PicPlanner(ReportingPlanner):
         return items
 
     def plan(self, request: Request) -> PrefillPlan:
+        self.keep_captured()  # earlier requests' context signatures, before this one looks up
         ids = list(request.prefill_token_ids())
         items = self._layout(ids, request.prefill_segments())
         b = self._new_builder(request)
@@ -346,13 +349,26 @@ class PicPlanner(ReportingPlanner):
 
     def on_prefill_done(self, request: Request) -> None:
         state = request.planner_state.get(STATE_KEY)
-        if state is not None and state.captured is not None:
-            caps, state.captured = state.captured, None
-            for cap, sig in zip(caps.captures, caps.signatures({"fingerprint": self.fingerprint})):
-                self._keep_captured(request, cap, sig)
+        if state is not None and state.captured is not None:  # kept after its first token is out
+            self.captured.append(state.captured)
+            state.captured = None
         super().on_prefill_done(request)
 
-    def _keep_captured(self, request: Request, cap: ContextCapture, sig: SegmentSignature) -> None:
+    def keep_captured(self) -> int:
+        """Turn the captures of finished prefills into signatures and cache them (the
+        store-backed planner stores them through the daemon); how many. Deferred from
+        `on_prefill_done`, which the engine calls before it samples the request's first
+        token, to the next `plan()` (before any lookup) or idle call, so that a request's
+        TTFT does not carry its signatures' bookkeeping."""
+        n = 0
+        while self.captured:
+            caps = self.captured.popleft()
+            for cap, sig in zip(caps.captures, caps.signatures({"fingerprint": self.fingerprint})):
+                self._keep_captured(cap, sig)
+                n += 1
+        return n
+
+    def _keep_captured(self, cap: ContextCapture, sig: SegmentSignature) -> None:
         """Cache a context signature (the store-backed planner stores it through the daemon)."""
         self.cache.put(cap.key, sig)
 
@@ -527,14 +543,18 @@ class PicPlanner(ReportingPlanner):
         """How often the engine should call `help_idle` while idle (None: never)."""
         queues = self.config.cold_full_fraction is not None or self.config.miss_path == "context"
         if self.config.miss_signatures == "context":  # misses' signatures come from their requests
-            queues = False
+            queues = bool(self.captured)
         return IDLE_POLL_S if queues else None
 
     def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """Compute queued cold-fallback segments alone and cache them; how many. Called
         by the engine while it has no request. `should_stop` (e.g. "a request arrived"):
         asked between the pass's layers; when it says so the pass gives way: it is kept,
-        0 is returned, and the next call resumes it where it stopped."""
+        0 is returned, and the next call resumes it where it stopped. Context signatures
+        waiting to be kept go first (`keep_captured`)."""
+        kept = self.keep_captured()
+        if kept:
+            return kept
         if self.idle_pass is not None:
             todo, alone = self.idle_pass
         else:

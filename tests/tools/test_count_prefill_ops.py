@@ -1,5 +1,6 @@
 """tools/count_prefill_ops.py: per method and cache state, the launches of one prefill on a
-bench layer pattern at tiny widths; context signatures leave no idle work, alone ones do;
+bench layer pattern at tiny widths; context signatures leave a tenth of the idle work
+alone ones leave (their keeping, no pass);
 warm PIC calls no fla chunk kernel (every linear layer one seam-chain call)."""
 import json
 
@@ -16,7 +17,8 @@ def test_counts_per_method_and_state(tmp_path, capsys):
     linear = r["layers"] - r["layers"] // 8  # ring: 7 scalar-decay layers of every 8
     assert c["pic-alone/warm"]["fla_calls"] == 0 and c["pic-alone/warm"]["chain_calls"] == linear
     assert c["full/cold"]["fla_calls"] == linear and c["full/cold"]["idle_launches"] == 0
-    assert c["pic-alone/cold"]["idle_launches"] > 0 and c["pic-context/cold"]["idle_launches"] == 0
+    # alone signatures leave an alone pass; context ones only their keeping (a cat per signature)
+    assert c["pic-alone/cold"]["idle_launches"] > 10 * c["pic-context/cold"]["idle_launches"] > 0
     for s in c.values():
         assert s["launches"] == s["compute_ops"] + s["fla_calls"] + s["chain_calls"] > 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| ring-bench | pic-context/cold |")

@@ -266,7 +266,8 @@ def test_misses_in_context_are_served_now_and_stored_by_idle_help(start_daemon, 
 def test_context_signatures_are_stored_through_the_daemon_and_hit_by_another_engine(
         start_daemon, store_engine, memory_engine):
     """miss_signatures="context": the misses' signatures come from the request's own pass
-    and are put through the daemon when its prefill is done (no idle alone pass); a second
+    and are put through the daemon once its first token is out (the engine's next idle
+    call or plan; no idle alone pass); a second
     engine on the same daemon hits every segment, and generates what in-process PIC with
     the same option generates."""
     from engine.pic.config import PicConfig
@@ -279,7 +280,8 @@ def test_context_signatures_are_stored_through_the_daemon_and_hit_by_another_eng
     a, pa = store_engine(d, pic=ctx)
     out1, rep1, st1 = run_one(a, pa, prompts[0], "a1")
     assert rep1.miss_segments == 3 and rep1.captured_segments == 3 and rep1.deferred_segments == 0
-    assert st1.computed == 0 and not pa.deferred and a.help_idle() == 0
+    assert st1.computed == 0 and not pa.deferred
+    assert a.idle_poll_s is not None and a.help_idle() == 3 and a.help_idle() == 0  # kept once idle; no alone pass
     assert pa.store.flush() and pa.store.metrics.snapshot()["captured"] == 3
     b, pb = store_engine(d, pic=ctx)
     out2, rep2, st2 = run_one(b, pb, prompts[1], "b1")

@@ -45,8 +45,10 @@ def test_a_captured_signature_spliced_back_into_its_context_gives_the_in_context
     first = execute(planner, runner, cold)
     rep = planner.take_report(cold.request_id)
     assert rep.miss_segments == 1 and rep.captured_segments == 1 and rep.deferred_segments == 0
-    assert not planner.deferred and planner.help_idle(runner) == 0  # nothing left for an alone pass
-    assert planner.idle_poll_s is None  # so the engine need not poll for idle work
+    # its signature is kept after its first token: at the next plan() or idle call, no alone pass
+    assert len(planner.captured) == 1 and planner.idle_poll_s is not None
+    assert not planner.deferred and planner.help_idle(runner) == 1 and planner.help_idle(runner) == 0
+    assert planner.idle_poll_s is None  # nothing left: the engine need not poll for idle work
     warm = make_request(layout)
     again = execute(planner, runner, warm)
     rep2 = planner.take_report(warm.request_id)
@@ -62,6 +64,7 @@ def test_a_first_placement_capture_is_the_alone_signature(n, model_of, runner_of
     doc, question = rand_ids(n, 3), rand_ids(6, 4)
     execute(planner, runner, make_request([(doc, True), (question, False)]))
     split = min(n, planner.seam)  # the window rule: max(4, window 6)
+    assert planner.keep_captured() == 1
     got = planner.cache.get(planner.key(doc, split))
     assert got is not None and got.meta["origin"] == ORIGIN and got.has_end_state
     ref = compute_signature(model, doc, [BOS], split=split)
@@ -95,6 +98,7 @@ def test_a_later_capture_is_never_spliced_whole_at_the_start(layers, model_of, r
     planner = _ctx(planner_of, model)
     a, b, question = rand_ids(15, 1), rand_ids(19, 2), rand_ids(6, 3)
     execute(planner, runner, make_request([(a, True), (b, True), (question, False)]))
+    assert planner.keep_captured() == 2
     sig = planner.cache.get(planner.key(b, planner.seam))
     assert sig is not None and not sig.placeable_first and sig.meta["origin"] == ORIGIN
     with pytest.raises(SplicePlacementError, match="placed first"):
@@ -137,6 +141,7 @@ def test_the_fla_path_captures_what_the_torch_path_captures(layers, model_of, ru
         req = make_request(layout)
         execute(planner, runner, req)
         assert planner.take_report(req.request_id).captured_segments == 2
+        planner.keep_captured()
         sigs[backend] = [planner.cache.get(planner.key(n, 4)) for n in new]
     for s_t, s_f in zip(sigs["torch"], sigs["fla"]):
         tt, _, _ = s_t.to_tensors()
@@ -211,6 +216,7 @@ def test_captured_signatures_hold_their_own_bytes(model_of, runner_of, planner_o
     planner = _ctx(planner_of, model)
     docs, question = _docs(60), rand_ids(6, 61)
     execute(planner, runner, make_request([(d, True) for d in docs] + [(question, False)]))
+    assert planner.keep_captured() == len(docs)
     sigs = [planner.cache.get(planner.key(d, planner.seam)) for d in docs]
     storages = []
     for sig in sigs:
