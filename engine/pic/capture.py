@@ -271,13 +271,17 @@ def capture_attention(captures: CaptureSet, mixer, k: torch.Tensor, v: torch.Ten
         cap.parts.append(AttentionPart(kind, rk[a:b], rv[a:b], fp))
 
 
-def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: torch.Tensor, backend: str) -> None:
+def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: torch.Tensor, backend: str,
+                   ops: Optional[dict] = None) -> None:
     """A linear layer's part of every capture (module docstring), from the layer's
     recurrence inputs over C (`inp`, `[1, C, ...]`) and its pre-conv inputs `conv_in`
     `[1, C, ch]`: E_tail and T_tail of every capture's tail from zero (scalar and diagonal
     decay as one batched sum for all tails, `DIRECT_TAILS`; the delta rule from one run
     per tail started at [0 | I], on fla one varlen call for all), E of a first placement
-    from the in-context run from position 0, the conv tails in one gather."""
+    from the in-context run from position 0, the conv tails in one gather. `ops`: (T, E) from
+    zero of ranges the layer already ran (engine.pic.seam_chain_layer, keyed by local
+    (start, end)): when every tail is among them (the planner kept each captured tail its own
+    range, `_seal_tails`), the delta rule's tails take no call of their own."""
     lay = captures.layout
     dtype = captures.state_dtype
     family = mixer.family
@@ -291,7 +295,10 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             transitions = _ScalarTransitions(list(log_sums.unbind(0)))
         elif family == "delta":  # E_tail and T of every tail from one run: [0 | I] start, values [v | 0]
-            if backend == "fla":  # ONE varlen call for every tail
+            if ops and all(tuple(sp) in ops for sp in lay.spans):  # the layer's own varlen call ran them
+                dense = torch.stack([ops[tuple(sp)][0] for sp in lay.spans])
+                E = torch.stack([ops[tuple(sp)][1] for sp in lay.spans])
+            elif backend == "fla":  # ONE varlen call for every tail
                 dense, E = long_ranges.delta_operators(inp, lay.spans)
             else:
                 dense, E = _delta_operators_torch(mixer, inp, lay.spans)

@@ -66,6 +66,9 @@ class FusedItem:
     start: int
     end: int
     piece: Optional[SplicePiece] = None
+    #: a computed item that stays its own range (a captured miss's tail, engine.pic.capture):
+    #: planners do not merge neighbours into it, so a linear layer runs it as one range
+    sealed: bool = False
 
     @property
     def computes(self) -> bool:
@@ -175,15 +178,17 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
             prepare = tw.prepare_of(i, aux)
             tap = None
             if index is not None:
-                def tap(inp, _m=mixer, _c=conv_in):
-                    capture_linear(captures, _m, inp, _c, backend)
+                def tap(inp, ops=None, _m=mixer, _c=conv_in):
+                    capture_linear(captures, _m, inp, _c, backend, ops)
             if not stateful and chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = chain_tables(model, manager, events, device)
                 inp = prepare(_conv_ranges(seq, cache, mixer, i, events, conv_in, shared=shared))
-                if tap is not None:
-                    tap(inp)
-                o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend)
+                ops: dict = {}
+                o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend,
+                                       ops_out=ops if tap is not None else None)
+                if tap is not None:  # after the chain: its long ranges run from zero may be the tails
+                    tap(inp, ops)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)

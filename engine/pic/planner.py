@@ -43,7 +43,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from engine.models.config import SWA, ModelConfig
+from engine.models.config import GDN, SWA, ModelConfig
 from engine.pic.capture import CaptureSet, ContextCapture
 from engine.pic.compute import AlonePass
 from engine.pic.config import PicConfig
@@ -112,12 +112,16 @@ class _RequestState:
     captured: Optional[CaptureSet] = None  # filled by the fused step, kept after the first token
 
 
-def _add_compute(items: list[FusedItem], start: int, end: int) -> None:
+def _add_compute(items: list[FusedItem], start: int, end: int, sealed: bool = False) -> None:
     """Append in-context positions [start, end) to fused items, merged with a computed
-    item right before them (one range instead of two)."""
+    item right before them (one range instead of two) unless either is `sealed` (a
+    captured tail kept its own range)."""
     if end <= start:
         return
-    if items and items[-1].computes and items[-1].end == start:
+    if sealed:
+        items.append(FusedItem(start, end, sealed=True))
+        return
+    if items and items[-1].computes and not items[-1].sealed and items[-1].end == start:
         items[-1] = FusedItem(items[-1].start, end)
     else:
         items.append(FusedItem(start, end))
@@ -204,6 +208,7 @@ class PicPlanner(ReportingPlanner):
         self.anchor_ids = [int(t) for t in anchor_ids]
         self.cache = cache
         window = model_config.attention.sliding_window if SWA in model_config.layers else None
+        self.has_delta = GDN in model_config.layers
         self.seam = config.effective_seam(window)
         self.linear_mode = "add" if config.method == "naive" else "compose"
         self.state_dtype = resolve_state_dtype(config.state_dtype, model_dtype)
@@ -317,6 +322,7 @@ class PicPlanner(ReportingPlanner):
             with self.costs.measure("full", len(state.token_ids) - start):
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s" and s[1].key not in state.in_context])
+        sealed = self._seal_tails(runner, state, spec)
         items: list[FusedItem] = []
         for s in spec:
             if s[0] == "c":
@@ -324,7 +330,7 @@ class PicPlanner(ReportingPlanner):
                 continue
             u = s[1]
             if u.key in state.in_context:  # a miss computed in context (miss_path="context")
-                _add_compute(items, u.splice_start, u.end)
+                _add_compute(items, u.splice_start, u.end, sealed=u in sealed)
                 continue
             sig = state.signatures[u.key]
             first = u.first and sig.placeable_first
@@ -336,6 +342,26 @@ class PicPlanner(ReportingPlanner):
                              backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
                              all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
                              captures=captures)
+
+    def _seal_tails(self, runner, state: _RequestState, spec: tuple) -> set:
+        """The captured units whose tails the fused step keeps as ranges of their own, so
+        that a delta-rule layer's shared varlen call for long ranges (engine.pic.long_ranges)
+        also gives the capture their (T, E) and it runs no call of its own: all captured
+        later placements, when each one's seam follows a spliced hit (merging then joins
+        nothing but its own seam and the next hit's); none otherwise (a run of misses stays
+        one range: one call instead of one per tail), nor off fla or without delta layers."""
+        later = [u for u in state.to_capture if not u.first]
+        if not later or runner.backend != "fla" or not self.has_delta:
+            return set()
+        at = {id(s[1]): j for j, s in enumerate(spec) if s[0] == "s"}
+        for u in later:
+            j = at.get(id(u))
+            if j is None or j < 2:
+                return set()
+            seam, before = spec[j - 1], spec[j - 2]
+            if seam[0] != "c" or seam[1] != u.offset or before[0] != "s" or before[1].key in state.in_context:
+                return set()
+        return set(later)
 
     def _captures(self, state: _RequestState) -> Optional[CaptureSet]:
         """The fused step's captures (miss_signatures="context"), kept in the request state

@@ -140,10 +140,12 @@ def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
 
 
 def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: RecurrenceInputs, cl: ChainLayer,
-                       force, backend):
+                       force, backend, ops_out: Optional[dict] = None):
     """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
     (a computed range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain
-    calls when the backend is fla: token by token it would be slower)."""
+    calls when the backend is fla: token by token it would be slower). `ops_out` (optional)
+    gets the (T, E) from zero of every long range the shared varlen path ran, keyed by its
+    local (start, end) (engine.pic.capture takes captured tails from there)."""
     state = cache.state[seq.slot]
     device = state.device
     E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
@@ -154,6 +156,8 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
              if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
     run = long_ranges.run_from_zero(mixer.family, inp, longs) if long_ranges.batches(mixer.family, len(longs)) \
         else None
+    if run is not None and ops_out is not None:
+        ops_out.update(zip(longs, run.ops))
     starts: list[torch.Tensor] = []
     for a, b in groups:
         ev = events[a]

@@ -227,3 +227,40 @@ def test_captured_signatures_hold_their_own_bytes(model_of, runner_of, planner_o
                                                           for t in tensors.values()}.values()) == sig.nbytes()
         storages.append(ptrs)
     assert not set.intersection(*storages)  # nothing shared between the request's signatures
+
+
+def test_on_fla_tails_after_hits_are_taken_from_the_layers_own_long_range_call(
+        model_of, runner_of, planner_of, monkeypatch):
+    """Each captured miss follows a hit: the planner keeps its tail a range of its own, the
+    delta layer's shared varlen call for its long ranges gives their (T, E), and the capture
+    runs no call of its own (one delta_operators call per layer, not two). A run of two
+    misses is not split: it stays one long range (one plain fla call), and the capture makes
+    the layer's one delta_operators call."""
+    from engine.models.layers import fla_backend
+    from engine.pic import long_ranges, seam_chain_layer
+
+    monkeypatch.setattr(fla_backend, "fla_chunk", fla_emulated)
+    monkeypatch.setattr(seam_chain_layer, "CHAIN_MAX_TOKENS", 8)
+    calls = []
+    real = long_ranges.delta_operators
+    monkeypatch.setattr(long_ranges, "delta_operators", lambda inp, ranges: calls.append(len(ranges)) or
+                        real(inp, ranges))
+    model = model_of([GDN, FULL, GDN])
+    docs, question = _docs(70), rand_ids(6, 71)
+    new = [rand_ids(n, 900 + n) for n in (20, 15)]
+    for layout, per_layer in (([(docs[0], True), (new[0], True), (docs[1], True), (new[1], True), (question, False)], 1),
+                              ([(docs[0], True), (new[0], True), (new[1], True), (question, False)], 1)):
+        runner = runner_of(model)
+        runner.backend = "fla"
+        planner = _ctx(planner_of, model, seam_chain="on")
+        for d in docs[:2]:
+            execute(planner, runner, make_request([(d, True), (question, False)]))
+        planner.keep_captured()
+        calls.clear()
+        cold = make_request(layout)
+        first = execute(planner, runner, cold)
+        assert planner.take_report(cold.request_id).captured_segments == 2
+        assert calls == [2] * 2 * per_layer, layout  # two delta layers, each call over both tails
+        warm = make_request(layout)
+        again = execute(planner, runner, warm)
+        torch.testing.assert_close(again.logits[-1], first.logits[-1], rtol=5e-5, atol=5e-5)
