@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU runs session 9 could not make (no machine was lent): context signatures
+# Session 9's GPU runs. A ran late in session 9 on ONE H200 instead (presets and signature
+# sources one after another; docs/BENCHMARKS.md, calls s9A-s9C: context signatures lose
+# there); B has not run. Context signatures
 # (PicConfig.miss_signatures, engine/pic/capture.py) on the H200. Ask the device tool's
 # `status` first. Needs the fla-core wheel and the project's pure-Python deps the GPU box
 # lacks, carried as wheels (device README): here, in the repo root,
