@@ -79,8 +79,8 @@ def _miss_signatures_opt() -> Any:
     return typer.Option(
         "alone", "--miss-signatures",
         help="With --miss-path context, where the signatures of misses computed in context come from: alone (an "
-             "alone pass per miss while the engine is idle) or context (taken from the request's own pass, stored "
-             "at once; no idle alone pass).")
+             "alone pass per miss while the engine is idle) or context (taken from the request's own pass, kept "
+             "once its first token is out; no idle alone pass).")
 
 
 def _check_miss_signatures(miss_signatures: str, miss_path: str) -> None:

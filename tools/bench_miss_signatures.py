@@ -30,7 +30,6 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

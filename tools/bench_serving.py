@@ -127,7 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--miss-signatures", default="alone", choices=("alone", "context"),
                     help="PicConfig.miss_signatures wherever --miss-path applies (needs --miss-path context for "
                          "context): the signature of a miss computed in context comes from an idle alone pass "
-                         "(alone) or from the request's own pass, stored at once, with no idle alone pass (context)")
+                         "(alone) or from the request's own pass, kept after its first token, with no idle alone pass "
+                         "(context)")
     ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")

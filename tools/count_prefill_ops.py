@@ -157,8 +157,6 @@ def count_preset(preset: str, args) -> dict:
 
 
 def _count(preset: str, args, model, counting: Counting) -> dict:
-    import torch
-
     from engine.pic.config import PicConfig
     from engine.pic.planner import make_planner
     from engine.runtime.runner import ModelRunner

@@ -29,7 +29,7 @@ is the quality harness's question (tools/quality.py --miss-signatures).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -228,23 +228,6 @@ class _Layout:
         return self._padded
 
 
-def _delta_operators_torch(mixer, inp: RecurrenceInputs, spans) -> tuple[torch.Tensor, torch.Tensor]:
-    """`long_ranges.delta_operators` on the torch backend: (T `[n, H, dk, dk]`, E `[n, H,
-    dk, dv]`) of each range from zero, one recurrence per range instead of two (the state
-    [0 | I] with values [v | 0] ends at [E | T])."""
-    _, _, h, kd, vd = inp.shape
-    s0 = torch.zeros(1, h, kd, vd + kd, dtype=torch.float32, device=inp.v.device)
-    s0[..., vd:] = torch.eye(kd, dtype=torch.float32, device=inp.v.device)
-    Ts, Es = [], []
-    for a, b in spans:
-        part = inp.slice_time(a, b)
-        v = torch.cat([part.v, part.v.new_zeros(*part.v.shape[:-1], kd)], dim=-1)
-        st = mixer.run_recurrence(replace(part, v=v), s0, "torch")[1][0]
-        Ts.append(st[..., vd:])
-        Es.append(st[..., :vd])
-    return torch.stack(Ts), torch.stack(Es)
-
-
 def _full_spec(cap: ContextCapture) -> tuple[int, int]:
     return cap.rows_start, (0 if cap.first else cap.anchor_len + cap.split)
 
@@ -298,10 +281,8 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
             if ops and all(tuple(sp) in ops for sp in lay.spans):  # the layer's own varlen call ran them
                 dense = torch.stack([ops[tuple(sp)][0] for sp in lay.spans])
                 E = torch.stack([ops[tuple(sp)][1] for sp in lay.spans])
-            elif backend == "fla":  # ONE varlen call for every tail
-                dense, E = long_ranges.delta_operators(inp, lay.spans)
-            else:
-                dense, E = _delta_operators_torch(mixer, inp, lay.spans)
+            else:  # on fla ONE varlen call for every tail
+                dense, E = long_ranges.delta_operators(inp, lay.spans, backend, mixer.chunk_size)
             E = E.to(dtype).contiguous()  # the varlen call's [E | T] halves are strided: one copy for all
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             idx, valid = lay.padded_tails()
@@ -309,7 +290,7 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
             live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
             transitions = _PendingTransitions(dense.to(dtype).contiguous(), live)
         else:
-            e_tails, dense = tails_from_zero(mixer, inp, lay.spans, backend, direct=False)
+            e_tails, dense = tails_from_zero(mixer, inp, lay.spans, backend)
             e_of = {id(c): e[0].to(dtype) for c, e in zip(lay.tailed, e_tails)}
             transitions = _tail_transitions(mixer, [inp.slice_time(a, b) for a, b in lay.spans], backend, dtype,
                                             dense)

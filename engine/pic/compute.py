@@ -358,13 +358,13 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
 
 
 def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]],
-                    backend: str, direct: Optional[bool] = None) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+                    backend: str) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
     """E `[1, H, dk, dv]` (float32) of each range `[a, b)` of `inp`'s time axis run from zero
     state (ranges sorted and disjoint), and for the delta rule on fla the dense operators
     `[n, H, dk, dk]` of the same ranges from the same varlen call (else None): the alone
     pass's tails, and the tails of misses computed in context (engine.pic.capture).
     On fla at most one varlen call for all ranges; none for scalar/diagonal decay with
-    `direct` (default: TAIL_STATES == "direct"): each E as one decay-weighted sum
+    TAIL_STATES == "direct": each E as one decay-weighted sum
     (linear_ops.end_state_from_zero); on torch one recurrence per range."""
     if not ranges:
         return [], None
@@ -372,9 +372,7 @@ def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[
         dense, e = long_ranges.delta_operators(inp, ranges)
         return [e[i:i + 1] for i in range(len(ranges))], dense
     tails = [inp.slice_time(a, b) for a, b in ranges]
-    if direct is None:
-        direct = TAIL_STATES == "direct"
-    if backend == "fla" and direct:  # scalar/diagonal decay: no second fla call
+    if backend == "fla" and TAIL_STATES == "direct":  # scalar/diagonal decay: no second fla call
         return [end_state_from_zero(mixer.family, t) for t in tails], None
     if backend == "fla":
         cu = [0]

@@ -34,6 +34,7 @@ logits are returned).
 """
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -125,11 +126,9 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     force = force_triton_for(kernel, device)
     pieces = [it.piece for it in items if it.piece is not None]
     ranges = [(it.start, it.end) for it in items if it.computes and it.end > it.start]
-    index = None
     if captures:
         captures.check(ranges, len(model.blocks))
-        index = LocalIndex(ranges)
-        captures.prepare(index, manager.device)
+        captures.prepare(LocalIndex(ranges), manager.device)
     pos_host = torch.cat([torch.arange(a, b) for a, b in ranges])
     ids_host = torch.tensor([token_ids[p] for a, b in ranges for p in range(a, b)], dtype=torch.long)
     model._check_ids(ids_host)
@@ -162,24 +161,23 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         mixer = block.mixer
         if isinstance(cache, PagedKVCache):
             o = _full_attend(shared, cache, mixer, i, pieces, proj, ranges, write_slots, ctx_slots, force)
-            if index is not None:
+            if captures:
                 capture_attention(captures, mixer, proj[1], proj[2])
             for cp in checkpoints:
                 k, v = cache.gather(ctx_slots[cp.start:cp.end])
                 cp.kv[i] = (k.clone(), v.clone())
             aux = proj[3]
         elif isinstance(cache, WindowRingCache):
-            o = _window_attend(seq, cache, mixer, i, pieces, proj, pos, ranges, start, end, stateful)
-            if index is not None:
+            o = _window_attend(shared, seq, cache, mixer, i, pieces, proj, pos, ranges, start, end, stateful)
+            if captures:
                 capture_attention(captures, mixer, proj[1], proj[2])
             aux = proj[3]
         elif isinstance(cache, StateSlotCache):
             conv_in, aux = proj
             prepare = tw.prepare_of(i, aux)
             tap = None
-            if index is not None:
-                def tap(inp, ops=None, _m=mixer, _c=conv_in):
-                    capture_linear(captures, _m, inp, _c, backend, ops)
+            if captures:
+                tap = functools.partial(capture_linear, captures, mixer, conv_in=conv_in, backend=backend)
             if not stateful and chain_on(chain, mixer, device):
                 if "chain" not in shared:
                     shared["chain"] = chain_tables(model, manager, events, device)
@@ -188,7 +186,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                 o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend,
                                        ops_out=ops if tap is not None else None)
                 if tap is not None:  # after the chain: its long ranges run from zero may be the tails
-                    tap(inp, ops)
+                    tap(inp, ops=ops)
             else:
                 if "live" not in shared:
                     shared["live"] = _live_index(pieces, model, device)
@@ -288,9 +286,11 @@ def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges,
     return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges)
 
 
-def _present(lo: int, start: int, pieces, layer: int, ranges) -> list[int]:
-    """Positions >= lo whose sliding-window K/V a fill holds: the ring's [lo, start), each
-    piece's rows, the computed ranges; ascending, known on the host."""
+def _present(state: dict, lo: int, start: int, pieces, layer: int, ranges, device) -> tuple[list[int], torch.Tensor]:
+    """Positions >= lo whose sliding-window K/V a fill holds (the ring's [lo, start), each
+    piece's rows, the computed ranges), ascending, on the host and on the device: worked
+    out once per request for every window layer whose pieces' rows lie alike (`state`:
+    the request's shared dict)."""
     spans = [(lo, start)] if start > lo else []
     for p in pieces:
         part = _part(p, layer, "swa")
@@ -298,14 +298,18 @@ def _present(lo: int, start: int, pieces, layer: int, ranges) -> list[int]:
         if first < part.num_rows:
             spans.append((max(lo, part.first_pos + first + p.delta), part.first_pos + part.num_rows + p.delta))
     spans += list(ranges)
-    out: list[int] = []
-    for a, b in sorted(spans):
-        a = max(a, out[-1] + 1) if out else a
-        out.extend(range(a, b))
-    return out
+    key = ("swa_present", tuple(sorted(spans)))
+    got = state.get(key)
+    if got is None:
+        out: list[int] = []
+        for a, b in key[1]:
+            a = max(a, out[-1] + 1) if out else a
+            out.extend(range(a, b))
+        got = state[key] = (out, torch.as_tensor(out, dtype=torch.long).to(device, non_blocking=True))
+    return got
 
 
-def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos, ranges, start, end,
+def _window_attend(state: dict, seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos, ranges, start, end,
                    checkpoints=()):
     """A sliding-window layer's attention output for C (module docstring); the ring refilled.
     Which positions are present is known on the host (nothing read back from the device)."""
@@ -332,9 +336,8 @@ def _window_attend(seq, cache: WindowRingCache, mixer, layer, pieces, proj, pos,
         kbuf[at[keep]] = rows_k[keep]
         vbuf[at[keep]] = part.v[first:].to(device=k.device, dtype=k.dtype)[keep]
     kbuf[pos - lo], vbuf[pos - lo] = k, v
-    present = _present(lo, start, pieces, layer, ranges)
-    k_pos = torch.as_tensor(present, dtype=torch.long).to(k.device, non_blocking=True)
-    o = mixer.attend_known(q, kbuf[k_pos - lo], vbuf[k_pos - lo], ranges, present)
+    present, k_pos = _present(state, lo, start, pieces, layer, ranges, k.device)
+    o = mixer.attend_known(q, kbuf[k_pos - lo], vbuf[k_pos - lo], ranges, present, k_pos)
     ring = k_pos[bisect_left(present, end - w):]
     cache.write(seq.slot, ring, kbuf[ring - lo], vbuf[ring - lo])
     for cp in checkpoints:  # every position before a boundary inside this fill is computed

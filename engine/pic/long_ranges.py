@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.models.layers import fla_backend
-from engine.models.layers.linear_ops import RecurrenceInputs, apply_transition
+from engine.models.layers.linear_ops import RecurrenceInputs, apply_transition, chunked_recurrence
 
 #: run a layer's long computed ranges as two varlen calls when it has at least two
 BATCH_LONG_RANGES = True
@@ -69,16 +69,25 @@ def _layout(ranges: Sequence[tuple[int, int]], total: int) -> tuple[torch.Tensor
     return torch.tensor(cu, dtype=torch.long), rows
 
 
-def delta_operators(inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_operators(inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]], backend: str = "fla",
+                    chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """(T `[n, H, dk, dk]`, E `[n, H, dk, dv]`, float32) of each delta-rule range of `inp`
-    run from zero state, ranges sorted and disjoint, in ONE fla varlen call: a range
-    started at [0 | I] with values [v | 0] ends at [E | T] (T as HYPIC computes it: from
-    S0 = I with v = 0). Also the alone pass's tails (engine.pic.compute)."""
-    cu, rows = _layout(ranges, inp.q.shape[1])
+    run from zero state, ranges sorted and disjoint: a range started at [0 | I] with values
+    [v | 0] ends at [E | T] (T as HYPIC computes it: from S0 = I with v = 0). On fla ONE
+    varlen call for every range; on torch one chunked recurrence per range. The alone
+    pass's tails (engine.pic.compute) and the context capture's (engine.pic.capture)."""
     b, t, h, kd, vd = inp.shape
     v = torch.cat([inp.v, inp.v.new_zeros(b, t, h, kd)], dim=-1)
+    eye = torch.eye(kd, dtype=torch.float32, device=v.device)
+    if backend != "fla":
+        s0 = torch.zeros(1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
+        s0[..., vd:] = eye
+        wide = replace(inp, v=v)
+        st = torch.cat([chunked_recurrence("delta", wide.slice_time(a, e), s0, chunk_size)[1] for a, e in ranges])
+        return st[..., vd:], st[..., :vd]
+    cu, rows = _layout(ranges, inp.q.shape[1])
     s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
-    s0[rows, ..., vd:] = torch.eye(kd, dtype=torch.float32, device=v.device)
+    s0[rows, ..., vd:] = eye
     st = fla_backend.fla_chunk("delta", replace(inp, v=v), s0, cu_seqlens=cu)[1][rows]
     return st[..., vd:], st[..., :vd]
 

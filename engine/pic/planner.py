@@ -50,7 +50,8 @@ from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
 from engine.pic.errors import AlonePassStopped, PicConfigError
 from engine.pic.fused import FusedItem, fused_prefill
-from engine.pic.report import PlanBuilder, PrefillReport, ReportBook
+from engine.pic.full import FullPlanner, full_pass
+from engine.pic.report import STATE_KEY, PlanBuilder, ReportingPlanner
 from engine.pic.signature import SegmentSignature
 from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, segment_key, signature_variant
 from engine.pic.splice import SplicePiece, splice
@@ -66,8 +67,6 @@ def resolve_state_dtype(name: str, model_dtype: Optional[torch.dtype]) -> torch.
     if name == "auto":
         return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
     return STATE_DTYPES[name]
-#: key of a planner's per-request state in `Request.planner_state`
-STATE_KEY = "pic"
 #: most segments queued for idle-time alone passes (cold fallback); the oldest go first
 MAX_DEFERRED = 512
 #: tokens of alone passes one `help_idle` call computes at most (one packed pass): a request
@@ -125,73 +124,6 @@ def _add_compute(items: list[FusedItem], start: int, end: int, sealed: bool = Fa
         items[-1] = FusedItem(items[-1].start, end)
     else:
         items.append(FusedItem(start, end))
-
-
-def full_pass(runner, request: Request, ids: list[int], start: int, config: PicConfig, all_logits: bool = False,
-              captures: Optional[CaptureSet] = None):
-    """Compute prompt positions [start, len(ids)) in context as one fused pass (the `full`
-    baseline, and PIC's cold fallback; `captures`: misses whose signatures it takes)."""
-    return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(start, len(ids))],
-                         backend=runner.backend, kernel=config.kernel, chain=config.seam_chain, all_logits=all_logits,
-                         stages=getattr(runner, "prefill_stages", None), captures=captures)
-
-
-class ReportingPlanner:
-    """Shared by every planner here: per-request reports, kept for `take_report`."""
-
-    name = "base"
-
-    def __init__(self, config: PicConfig, device: torch.device) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.reports = ReportBook()
-
-    def _new_builder(self, request: Request) -> PlanBuilder:
-        return PlanBuilder(PrefillReport(request.request_id, self.name, len(request.prefill_token_ids())))
-
-    def take_report(self, request_id: str) -> Optional[PrefillReport]:
-        """The report of a request whose prefill completed (each report is returned once)."""
-        return self.reports.take(request_id)
-
-    def _finish(self, request: Request, builder: PlanBuilder) -> None:
-        builder.finish(request.timeline.prefill_split)
-        self.reports.add(builder.report)
-
-    def on_prefill_done(self, request: Request) -> None:
-        state = request.planner_state.get(STATE_KEY)
-        if state is not None:
-            self._finish(request, state.builder)
-            self._release(state)
-
-    def on_request_freed(self, request: Request) -> None:
-        state = request.planner_state.pop(STATE_KEY, None)
-        if state is not None:
-            self._release(state)
-
-    def _release(self, state) -> None:
-        return None
-
-
-class FullPlanner(ReportingPlanner):
-    """`full`: compute every prompt token (with `PicConfig.fused`, the default, as one
-    fused step over the whole prompt: the pass PIC's plans run, so the baseline and the
-    method differ only in what they compute)."""
-
-    name = "full"
-
-    def plan(self, request: Request) -> PrefillPlan:
-        b = self._new_builder(request)
-        ids = list(request.prefill_token_ids())
-        if self.config.fused:  # the same one pass as PIC's (and its cold fallback's) prefill
-            b.fused(len(ids), lambda runner, req, _ids=ids, **kw: self._run_fused(runner, req, _ids, **kw),
-                    {"suffix": len(ids)})
-        else:  # the scheduler's compute steps (chunked by its budget)
-            b.compute(len(ids), "suffix")
-        request.planner_state[STATE_KEY] = _RequestState(b, [], [])
-        return b.build()
-
-    def _run_fused(self, runner, request: Request, ids: list[int], all_logits: bool = False):
-        return full_pass(runner, request, ids, 0, self.config, all_logits)
 
 
 class PicPlanner(ReportingPlanner):

@@ -39,7 +39,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.pic.config import PicConfig
 from engine.pic.errors import SplicePlacementError
-from engine.pic.planner import STATE_KEY, ReportingPlanner
+from engine.pic.report import STATE_KEY, ReportingPlanner
 from engine.pic.report import PlanBuilder
 from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import Request

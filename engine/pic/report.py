@@ -24,9 +24,18 @@ run together; engine.pic.fused). Lookups a planner does inside `plan()` (prefix 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
 
 from engine.runtime.planner import ApplyStep, ComputeStep, FusedStep, PrefillPlan
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from engine.pic.config import PicConfig
+    from engine.runtime.request import Request
+
+#: key of a planner's per-request state in `Request.planner_state`
+STATE_KEY = "pic"
 
 COMPUTE_KINDS = ("seam", "suffix")
 APPLY_KINDS = ("lookup", "miss", "load", "checkpoint")
@@ -183,3 +192,39 @@ class ReportBook:
 
     def take(self, request_id: str) -> Optional[PrefillReport]:
         return self._reports.pop(request_id, None)
+
+
+class ReportingPlanner:
+    """Shared by every planner here: per-request reports, kept for `take_report`."""
+
+    name = "base"
+
+    def __init__(self, config: PicConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.reports = ReportBook()
+
+    def _new_builder(self, request: Request) -> PlanBuilder:
+        return PlanBuilder(PrefillReport(request.request_id, self.name, len(request.prefill_token_ids())))
+
+    def take_report(self, request_id: str) -> Optional[PrefillReport]:
+        """The report of a request whose prefill completed (each report is returned once)."""
+        return self.reports.take(request_id)
+
+    def _finish(self, request: Request, builder: PlanBuilder) -> None:
+        builder.finish(request.timeline.prefill_split)
+        self.reports.add(builder.report)
+
+    def on_prefill_done(self, request: Request) -> None:
+        state = request.planner_state.get(STATE_KEY)
+        if state is not None:
+            self._finish(request, state.builder)
+            self._release(state)
+
+    def on_request_freed(self, request: Request) -> None:
+        state = request.planner_state.pop(STATE_KEY, None)
+        if state is not None:
+            self._release(state)
+
+    def _release(self, state) -> None:
+        return None

@@ -161,18 +161,20 @@ def causal_attention_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
 
 
 def causal_attention_known(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, k_pos, window: int | None,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_pos_dev: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_attention` with every position known on the host: q `[Lq, H, D]` holds the
     queries of `ranges` (absolute `[a, b)`, ascending) one after another, k/v `[Lk, Hkv,
     D]` the keys at `k_pos` (a host sequence of Lk ascending positions, with gaps). Query at
     p sees the keys at j <= p (and p - j < window). Each block's key span is found on the
-    host (no position read back from the device); K/V are expanded for GQA once."""
+    host (no position read back from the device); K/V are expanded for GQA once.
+    `k_pos_dev`: `k_pos` already on q's device (else copied there once)."""
     from bisect import bisect_left, bisect_right
 
     groups = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None]
     kh, vh = _expand_kv(k.transpose(0, 1)[None], groups, 1), _expand_kv(v.transpose(0, 1)[None], groups, 1)
-    kp_dev = torch.as_tensor(list(k_pos), dtype=torch.long).to(q.device, non_blocking=True)
+    kp_dev = k_pos_dev if k_pos_dev is not None else \
+        torch.as_tensor(list(k_pos), dtype=torch.long).to(q.device, non_blocking=True)
     outs, at = [], 0
     for a, b in ranges:
         for s in range(a, b, QUERY_BLOCK):
@@ -279,10 +281,11 @@ class Attention(TokenMixer):
         K/V at positions 0..L-1 (see causal_attention_ranges)."""
         return causal_attention_ranges(q, k_ctx, v_ctx, ranges, self.window, self.scale)
 
-    def attend_known(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, k_pos) -> torch.Tensor:
+    def attend_known(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, k_pos,
+                     k_pos_dev: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: the queries of host-known runs `ranges` against keys at the host-known
         positions `k_pos` (see causal_attention_known)."""
-        return causal_attention_known(q, k, v, ranges, k_pos, self.window, self.scale)
+        return causal_attention_known(q, k, v, ranges, k_pos, self.window, self.scale, k_pos_dev)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:

@@ -243,8 +243,8 @@ def test_on_fla_tails_after_hits_are_taken_from_the_layers_own_long_range_call(
     monkeypatch.setattr(seam_chain_layer, "CHAIN_MAX_TOKENS", 8)
     calls = []
     real = long_ranges.delta_operators
-    monkeypatch.setattr(long_ranges, "delta_operators", lambda inp, ranges: calls.append(len(ranges)) or
-                        real(inp, ranges))
+    monkeypatch.setattr(long_ranges, "delta_operators", lambda inp, ranges, *rest: calls.append(len(ranges)) or
+                        real(inp, ranges, *rest))
     model = model_of([GDN, FULL, GDN])
     docs, question = _docs(70), rand_ids(6, 71)
     new = [rand_ids(n, 900 + n) for n in (20, 15)]
