@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch
 
-from engine.models.layers.linear_ops import FAMILIES, RecurrenceInputs, naive_recurrence
 from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 from kernels.errors import KernelInputError
+from kernels.recurrence import FAMILIES, RecurrenceInputs, naive_recurrence
 
 __all__ = ["ChainEvents", "ChainLaunch", "seam_chain", "seam_chain_reference", "COMPUTE", "SET", "ADD", "COMPOSE"]
 
