@@ -5,7 +5,7 @@ With `PicConfig.miss_path="context"` a request computes each missing segment whe
 lies, in context, inside its one fused pass (engine.pic.fused). By default the segment is
 then queued for an idle-time alone pass (`help_idle`) that computes its signature: a
 second pass over the segment's tokens through every layer, which on the H200 cost
-1.6-3x a full prefill per token (docs/BENCHMARKS.md, sessions 7-8) and, on a cold stream,
+1.6-3x a full prefill per token (docs/BENCHMARKS.md) and, on a cold stream,
 competes with the next requests for the device. `PicConfig.miss_signatures="context"`
 takes the signature from the pass the request runs anyway (`ContextCapture`):
 
