@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv in the repository root and installs the project into it (idempotent).
-# torch is pinned first to the CPU test build (2.13.0); on a GPU machine install a CUDA build
-# by hand instead (README.md, "Running on a GPU").
+# torch is pinned first to the local CPU build (2.13.0); the GPU box brings its own 2.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
