@@ -18,16 +18,14 @@ import inspect
 import json
 import mmap
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import click
 import typer
-from typer.core import TyperCommand
 
+from kvstore.cli_help import PlainHelpCommand
 from kvstore.config import OPTIONS, OPTIONS_BY_NAME, Config, ConfigError, format_size, load_config, parse_size
 from kvstore.errors import DaemonNotRunning, KVStoreError
 from kvstore.rpc.codec import key_from_text, key_text
@@ -35,21 +33,6 @@ from kvstore.rpc.codec import key_from_text, key_text
 EXIT_ERROR = 1
 EXIT_NO_DAEMON = 3
 MIN_FINGERPRINT_PREFIX = 8  # `ls --fingerprint` matches at least this many leading characters
-
-class PlainUsageCommand(TyperCommand):
-    """A command whose help names arguments as `KEY FILE` and `KEY...`, not typer's
-    `{KEY} {FILE}` and `KEY <str>`."""
-
-    def get_help(self, ctx: click.Context) -> str:
-        return re.sub(r"^(  [A-Z][A-Z_.]*) <[\w\[\], ]+>", r"\1", super().get_help(ctx), flags=re.M)
-
-    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
-        out = []
-        for piece in super().collect_usage_pieces(ctx):
-            m = re.fullmatch(r"\{(.+?)\}(\.\.\.)?", piece)
-            out.append(m.group(1) + (m.group(2) or "") if m else piece)
-        return out
-
 
 app = typer.Typer(
     name="kvstore",
@@ -191,13 +174,13 @@ def _make_serve() -> Callable[..., None]:
     return serve
 
 
-app.command("serve", cls=PlainUsageCommand)(_make_serve())
+app.command("serve", cls=PlainHelpCommand)(_make_serve())
 
 
 # ---------------------------------------------------------------------------- config
 
 
-@app.command("config", cls=PlainUsageCommand)
+@app.command("config", cls=PlainHelpCommand)
 @reports_errors
 def config_cmd(
     config_file: Optional[Path] = typer.Option(None, "--config", help="TOML config file to layer in",
@@ -261,7 +244,7 @@ def _display(name: str, value: Any) -> str:
 # ---------------------------------------------------------------------------- data
 
 
-@app.command("put", cls=PlainUsageCommand)
+@app.command("put", cls=PlainHelpCommand)
 @reports_errors
 def put_cmd(
     key: str = KeyArg,
@@ -346,7 +329,7 @@ class _file_bytes:
             pass
 
 
-@app.command("get", cls=PlainUsageCommand)
+@app.command("get", cls=PlainHelpCommand)
 @reports_errors
 def get_cmd(
     key: str = KeyArg,
@@ -370,7 +353,7 @@ def get_cmd(
             data.release()
 
 
-@app.command("rm", cls=PlainUsageCommand)
+@app.command("rm", cls=PlainHelpCommand)
 @reports_errors
 def rm_cmd(
     keys: list[str] = typer.Argument(..., help="keys to delete", metavar="KEY"),
@@ -397,7 +380,7 @@ def rm_cmd(
         fail("; ".join(problems))
 
 
-@app.command("evict", cls=PlainUsageCommand)
+@app.command("evict", cls=PlainHelpCommand)
 @reports_errors
 def evict_cmd(
     tier: str = typer.Option(..., "--tier", help="tier to empty: gpu -> cpu, cpu -> nvme, nvme -> dropped",
@@ -420,7 +403,7 @@ def evict_cmd(
         print(f"dropped {moved} object(s) from {tier} (no slower tier)")
 
 
-@app.command("prefetch", cls=PlainUsageCommand)
+@app.command("prefetch", cls=PlainHelpCommand)
 @reports_errors
 def prefetch_cmd(
     keys: list[str] = typer.Argument(..., help="keys to promote", metavar="KEY"),
@@ -447,7 +430,7 @@ def _object_json(o: Any) -> dict[str, Any]:
     }
 
 
-@app.command("inspect", cls=PlainUsageCommand)
+@app.command("inspect", cls=PlainHelpCommand)
 @reports_errors
 def inspect_cmd(
     top: int = typer.Option(10, "--top", help="how many of the most-hit objects to show", metavar="N"),
@@ -512,7 +495,7 @@ def _add_rates(stats: dict[str, Any]) -> None:
     stats["hit_rate"] = stats["lookup_hit_rate"] if stats["lookup_hit_rate"] is not None else stats["get_hit_rate"]
 
 
-@app.command("ls", cls=PlainUsageCommand)
+@app.command("ls", cls=PlainHelpCommand)
 @reports_errors
 def ls_cmd(
     fingerprint: Optional[str] = typer.Option(
@@ -550,7 +533,7 @@ def ls_cmd(
     _console().print(t)
 
 
-@app.command("show", cls=PlainUsageCommand)
+@app.command("show", cls=PlainHelpCommand)
 @reports_errors
 def show_cmd(
     key: str = KeyArg,
@@ -589,7 +572,7 @@ def show_cmd(
 # ---------------------------------------------------------------------------- bench
 
 
-@app.command("bench", cls=PlainUsageCommand)
+@app.command("bench", cls=PlainHelpCommand)
 @reports_errors
 def bench_cmd(
     tiers: str = typer.Option("", "--tiers", help="comma-separated tiers [default: every enabled tier]",
