@@ -466,7 +466,7 @@ def run_cmd(
     try:
         reqs = read_requests(requests)
     except InvalidRequestError as exc:
-        _fail(f"--requests: {exc}")
+        _fail(f"--requests: {exc.message}" if exc.field == "requests" else f"--requests: {exc}")
     connector = _store_config(store, share_cold)
     if connector is not None and method not in ("pic", "naive"):
         _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic or naive")
