@@ -283,3 +283,13 @@ def test_piped_tables_are_not_cut_at_80_columns(tmp_path):
     out = _ok(_kvstore("config", env=_env(COLUMNS="80")))
     assert "KVSTORE_WRITEBACK_WATERMARK / --writeback-watermark" in out
     assert "…" not in out  # no ellipsis
+
+
+def test_the_example_config_file_loads_and_sets_what_it_says():
+    example = REPO_ROOT / "docs" / "examples" / "kvstore.toml"
+    out = json.loads(_ok(_kvstore("config", "--config", str(example), "--json")))
+    assert out["config_file"] == str(example)
+    assert out["config"]["cpu_capacity"] == 2 << 30 and out["config"]["nvme_capacity"] == 64 << 30
+    set_keys = {line.split("=")[0].strip() for line in example.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#") and "=" in line}
+    assert set_keys and all(out["sources"][k] == f"file:{example}" for k in set_keys)
