@@ -203,7 +203,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
         params = r.get("parameters")
         table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
                       _layer_pattern(r["layers"]))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: not cut at 80 columns
 
 
 def _runs(layers: list[str]) -> str:
