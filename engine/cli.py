@@ -16,7 +16,10 @@ of the engine's process: given without a value it uses the daemon's default sock
 have an optional value). With `--store`, `--share-cold` (the default) offers a request's
 cold segments to idle engines attached to the same daemon and, while this engine is
 idle (`serve`), computes segments other engines offer (engine.connector.coldshare);
-`--no-share-cold` turns both off.
+`--no-share-cold` turns both off. The daemon must answer when the command starts (else
+exit 3, naming the socket and how to start one), unless `--start-without-store`: then the
+engine computes every prompt in full until the daemon answers. `serve` without `--store`
+says on stderr that it caches nothing.
 
 `--miss-signatures context` (PicConfig.miss_signatures) takes the signature of a miss
 computed in context from the request's own pass instead of an idle alone pass; it needs
@@ -24,8 +27,15 @@ computed in context from the request's own pass instead of an idle alone pass; i
 context` without `--miss-path context` exits 2 naming both options rather than changing
 the miss path behind the user's back).
 
+`run` checks every request of the file (JSON, fields, a non-empty prompt that fits the
+model) before it computes anything; in table mode it prints each request's row as it
+finishes, a progress line on a terminal, and a summary whose mean TTFT leaves out the
+first request (it carries the warm-up; reported apart).
+
 These command and option names are an interface that scripts depend on; keep them.
-Bad input exits with status 2 and a message naming the option.
+Bad input exits with status 2 and a one-line message "kvengine: error: ..." naming the
+option (or the file's line and request id); no daemon at --store: 3; a failure while
+running: 1.
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ from typing import Any, Optional
 import typer
 
 from engine.errors import ConfigError, EngineError, InvalidRequestError
+from kvstore.cli_help import PlainHelpCommand
 
 app = typer.Typer(
     name="kvengine",
@@ -44,7 +55,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help (kvstore.cli_help): nothing cut at 80 columns
+    context_settings={"max_content_width": 120},
 )
+EXIT_USAGE = 2
+EXIT_NO_DAEMON = 3  # as kvstore's commands
 
 PresetOpt = typer.Option(..., "--preset", help="Preset name (see `kvengine presets`) or a saved model directory.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
@@ -62,6 +77,10 @@ StoreOpt = typer.Option(
     None, "--store", metavar="[SOCKET]",
     help="Keep segment signatures in the kvstore daemon at SOCKET (bare --store: the default socket); "
          "without it the engine keeps them in its own process.")
+StartWithoutStoreOpt = typer.Option(
+    False, "--start-without-store",
+    help="With --store: start even when no daemon answers at the socket (prompts are computed in full until it "
+         "does); without this, a daemon that does not answer at start-up is an error (exit 3).")
 ColdPolicyOpt = typer.Option(
     "fraction", "--cold-full-policy",
     help="When the cold fallback takes a request: fraction (at --cold-full-fraction) or cost (at the measured "
@@ -118,9 +137,30 @@ def _option(field: str) -> str:
     return OPTION_OF.get(field, "--" + field.replace("_", "-"))
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
+def _fail(message: str, code: int = EXIT_USAGE) -> None:
+    typer.echo(f"kvengine: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def _fail_field(exc: Exception) -> None:
+    """A config error "name=value must be ..." as "--name: value must be ..."."""
+    text = str(exc)
+    name, sep, rest = text.partition("=")
+    if sep and name.isidentifier():
+        _fail(f"--{name.replace('_', '-')}: {rest}")
+    _fail(text)
+
+
+def _message(exc: Exception) -> str:
+    """An exception's message without the quotes str() puts around a KeyError's."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc)
+
+
+def _note(message: str) -> None:
+    """A line on stderr about a choice the user may not know was made."""
+    typer.echo(f"kvengine: {message}", err=True)
 
 
 def _engine_config(device: str, dtype: str, max_batch: int, max_batched_tokens: int, chunk_size: int,
@@ -143,10 +183,10 @@ def _build(preset: str, cfg):
     except InvalidRequestError as exc:
         _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
-        _fail(str(exc))
+        _fail(_message(exc))
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand)
 def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table.")) -> None:
     """List the model presets: name, family, scale (tiny or bench) and layer pattern."""
     from engine.models.presets import list_presets, preset_info
@@ -163,7 +203,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
         params = r.get("parameters")
         table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
                       _layer_pattern(r["layers"]))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: not cut at 80 columns
 
 
 def _runs(layers: list[str]) -> str:
@@ -185,7 +225,7 @@ def _layer_pattern(layers: list[str]) -> str:
     return _runs(layers)
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand)
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     preset: str = PresetOpt,
@@ -205,7 +245,7 @@ def generate(
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     except ConfigError as exc:
-        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+        _fail_field(exc)
     engine = _build(preset, _engine_config(device, dtype, 1, 2048, 2048, None, None))
     try:
         (out,) = engine.generate([prompt], params)
@@ -234,7 +274,7 @@ def generate(
     )
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand)
 def serve(
     preset: str = PresetOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -249,6 +289,7 @@ def serve(
     log_level: str = typer.Option("info", "--log-level"),
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
+    start_without_store: bool = StartWithoutStoreOpt,
     cuda_graphs: bool = GraphsOpt,
     host_threads: Optional[int] = HostThreadsOpt,
     cold_full_fraction: float = _cold_opt(0.5),
@@ -270,10 +311,16 @@ def serve(
         pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
                         miss_path=miss_path, miss_signatures=miss_signatures)
     except PicConfigError as exc:
-        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+        _fail_field(exc)
     connector = _store_config(store, share_cold)
+    if connector is None:
+        _note("no --store: every prompt is computed in full and nothing is cached; pass --store [SOCKET] to reuse "
+              "prompt segments through a kvstore daemon")
+    else:
+        _check_store_answers(connector, start_without_store)
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, max_model_len, cuda_graphs, host_threads))
+    _note_cache_size(kv_cache_tokens, max_batch)
     planner = _attach_store(engine, pic, connector) if connector is not None else None
     try:
         run_server(engine, host, port)
@@ -282,6 +329,41 @@ def serve(
     finally:
         if planner is not None:
             planner.store.close()
+
+
+def _check_store_answers(connector, start_without_store: bool) -> None:
+    """--store names a daemon that must answer at start-up (exit 3 otherwise), unless
+    --start-without-store: then the engine serves by recomputation until it appears."""
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import KVStoreError
+
+    try:
+        with KVStoreClient(socket=connector.socket, tcp=connector.tcp, timeout=connector.rpc_timeout_s):
+            return
+    except KVStoreError as exc:
+        if start_without_store:
+            _note(f"--store: {exc}; starting without it (--start-without-store): prompts are computed in full "
+                  "until the daemon answers")
+            return
+        _fail(f"--store: {exc} (or pass --start-without-store to serve by recomputation until it answers)",
+              EXIT_NO_DAEMON)
+
+
+def _note_cache_size(kv_cache_tokens: Optional[int], max_batch: int, block_size: Optional[int] = None) -> None:
+    """Say so when --kv-cache-tokens was rounded: the cache holds whole blocks, plus one
+    partial block per request slot."""
+    if kv_cache_tokens is None:
+        return
+    from engine.builder import EngineConfig
+    from engine.cache.manager import CacheConfig
+
+    block = block_size or EngineConfig().block_size
+    cfg = CacheConfig.for_tokens(kv_cache_tokens, num_slots=max_batch, block_size=block)
+    positions = cfg.num_blocks * block
+    if positions != kv_cache_tokens:
+        _note(f"--kv-cache-tokens {kv_cache_tokens}: the cache holds {positions} positions ({cfg.num_blocks} "
+              f"blocks of {block}: {kv_cache_tokens} rounded up to whole blocks, plus one partial block for each of "
+              f"--max-batch {max_batch} requests)")
 
 
 def _store_config(value: Optional[str], share_cold: bool = True):
@@ -306,7 +388,7 @@ def _attach_store(engine, pic_config, connector):
         _fail(f"--store: {exc}")
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand)
 def bench(
     preset: str = PresetOpt,
     num_requests: int = typer.Option(16, "--num-requests", min=1),
@@ -335,6 +417,7 @@ def bench(
         _fail(f"{_option(exc.field)}: {exc.message}")
     engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, None, cuda_graphs, host_threads))
+    _note_cache_size(kv_cache_tokens, max_batch)
     try:
         report = run_load(engine, spec)
     except EngineError as exc:
@@ -353,7 +436,7 @@ def bench(
     )
 
 
-@app.command("run")
+@app.command("run", cls=PlainHelpCommand)
 def run_cmd(
     preset: str = PresetOpt,
     requests: str = typer.Option(..., "--requests", help="JSONL file, one {id, segments: [{text, cache}]} per line."),
@@ -371,6 +454,7 @@ def run_cmd(
     chunk_size: int = ChunkOpt,
     store: Optional[str] = StoreOpt,
     share_cold: bool = ShareColdOpt,
+    start_without_store: bool = StartWithoutStoreOpt,
     cold_full_fraction: float = _cold_opt(0.0),
     cold_full_policy: str = ColdPolicyOpt,
     miss_path: str = _miss_path_opt("alone"),
@@ -394,51 +478,96 @@ def run_cmd(
                            miss_path=miss_path, miss_signatures=miss_signatures,
                            prefix_checkpoints=prefix_checkpoints)
     except PicConfigError as exc:
-        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+        _fail_field(exc)
     try:
         reqs = read_requests(requests)
     except InvalidRequestError as exc:
-        _fail(f"--requests: {exc}")
+        _fail(f"--requests: {exc.message}" if exc.field == "requests" else f"--requests: {exc}")
     connector = _store_config(store, share_cold)
     if connector is not None and method not in ("pic", "naive"):
         _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic or naive")
+    if connector is not None:
+        _check_store_answers(connector, start_without_store)
     engine = _build(preset, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))
+    _check_requests(engine, reqs, max_new_tokens, stop)  # every request, before any runs
     planner = attach_planner(engine, config) if connector is None else _attach_store(engine, config, connector)
     try:
-        _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, connector is not None)
+        _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, connector is not None,
+                       fused)
     finally:
         if connector is not None:
             planner.store.close()  # finishes the queued puts: the next process finds them
 
 
-def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, with_store) -> None:
-    from engine.pic.run import print_table, run_requests
+def _check_requests(engine, reqs, max_new_tokens: int, stop: Optional[list[str]]) -> None:
+    """Refuse the run (exit 2) at the first request the engine would refuse, naming its
+    line and id, before computing anything."""
+    from engine.runtime.sampling import SamplingParams
 
-    records = []
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
+    for r in reqs:
+        try:
+            engine.check_prompt(r.segments, params)
+        except InvalidRequestError as exc:
+            field = _option(exc.field) if exc.field == "max_new_tokens" else exc.field
+            _fail(f"--requests: {r.where} (id {r.id}): {field}: {exc.message}")
+
+
+def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, with_store,
+                   fused: bool = True) -> None:
+    from engine.pic.run import RunTable, run_requests
+
+    table = None
+    if not as_json:
+        title = f"{preset} method={method}" + (f" seam={planner.seam}" if hasattr(planner, "seam") else "")
+        table = RunTable(title, fused=fused and method in ("pic", "naive", "prefix"))
+    progress = _Progress(len(reqs)) if sys.stderr.isatty() else None
     try:
-        for rec in run_requests(engine, planner, reqs, max_new_tokens, tuple(stop or ())):
+        for i, rec in enumerate(run_requests(engine, planner, reqs, max_new_tokens, tuple(stop or ()))):
             if with_store:
                 sr = planner.take_store_report(rec["id"])
                 if sr is not None:
                     rec.update(sr.as_dict())
-            records.append(rec)
+            if progress is not None:
+                progress.done(i + 1, rec["id"])
             if as_json:
                 typer.echo(json.dumps(rec))
+            else:
+                table.add(rec)
     except InvalidRequestError as exc:
         _fail(f"{exc.field}: {exc.message}", 1)
     except EngineError as exc:
         _fail(str(exc), 1)
+    finally:
+        if progress is not None:
+            progress.close()
     while engine.help_idle():  # cold fallback, context signatures: finish the queued work before exiting
         pass
     if with_store:
         planner.store.flush()
-    if not as_json:
+    if table is not None:
         stats = planner.cache.stats().as_dict() if hasattr(planner, "cache") else (
             planner.tree.stats() if hasattr(planner, "tree") else None)
-        print_table(records, f"{preset} method={method}" + (f" seam={planner.seam}" if hasattr(planner, "seam") else ""),
-                    stats)
+        table.finish(stats)
         if with_store:
             typer.echo(f"store connector: {json.dumps(planner.store.metrics.snapshot())}")
+
+
+class _Progress:
+    """`[i/N] done: ID` on one rewritten stderr line while requests run (a terminal only)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        sys.stderr.write(f"\r[0/{total}] running...")
+        sys.stderr.flush()
+
+    def done(self, i: int, request_id: str) -> None:
+        sys.stderr.write(f"\r\033[K[{i}/{self.total}] done: {request_id}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
 
 
 def expand_bare_store(argv: list[str]) -> list[str]:

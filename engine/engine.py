@@ -149,6 +149,26 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        token_ids, segments = self.check_prompt(prompt, params, prompt_token_ids)
+        timeline = RequestTimeline(arrival_time if arrival_time is not None else time.perf_counter())
+        req = Request(request_id, token_ids, segments, params, timeline=timeline)
+        self.scheduler.add_request(req)  # may raise CapacityError
+        self._requests[request_id] = req
+        self._texts[request_id] = OutputText(self.tokenizer, params.stop_strings)
+        gen = make_generator(params, self.device)
+        if gen is not None:
+            self._generators[request_id] = gen
+        return request_id
+
+    def check_prompt(
+        self,
+        prompt: Optional[PromptInput],
+        params: SamplingParams,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+    ) -> tuple[list[int], list[PromptSegment]]:
+        """What `add_request` checks of a prompt, without queueing anything: its token ids
+        and segments, or `InvalidRequestError` naming the field (callers with many
+        requests check them all before running any)."""
         token_ids, segments = self._tokenize(prompt, prompt_token_ids)
         vocab = self.runner.model.config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
@@ -166,15 +186,7 @@ class LLMEngine:
                     f"{params.max_new_tokens} new tokens after a {len(token_ids)}-token prompt exceed the "
                     f"model's context of {self.max_model_len}",
                 )
-        timeline = RequestTimeline(arrival_time if arrival_time is not None else time.perf_counter())
-        req = Request(request_id, token_ids, segments, params, timeline=timeline)
-        self.scheduler.add_request(req)  # may raise CapacityError
-        self._requests[request_id] = req
-        self._texts[request_id] = OutputText(self.tokenizer, params.stop_strings)
-        gen = make_generator(params, self.device)
-        if gen is not None:
-            self._generators[request_id] = gen
-        return request_id
+        return token_ids, segments
 
     def _tokenize(
         self, prompt: Optional[PromptInput], prompt_token_ids: Optional[Sequence[int]]
@@ -296,9 +308,9 @@ class LLMEngine:
                 continue
             if req.progress.done:
                 req.num_reused_tokens = req.plan.num_reused_tokens
-                self.stats.num_prompt_tokens_reused += req.num_reused_tokens
                 self.scheduler.mark_prefilled(req)
-                self.planner.on_prefill_done(req)
+                self.planner.on_prefill_done(req)  # may correct num_reused_tokens (what its lookups found)
+                self.stats.num_prompt_tokens_reused += req.num_reused_tokens
                 if req.sampling.max_new_tokens == 0:  # prefill only (e.g. to warm a cache)
                     self.scheduler.finish(req, FinishReason.LENGTH)
                     outputs.append(self._finalize(req, [], ""))

@@ -7,11 +7,16 @@ name, type, default and help text. The client commands (put, get, inspect, evict
 show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket`, print
 JSON with `--json` where they print data, and on failure print one line
 "kvstore: error: REASON" to stderr (no traceback) and exit non-zero: 3 when no daemon
-is running (the message says how to start one), 1 otherwise (2: bad usage).
+is running (the message says how to start one), 1 otherwise (2: bad usage); `rm` exits 1
+when a key was not there, `put` when the key holds other bytes (unless --replace).
+`serve` failing on a path it cannot use says so in one line naming the option. `config
+--socket` shows a running daemon's settings (reported in its Stats). Help is click's
+plain layout (kvstore.cli_help); tables printed to a pipe are not cut at 80 columns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -24,12 +29,14 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from kvstore.config import OPTIONS, Config, ConfigError, format_size, load_config, parse_size
+from kvstore.cli_help import PlainHelpCommand
+from kvstore.config import OPTIONS, OPTIONS_BY_NAME, Config, ConfigError, format_size, load_config, parse_size
 from kvstore.errors import DaemonNotRunning, KVStoreError
 from kvstore.rpc.codec import key_from_text, key_text
 
 EXIT_ERROR = 1
 EXIT_NO_DAEMON = 3
+MIN_FINGERPRINT_PREFIX = 8  # `ls --fingerprint` matches at least this many leading characters
 
 app = typer.Typer(
     name="kvstore",
@@ -37,13 +44,21 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: nothing cut at 80 columns, no <bool>/<str> metavars
+    context_settings={"max_content_width": 120},
 )
 
 SocketOpt = typer.Option(None, "--socket", help="daemon's unix socket [default: as `kvstore serve`]",
-                         show_default=False)
+                         show_default=False, metavar="PATH")
 TcpOpt = typer.Option(None, "--tcp", help="reach the daemon over TCP HOST:PORT instead of the socket",
-                      show_default=False)
+                      show_default=False, metavar="HOST:PORT")
 JsonOpt = typer.Option(False, "--json", help="print JSON")
+KeyArg = typer.Argument(..., help="object key (text; 'hex:...' for binary keys)", metavar="KEY")
+TierOpt = typer.Option(None, "--tier", help="cpu, nvme or gpu [default: the daemon's]", metavar="TIER",
+                       show_default=False)
+
+# metavars of float options that are not durations (the rest are seconds)
+_FLOAT_METAVAR = {"writeback_watermark": "FRACTION"}
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> None:
@@ -84,9 +99,11 @@ def _print_json(obj: Any) -> None:
 
 
 def _console() -> Any:
+    """Rich console; when stdout is not a terminal, wide enough that tables and titles
+    are never cut or wrapped at 80 columns (output piped to a file or a pager)."""
     from rich.console import Console
 
-    return Console()
+    return Console() if sys.stdout.isatty() else Console(width=240)
 
 
 # ---------------------------------------------------------------------------- serve
@@ -96,7 +113,27 @@ def _serve_impl(config_file: Optional[Path], **flags: Any) -> None:
     from kvstore.server import serve as run_daemon
 
     config = load_config(cli=flags, config_file=config_file)
-    run_daemon(config)
+    try:
+        run_daemon(config)
+    except OSError as exc:  # an unusable --dir, --socket or shm directory: one line, naming it
+        raise KVStoreError(_start_error(exc, config)) from None
+
+
+def _start_error(exc: OSError, config: Config) -> str:
+    """One line for an OSError that stopped the daemon from starting, naming the option
+    whose path it was."""
+    where = str(exc.filename or "")
+    what = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) and where and not Path(where).is_dir():
+        what = "not a directory"
+    for name, flag in (("dir", "--dir"), ("socket", "--socket")):
+        path = str(getattr(config, name))
+        roots = (path, str(Path(path).parent)) if name == "socket" else (path,)
+        if where and any(where == r or where.startswith(r.rstrip("/") + "/") for r in roots):
+            source = config.sources.get(name, "default")
+            origin = flag if source.startswith("flag:") else f"{flag} {path}, from {source}"
+            return f"cannot start the daemon: {what}: {where} ({origin})"
+    return f"cannot start the daemon: {what}" + (f": {where}" if where else "")
 
 
 def _make_serve() -> Callable[..., None]:
@@ -105,7 +142,8 @@ def _make_serve() -> Callable[..., None]:
         inspect.Parameter(
             "config_file", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
             default=typer.Option(None, "--config", help="TOML config file [default: $KVSTORE_CONFIG, else "
-                                 "~/.config/kvstore/config.toml if present]", show_default=False),
+                                 "~/.config/kvstore/config.toml if present]", show_default=False,
+                                 metavar="FILE"),
         )
     ]
     annotations: dict[str, Any] = {"config_file": Optional[Path], "return": None}
@@ -120,8 +158,9 @@ def _make_serve() -> Callable[..., None]:
             info = typer.Option(None, flag, help=help_text, show_default=False)
         else:
             ann = Optional[str]
-            metavar = {"size": "SIZE", "gpusize": "SIZE|auto", "path": "PATH", "int": "N", "float": "SECONDS",
-                       "hostport": "HOST:PORT", "choice": "|".join(o.choices), "str": "TEXT"}[o.kind]
+            metavar = {"size": "SIZE", "gpusize": "SIZE|auto", "path": "PATH", "int": "N",
+                       "float": _FLOAT_METAVAR.get(o.name, "SECONDS"), "hostport": "HOST:PORT",
+                       "choice": "|".join(o.choices)}.get(o.kind, "TEXT")
             info = typer.Option(None, o.flag, help=help_text, metavar=metavar, show_default=False)
         params.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=info))
         annotations[o.name] = ann
@@ -139,62 +178,126 @@ def _make_serve() -> Callable[..., None]:
     return serve
 
 
-app.command("serve")(_make_serve())
+app.command("serve", cls=PlainHelpCommand)(_make_serve())
 
 
 # ---------------------------------------------------------------------------- config
 
 
-@app.command("config")
+@app.command("config", cls=PlainHelpCommand)
 @reports_errors
 def config_cmd(
     config_file: Optional[Path] = typer.Option(None, "--config", help="TOML config file to layer in",
-                                               show_default=False),
+                                               show_default=False, metavar="FILE"),
+    socket: Optional[Path] = typer.Option(
+        None, "--socket", metavar="PATH", show_default=False,
+        help="show the settings of the daemon running at this socket instead of what `kvstore serve` would use"),
+    tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Print the effective configuration and where each value came from."""
-    cfg: Config = load_config(config_file=config_file)
+    """Print the effective configuration and where each value came from (with --socket or
+    --tcp: the running daemon's)."""
+    if socket is not None or tcp is not None:
+        if config_file is not None:
+            raise ConfigError("--config: give either --config (a file to layer in) or --socket/--tcp (a running "
+                              "daemon), not both")
+        with _client(socket, tcp) as kv:
+            report = kv.stats().get("daemon_config")
+            target = kv.target
+        if not report:
+            raise KVStoreError(f"the daemon at {target} does not report its settings (an older version)")
+        values, sources = report["config"], report["sources"]
+        title = f"kvstore daemon configuration at {target}"
+        config_path = report.get("config_file")
+        order = [o.name for o in OPTIONS if o.name in values] + sorted(set(values) - set(OPTIONS_BY_NAME))
+        rows = [(name, _display(name, values[name]), sources.get(name, "?")) for name in order]
+    else:
+        cfg: Config = load_config(config_file=config_file)
+        values, sources = cfg.as_dict(), cfg.sources
+        title = "kvstore configuration"
+        config_path = str(cfg.config_file) if cfg.config_file else None
+        rows = [(o.name, cfg.display(o.name), cfg.sources[o.name]) for o in OPTIONS]
     if as_json:
-        _print_json({"config": cfg.as_dict(), "sources": cfg.sources,
-                     "config_file": str(cfg.config_file) if cfg.config_file else None})
+        _print_json({"config": values, "sources": sources, "config_file": config_path})
         return
     from rich.table import Table
 
-    table = Table(title="kvstore configuration", title_justify="left")
+    con = _console()
+    con.print(title, soft_wrap=True)
+    table = Table()
     table.add_column("option")
     table.add_column("value")
     table.add_column("source")
     table.add_column("env / flag", style="dim")
-    for o in OPTIONS:
-        table.add_row(o.name, cfg.display(o.name), cfg.sources[o.name], f"{o.env} / {o.flag}")
-    _console().print(table)
+    flags = {o.name: f"{o.env} / {o.flag}" for o in OPTIONS}
+    for name, value, source in rows:
+        table.add_row(name, value, source, flags.get(name, ""))
+    con.print(table)
+
+
+def _display(name: str, value: Any) -> str:
+    """A reported option value as a user would write it (sizes in binary units)."""
+    o = OPTIONS_BY_NAME.get(name)
+    if o is not None and o.kind in ("size", "gpusize") and isinstance(value, int):
+        return format_size(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 # ---------------------------------------------------------------------------- data
 
 
-@app.command("put")
+@app.command("put", cls=PlainHelpCommand)
 @reports_errors
 def put_cmd(
-    key: str = typer.Argument(..., help="object key (text; 'hex:...' for binary keys)"),
-    file: Path = typer.Argument(..., help="file whose bytes to store ('-' for stdin)"),
-    tier: Optional[str] = typer.Option(None, "--tier", help="cpu | nvme | gpu [default: the daemon's]"),
-    fingerprint: str = typer.Option("", "--fingerprint", help="model fingerprint to record"),
+    key: str = KeyArg,
+    file: Path = typer.Argument(..., help="file whose bytes to store ('-' for stdin)", metavar="FILE"),
+    tier: Optional[str] = TierOpt,
+    fingerprint: str = typer.Option("", "--fingerprint", help="model fingerprint to record", metavar="FP",
+                                    show_default=False),
+    replace: bool = typer.Option(False, "--replace",
+                                 help="when the key holds other bytes, delete that object and store this file"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Store a file's bytes as one object."""
+    """Store a file's bytes as one object. A key that already holds the same bytes is left
+    as it is; one that holds other bytes is an error unless --replace is given."""
+    from kvstore import checksums
+
     k = key_from_text(key)
+    replaced = False
     with _client(socket, tcp) as kv, _file_bytes(file) as data:
         if len(data) == 0:
             raise KVStoreError(f"{file} is empty; objects must hold at least 1 byte")
         res = kv.put(k, data, tier=tier, fingerprint=fingerprint)
+        if res.status != "stored":
+            held = kv.show(k).info
+            same = held.size == len(data) and held.checksum == checksums.host_checksum(data)
+            if not same and replace:
+                if kv.delete([k]) != 1:
+                    raise KVStoreError(f"{key} is in use (leased by a reader); cannot replace it now, try again")
+                res = kv.put(k, data, tier=tier, fingerprint=fingerprint)
+                replaced = True
+            elif not same:
+                out = {"key": key_text(res.key), "tier": held.tier, "size": held.size, "status": "exists",
+                       "same_bytes": False, "file_size": len(data)}
+                if as_json:
+                    _print_json(out)
+                raise KVStoreError(
+                    f"{key} already holds other bytes ({format_size(held.size)} in {held.tier}; this file: "
+                    f"{format_size(len(data))}); kept them. Pass --replace to store this file instead")
+            else:
+                res = dataclasses.replace(res, tier=held.tier, size=held.size, checksum=held.checksum)
     if as_json:
-        _print_json({"key": key_text(res.key), "tier": res.tier, "size": res.size, "status": res.status})
+        _print_json({"key": key_text(res.key), "tier": res.tier, "size": res.size, "status": res.status,
+                     **({"same_bytes": True} if res.status != "stored" else {}),
+                     **({"replaced": True} if replaced else {})})
+    elif res.status != "stored":
+        print(f"already present: {key_text(res.key)} ({format_size(res.size)}) in {res.tier}, same bytes")
     else:
-        verb = "stored" if res.status == "stored" else "already present:"
-        print(f"{verb} {key_text(res.key)} ({format_size(res.size)}) in {res.tier}")
+        print(f"{'replaced' if replaced else 'stored'} {key_text(res.key)} ({format_size(res.size)}) in {res.tier}")
 
 
 class _file_bytes:
@@ -230,12 +333,12 @@ class _file_bytes:
             pass
 
 
-@app.command("get")
+@app.command("get", cls=PlainHelpCommand)
 @reports_errors
 def get_cmd(
-    key: str = typer.Argument(..., help="object key (text; 'hex:...' for binary keys)"),
+    key: str = KeyArg,
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout",
-                                          show_default=False),
+                                          show_default=False, metavar="FILE"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
 ) -> None:
@@ -254,45 +357,62 @@ def get_cmd(
             data.release()
 
 
-@app.command("rm")
+@app.command("rm", cls=PlainHelpCommand)
 @reports_errors
 def rm_cmd(
-    keys: list[str] = typer.Argument(..., help="keys to delete"),
+    keys: list[str] = typer.Argument(..., help="keys to delete", metavar="KEY"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Delete objects (a leased object stays until its leases end)."""
+    """Delete objects (a leased object stays until its leases end). Exits 1 when a key was
+    not in the store or could not be deleted (named on stderr)."""
+    ks = [key_from_text(k) for k in keys]
     with _client(socket, tcp) as kv:
-        deleted = kv.delete([key_from_text(k) for k in keys])
+        present = [e.key for e in kv.lookup(ks) if e.hit]
+        deleted = kv.delete(present) if present else 0
+        left = {e.key for e in kv.lookup(present) if e.hit} if deleted < len(present) else set()
+    missing = [key_text(k) for k in dict.fromkeys(ks) if k not in set(present)]
+    leased = [key_text(k) for k in present if k in left]
     if as_json:
-        _print_json({"requested": len(keys), "deleted": deleted})
+        _print_json({"requested": len(keys), "deleted": deleted, "missing": missing, "leased": leased})
     else:
         print(f"deleted {deleted} of {len(keys)}")
+    problems = ([f"not in the store: {', '.join(missing)}"] if missing else []) + (
+        [f"in use (leased), left in place: {', '.join(leased)}"] if leased else [])
+    if problems:
+        fail("; ".join(problems))
 
 
-@app.command("evict")
+@app.command("evict", cls=PlainHelpCommand)
 @reports_errors
 def evict_cmd(
-    tier: str = typer.Option(..., "--tier", help="tier to empty: gpu -> cpu, cpu -> nvme, nvme -> dropped"),
+    tier: str = typer.Option(..., "--tier", help="tier to empty: gpu -> cpu, cpu -> nvme, nvme -> dropped",
+                             metavar="TIER"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Demote every unleased object out of a tier to the next tier down."""
+    """Demote every unleased object out of a tier to the next tier down (dropped when no
+    enabled tier lies below it)."""
     with _client(socket, tcp) as kv:
+        enabled = list(kv.info.tiers) if kv.info else []
         moved = kv.evict(tier)
+    below = enabled[enabled.index(tier) + 1:] if tier in enabled else []
     if as_json:
-        _print_json({"tier": tier, "moved": moved})
+        _print_json({"tier": tier, "moved": moved, "to": below[0] if below else None})
+    elif below:
+        print(f"moved {moved} object(s) from {tier} to {below[0]}")
     else:
-        print(f"moved {moved} object(s) out of {tier}")
+        print(f"dropped {moved} object(s) from {tier} (no slower tier)")
 
 
-@app.command("prefetch")
+@app.command("prefetch", cls=PlainHelpCommand)
 @reports_errors
 def prefetch_cmd(
-    keys: list[str] = typer.Argument(..., help="keys to promote"),
-    tier: Optional[str] = typer.Option(None, "--tier", help="target tier [default: the fastest enabled]"),
+    keys: list[str] = typer.Argument(..., help="keys to promote", metavar="KEY"),
+    tier: Optional[str] = typer.Option(None, "--tier", help="target tier [default: the fastest enabled]",
+                                       metavar="TIER", show_default=False),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
 ) -> None:
@@ -314,10 +434,10 @@ def _object_json(o: Any) -> dict[str, Any]:
     }
 
 
-@app.command("inspect")
+@app.command("inspect", cls=PlainHelpCommand)
 @reports_errors
 def inspect_cmd(
-    top: int = typer.Option(10, "--top", help="how many of the most-hit objects to show"),
+    top: int = typer.Option(10, "--top", help="how many of the most-hit objects to show", metavar="N"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
@@ -327,8 +447,7 @@ def inspect_cmd(
         stats = kv.stats()
         objs = kv.list(limit=top) if top > 0 else []
         info = kv.info
-    lookups = stats.get("hits", 0) + stats.get("misses", 0)
-    stats["hit_rate"] = (stats.get("hits", 0) / lookups) if lookups else None
+    _add_rates(stats)
     if as_json:
         stats["top_objects"] = [_object_json(o) for o in objs]
         stats["daemon"] = {"pid": info.pid, "version": info.daemon_version, "socket": kv.target} if info else {}
@@ -337,7 +456,8 @@ def inspect_cmd(
     from rich.table import Table
 
     con = _console()
-    t = Table(title=f"kvstore daemon pid {info.pid if info else '?'} at {kv.target}", title_justify="left")
+    con.print(f"kvstore daemon pid {info.pid if info else '?'} at {kv.target}", soft_wrap=True)
+    t = Table()
     for col in ("tier", "capacity", "used", "use %", "objects"):
         t.add_column(col, justify="right" if col != "tier" else "left")
     for tier in stats["tiers"]:
@@ -345,12 +465,15 @@ def inspect_cmd(
         t.add_row(tier["name"], format_size(cap), format_size(used), f"{100.0 * used / cap:.1f}" if cap else "-",
                   str(tier["objects"]))
     con.print(t)
-    rate = f"{100.0 * stats['hit_rate']:.1f}%" if stats["hit_rate"] is not None else "n/a"
-    con.print(f"hits {stats.get('hits', 0)}  misses {stats.get('misses', 0)}  hit rate {rate}  "
-              f"evictions {stats.get('evictions', 0)}  demotions {stats.get('demotions', 0)}  "
+    con.print(f"lookups: hits {stats.get('lookup_hits', 0)}  misses {stats.get('lookup_misses', 0)}  "
+              f"hit rate {_pct(stats['lookup_hit_rate'])}   (keys looked up; engines look up every segment)")
+    con.print(f"gets:    hits {stats.get('hits', 0)}  misses {stats.get('misses', 0)}  "
+              f"hit rate {_pct(stats['get_hit_rate'])}   (keys read; engines read only what a lookup found)")
+    con.print(f"evictions {stats.get('evictions', 0)}  demotions {stats.get('demotions', 0)}  "
               f"write-backs {stats.get('writebacks', 0)}  leases {stats.get('leases', 0)}")
     if objs:
-        o_t = Table(title=f"top {len(objs)} objects by hits", title_justify="left")
+        con.print(f"top {len(objs)} objects by hits")
+        o_t = Table()
         for col in ("key", "tier", "size", "hits", "tokens", "fingerprint"):
             o_t.add_column(col)
         for o in objs:
@@ -359,21 +482,47 @@ def inspect_cmd(
         con.print(o_t)
 
 
-@app.command("ls")
+def _rate(hits: int, misses: int) -> Optional[float]:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _pct(rate: Optional[float]) -> str:
+    return "n/a" if rate is None else f"{100.0 * rate:.1f}%"
+
+
+def _add_rates(stats: dict[str, Any]) -> None:
+    """`lookup_hit_rate` (keys Lookup found), `get_hit_rate` (keys Get found) and
+    `hit_rate`: the lookup rate once anything was looked up, else the get rate (an engine
+    looks a segment up before it gets it, and gets only hits: docs/kvstore.md)."""
+    stats["lookup_hit_rate"] = _rate(stats.get("lookup_hits", 0), stats.get("lookup_misses", 0))
+    stats["get_hit_rate"] = _rate(stats.get("hits", 0), stats.get("misses", 0))
+    stats["hit_rate"] = stats["lookup_hit_rate"] if stats["lookup_hit_rate"] is not None else stats["get_hit_rate"]
+
+
+@app.command("ls", cls=PlainHelpCommand)
 @reports_errors
 def ls_cmd(
-    fingerprint: Optional[str] = typer.Option(None, "--fingerprint", help="only this model fingerprint"),
-    prefix: Optional[str] = typer.Option(None, "--prefix", help="only keys starting with this"),
-    tier: Optional[str] = typer.Option(None, "--tier", help="only objects in this tier"),
-    limit: int = typer.Option(1000, "--limit", help="at most this many (most-hit first)"),
+    fingerprint: Optional[str] = typer.Option(
+        None, "--fingerprint", metavar="FP", show_default=False,
+        help="only this model fingerprint: the whole one, or its first 8 or more characters (the 16-character "
+             "short form `inspect` prints)"),
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="only keys starting with this", metavar="PREFIX",
+                                         show_default=False),
+    tier: Optional[str] = typer.Option(None, "--tier", help="only objects in this tier", metavar="TIER",
+                                       show_default=False),
+    limit: int = typer.Option(1000, "--limit", help="at most this many (most-hit first)", metavar="N"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """List objects, most-hit first."""
+    key_prefix = key_from_text(prefix) if prefix else None
     with _client(socket, tcp) as kv:
-        objs = kv.list(fingerprint=fingerprint, prefix=key_from_text(prefix) if prefix else None, tier=tier,
-                       limit=limit)
+        objs = kv.list(fingerprint=fingerprint, prefix=key_prefix, tier=tier, limit=limit)
+        if not objs and fingerprint and len(fingerprint) >= MIN_FINGERPRINT_PREFIX:
+            # a short fingerprint: match it as a prefix (over the daemon's whole listing)
+            objs = [o for o in kv.list(prefix=key_prefix, tier=tier, limit=0)
+                    if o.meta.fingerprint.startswith(fingerprint)][:limit]
     if as_json:
         _print_json([_object_json(o) for o in objs])
         return
@@ -388,10 +537,10 @@ def ls_cmd(
     _console().print(t)
 
 
-@app.command("show")
+@app.command("show", cls=PlainHelpCommand)
 @reports_errors
 def show_cmd(
-    key: str = typer.Argument(..., help="object key"),
+    key: str = KeyArg,
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
@@ -427,12 +576,13 @@ def show_cmd(
 # ---------------------------------------------------------------------------- bench
 
 
-@app.command("bench")
+@app.command("bench", cls=PlainHelpCommand)
 @reports_errors
 def bench_cmd(
-    tiers: str = typer.Option("", "--tiers", help="comma-separated tiers [default: every enabled tier]"),
-    size: str = typer.Option("16MiB", "--size", help="object size"),
-    count: int = typer.Option(16, "--count", help="objects per tier"),
+    tiers: str = typer.Option("", "--tiers", help="comma-separated tiers [default: every enabled tier]",
+                              metavar="TIER,...", show_default=False),
+    size: str = typer.Option("16MiB", "--size", help="object size", metavar="SIZE"),
+    count: int = typer.Option(16, "--count", help="objects per tier", metavar="N"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
     as_json: bool = JsonOpt,
@@ -477,13 +627,14 @@ def bench_cmd(
         return
     from rich.table import Table
 
-    t = Table(title=f"kvstore bench: {count} x {format_size(nbytes)} per tier (get reads every byte)",
-              title_justify="left")
+    con = _console()
+    con.print(f"kvstore bench: {count} x {format_size(nbytes)} per tier (get reads every byte)", soft_wrap=True)
+    t = Table()
     for col in ("tier", "put GB/s", "get GB/s"):
         t.add_column(col, justify="right" if col != "tier" else "left")
     for r in results:
         t.add_row(r["tier"], f"{r['put_GBps']:.2f}", f"{r['get_GBps']:.2f}")
-    _console().print(t)
+    con.print(t)
 
 
 def _touch(arr: Any) -> int:

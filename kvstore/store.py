@@ -133,8 +133,14 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
-                raise AlreadyExists(f"cache directory {self.dir} is in use by another daemon") from None
+                try:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+                raise AlreadyExists(f"cache directory {self.dir} is in use by another daemon (pid {holder or '?'}); "
+                                    "stop it first or pass another --dir") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             self._dir_lock = fd
             try:
                 self._open_tiers()
@@ -243,7 +249,8 @@ class Store:
 
     # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
-        """Presence of each key (no pin, no hit counting, no movement)."""
+        """Presence of each key (no pin, no movement; counted in `lookup_hits` /
+        `lookup_misses`, not in the objects' hits)."""
         return [LookupEntry(k, True, f[0], f[1]) if f else LookupEntry(k, False, None, 0)
                 for k, f in zip(keys, self.presence(keys))]
 
@@ -258,9 +265,16 @@ class Store:
             self._require_open()
             get = self._place.objects.get
             out: list[Optional[tuple[str, int]]] = []
+            found = 0
             for k in keys:
                 o = get(k)
-                out.append((o.tier, o.slot.size) if o is not None else None)
+                if o is not None:
+                    found += 1
+                    out.append((o.tier, o.slot.size))
+                else:
+                    out.append(None)
+            self._counters["lookup_hits"] += found
+            self._counters["lookup_misses"] += len(out) - found
             return out
         finally:
             self._lock.release()
@@ -547,8 +561,9 @@ class Store:
 
     def stats(self) -> dict[str, Any]:
         """{"tiers": [{"name", "capacity_bytes", "used_bytes", "objects", ...}], "hits",
-        "misses", "evictions", "demotions", "promotions", "leases", "reservations",
-        "corrupt_dropped", ...}."""
+        "misses" (keys Get found / did not find), "lookup_hits", "lookup_misses" (keys
+        Lookup found / did not find), "evictions", "demotions", "promotions", "leases",
+        "reservations", "corrupt_dropped", ...}."""
         with self._lock:
             per_tier = Counter(o.tier for o in self._place.objects.values())
             copies = Counter(o.backing.tier for o in self._place.objects.values() if o.backing is not None)
@@ -557,7 +572,7 @@ class Store:
             out: dict[str, Any] = {"tiers": tiers, "objects": len(self._place.objects),
                                    "leases": len(self._leases), "reservations": len(self._reservations),
                                    "eviction_policy": self._policy.name}
-            for k in ("hits", "misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
+            for k in ("hits", "misses", "lookup_hits", "lookup_misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
                       "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
                       "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
                       "writebacks", "writeback_bytes", "writeback_failures"):

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="rag", help="fact, twohop, aggregate, fewshot or rag")
     ap.add_argument("--n", type=int, default=4, help="requests to send")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--last", action="store_true", help="the last run of a series (tools/demo.sh): no 'run again' hint")
     args = ap.parse_args(argv)
 
     from kvstore.client import KVStoreClient
@@ -78,8 +79,11 @@ def main(argv=None) -> int:
                   f"{pic.reused_tokens:>6}/{pic.prompt_tokens:<8} {pic.ttft_ms:>7.1f}ms {full.ttft_ms:>7.1f}ms "
                   f"{full.ttft_ms / pic.ttft_ms:>6.2f}x")
         m = h.store.metrics.snapshot()
-        print(f"\nconnector: {m['hits']} hits, {m['misses']} misses, {m['puts_stored']} signatures stored, "
-              f"store available: {bool(m['store_available'])}. Run again: a new process hits every segment.")
+        reach = ("the daemon answered" if m["store_available"]
+                 else "the daemon did not answer: segments were recomputed")
+        print(f"\nconnector: {m['hits']} hits, {m['misses']} misses, {m['puts_stored']} signatures stored; {reach}.")
+        if not args.last:
+            print("Run again: a new engine process finds every segment in the daemon.")
     finally:
         h.close()
     return 0

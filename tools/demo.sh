@@ -19,5 +19,5 @@ $PY -m kvstore.cli inspect
 echo "== demo, first engine process (cold: segments computed and stored in the daemon)"
 $PY tools/demo.py "$@"
 echo "== demo, second engine process (warm: segments loaded from the daemon)"
-$PY tools/demo.py "$@"
+$PY tools/demo.py --last "$@"
 $PY -m kvstore.cli inspect

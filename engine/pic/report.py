@@ -214,6 +214,9 @@ class ReportingPlanner:
     def _finish(self, request: Request, builder: PlanBuilder) -> None:
         builder.finish(request.timeline.prefill_split)
         self.reports.add(builder.report)
+        # what the lookups found, not the plan's splice positions (which count a miss
+        # computed in the request as reused): the figure usage and metrics report
+        request.num_reused_tokens = builder.report.reused_tokens
 
     def on_prefill_done(self, request: Request) -> None:
         state = request.planner_state.get(STATE_KEY)

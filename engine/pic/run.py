@@ -10,8 +10,10 @@ and at any offset. Each record (`--json` prints one JSON line per request) has `
 `text` (greedy output), `prompt_tokens`, `reused_tokens`, `recomputed_tokens`,
 `ttft_ms`, the token parts (`seam_tokens`, `suffix_tokens`, `miss_tokens`,
 `hit_segments`, `miss_segments`), the time split (`lookup_ms`, `miss_ms`,
-`load_compose_ms`, `seam_ms`, `suffix_ms`, `checkpoint_ms`, `decode_ms`),
-`output_tokens`, `finish_reason`, `method` and `seam`.
+`load_compose_ms`, `seam_ms`, `suffix_ms`, `checkpoint_ms`, `fused_ms`: the one-pass
+prefill where splices, seams and suffix run together, `decode_ms`), `output_tokens`,
+`finish_reason`, `method` and `seam`. A request whose segments hold no text is refused
+when the file is read (nothing runs).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from engine.runtime.sampling import SamplingParams
 class RunRequest:
     id: str
     segments: list[dict]
+    where: str = ""  # FILE:LINE it was read from
 
 
 def parse_request(line: str, where: str) -> RunRequest:
@@ -57,7 +60,9 @@ def parse_request(line: str, where: str) -> RunRequest:
         if not isinstance(cache, bool):
             raise InvalidRequestError(f"{field_name}.cache", f"must be true or false, got {cache!r}")
         out.append({"text": s["text"], "cache": cache})
-    return RunRequest(rid, out)
+    if not any(s["text"] for s in out):
+        raise InvalidRequestError(f"{where}.segments", f"request {rid} has no tokens (every segment's text is empty)")
+    return RunRequest(rid, out, where)
 
 
 def read_requests(path: str | Path) -> list[RunRequest]:
@@ -66,10 +71,10 @@ def read_requests(path: str | Path) -> list[RunRequest]:
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise InvalidRequestError("requests", f"cannot read {str(p)!r}: {exc.strerror}") from None
+        raise InvalidRequestError("requests", f"cannot read {p}: {exc.strerror}") from None
     reqs = [parse_request(line, f"{p.name}:{i + 1}") for i, line in enumerate(lines) if line.strip()]
     if not reqs:
-        raise InvalidRequestError("requests", f"{str(p)!r} holds no requests")
+        raise InvalidRequestError("requests", f"{p} holds no requests")
     return reqs
 
 
@@ -119,40 +124,80 @@ def make_record(request_id: str, out, report, planner) -> dict:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Totals over a run: tokens reused/recomputed, reuse fraction, mean TTFT."""
+    """Totals over a run: tokens reused/recomputed, reuse fraction, TTFT: the mean over
+    every request, the first request's (it carries the warm-up: kernel compilation,
+    allocator growth) and the mean over the rest."""
     prompt = sum(r["prompt_tokens"] for r in records)
     reused = sum(r.get("reused_tokens") or 0 for r in records)
     recomputed = sum(r.get("recomputed_tokens") or 0 for r in records)
     ttfts = [r["ttft_ms"] for r in records if r.get("ttft_ms") is not None]
+    rest = ttfts[1:]
     return {"requests": len(records), "prompt_tokens": prompt, "reused_tokens": reused,
             "recomputed_tokens": recomputed, "reuse_fraction": reused / prompt if prompt else 0.0,
-            "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None}
+            "ttft_ms_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+            "ttft_ms_first": ttfts[0] if ttfts else None,
+            "ttft_ms_mean_after_first": sum(rest) / len(rest) if rest else None}
 
 
-def print_table(records: list[dict], title: str, stats: Optional[dict] = None) -> None:
-    """A rich table of the records and a summary line."""
-    from rich.console import Console
-    from rich.table import Table
+class RunTable:
+    """`kvengine run`'s table, printed a row at a time as each request finishes (so the
+    results of finished requests are on screen even if a later one fails), then a summary
+    line. Time columns: `fused ms` for a fused (one-pass) prefill, else `load ms`, `seam
+    ms`, `suffix ms` (the other layout's columns would read 0)."""
 
-    table = Table(title=title)
-    for col in ("id", "prompt", "reused", "recomputed", "seam", "miss", "TTFT ms", "load ms", "seam ms",
-                "suffix ms", "output"):
-        table.add_column(col, justify="left" if col in ("id", "output") else "right")
-    for r in records:
-        table.add_row(r["id"], str(r["prompt_tokens"]), str(r.get("reused_tokens", 0)),
-                      str(r.get("recomputed_tokens", 0)), str(r.get("seam_tokens", 0)), str(r.get("miss_tokens", 0)),
-                      _ms(r.get("ttft_ms")), _ms(r.get("load_compose_ms")), _ms(r.get("seam_ms")),
-                      _ms(r.get("suffix_ms")), repr(r["text"][:40]))
-    console = Console()
-    console.print(table)
-    s = summarize(records)
-    line = (f"{s['requests']} requests: {s['reused_tokens']} of {s['prompt_tokens']} prompt tokens reused "
-            f"({100 * s['reuse_fraction']:.1f}%), {s['recomputed_tokens']} recomputed")
-    if s["ttft_ms_mean"] is not None:
-        line += f", mean TTFT {s['ttft_ms_mean']:.1f} ms"
-    if stats:
-        line += f"; cache {json.dumps(stats)}"
-    console.print(line)
+    def __init__(self, title: str, fused: bool, out=None) -> None:
+        import sys
+
+        self.out = out if out is not None else sys.stdout
+        self.fused = fused
+        self.records: list[dict] = []
+        times = [("fused ms", "fused_ms")] if fused else [("load ms", "load_compose_ms"), ("seam ms", "seam_ms"),
+                                                          ("suffix ms", "suffix_ms")]
+        self.columns = [("id", None, 16), ("prompt", "prompt_tokens", 7), ("reused", "reused_tokens", 7),
+                        ("recomputed", "recomputed_tokens", 10), ("seam", "seam_tokens", 6),
+                        ("miss", "miss_tokens", 6), ("TTFT ms", "ttft_ms", 9)]
+        self.columns += [(name, key, max(9, len(name))) for name, key in times] + [("output", "text", 0)]
+        self._write(title)
+        self._write(self._line([c[0] for c in self.columns]))
+
+    def _line(self, cells: list[str]) -> str:
+        parts = []
+        for (name, _key, width), cell in zip(self.columns, cells):
+            parts.append(cell.ljust(width) if name in ("id", "output") else cell.rjust(width))
+        return "  ".join(parts).rstrip()
+
+    def _write(self, line: str) -> None:
+        self.out.write(line + "\n")
+        self.out.flush()
+
+    def add(self, r: dict) -> None:
+        self.records.append(r)
+        cells = []
+        for name, key, _w in self.columns:
+            if key is None:
+                cells.append(r["id"])
+            elif key == "text":
+                cells.append(json.dumps(r["text"][:40]) if "error" not in r else f"error: {r['error']}")
+            elif key.endswith("_ms"):
+                cells.append(_ms(r.get(key)))
+            else:
+                cells.append(str(r.get(key, 0)))
+        self._write(self._line(cells))
+
+    def finish(self, stats: Optional[dict] = None) -> dict:
+        s = summarize(self.records)
+        line = (f"{s['requests']} requests: {s['reused_tokens']} of {s['prompt_tokens']} prompt tokens reused "
+                f"({100 * s['reuse_fraction']:.1f}%), {s['recomputed_tokens']} recomputed")
+        if s["ttft_ms_mean_after_first"] is not None:
+            rest = "request 2" if s["requests"] == 2 else f"requests 2-{s['requests']}"
+            line += (f", mean TTFT {s['ttft_ms_mean_after_first']:.1f} ms over {rest} "
+                     f"(the first, with warm-up: {s['ttft_ms_first']:.1f} ms)")
+        elif s["ttft_ms_first"] is not None:
+            line += f", TTFT {s['ttft_ms_first']:.1f} ms (one request: includes warm-up)"
+        if stats:
+            line += f"; cache {json.dumps(stats)}"
+        self._write(line)
+        return s
 
 
 def _ms(v) -> str:

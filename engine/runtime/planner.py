@@ -34,7 +34,9 @@ The order of calls, per request:
 2. The engine runs the steps in order as the scheduler grants compute tokens:
    apply steps run as soon as they are reached, compute steps run chunk by chunk.
 3. `on_prefill_done(request)` once the last step has run (a PIC planner queues the
-   signatures it computed for storage here, off the critical path).
+   signatures it computed for storage here, off the critical path). The engine has set
+   `request.num_reused_tokens` to the plan's `num_reused_tokens` before the call; a
+   planner whose lookups run as plan steps sets it to what they actually found.
 4. `on_request_freed(request)` when the request's caches are released (finish, abort
    or preemption), so the planner can drop what it holds for it.
 

@@ -6,9 +6,15 @@ Routes:
   final chunk with `finish_reason`, optionally a `usage` chunk, then `data: [DONE]`).
   Errors: 400 for bad input (`error.param` names the field), 503 when the request can
   never fit the cache or the engine has stopped, 500 if the engine failed mid-request.
-- GET /v1/models: the one served model.
+  A `model` other than the served one: 404, `error.code` "model_not_found".
+  `usage.prompt_tokens_details.cached_tokens`: prompt tokens reused from the cache (what
+  the segment lookups found; also `timings.reused_prompt_tokens`).
+- GET /v1/models: the one served model (`created`: when this server started).
 - GET /health: 200 `{"status": "ok"}` while the engine loop runs, else 503.
 - GET /metrics: Prometheus text format (engine.server.metrics).
+
+Every error is OpenAI-shaped JSON (`{"error": {message, type, param, code}}`), also an
+unknown route (404, code "not_found") and a wrong method (405, "method_not_allowed").
 
 `serve()` runs it until interrupted; `start_server()` starts it on a running asyncio
 loop and returns the runner (tests, embedding).
@@ -37,10 +43,31 @@ log = logging.getLogger(__name__)
 ENGINE_LOOP_KEY = web.AppKey("engine_loop", EngineLoop)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 MODEL_NAME_KEY = web.AppKey("model_name", str)
+STARTED_KEY = web.AppKey("started", int)
 
 
-def _json_error(status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(protocol.error_body(message, field, kind), status=status)
+def _json_error(status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request_error",
+                code: Optional[str] = None) -> web.Response:
+    return web.json_response(protocol.error_body(message, field, kind, code), status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (no route, wrong method, body too large) as OpenAI-shaped JSON
+    instead of text/plain."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = f"{request.method} {request.path}: {exc.reason}"
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            message += f" (allowed: {', '.join(sorted(exc.allowed_methods))})"
+        resp = _json_error(exc.status, message, None, "invalid_request_error", codes.get(exc.status))
+        if "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
 
 
 def _timings(out: RequestOutput) -> dict[str, Any]:
@@ -84,6 +111,10 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         metrics.observe_rejected("invalid")
         return _json_error(400, str(exc), exc.field)
 
+    if creq.model is not None and creq.model != model:
+        metrics.observe_rejected("invalid")
+        return web.json_response(protocol.model_error(creq.model, model), status=404)
+
     client = AsyncEngineClient(app[ENGINE_LOOP_KEY])
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -125,7 +156,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             model,
             last.text,
             last.finish_reason,
-            usage=protocol.usage_body(last.num_prompt_tokens, len(last.token_ids)),
+            usage=protocol.usage_body(last.num_prompt_tokens, len(last.token_ids), last.num_reused_tokens),
             timings=_timings(last),
             created=created,
         )
@@ -165,7 +196,8 @@ async def _stream_response(
                 if include_usage:
                     usage = protocol.completion_body(completion_id, model, "", None, created=created)
                     usage["choices"] = []
-                    usage["usage"] = protocol.usage_body(out.num_prompt_tokens, len(out.token_ids))
+                    usage["usage"] = protocol.usage_body(out.num_prompt_tokens, len(out.token_ids),
+                                                         out.num_reused_tokens)
                     await send(usage)
                 break
             out = await outputs.__anext__()
@@ -193,14 +225,16 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 async def handle_models(request: web.Request) -> web.Response:
     name = request.app[MODEL_NAME_KEY]
+    created = request.app[STARTED_KEY]
     return web.json_response(
-        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvengine"}]}
+        {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvengine"}]}
     )
 
 
 def build_app(engine: LLMEngine) -> web.Application:
     """An application serving `engine`; its loop thread starts and stops with the app."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[json_errors])
+    app[STARTED_KEY] = int(time.time())
     metrics = ServerMetrics(engine.model_name)
     app[METRICS_KEY] = metrics
     app[MODEL_NAME_KEY] = engine.model_name

@@ -16,10 +16,18 @@ Accepted body of POST /v1/completions:
 | `stream` | bool | false | server-sent events, ended by `data: [DONE]` |
 | `stream_options` | `{"include_usage": bool}` | none | a last chunk with `usage` |
 | `n`, `best_of` | 1 only | 1 | |
-| `echo`, `logprobs` | false/null only | | not supported |
-| `model`, `user` | string | | accepted and ignored (one model per server) |
+| `echo`, `logprobs`, `suffix` | false/null only | | not supported: another value is a 400 naming the field |
+| `presence_penalty`, `frequency_penalty` | 0/null only | | not supported: another value is a 400 |
+| `logit_bias` | empty/null only | | not supported: another value is a 400 |
+| `model` | string | the served model | another model's name is a 404 `model_not_found` (the server's app checks it) |
+| `user` | string | | accepted and ignored |
 
-Other fields are ignored, as vLLM does.
+Other fields are ignored, as vLLM does. An OpenAI field the engine does not implement is
+refused when it asks for a behaviour (a non-default value), never silently ignored.
+
+`error_body` builds every error response (`{"error": {message, type, param, code}}`) and
+`usage_body` every `usage` object (with `prompt_tokens_details.cached_tokens`: prompt
+tokens filled from a cache), for this route and any later one.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ MAX_STOP_STRINGS = 16
 class CompletionRequest:
     """A validated completions request."""
 
+    model: Optional[str]
     prompt: Union[str, list[int], None]
     segments: Optional[list[dict[str, Any]]]  # [{"text": str, "cache": bool}, ...]
     max_tokens: int
@@ -154,13 +163,21 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             raise InvalidRequestError(name, f"only 1 is supported, got {value!r}")
     if body.get("echo") not in (None, False):
         raise InvalidRequestError("echo", "is not supported")
-    if body.get("logprobs") is not None:
-        raise InvalidRequestError("logprobs", "is not supported")
+    for name in ("logprobs", "suffix"):
+        if body.get(name) is not None:
+            raise InvalidRequestError(name, "is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and (not _is_number(value) or value != 0):
+            raise InvalidRequestError(name, f"is not supported (only 0), got {value!r}")
+    if body.get("logit_bias") not in (None, {}):
+        raise InvalidRequestError("logit_bias", "is not supported (only an empty object)")
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidRequestError(name, f"must be a string, got {body[name]!r}")
 
     return CompletionRequest(
+        model=body.get("model"),
         prompt=prompt,
         segments=segments,
         max_tokens=max_tokens,
@@ -173,9 +190,17 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     )
 
 
-def error_body(message: str, field: Optional[str] = None, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI-style error JSON; `param` names the offending field."""
-    return {"error": {"message": message, "type": kind, "param": field, "code": None}}
+def error_body(message: str, field: Optional[str] = None, kind: str = "invalid_request_error",
+               code: Optional[str] = None) -> dict[str, Any]:
+    """OpenAI-style error JSON; `param` names the offending field, `code` the error
+    (e.g. "model_not_found", "not_found", "method_not_allowed")."""
+    return {"error": {"message": message, "type": kind, "param": field, "code": code}}
+
+
+def model_error(requested: str, served: str) -> dict[str, Any]:
+    """The 404 body for a `model` this server does not serve."""
+    return error_body(f"The model `{requested}` does not exist; this server serves `{served}`", "model",
+                      "invalid_request_error", "model_not_found")
 
 
 def completion_body(
@@ -202,9 +227,12 @@ def completion_body(
     return body
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI `usage`; `cached_tokens`: prompt tokens filled from a cache (reused) rather
+    than computed for this request."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }

@@ -99,6 +99,18 @@ def check_shm_room(cpu_capacity: int, shm_dir: Path = SHM_DIR) -> None:
         )
 
 
+SECRET_WORDS = ("token", "secret", "password")  # options whose values a settings report leaves out
+
+
+def settings_report(config: Config) -> dict[str, Any]:
+    """The daemon's effective settings as Stats reports them (`kvstore config --socket`):
+    values, where each came from, the config file; values of secret options withheld."""
+    values = {name: ("(set, not shown)" if any(w in name for w in SECRET_WORDS) and value else value)
+              for name, value in config.as_dict().items()}
+    return {"config": values, "sources": dict(config.sources),
+            "config_file": str(config.config_file) if config.config_file else None}
+
+
 class _SocketLock:
     """An flock on SOCKET.lock: held for the daemon's life, so a second daemon on the same
     socket fails fast instead of unlinking the first one's socket."""
@@ -209,7 +221,8 @@ class Daemon:
         )
         self.metrics = DaemonMetrics(self.store.stats)
         self._pool = futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="kvstore-rpc")
-        servicer = KVStoreServicer(self.store, limits, self.metrics, info, executor=self._pool)
+        servicer = KVStoreServicer(self.store, limits, self.metrics, info, executor=self._pool,
+                                   settings_report=settings_report(cfg))
         self._start_loop()
         sock = Path(cfg.socket).absolute()
         # The fast socket first: its bind changes the process umask for an instant, which
@@ -420,4 +433,4 @@ def serve(config: Config) -> None:
     Daemon(config).serve_forever()
 
 
-__all__ = ["Daemon", "serve", "store_settings", "check_shm_room"]
+__all__ = ["Daemon", "serve", "store_settings", "check_shm_room", "settings_report"]

@@ -1,6 +1,6 @@
 """Prometheus metrics of the daemon, and the HTTP endpoint that serves them.
 
-Owns: the daemon's metrics registry. Store-level figures (hits, misses, evictions, bytes
+Owns: the daemon's metrics registry. Store-level figures (Get and Lookup hits and misses, evictions, bytes
 and objects per tier, leases) are read from `Store.stats()` at scrape time by a
 collector, so they are never double-counted or stale; per-RPC latency histograms and
 error counters are recorded by the servicer through `DaemonMetrics.observe`. The HTTP
@@ -37,8 +37,10 @@ class _StoreCollector:
             log.exception("stats() failed during a metrics scrape")
             return
         for name, help_text in (
-            ("hits", "Gets that found their key"),
-            ("misses", "Gets that did not find their key"),
+            ("hits", "Keys a Get found (engines get only keys a Lookup found: see kvstore_lookup_*)"),
+            ("misses", "Keys a Get did not find"),
+            ("lookup_hits", "Keys a Lookup found"),
+            ("lookup_misses", "Keys a Lookup did not find"),
             ("evictions", "Objects dropped from the last tier under pressure"),
             ("demotions", "Objects moved to a slower tier"),
             ("promotions", "Objects moved to a faster tier"),

@@ -71,6 +71,13 @@ _INLINE = ("Info",)
 BUSY = object()  # what a `wait=False` RPC returns when the Store's lock is taken
 
 
+def _json_value(value: Any) -> Any:
+    """JSON for a header value json cannot encode: bytes as "hex:..." (not a Python repr)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "hex:" + bytes(value).hex()
+    return str(value)
+
+
 class KVStoreServicer:
     """Implements every RPC of the service over `store` (a kvstore.store.Store), for a
     grpc.aio server; blocking work runs on `executor` (see the module docstring)."""
@@ -79,8 +86,9 @@ class KVStoreServicer:
              "Delete", "Prefetch", "Evict", "Stats", "List", "Show")
 
     def __init__(self, store: Any, limits: codec.Limits, metrics: DaemonMetrics, info: pb.InfoResponse,
-                 executor: Optional[Executor] = None) -> None:
+                 executor: Optional[Executor] = None, settings_report: Optional[dict[str, Any]] = None) -> None:
         self.store = store
+        self.settings_report = settings_report  # the daemon's effective config, in Stats as "daemon_config"
         self.limits = limits
         self.metrics = metrics
         self._info = info
@@ -245,7 +253,10 @@ class KVStoreServicer:
         return pb.EvictResponse(moved=int(self.store.evict_tier(tier)))
 
     def Stats(self, request: pb.StatsRequest, remaining: Optional[float]) -> pb.StatsResponse:
-        return codec.stats_to_pb(self.store.stats())
+        stats = self.store.stats()
+        if self.settings_report is not None:  # for `kvstore config --socket`
+            stats["daemon_config"] = self.settings_report
+        return codec.stats_to_pb(stats)
 
     def List(self, request: pb.ListRequest, remaining: Optional[float]) -> pb.ListResponse:
         tier = codec.check_tier(request.tier, self.limits, default="") if request.tier else None
@@ -266,7 +277,7 @@ class KVStoreServicer:
             out.is_blob = True
             d = header.to_dict()
             d["checksum_algorithm"] = ALGORITHMS.get(header.algorithm, str(header.algorithm))
-            out.header_json = json.dumps(d, sort_keys=True, default=str)
+            out.header_json = json.dumps(d, sort_keys=True, default=_json_value)
             for p in header.parts:
                 out.parts.add(name=p.name, layer=p.layer, dtype=p.dtype, shape=list(p.shape), offset=p.offset,
                               length=p.length)

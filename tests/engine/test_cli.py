@@ -156,3 +156,62 @@ def test_serve_answers_over_http_and_stops_on_sigterm():
             proc.kill()
             raise
     assert rc == 0
+
+
+# ---------------------------------------------------------------- issue 22: what a new user trips on
+
+
+def _requests_file(path, *requests):
+    path.write_text("".join(json.dumps({"id": rid, "segments": segs}) + "\n" for rid, segs in requests))
+    return path
+
+
+def test_run_refuses_a_request_without_tokens_before_computing_anything(tmp_path):
+    reqs = _requests_file(tmp_path / "reqs.jsonl", ("a", [{"text": DOCS[0], "cache": True}]),
+                          ("b", [{"text": DOCS[1], "cache": True}]), ("hollow", [{"text": "", "cache": True}]))
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", str(reqs), "--device", "cpu")
+    assert res.returncode == 2 and res.stdout == ""  # nothing ran
+    assert res.stderr.strip() == ("kvengine: error: --requests: reqs.jsonl:3.segments: request hollow has no tokens "
+                                  "(every segment's text is empty)")
+
+
+def test_run_refuses_a_request_too_long_for_the_model_before_computing_anything(tmp_path):
+    reqs = _requests_file(tmp_path / "reqs.jsonl", ("short", [{"text": DOCS[0], "cache": True}]),
+                          ("huge", [{"text": "x" * 70000, "cache": False}]))
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", str(reqs), "--device", "cpu")
+    assert res.returncode == 2 and res.stdout == "", res.stdout
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvengine: error: --requests: reqs.jsonl:2 (id huge): prompt:"), err
+
+
+def test_run_table_streams_rows_shows_fused_ms_and_reports_warm_up_apart(tmp_path):
+    reqs = _requests_file(tmp_path / "reqs.jsonl",
+                          *[(rid, [{"text": DOCS[i], "cache": True}, {"text": "Q: k1bb?\nA: ", "cache": False}])
+                            for rid, i in (("first", 0), ("second", 1), ("third", 0))])
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", str(reqs), "--device", "cpu",
+                   "--max-new-tokens", "1", timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("id "))
+    assert "fused ms" in header and "load ms" not in header and "suffix ms" not in header
+    rows = [line.split()[0] for line in lines[lines.index(header) + 1:] if line.split()[0] in ("first", "second", "third")]
+    assert rows == ["first", "second", "third"]
+    assert "over requests 2-3 (the first, with warm-up:" in res.stdout
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", str(reqs), "--device", "cpu",
+                   "--max-new-tokens", "1", "--no-fused", timeout=300)
+    assert res.returncode == 0 and "load ms" in res.stdout and "fused ms" not in res.stdout
+
+
+def test_errors_carry_the_kvengine_prefix_and_help_is_plain():
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", "/nonexistent/reqs.jsonl")
+    assert res.returncode == 2
+    assert res.stderr.strip() == "kvengine: error: --requests: cannot read /nonexistent/reqs.jsonl: " \
+                                 "No such file or directory"
+    res = kvengine("generate", "--preset", "no-such-preset", "hi")
+    assert res.returncode == 2 and res.stderr.startswith("kvengine: error: no preset named 'no-such-preset'")
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", "x.jsonl", "--method", "magic")
+    assert res.returncode == 2 and res.stderr.strip() == ("kvengine: error: --method: 'magic' must be one of full, "
+                                                          "prefix, naive, pic")
+    helptext = kvengine("run", "--help").stdout
+    assert "--seam N" in helptext and "<int>" not in helptext and "<bool>" not in helptext
+    assert "\u2502" not in helptext  # no rich boxes cut at 80 columns

@@ -116,7 +116,8 @@ def test_completion_returns_the_engines_greedy_text_with_usage(server, reference
     choice = body["choices"][0]
     assert choice["text"] == expected.text and choice["finish_reason"] == expected.finish_reason
     assert body["usage"] == {"prompt_tokens": expected.num_prompt_tokens, "completion_tokens": len(expected.token_ids),
-                             "total_tokens": expected.num_prompt_tokens + len(expected.token_ids)}
+                             "total_tokens": expected.num_prompt_tokens + len(expected.token_ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # full recompute: nothing cached
     assert body["timings"]["ttft_ms"] > 0
 
 
@@ -223,3 +224,46 @@ def test_a_failed_engine_step_gives_500_and_unhealthy(monkeypatch):
         assert info.value.code == 503 and "device lost" in json.loads(info.value.read())["error"]
         status, err = post(url, {"prompt": "again", "max_tokens": 5})
         assert status == 503 and err["error"]["type"] == "engine_stopped"
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.headers["Content-Type"], json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers["Content-Type"], json.loads(err.read())
+
+
+def test_unknown_routes_and_methods_answer_openai_shaped_json(server):
+    status, ctype, body = _get(server + "/v1/nothing-here")
+    assert status == 404 and ctype.startswith("application/json")
+    assert body["error"]["code"] == "not_found" and "/v1/nothing-here" in body["error"]["message"]
+    status, ctype, body = _get(server + "/v1/completions")  # GET on a POST route
+    assert status == 405 and ctype.startswith("application/json")
+    assert body["error"]["code"] == "method_not_allowed" and "POST" in body["error"]["message"]
+
+
+def test_a_request_for_another_model_is_404_model_not_found(server):
+    status, body = post(server, {"prompt": "hi", "max_tokens": 1, "model": "gpt-4"})
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    status, body = post(server, {"prompt": "hi", "max_tokens": 1, "model": PRESET})  # the served one is fine
+    assert status == 200
+
+
+def test_unsupported_sampling_fields_are_refused_not_ignored(server):
+    for field, value in (("presence_penalty", 1.0), ("logit_bias", {"1": 5}), ("echo", True), ("n", 2)):
+        status, body = post(server, {"prompt": "hi", "max_tokens": 1, field: value})
+        assert status == 400 and body["error"]["param"] == field, (field, body)
+
+
+def test_models_says_when_the_server_started(server):
+    status, _, body = _get(server + "/v1/models")
+    created = body["data"][0]["created"]
+    assert status == 200 and abs(created - time.time()) < 3600 and body["data"][0]["id"] == PRESET
+
+
+def test_streamed_usage_chunk_has_cached_tokens(server):
+    events = stream_events(server, {"prompt": "hello", "max_tokens": 2, "temperature": 0,
+                                    "stream_options": {"include_usage": True}})
+    usage = [json.loads(e) for e in events if e != "[DONE]" and json.loads(e).get("usage")][-1]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0} and usage["completion_tokens"] == 2

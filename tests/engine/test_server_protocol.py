@@ -51,6 +51,12 @@ def test_token_id_prompt_and_single_string_list_are_accepted():
         ({"prompt": "a", "n": 2}, "n"),
         ({"prompt": "a", "logprobs": 2}, "logprobs"),
         ({"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options"),
+        # unsupported OpenAI fields asking for a behaviour are refused, like echo / logprobs / n
+        ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "a", "frequency_penalty": -1}, "frequency_penalty"),
+        ({"prompt": "a", "logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"prompt": "a", "suffix": "tail"}, "suffix"),
+        ({"prompt": "a", "echo": True}, "echo"),
     ],
 )
 def test_bad_field_is_named_in_the_error(body, field):
@@ -58,3 +64,19 @@ def test_bad_field_is_named_in_the_error(body, field):
         parse_completion_request(body)
     assert info.value.field == field
     assert field in str(info.value)
+
+
+def test_unsupported_fields_at_their_defaults_are_accepted():
+    req = parse_completion_request({"prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0,
+                                    "logit_bias": {}, "suffix": None, "echo": False, "n": 1, "model": "m"})
+    assert req.prompt == "a" and req.model == "m"
+
+
+def test_usage_reports_cached_prompt_tokens_and_errors_carry_a_code():
+    from engine.server.protocol import error_body, model_error, usage_body
+
+    assert usage_body(10, 3, 6) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                    "prompt_tokens_details": {"cached_tokens": 6}}
+    assert error_body("m", "f", "t", "c") == {"error": {"message": "m", "type": "t", "param": "f", "code": "c"}}
+    err = model_error("gpt-4", "ring-tiny")["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4" in err["message"]
