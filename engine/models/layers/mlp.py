@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`."""
+"""Gated feed-forward block: `down(act(gate(x)) * up(x))`, act SiLU (SwiGLU) or tanh-GELU
+(GeGLU, Gemma's `gelu_pytorch_tanh`)."""
 from __future__ import annotations
 
 import torch
@@ -6,12 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def gated_activation(name: str):
+    """The gate nonlinearity named by `ModelConfig.hidden_act`."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"hidden_act={name!r} must be 'silu' or 'gelu_tanh'")
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
         self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)

@@ -1,0 +1,176 @@
+"""Hugging Face checkpoint directories as users give them: the `generate --model` contract
+(raw text, greedy, `text` / `token_ids` / `prompt_tokens`), the checkpoint's tokenizer
+(segments tokenized one by one behind the tokenizer's own BOS, chat template rendered as
+transformers renders it, stop tokens from generation_config.json), and configs the
+engine cannot run refused with the field named."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_testlib as H  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[4]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_5")
+    model, ids = H.build("qwen3_5", d)
+    return model, d, ids
+
+
+@pytest.fixture(scope="module")
+def with_bos(tmp_path_factory):
+    """A checkpoint whose tokenizer puts <bos> in front of every default encoding."""
+    d = tmp_path_factory.mktemp("qwen3_5-bos")
+    model, ids = H.build("qwen3_5", d, with_bos=True, seed=3)
+    return model, d, ids
+
+
+def kvengine(*args, timeout=300):
+    """`python -m engine.cli ARGS` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+                          env=ENV, cwd=ROOT, timeout=timeout)
+
+
+def kvengine_in_process(*args):
+    """The command in this process (typer's CliRunner): same code, no interpreter start-up."""
+    from typer.testing import CliRunner
+
+    from engine.cli import app
+
+    res = CliRunner().invoke(app, list(args))
+    return subprocess.CompletedProcess(args, res.exit_code, res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "with_bos"])
+def test_generate_model_json_is_greedy_over_the_default_encoding(request, fixture):
+    model, d, _ = request.getfixturevalue(fixture)
+    from engine.models.hf.tokenizer import CheckpointTokenizer
+
+    tok = CheckpointTokenizer(d)
+    n = 8
+    run = kvengine if fixture == "qwen" else kvengine_in_process
+    proc = run("generate", "--model", str(d), H.PROMPT, "--max-new-tokens", str(n), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    prompt_ids = tok.encode_default(H.PROMPT)
+    assert out["prompt_tokens"] == len(prompt_ids)
+    _, _, ref = H.reference_greedy(model, prompt_ids, n - 1)
+    got = out["token_ids"]
+    assert got == ref[:len(got)]
+    assert len(got) == n or got[-1] in tok.stop_ids
+    assert out["text"] == tok.decode(got)
+
+
+def test_generate_chat_renders_the_checkpoint_template(with_bos):
+    from transformers import PreTrainedTokenizerFast
+
+    _, d, _ = with_bos
+    hf_tok = PreTrainedTokenizerFast.from_pretrained(str(d))
+    expected = hf_tok.apply_chat_template([{"role": "user", "content": "hello cache"}], tokenize=True,
+                                          add_generation_prompt=True)
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    proc = kvengine_in_process("generate", "--model", str(d), "hello cache", "--chat", "--max-new-tokens", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["prompt_tokens"] == len(expected)
+
+
+def test_chat_template_renders_as_transformers_does(with_bos):
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.models.hf.tokenizer import CheckpointTokenizer
+
+    _, d, _ = with_bos
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    ours = CheckpointTokenizer(d)
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(d))
+    text = theirs.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(msgs) == text
+    ids = theirs.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert [ours.bos_id] + ours.encode(ours.chat_prompt(msgs)) == list(ids)
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "with_bos"])
+def test_segments_are_tokenized_one_by_one_behind_the_tokenizers_own_bos(request, fixture):
+    _, d, ids = request.getfixturevalue(fixture)
+    from engine.builder import model_tokenizer
+    from engine.engine import LLMEngine
+
+    tok = model_tokenizer(str(d))
+    assert tok.bos_id == (ids["<bos>"] if fixture == "with_bos" else None)
+    segs = ["Retrieved documents", ", tool outputs", " and hello world"]
+    engine = LLMEngine.__new__(LLMEngine)  # only the tokenization step is exercised
+    engine.tokenizer = tok
+    token_ids, segments = engine._tokenize([{"text": s, "cache": True} for s in segs], None)
+    anchor = [] if tok.bos_id is None else [tok.bos_id]
+    assert token_ids[:len(anchor)] == anchor
+    for text, seg in zip(segs, segments):
+        assert token_ids[seg.token_start:seg.token_end] == tok.encode(text)  # alone, no specials
+    assert token_ids == anchor + sum((tok.encode(s) for s in segs), [])
+    # the same segment at another offset has the same ids; a one-segment prompt is the default encoding
+    token_ids2, segments2 = engine._tokenize([{"text": segs[2], "cache": True}], None)
+    assert token_ids2[segments2[0].token_start:] == tok.encode(segs[2])
+    assert token_ids2 == tok.encode_default(segs[2])
+
+
+def test_stop_tokens_come_from_generation_config(qwen):
+    from engine.models.hf.tokenizer import CheckpointTokenizer
+    from engine.runtime.sampling import SamplingParams, check_stop
+
+    _, d, ids = qwen
+    tok = CheckpointTokenizer(d)
+    assert tok.stop_ids == (ids["<|im_end|>"], ids["<|endoftext|>"])
+    assert tok.eos_id == ids["<|im_end|>"]
+    params = SamplingParams(max_new_tokens=10)
+    assert check_stop(params, ids["<|endoftext|>"], 1, tok.stop_ids) == "stop"
+    assert check_stop(SamplingParams(max_new_tokens=10, ignore_eos=True), ids["<|endoftext|>"], 1,
+                      tok.stop_ids) is None
+
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c.update(attention_bias=True), "attention_bias"),
+    (lambda c: c.update(some_new_feature=3), "some_new_feature"),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope_type"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    (lambda c: c.update(model_type="llama4"), "model_type"),
+])
+def test_unsupported_config_is_refused_naming_the_field(qwen, tmp_path, edit, named):
+    from engine.errors import ConfigError
+    from engine.models.hf import load_hf_model
+
+    _, d, _ = qwen
+    bad = _edited_copy(d, tmp_path / "bad", edit)
+    with pytest.raises(ConfigError, match=named):
+        load_hf_model(bad)
+
+
+def test_cli_model_errors_name_the_option(qwen, tmp_path):
+    _, d, _ = qwen
+    both = kvengine_in_process("generate", "--model", str(d), "--preset", "qwen3next-tiny", "hi", "--json")
+    assert both.returncode == 2 and "--preset/--model" in both.stderr
+    missing = kvengine_in_process("generate", "--model", str(tmp_path / "nowhere"), "hi")
+    assert missing.returncode == 2 and "--model" in missing.stderr
+    bad = _edited_copy(d, tmp_path / "bad", lambda c: c.update(some_new_feature=3))
+    refused = kvengine_in_process("generate", "--model", str(bad), "hi")
+    assert refused.returncode == 2 and "some_new_feature" in refused.stderr
