@@ -191,3 +191,63 @@ def check_parity(reference, directory: Path, chunk: int | None = None) -> dict:
     runner.cache.free(seq)
     return {"engine": engine, "prompt_ids": prompt_ids, "prefill_err": prefill_err, "step_errs": step_errs,
             "gen": gen, "ref_gen": ref_gen, "logit_scale": float(ref_prefill.abs().max())}
+
+
+DOCS = [
+    "Retrieved documents, tool outputs and a system prompt recur across requests. ",
+    "The quick brown fox jumps over the lazy dog; hello world 4 5 6. ",
+    "Position independent caching reuses each segment wherever it appears, hello daemon. ",
+]
+QUESTION = "Hybrid models mix linear attention with"
+
+
+def segments(order) -> list[dict]:
+    """Cached DOCS in `order`, then the uncached QUESTION."""
+    return [{"text": DOCS[i], "cache": True} for i in order] + [{"text": QUESTION, "cache": False}]
+
+
+def make_request(tokenizer, segs: list[dict], request_id: str):
+    """A Request as the engine builds it (anchor, then each segment tokenized alone)."""
+    from engine.runtime.request import PromptSegment, Request
+    from engine.runtime.sampling import SamplingParams
+
+    ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    parts = []
+    for s in segs:
+        toks = tokenizer.encode(s["text"])
+        parts.append(PromptSegment(s["text"], s["cache"], len(ids), len(ids) + len(toks)))
+        ids.extend(toks)
+    return Request(request_id, ids, parts, SamplingParams())
+
+
+@torch.no_grad()
+def execute_plan(planner, runner, request) -> torch.Tensor:
+    """Run `planner`'s plan for `request` as the engine does; the last position's logits."""
+    from engine.runtime.planner import ApplyStep, FusedStep
+    from engine.runtime.sequence import Sequence
+
+    plan = request.plan = planner.plan(request)
+    request.seq = runner.cache.allocate(Sequence(request.request_id))
+    runner.cache.ensure_capacity(request.seq, plan.num_tokens)
+    ids = request.prefill_token_ids()
+    logits = None
+    for step in plan.steps:
+        if isinstance(step, FusedStep):
+            logits = step.run(runner, request)
+        elif isinstance(step, ApplyStep):
+            step.apply(runner, request)
+        else:
+            logits = runner.prefill(request.seq, ids[step.start:step.end], start_pos=step.start)
+    planner.on_prefill_done(request)
+    runner.cache.free(request.seq)
+    return logits.reshape(-1, logits.shape[-1])[-1]
+
+
+@torch.no_grad()
+def full_logits(runner, ids: list[int]) -> torch.Tensor:
+    from engine.runtime.sequence import Sequence
+
+    seq = runner.cache.allocate(Sequence("full"))
+    logits = runner.prefill(seq, ids)
+    runner.cache.free(seq)
+    return logits
