@@ -53,8 +53,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 DENSE = "dense"
 MOE = "moe"
-MLP_KINDS = (DENSE, MOE)
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+NO_MLP = "none"
+MLP_KINDS = (DENSE, MOE, NO_MLP)
+HIDDEN_ACTS = ("silu", "gelu_tanh", "relu2")
+MAMBA_NORMS = ("head", "group")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,12 @@ class LinearConfig:
     #: GLA: rank of the gate projection and the gate logit normaliser.
     gla_gate_rank: int = 16
     gla_gate_normalizer: float = 16.0
+    #: mamba2 output norm: `head` (rmsnorm per head, then * silu(z)) or `group` (Nemotron-H:
+    #: y * silu(z) first, then rmsnorm over each of the `num_heads` B/C groups' channels,
+    #: weight over all `num_v_heads * value_dim` channels).
+    mamba_norm: str = "head"
+    #: mamba2: dt = max(softplus(dt_raw + dt_bias), mamba_dt_min) (Nemotron-H's time_step_min).
+    mamba_dt_min: float = 0.0
 
     def validate(self) -> None:
         if min(self.num_heads, self.num_v_heads, self.key_dim, self.value_dim) <= 0:
@@ -167,6 +175,10 @@ class LinearConfig:
         for kind in self.conv_kinds:
             if kind not in LINEAR_KINDS:
                 raise ConfigError(f"conv_kinds names {kind!r}, not a linear layer kind")
+        if self.mamba_norm not in MAMBA_NORMS:
+            raise ConfigError(f"mamba_norm={self.mamba_norm!r} must be one of {MAMBA_NORMS}")
+        if self.mamba_dt_min < 0:
+            raise ConfigError(f"mamba_dt_min={self.mamba_dt_min} must be >= 0")
 
     def conv_width(self, kind: str) -> int:
         """Conv width used by layers of `kind` (0 when that kind has no conv)."""
@@ -195,11 +207,15 @@ class ModelConfig:
     #: dtype the model runs in by default ("float32" on CPU tests, "bfloat16" for bench).
     dtype: str = "float32"
     format_version: int = CONFIG_FORMAT_VERSION
-    #: MLP of each layer, `dense` or `moe` (empty: all dense).
+    #: MLP of each layer, `dense`, `moe` or `none` (a block that is only its mixer,
+    #: Nemotron-H's consecutive mixer layers); empty: all dense.
     mlp_layers: tuple[str, ...] = ()
     moe: MoEConfig = field(default_factory=MoEConfig)
-    #: activation of the gated MLPs: `silu` (SwiGLU) or `gelu_tanh` (GeGLU, Gemma).
+    #: activation of the MLPs: `silu` (SwiGLU) or `gelu_tanh` (GeGLU, Gemma); `relu2`
+    #: (squared ReLU, Nemotron-H) with `gated_mlp=False`.
     hidden_act: str = "silu"
+    #: gated MLP `down(act(gate(x)) * up(x))`; False: `down(act(up(x)))`.
+    gated_mlp: bool = True
     #: Gemma-3 blocks: RMSNorm on the mixer's and the MLP's outputs before their residuals.
     post_norms: bool = False
     #: the embedding's output is multiplied by this (Gemma: sqrt(hidden_size)); the tied LM
@@ -223,7 +239,7 @@ class ModelConfig:
         return len(self.layers)
 
     def mlp_kind(self, layer_idx: int) -> str:
-        """`dense` or `moe`: the MLP of layer `layer_idx`."""
+        """`dense`, `moe` or `none`: the MLP of layer `layer_idx`."""
         return self.mlp_layers[layer_idx] if self.mlp_layers else DENSE
 
     def layer_indices(self, *kinds: str) -> list[int]:
@@ -287,6 +303,9 @@ class ModelConfig:
         for key, default in EXTENDED_ATTENTION_FIELDS.items():
             if d["attention"].get(key) == default:
                 del d["attention"][key]
+        for key, default in EXTENDED_LINEAR_FIELDS.items():
+            if d["linear"].get(key) == default:
+                del d["linear"][key]
         return d
 
     def to_json(self) -> str:
@@ -331,7 +350,9 @@ class ModelConfig:
 #: ModelConfig fields added after format version 1, with their defaults: left out of the
 #: canonical form while at the default (so older configs keep their fingerprints).
 EXTENDED_FIELDS: dict[str, Any] = {
-    "mlp_layers": [], "moe": dataclasses.asdict(MoEConfig()), "hidden_act": "silu", "post_norms": False,
+    "mlp_layers": [], "moe": dataclasses.asdict(MoEConfig()), "hidden_act": "silu", "gated_mlp": True,
+    "post_norms": False,
     "embed_scale": 1.0, "final_logit_softcap": None,
 }
 EXTENDED_ATTENTION_FIELDS: dict[str, Any] = {"query_scale": None, "rope_linear_factor": 1.0}
+EXTENDED_LINEAR_FIELDS: dict[str, Any] = {"mamba_norm": "head", "mamba_dt_min": 0.0}

@@ -21,13 +21,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, MOE, SWA, ModelConfig
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, MOE, NO_MLP, SWA, ModelConfig
 from engine.models.layers.attention import Attention
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.gated_deltanet import GatedDeltaNet
 from engine.models.layers.gla import GatedLinearAttention
 from engine.models.layers.linear_base import LinearMixer
-from engine.models.layers.mlp import SwiGLU
+from engine.models.layers.mlp import PlainMLP, SwiGLU
 from engine.models.layers.moe import SparseMoE
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.scalar_decay import LightningAttention, Mamba2Mixer
@@ -71,11 +71,16 @@ class DecoderBlock(nn.Module):
         self.layer_idx = layer_idx
         self.mixer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer = build_mixer(cfg, kind, layer_idx)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.mlp_kind(layer_idx) == MOE:
+        mlp_kind = cfg.mlp_kind(layer_idx)
+        self.mlp_norm = None if mlp_kind == NO_MLP else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if mlp_kind == NO_MLP:
+            self.mlp = None
+        elif mlp_kind == MOE:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
-        else:
+        elif cfg.gated_mlp:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        else:
+            self.mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.post_mixer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.post_norms else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.post_norms else None
 
@@ -83,6 +88,8 @@ class DecoderBlock(nn.Module):
         if self.post_mixer_norm is not None:
             mixed = self.post_mixer_norm(mixed)
         x = x + mixed
+        if self.mlp is None:
+            return x
         y = self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             y = self.post_mlp_norm(y)

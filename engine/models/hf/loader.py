@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from engine.errors import UnsupportedConfigError, WeightsError
-from engine.models.hf import gemma3, qwen3
+from engine.models.hf import gemma3, nemotron_h, qwen3
 from engine.models.hf.checkpoint import CONFIG_FILE, CheckpointTensors, read_json
 from engine.models.hf.common import Conversion, check_all_used
 from engine.models.hf.fields import ConfigFields
@@ -29,11 +29,12 @@ Converter = Callable[[ConfigFields, CheckpointTensors, str, str, str], Conversio
 ARCHITECTURES: dict[str, Converter] = {
     **{t: qwen3.convert for t in qwen3.MODEL_TYPES},
     **{t: gemma3.convert for t in gemma3.MODEL_TYPES},
+    **{t: nemotron_h.convert for t in nemotron_h.MODEL_TYPES},
 }
 #: multimodal wrappers: outer model_type -> the text model_type their text_config holds
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
 #: where the text model's tensors may sit, tried in order
-TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "backbone.")
 #: tensors of a multimodal checkpoint's vision part (skipped with a log line)
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                    "multi_modal_projector.", "visual.")
@@ -82,9 +83,10 @@ def convert_checkpoint(directory: str | os.PathLike) -> Conversion:
     if convert is None:
         raise UnsupportedConfigError(f"{d / CONFIG_FILE}: text model_type={model_type!r} is not supported")
     tensors = CheckpointTensors(d)
-    prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors), None)
+    prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors or f"{p}embeddings.weight"
+                   in tensors), None)
     if prefix is None:
-        raise WeightsError(f"{d}: no embed_tokens.weight under any of {', '.join(TEXT_PREFIXES)}")
+        raise WeightsError(f"{d}: no embedding table under any of {', '.join(TEXT_PREFIXES)}")
     fields = ConfigFields(data, f"{d / CONFIG_FILE}" + ("" if data.get("model_type") == model_type else ":text_config"))
     conv = convert(fields, tensors, model_type, d.name, prefix)
     for vision in VISION_PREFIXES:

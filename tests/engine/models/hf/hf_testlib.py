@@ -121,6 +121,14 @@ def tiny_model(arch: str, vocab: int, seed: int = 0):
             max_position_embeddings=512,
             layer_types=["sliding_attention"] * 5 + ["full_attention"])
         model = tf.Gemma3ForCausalLM(cfg)
+    elif arch == "nemotron_h":
+        cfg = tf.NemotronHConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4,
+            max_position_embeddings=512, chunk_size=16,
+            layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
+                               "linear_attention", "linear_attention", "mlp"])
+        model = tf.NemotronHForCausalLM(cfg)
     else:
         raise ValueError(arch)
     randomize(model, seed + 1)
@@ -251,3 +259,23 @@ def full_logits(runner, ids: list[int]) -> torch.Tensor:
     logits = runner.prefill(seq, ids)
     runner.cache.free(seq)
     return logits
+
+
+def build_multimodal_qwen3_5(directory: Path, seed: int = 0):
+    """A tiny Qwen3_5ForConditionalGeneration (text model + a one-block vision tower) and its
+    tokenizer under `directory`; returns the transformers model."""
+    import_reference_modeling()
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=1, num_position_embeddings=16)
+    model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision))
+    randomize(model, seed + 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = train_tokenizer(directory, with_bos=False)
+    save_checkpoint(model.float().eval(), directory, [ids["<|im_end|>"]])
+    return model.float().eval()

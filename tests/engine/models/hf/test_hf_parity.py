@@ -1,5 +1,5 @@
 """Checkpoints of every supported architecture (Qwen3-Next, Qwen3.5 dense and MoE,
-Gemma 3): our engine loads a tiny random transformers checkpoint and matches
+Gemma 3, Nemotron-H): our engine loads a tiny random transformers checkpoint and matches
 transformers' own model (prefill logits and 16 greedy decode steps within 1e-4, fp32), also
 from a sharded checkpoint and with chunked prefill."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _assert_parity(r: dict) -> None:
     assert r["gen"] == r["ref_gen"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"])
 def test_checkpoint_matches_transformers_prefill_and_greedy_decode(checkpoints, arch):
     model, d, _ = checkpoints(arch)
     _assert_parity(H.check_parity(model, d, chunk=7))
@@ -67,3 +67,46 @@ def test_gemma3_maps_windows_norms_and_scales(checkpoints):
     assert (a.sliding_window, a.query_scale, a.swa_rope_theta, a.rope_theta) == (8, 24.0, 10000.0, 1e6)
     assert cfg.post_norms and cfg.tie_embeddings and cfg.hidden_act == "gelu_tanh"
     assert cfg.embed_scale == 64 ** 0.5
+
+
+def test_nemotron_h_pairs_each_mixer_with_the_mlp_layer_after_it(checkpoints):
+    from engine.models.hf import convert_checkpoint
+
+    _, d, _ = checkpoints("nemotron_h")
+    cfg = convert_checkpoint(d).config  # M - M * - M M -
+    assert cfg.layers == ("mamba2", "mamba2", "full", "mamba2", "mamba2")
+    assert cfg.mlp_layers == ("dense", "none", "dense", "none", "dense")
+    assert (cfg.linear.mamba_norm, cfg.gated_mlp, cfg.hidden_act, cfg.attention.rotary_dim) == (
+        "group", False, "relu2", 0)
+
+
+@pytest.mark.parametrize("types, named", [
+    (["mlp", "linear_attention"], "layers_block_type[0]='mlp'"),
+    (["linear_attention", "mlp", "mlp"], "layers_block_type[2]='mlp'"),
+    (["linear_attention", "moe"], "layers_block_type[1]='moe'"),
+])
+def test_nemotron_h_layouts_without_a_block_form_are_refused(types, named):
+    from engine.errors import UnsupportedConfigError
+    from engine.models.hf.nemotron_h import block_plan
+
+    with pytest.raises(UnsupportedConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        block_plan(types, "config.json")
+
+
+def test_multimodal_qwen3_5_runs_its_text_model_and_skips_the_vision_tower_with_a_log_line(tmp_path, caplog):
+    import logging
+
+    import torch
+
+    from engine.models.hf import load_hf_model
+
+    model = H.build_multimodal_qwen3_5(tmp_path / "mm")
+    with caplog.at_level(logging.INFO, logger="engine.models.hf.loader"):
+        loaded = load_hf_model(tmp_path / "mm")
+    assert any("vision" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(0, H.VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[0]
+        ours = loaded.model.forward(ids)[0]
+    assert float(ref.abs().max()) > 0.1
+    torch.testing.assert_close(ours, ref, rtol=H.TOL, atol=H.TOL)

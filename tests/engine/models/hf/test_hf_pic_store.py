@@ -1,5 +1,5 @@
 """Position-independent caching on Hugging Face checkpoints (Qwen3-Next, Qwen3.5 dense
-and MoE, Gemma 3; tiny random weights): with a seam as wide as every segment PIC equals
+and MoE, Gemma 3, Nemotron-H; tiny random weights): with a seam as wide as every segment PIC equals
 full recompute, cold and warm (segments hit in another order); and segment signatures go
 through a REAL kvstore daemon: a second engine on the same checkpoint hits every segment
 the first one stored and generates what in-process PIC generates."""
@@ -16,7 +16,7 @@ from engine.pic.config import PicConfig  # noqa: E402
 from engine.pic.planner import make_planner  # noqa: E402
 from engine.runtime.sampling import SamplingParams  # noqa: E402
 
-ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3"]
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"]
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
