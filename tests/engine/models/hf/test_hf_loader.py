@@ -174,3 +174,56 @@ def test_cli_model_errors_name_the_option(qwen, tmp_path):
     bad = _edited_copy(d, tmp_path / "bad", lambda c: c.update(some_new_feature=3))
     refused = kvengine_in_process("generate", "--model", str(bad), "hi")
     assert refused.returncode == 2 and "some_new_feature" in refused.stderr
+
+
+def test_serve_model_answers_completions_with_the_checkpoints_greedy_text(qwen):
+    import re
+    import signal
+    import urllib.request
+
+    from engine.models.hf.tokenizer import CheckpointTokenizer
+
+    model, d, _ = qwen
+    tok = CheckpointTokenizer(d)
+    prompt_ids = tok.encode_default(H.PROMPT)
+    _, _, ref = H.reference_greedy(model, prompt_ids, 3)
+    stop = next((i for i, t in enumerate(ref) if t in tok.stop_ids), None)
+    want = ref if stop is None else ref[:stop + 1]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(d), "--port", "0",
+                             "--max-batch", "2", "--kv-cache-tokens", "512", "--device", "cpu"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"on (http://[\d.]+:\d+)", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+        req = urllib.request.Request(m.group(1) + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": H.PROMPT, "max_tokens": 4, "temperature": 0}).encode())
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            body = json.loads(resp.read())
+        assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+        assert body["choices"][0]["text"] == tok.decode(want)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+
+
+def test_run_and_bench_take_a_model_directory(qwen, tmp_path):
+    _, d, _ = qwen
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("\n".join(json.dumps({"id": f"q{i}", "segments": H.segments(order)})
+                              for i, order in enumerate([(0, 1, 2), (2, 1, 0)])) + "\n")
+    run = kvengine_in_process("run", "--model", str(d), "--requests", str(reqs), "--method", "pic",
+                              "--max-new-tokens", "2", "--json", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    by_id = {r["id"]: r for r in records if "id" in r}
+    assert by_id["q0"]["reused_tokens"] == 0 and by_id["q1"]["reused_tokens"] > 0
+    bench = kvengine_in_process("bench", "--model", str(d), "--num-requests", "2", "--prompt-len", "8",
+                                "--max-new-tokens", "2", "--json", "--device", "cpu")
+    assert bench.returncode == 0, bench.stderr
+    rep = json.loads(bench.stdout.strip().splitlines()[-1])
+    assert rep["preset"] == str(d) and rep["num_requests"] == 2
