@@ -32,13 +32,14 @@ class Rope:
 
 
 def rope_settings(params: dict, head_dim: int, where: str, allow_linear: bool = False,
-                  extra_ok: tuple[str, ...] = ()) -> Rope:
+                  extra_ok: tuple[str, ...] = (), default_partial: float = 1.0) -> Rope:
     """One `rope_parameters` dict (transformers >= 5) -> Rope. Types: `default` (and `linear`
-    when allowed); any other key is refused unless listed in `extra_ok`."""
+    when allowed); any other key is refused unless listed in `extra_ok`.
+    `default_partial`: the architecture's partial_rotary_factor when the dict has none."""
     f = ConfigFields(params, where)
     kind = f.expect("rope_type", "default", *(("linear",) if allow_linear else ()))
     theta = float(f.get("rope_theta", 10000.0))
-    partial = float(f.get("partial_rotary_factor", 1.0))
+    partial = float(f.get("partial_rotary_factor", default_partial))
     factor = float(f.get("factor", 1.0)) if kind == "linear" else 1.0
     f.ignore(extra_ok)
     f.finish()

@@ -34,8 +34,15 @@ LAYER_KIND = {"linear_attention": GDN, "full_attention": FULL}
 def model_config(f: ConfigFields, model_type: str, name: str) -> ModelConfig:
     f.expect("hidden_act", "silu")
     f.expect("attention_bias", False)
+    f.expect("use_sliding_window", False)
+    f.expect("sliding_window", None)
     n_layers = int(f.get("num_hidden_layers"))
-    types = f.get("layer_types")
+    if f.has("layer_types"):
+        f.ignore(("full_attention_interval",))
+        types = f.get("layer_types")
+    else:  # older configs: every `full_attention_interval`-th layer is full attention
+        interval = int(f.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
     if len(types) != n_layers:
         raise UnsupportedConfigError(f"{f.where}: layer_types has {len(types)} entries, num_hidden_layers={n_layers}")
     layers = []
@@ -47,7 +54,7 @@ def model_config(f: ConfigFields, model_type: str, name: str) -> ModelConfig:
     heads = int(f.get("num_attention_heads"))
     head_dim = int(f.get("head_dim", hidden // heads))
     rope = rope_settings(legacy_rope_parameters(f), head_dim, f"{f.where}: rope_parameters",
-                         extra_ok=("mrope_section", "mrope_interleaved"))
+                         extra_ok=("mrope_section", "mrope_interleaved"), default_partial=0.25)
     attention = AttentionConfig(
         num_heads=heads, num_kv_heads=int(f.get("num_key_value_heads")), head_dim=head_dim,
         rotary_dim=rope.rotary_dim, rope_theta=rope.theta, output_gate=True, qk_norm=True)

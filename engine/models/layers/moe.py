@@ -21,7 +21,9 @@ from engine.models.config import MoEConfig
 from engine.models.layers.mlp import SwiGLU, gated_activation
 
 
-def _grouped_ok(a: torch.Tensor, *weights: torch.Tensor) -> bool:
+def grouped_gemm_ok(a: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` takes rows like `a` against `weights` (16-byte aligned rows;
+    bf16 on CUDA)."""
     if not hasattr(F, "grouped_mm"):
         return False
     if a.is_cuda and a.dtype != torch.bfloat16:
@@ -65,7 +67,7 @@ class SparseMoE(nn.Module):
         token = order // k  # token of each sorted (token, choice) pair
         xs = x[token]
         w_gu, w_down = self.experts_gate_up, self.experts_down
-        if _grouped_ok(xs, w_gu, w_down):
+        if grouped_gemm_ok(xs, w_gu, w_down):
             ends = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device), right=True)
             offs = ends.to(torch.int32)
             h = F.grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)

@@ -56,7 +56,7 @@ def test_grouped_expert_gemms_equal_the_expert_loop_and_odd_shapes_take_the_loop
     moe = make_moe()
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(2))
     weights, ids = moe.route(x)
-    assert moe_mod._grouped_ok(x, moe.experts_gate_up, moe.experts_down)  # fp32 rows of 16 B multiples
+    assert moe_mod.grouped_gemm_ok(x, moe.experts_gate_up, moe.experts_down)  # fp32 rows of 16 B multiples
     grouped = moe.experts(x, weights, ids)
     order = torch.argsort(ids.reshape(-1), stable=True)
     looped = torch.zeros_like(x).index_add_(
@@ -64,7 +64,7 @@ def test_grouped_expert_gemms_equal_the_expert_loop_and_odd_shapes_take_the_loop
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
     odd = make_moe(hidden=30, inter=7)  # 7 * 4 bytes: grouped_mm refuses; the loop runs
     xo = torch.randn(9, 30, generator=torch.Generator().manual_seed(3))
-    assert not moe_mod._grouped_ok(xo, odd.experts_gate_up, odd.experts_down)
+    assert not moe_mod.grouped_gemm_ok(xo, odd.experts_gate_up, odd.experts_down)
     torch.testing.assert_close(odd(xo), reference(odd, xo), rtol=1e-5, atol=1e-5)
 
 
@@ -75,7 +75,7 @@ def test_grouped_moe_on_cuda_matches_the_loop_and_replays_in_a_cuda_graph():
 
     moe = make_moe(hidden=256, inter=128, experts=16, top_k=4, shared=128, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    assert moe_mod._grouped_ok(x, moe.experts_gate_up, moe.experts_down)
+    assert moe_mod.grouped_gemm_ok(x, moe.experts_gate_up, moe.experts_down)
     ref = reference(moe.float(), x.float())
     moe = moe.to(torch.bfloat16)
     torch.testing.assert_close(moe(x).float(), ref, rtol=0.05, atol=0.05)

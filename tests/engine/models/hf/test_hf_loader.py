@@ -105,25 +105,45 @@ def test_chat_template_renders_as_transformers_does(with_bos):
 
 @pytest.mark.parametrize("fixture", ["qwen", "with_bos"])
 def test_segments_are_tokenized_one_by_one_behind_the_tokenizers_own_bos(request, fixture):
-    _, d, ids = request.getfixturevalue(fixture)
-    from engine.builder import model_tokenizer
-    from engine.engine import LLMEngine
+    from engine.builder import EngineConfig, build_engine
 
-    tok = model_tokenizer(str(d))
+    _, d, ids = request.getfixturevalue(fixture)
+    engine = build_engine(str(d), EngineConfig(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_tokens=512))
+    tok = engine.tokenizer
     assert tok.bos_id == (ids["<bos>"] if fixture == "with_bos" else None)
-    segs = ["Retrieved documents", ", tool outputs", " and hello world"]
-    engine = LLMEngine.__new__(LLMEngine)  # only the tokenization step is exercised
-    engine.tokenizer = tok
-    token_ids, segments = engine._tokenize([{"text": s, "cache": True} for s in segs], None)
     anchor = [] if tok.bos_id is None else [tok.bos_id]
+
+    def tokenized(segs):
+        rid = engine.add_request([{"text": s, "cache": True} for s in segs])
+        req = engine.get_request(rid)
+        engine.abort(rid)
+        return req.prompt_token_ids, req.segments
+
+    segs = ["Retrieved documents", ", tool outputs", " and hello world"]
+    token_ids, segments = tokenized(segs)
     assert token_ids[:len(anchor)] == anchor
     for text, seg in zip(segs, segments):
         assert token_ids[seg.token_start:seg.token_end] == tok.encode(text)  # alone, no specials
     assert token_ids == anchor + sum((tok.encode(s) for s in segs), [])
-    # the same segment at another offset has the same ids; a one-segment prompt is the default encoding
-    token_ids2, segments2 = engine._tokenize([{"text": segs[2], "cache": True}], None)
+    # the same segment at another offset has the same ids; one segment is the default encoding
+    token_ids2, segments2 = tokenized([segs[2]])
     assert token_ids2[segments2[0].token_start:] == tok.encode(segs[2])
     assert token_ids2 == tok.encode_default(segs[2])
+
+
+def test_older_config_spellings_map_to_the_same_model(qwen, tmp_path):
+    from engine.models.hf import convert_checkpoint
+
+    _, d, _ = qwen
+
+    def legacy(c):
+        c.pop("layer_types")
+        c["full_attention_interval"] = 4
+        c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]  # partial_rotary_factor: the 0.25 default
+        c["use_sliding_window"] = False
+
+    old = _edited_copy(d, tmp_path / "old", legacy)
+    assert convert_checkpoint(old).config.replace(name="x") == convert_checkpoint(d).config.replace(name="x")
 
 
 def test_stop_tokens_come_from_generation_config(qwen):
