@@ -122,5 +122,18 @@ def load_hf_model(directory: str | os.PathLike, device: torch.device | str = "cp
     if missing or unexpected:
         raise WeightsError(f"{d}: conversion left missing {missing} / unexpected {unexpected}")
     model.to(dtype=dt)
+    keep_norms_float32(model, conv.state)
     model.eval()
     return LoadedModel(model, cfg, f"weights:{d}")
+
+
+def keep_norms_float32(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """RMSNorm weights stay float32 in a bf16/fp16 model, as the checkpoints' own norms
+    compute (`x_hat * (1 + w)` in float32): a zero-centred weight `1 + w` rounded to bf16
+    would lose w's low bits (bf16 spacing near 1 is 2^-7). RMSNorm takes a weight of
+    another dtype than its input and computes in float32."""
+    from engine.models.layers.norm import RMSNorm
+
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
+            module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)

@@ -110,3 +110,21 @@ def test_multimodal_qwen3_5_runs_its_text_model_and_skips_the_vision_tower_with_
         ours = loaded.model.forward(ids)[0]
     assert float(ref.abs().max()) > 0.1
     torch.testing.assert_close(ours, ref, rtol=H.TOL, atol=H.TOL)
+
+
+def test_bf16_model_keeps_zero_centred_norm_weights_in_float32(checkpoints):
+    import torch
+
+    from engine.models.hf import load_hf_model
+    from engine.models.hf.checkpoint import CheckpointTensors
+
+    _, d, _ = checkpoints("qwen3_5")
+    loaded = load_hf_model(d, dtype="bfloat16")
+    m = loaded.model
+    assert m.dtype == torch.bfloat16 and m.blocks[0].mlp.gate_up.weight.dtype == torch.bfloat16
+    w = CheckpointTensors(d).take("model.norm.weight")
+    assert m.norm.weight.dtype == torch.float32
+    assert torch.equal(m.norm.weight, 1.0 + w.float())  # not rounded to bf16's spacing near 1
+    with torch.no_grad():
+        logits = m.forward(torch.tensor([[1, 2, 3]]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
