@@ -247,3 +247,35 @@ def test_run_and_bench_take_a_model_directory(qwen, tmp_path):
     assert bench.returncode == 0, bench.stderr
     rep = json.loads(bench.stdout.strip().splitlines()[-1])
     assert rep["preset"] == str(d) and rep["num_requests"] == 2
+
+
+def test_damaged_checkpoints_are_refused_naming_the_part(qwen, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.errors import WeightsError
+    from engine.models.hf import load_hf_model
+
+    _, d, _ = qwen
+    extra = tmp_path / "extra"
+    shutil.copytree(d, extra)
+    tensors = load_file(str(extra / "model.safetensors"))
+    save_file({**tensors, "model.layers.0.mlp.mystery.weight": tensors["model.norm.weight"].clone()},
+              str(extra / "model.safetensors"))
+    with pytest.raises(WeightsError, match="mystery"):
+        load_hf_model(extra)
+    missing = tmp_path / "missing"
+    shutil.copytree(d, missing)
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(missing / "model.safetensors"))
+    with pytest.raises(WeightsError, match="model.norm.weight"):
+        load_hf_model(missing)
+    shard = tmp_path / "shard"
+    shutil.copytree(d, shard)
+    (shard / "model.safetensors").rename(shard / "model-00001-of-00002.safetensors")
+    (shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(WeightsError, match="model-00002-of-00002.safetensors"):
+        load_hf_model(shard)
+    (shard / "config.json").write_text("{not json")
+    with pytest.raises(WeightsError, match="config.json"):
+        load_hf_model(shard)
