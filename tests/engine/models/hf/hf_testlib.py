@@ -261,21 +261,36 @@ def full_logits(runner, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-def build_multimodal_qwen3_5(directory: Path, seed: int = 0):
-    """A tiny Qwen3_5ForConditionalGeneration (text model + a one-block vision tower) and its
+def build_multimodal(arch: str, directory: Path, seed: int = 0):
+    """A tiny multimodal checkpoint (`qwen3_5`: Qwen3_5ForConditionalGeneration; `gemma3`:
+    Gemma3ForConditionalGeneration; each a text model + a one-block vision tower) and its
     tokenizer under `directory`; returns the transformers model."""
     import_reference_modeling()
     import transformers as tf
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=1, num_position_embeddings=16)
-    model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision))
+    if arch == "qwen3_5":
+        text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    max_position_embeddings=512)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=1, num_position_embeddings=16)
+        model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision))
+    elif arch == "gemma3":
+        text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                    sliding_window=8, max_position_embeddings=512,
+                    layer_types=["sliding_attention"] * 5 + ["full_attention"])
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=4)
+        model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3))
+    else:
+        raise ValueError(arch)
     randomize(model, seed + 1)
     directory.mkdir(parents=True, exist_ok=True)
-    ids = train_tokenizer(directory, with_bos=False)
+    ids = train_tokenizer(directory, with_bos=arch == "gemma3")
     save_checkpoint(model.float().eval(), directory, [ids["<|im_end|>"]])
     return model.float().eval()

@@ -93,18 +93,20 @@ def test_nemotron_h_layouts_without_a_block_form_are_refused(types, named):
         block_plan(types, "config.json")
 
 
-def test_multimodal_qwen3_5_runs_its_text_model_and_skips_the_vision_tower_with_a_log_line(tmp_path, caplog):
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3"])
+def test_multimodal_checkpoint_runs_its_text_model_and_skips_the_vision_tower_with_a_log_line(arch, tmp_path,
+                                                                                           caplog):
     import logging
 
     import torch
 
     from engine.models.hf import load_hf_model
 
-    model = H.build_multimodal_qwen3_5(tmp_path / "mm")
+    model = H.build_multimodal(arch, tmp_path / "mm")
     with caplog.at_level(logging.INFO, logger="engine.models.hf.loader"):
         loaded = load_hf_model(tmp_path / "mm")
     assert any("vision" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
-    ids = torch.randint(0, H.VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, H.VOCAB - 4, (1, 30), generator=torch.Generator().manual_seed(5))  # no image tokens
     with torch.no_grad():
         ref = model(input_ids=ids).logits[0]
         ours = loaded.model.forward(ids)[0]
