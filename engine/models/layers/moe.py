@@ -9,7 +9,10 @@ with per-expert row offsets computed on the device) run every expert's rows in o
 each; the outputs are weighted and summed back per token with one `index_add_`. No value
 is read back to the host, so the layer can be captured in a CUDA graph. Where grouped_mm
 cannot take the operands (strides not 16-byte aligned, or fp32 on CUDA) the experts run
-one by one (`ExpertWeights.loop`), the same arithmetic.
+one by one (`loop`, which reads the per-expert counts back), or, while a CUDA graph is
+being captured, as one batched product over each row's own gathered expert weights
+(`gathered`: no host read, memory per row = one expert's weights, so only for the small
+batches that are captured).
 """
 from __future__ import annotations
 
@@ -73,6 +76,8 @@ class SparseMoE(nn.Module):
             h = F.grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)
             gate, up = h.chunk(2, dim=-1)
             y = F.grouped_mm(self.act(gate) * up, w_down.transpose(1, 2), offs=offs)
+        elif xs.is_cuda and torch.cuda.is_current_stream_capturing():
+            y = self.gathered(xs, flat[order])
         else:
             y = self.loop(xs, flat[order])
         y = y * weights.reshape(-1)[order, None]
@@ -88,6 +93,13 @@ class SparseMoE(nn.Module):
                 outs.append(F.linear(self.act(gate) * up, self.experts_down[e]))
                 at += c
         return torch.cat(outs) if outs else xs.new_zeros(0, xs.shape[-1])
+
+    def gathered(self, xs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each row through its own expert, as batched products over gathered weights (no
+        host read): xs `[M, D]`, expert_ids `[M]` -> `[M, D]`."""
+        h = torch.bmm(self.experts_gate_up[expert_ids], xs[:, :, None])[..., 0]
+        gate, up = h.chunk(2, dim=-1)
+        return torch.bmm(self.experts_down[expert_ids], (self.act(gate) * up)[:, :, None])[..., 0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

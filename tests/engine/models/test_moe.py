@@ -1,7 +1,7 @@
 """The mixture-of-experts MLP (engine/models/layers/moe.py): routing (softmax, top-k,
 renormalised or not, gated shared expert) against a per-token reference, the grouped
-expert GEMMs equal to the expert-by-expert loop, the loop taking over where grouped_mm
-cannot take the operands, and on CUDA (bf16) the grouped path inside a CUDA graph."""
+expert GEMMs equal to the expert-by-expert loop, the loop (and the gathered
+form used while a CUDA graph is captured) taking over where grouped_mm cannot take the operands, and on CUDA (bf16) the grouped path inside a CUDA graph."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +62,9 @@ def test_grouped_expert_gemms_equal_the_expert_loop_and_odd_shapes_take_the_loop
     looped = torch.zeros_like(x).index_add_(
         0, order // moe.top_k, moe.loop(x[order // moe.top_k], ids.reshape(-1)[order]) * weights.reshape(-1)[order, None])
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
+    sorted_x, sorted_ids = x[order // moe.top_k], ids.reshape(-1)[order]
+    torch.testing.assert_close(moe.gathered(sorted_x, sorted_ids), moe.loop(sorted_x, sorted_ids), rtol=1e-5,
+                               atol=1e-5)  # the graph-capture fallback
     odd = make_moe(hidden=30, inter=7)  # 7 * 4 bytes: grouped_mm refuses; the loop runs
     xo = torch.randn(9, 30, generator=torch.Generator().manual_seed(3))
     assert not moe_mod.grouped_gemm_ok(xo, odd.experts_gate_up, odd.experts_down)
@@ -69,16 +72,17 @@ def test_grouped_expert_gemms_equal_the_expert_loop_and_odd_shapes_take_the_loop
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.no_grad()
-def test_grouped_moe_on_cuda_matches_the_loop_and_replays_in_a_cuda_graph():
-    import engine.models.layers.moe as moe_mod
-
-    moe = make_moe(hidden=256, inter=128, experts=16, top_k=4, shared=128, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    assert moe_mod.grouped_gemm_ok(x, moe.experts_gate_up, moe.experts_down)
-    ref = reference(moe.float(), x.float())
-    moe = moe.to(torch.bfloat16)
-    torch.testing.assert_close(moe(x).float(), ref, rtol=0.05, atol=0.05)
+def test_moe_on_cuda_matches_the_definition_and_replays_in_a_cuda_graph(dtype):
+    """bf16: the grouped GEMMs; fp32 (grouped_mm takes no fp32 on CUDA): the gathered form
+    while capturing."""
+    moe = make_moe(hidden=256, inter=128, experts=16, top_k=4, shared=128, device="cuda")
+    x = torch.randn(64, 256, device="cuda")
+    ref = reference(moe, x)
+    moe, x = moe.to(dtype), x.to(dtype)
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(moe(x).float(), ref, rtol=tol, atol=tol)
     static = x.clone()
     moe(static)  # warm up outside the graph
     graph = torch.cuda.CUDAGraph()
@@ -86,4 +90,4 @@ def test_grouped_moe_on_cuda_matches_the_loop_and_replays_in_a_cuda_graph():
         out = moe(static)
     static.copy_(torch.randn_like(static))
     graph.replay()
-    torch.testing.assert_close(out, moe(static), rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), moe(static).float(), rtol=tol, atol=tol)
