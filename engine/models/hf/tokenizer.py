@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from engine.errors import TokenizerError
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import StreamDecoder, Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -187,6 +187,11 @@ class CheckpointTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+    def stream_decoder(self) -> StreamDecoder:
+        """Incremental decoding through the `tokenizers` library's DecodeStream (constant
+        work per token; a character split over tokens comes out whole)."""
+        return _CheckpointStreamDecoder(self._tok)
+
     # --------------------------------------------------------------------- chat
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The chat template rendered over `messages` ({"role", "content"} dicts)."""
@@ -208,3 +213,27 @@ class CheckpointTokenizer(Tokenizer):
         if self._bos is not None and bos and self._tok.token_to_id(bos) == self._bos and text.startswith(bos):
             text = text[len(bos):]
         return text
+
+
+class _CheckpointStreamDecoder(StreamDecoder):
+    def __init__(self, tok) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        try:
+            piece = self._stream.step(self._tok, int(token_id)) or ""
+        except Exception as e:  # tokenizers raises its own exception type for a bad id
+            raise TokenizerError(f"token id {token_id} cannot be decoded: {e}") from e
+        self._ids.append(int(token_id))
+        self._emitted += len(piece)
+        return piece
+
+    def flush(self) -> str:
+        """What the stream still holds back (bytes of an unfinished character, as
+        `decode` renders them), so the pieces always join to `decode(ids)`."""
+        return self._tok.decode(self._ids, skip_special_tokens=True)[self._emitted:]

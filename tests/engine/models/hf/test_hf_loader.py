@@ -279,3 +279,21 @@ def test_damaged_checkpoints_are_refused_naming_the_part(qwen, tmp_path):
     (shard / "config.json").write_text("{not json")
     with pytest.raises(WeightsError, match="config.json"):
         load_hf_model(shard)
+
+
+def test_streamed_text_joins_to_the_decoded_text(qwen):
+    from engine.models.hf.tokenizer import CheckpointTokenizer
+
+    _, d, ids = qwen
+    tok = CheckpointTokenizer(d)
+    text = "hello world, héllo ünïcode 0 1 2 \u2603"
+    token_ids = tok.encode(text) + [ids["<|im_end|>"]]
+    dec = tok.stream_decoder()
+    pieces = [dec.push(t) for t in token_ids]
+    assert "".join(pieces) + dec.flush() == tok.decode(token_ids) == text
+    assert "" in pieces  # a character split over tokens is held back until whole
+    cut = tok.encode("\u2603")  # a character of several byte tokens, cut before its last one
+    if len(cut) > 1:
+        dec = tok.stream_decoder()
+        held = "".join(dec.push(t) for t in cut[:-1])
+        assert held + dec.flush() == tok.decode(cut[:-1])
