@@ -13,12 +13,10 @@ Directory layout written by `save_model` and read by `load_weights`:
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+
 from pathlib import Path
 
 import torch
@@ -26,25 +24,17 @@ import torch
 from engine.errors import ConfigError, WeightsError
 from engine.models.config import ModelConfig
 from engine.models.decoder import HybridDecoder
+from engine.models.loaded import (  # noqa: F401  (re-exported)
+    DTYPES, FINGERPRINT_TAG, LoadedModel, fingerprint, fingerprint_state, torch_dtype)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-FINGERPRINT_TAG = b"hypercache-model-fingerprint-v1\x00"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_models_root() -> Path:
     """`$KVENGINE_MODELS_DIR`, else `models/` at the repository root."""
     env = os.environ.get("KVENGINE_MODELS_DIR")
     return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ConfigError(f"dtype={name!r} must be one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 # --------------------------------------------------------------------- initialisation
@@ -103,25 +93,6 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: tor
 
 
 # ------------------------------------------------------------------------ fingerprint
-def _tensor_bytes(t: torch.Tensor):
-    flat = t.detach().reshape(-1).contiguous().cpu()
-    return flat.view(torch.uint8).numpy()
-
-
-def fingerprint_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    h.update(FINGERPRINT_TAG)
-    h.update(cfg.to_json().encode())
-    for name in sorted(state):
-        t = state[name]
-        h.update(f"\x00{name}\x00{str(t.dtype).removeprefix('torch.')}\x00{tuple(t.shape)}\x00".encode())
-        h.update(_tensor_bytes(t))
-    return h.hexdigest()
-
-
-def fingerprint(model: HybridDecoder) -> str:
-    """The model fingerprint (hex sha256) of a model's config and current weights."""
-    return fingerprint_state(model.config, model.state_dict())
 
 
 # ------------------------------------------------------------------------- save / load
@@ -183,32 +154,22 @@ def load_weights(directory: str | os.PathLike, device: torch.device | str = "cpu
 
 
 # --------------------------------------------------------------------------- load_model
-@dataclass
-class LoadedModel:
-    model: HybridDecoder
-    config: ModelConfig
-    #: where the weights came from: "weights:<dir>" or "init:seed=<n>"
-    source: str
-    _fingerprint: str | None = field(default=None, repr=False)
-
-    @property
-    def trained(self) -> bool:
-        return self.source.startswith("weights:")
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        return self._fingerprint or fingerprint(self.model)
 
 
 def load_model(preset_or_dir: str | os.PathLike, device: torch.device | str = "cpu",
                dtype: torch.dtype | str | None = None, models_root: str | os.PathLike | None = None,
                seed: int | None = None) -> LoadedModel:
-    """A directory with config.json -> its weights. A preset name -> its trained weights under
+    """A Hugging Face checkpoint directory -> the model it holds (engine/models/hf/). A
+    directory with our config.json -> its weights. A preset name -> its trained weights under
     `<models_root>/<name>/` when they exist, else the preset initialised from its seed.
     `LoadedModel.source` says which happened."""
     from engine.models.presets import get_preset
 
+    from engine.models.hf import is_hf_checkpoint, load_hf_model
+
     path = Path(preset_or_dir)
+    if is_hf_checkpoint(path):
+        return load_hf_model(path, device, dtype)
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         model, fp = load_weights(path, device, dtype)
         return LoadedModel(model, model.config, f"weights:{path}", fp)

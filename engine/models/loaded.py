@@ -1,0 +1,68 @@
+"""What a model load returns (`LoadedModel`), dtype names, and the model fingerprint:
+the pieces every loader shares (engine/models/weights.py for our own format and presets,
+engine/models/hf/ for Hugging Face checkpoints), kept below both so neither imports the
+other's module for them.
+
+Fingerprint: sha256 over a domain tag, the canonical config JSON, and every tensor of the
+state dict in sorted name order (name, dtype, shape, raw little-endian bytes).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import ConfigError
+from engine.models.config import ModelConfig
+from engine.models.decoder import HybridDecoder
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FINGERPRINT_TAG = b"hypercache-model-fingerprint-v1\x00"
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r} must be one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _tensor_bytes(t: torch.Tensor):
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    return flat.view(torch.uint8).numpy()
+
+
+def fingerprint_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    h.update(FINGERPRINT_TAG)
+    h.update(cfg.to_json().encode())
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"\x00{name}\x00{str(t.dtype).removeprefix('torch.')}\x00{tuple(t.shape)}\x00".encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def fingerprint(model: HybridDecoder) -> str:
+    """The model fingerprint (hex sha256) of a model's config and current weights."""
+    return fingerprint_state(model.config, model.state_dict())
+
+
+@dataclass
+class LoadedModel:
+    model: HybridDecoder
+    config: ModelConfig
+    #: where the weights came from: "weights:<dir>" or "init:seed=<n>"
+    source: str
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @property
+    def trained(self) -> bool:
+        return self.source.startswith("weights:")
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return self._fingerprint or fingerprint(self.model)
