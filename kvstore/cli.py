@@ -349,6 +349,13 @@ def inspect_cmd(
     con.print(f"hits {stats.get('hits', 0)}  misses {stats.get('misses', 0)}  hit rate {rate}  "
               f"evictions {stats.get('evictions', 0)}  demotions {stats.get('demotions', 0)}  "
               f"write-backs {stats.get('writebacks', 0)}  leases {stats.get('leases', 0)}")
+    remote = stats.get("remote") or {}
+    if remote.get("enabled"):
+        con.print(f"remote {remote['url']}  {'reachable' if remote['reachable'] else 'UNREACHABLE'}  "
+                  f"hits {remote['hits']}  misses {remote['misses']}  errors {remote['errors']}  "
+                  f"corrupt {remote['corrupt_dropped']}  written {remote['objects_written']} objects "
+                  f"({format_size(remote['bytes_written'])})  get p50 {1e3 * remote['get_latency']['p50_s']:.1f} ms",
+                  markup=False)
     if objs:
         o_t = Table(title=f"top {len(objs)} objects by hits", title_justify="left")
         for col in ("key", "tier", "size", "hits", "tokens", "fingerprint"):

@@ -70,7 +70,7 @@ from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
 from kvstore.writeback import WriteBack
 from kvstore.remote.base import RemoteAdapter
-from kvstore.remote.tier import RemoteSettings, RemoteTier, disabled_stats, make_adapter
+from kvstore.remote.tier import RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
     TIER_NAMES,
@@ -134,7 +134,9 @@ class Store:
         if s.remote_url or remote_adapter is not None:
             from kvstore.remote.policy import parse_policy
 
-            parse_policy(s.remote_policy)  # the bad setting fails here, before anything opens
+            parse_policy(s.remote_policy)  # bad settings fail here, before anything opens
+            if remote_adapter is None:
+                check_url(s.remote_url)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:

@@ -65,14 +65,23 @@ class RemoteSettings:
     batch: int = 16  # objects per put task
 
 
-def make_adapter(url: str) -> RemoteAdapter:
-    """The adapter a remote URL names; RemoteConfigError for an unknown scheme."""
+def check_url(url: str) -> None:
+    """Parse a remote URL without connecting; RemoteConfigError naming the bad part."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme == "mooncake":
-        from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget
+    if scheme != "mooncake":
+        raise RemoteConfigError(f"remote URL {url!r}: unknown scheme {scheme or '(none)'!r}; supported: mooncake://")
+    from kvstore.remote.mooncake import MooncakeTarget
 
-        return MooncakeAdapter(MooncakeTarget.from_url(url))
-    raise RemoteConfigError(f"remote URL {url!r}: unknown scheme {scheme or '(none)'!r}; supported: mooncake://")
+    MooncakeTarget.from_url(url)
+
+
+def make_adapter(url: str) -> RemoteAdapter:
+    """The adapter a remote URL names, connected; RemoteConfigError for a bad URL or a
+    cluster that cannot be joined."""
+    check_url(url)
+    from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget
+
+    return MooncakeAdapter(MooncakeTarget.from_url(url))
 
 
 class _Latency:

@@ -275,3 +275,10 @@ def test_mooncake_urls_parse_and_bad_ones_name_the_problem():
                       ("mooncake://h:1?segment=lots", "segment"), ("mooncake://h:1?namespace=a/b", "namespace")):
         with pytest.raises(InvalidRequest, match=what):
             MooncakeTarget.from_url(url)
+
+
+def test_a_bad_remote_url_is_refused_before_the_store_opens(tmp_path):
+    with pytest.raises(InvalidRequest, match="MASTER_HOST:PORT"):
+        Store(make_settings(tmp_path, remote_url="mooncake://127.0.0.1?protocol=tcp"))
+    with pytest.raises(InvalidRequest, match="unknown scheme 'redis'"):
+        Store(make_settings(tmp_path, remote_url="redis://127.0.0.1:6379"))
