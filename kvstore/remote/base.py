@@ -229,7 +229,11 @@ class BlockingAdapter(RemoteAdapter):
             fut: Future = Future()
             fut.set_result(TaskResult(False, (UNREACHABLE,) * n, 0.0, "the remote store is unreachable"))
         else:
-            fut = self._pool.submit(self._run, fn, batch, n)
+            try:
+                fut = self._pool.submit(self._run, fn, batch, n)
+            except RuntimeError:  # the adapter was closed
+                fut = Future()
+                fut.set_result(TaskResult(False, (FAILED,) * n, 0.0, "the remote adapter is closed"))
         with self._lock:
             tid = self._next
             self._next += 1

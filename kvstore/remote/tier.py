@@ -223,7 +223,7 @@ class RemoteTier:
             try:
                 tier = s.tiers[o.tier]
                 data = tier.view(o.slot)
-                if data is None:  # a file tier: stage the bytes in memory
+                if data is None or data.device.type != "cpu":  # a file or GPU tier: stage the bytes in host memory
                     data = torch.empty(o.size, dtype=torch.uint8)
                     tier.read_into(o.slot, data)
                 if not o.verified and tier.checksum(o.slot) != o.checksum:

@@ -282,3 +282,14 @@ def test_a_bad_remote_url_is_refused_before_the_store_opens(tmp_path):
         Store(make_settings(tmp_path, remote_url="mooncake://127.0.0.1?protocol=tcp"))
     with pytest.raises(InvalidRequest, match="unknown scheme 'redis'"):
         Store(make_settings(tmp_path, remote_url="redis://127.0.0.1:6379"))
+
+
+def test_stats_of_a_store_without_a_remote_tier_have_the_same_remote_keys(tmp_path):
+    s = Store(make_settings(tmp_path))
+    s.open()
+    try:
+        r = s.stats()["remote"]
+        assert r["enabled"] is False and r["url"] == "" and r["reachable"] is False
+        assert {"hits", "misses", "errors", "objects_written", "bytes_written", "get_latency"} <= set(r)
+    finally:
+        s.close()
