@@ -25,7 +25,9 @@ names; default `kvstore`).
 Mooncake's own health_check answers 0 even when the master is down, so the probe asks
 `batch_is_exist` for one name instead (RPC_FAIL = -900 while the master is away). A
 restarted master has lost its objects (no HA without etcd); the client re-registers
-with it by itself, which the probe sees.
+with it by itself, which the probe sees. A daemon started while no master answers does
+not wait for it (Mooncake's setup fails only after ~90 s): it serves its local tiers
+with the remote tier unreachable and keeps joining in the background.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 from kvstore.config import ConfigError, parse_size
-from kvstore.remote.base import NOT_FOUND, BlockingAdapter, GetItem, PutItem, RemoteConfigError
+from kvstore.remote.base import NOT_FOUND, UNREACHABLE, BlockingAdapter, GetItem, PutItem, RemoteConfigError
 
 log = logging.getLogger(__name__)
 
@@ -129,28 +132,65 @@ class MooncakeAdapter(BlockingAdapter):
 
     kind = "mooncake"
 
-    def __init__(self, target: MooncakeTarget, workers: int = 4, probe_interval_s: float = 0.5) -> None:
-        cls = load_client_class()
+    def __init__(self, target: MooncakeTarget, workers: int = 4, probe_interval_s: float = 0.5,
+                 connect_wait_s: float = 10.0, client_class: Any = None) -> None:
+        """Join the cluster, waiting up to `connect_wait_s` for it; when that does not
+        succeed (no master yet: Mooncake's setup then fails only after ~90 s), start
+        unreachable and keep joining in the background (the probe), so the daemon serves
+        its local tiers meanwhile. `client_class` (tests) stands in for Mooncake's."""
+        cls = client_class if client_class is not None else load_client_class()
         super().__init__(workers=workers, probe_interval_s=probe_interval_s)
         self.target = target
         self.namespace = target.namespace
-        self._client = cls()
-        t = target
-        rc = self._client.setup(t.local_hostname, t.metadata, t.segment_bytes, t.buffer_bytes, t.protocol,
-                                t.device, t.master)
+        self._cls = cls
+        self._client: Any = None
+        self._closed = False
+        self._join_lock = threading.Lock()
+        self.join_failures = 0
+        self._joiner: Optional[threading.Thread] = None
+        self._start_join()
+        assert self._joiner is not None
+        self._joiner.join(connect_wait_s)
+        if self._client is None:
+            log.warning("not joined to the Mooncake cluster at master %s (metadata %s) after %.0f s; serving the "
+                        "local tiers and joining in the background", target.master, target.metadata, connect_wait_s)
+            self._mark_unreachable()
+        self._probe_name = f"{target.namespace}/__probe__"
+
+    def _start_join(self) -> None:
+        with self._join_lock:
+            if self._joiner is not None and self._joiner.is_alive():
+                return
+            self._joiner = threading.Thread(target=self._join, name="kvstore-remote-join", daemon=True)
+            self._joiner.start()
+
+    def _join(self) -> None:
+        t = self.target
+        client = self._cls()
+        rc = client.setup(t.local_hostname, t.metadata, t.segment_bytes, t.buffer_bytes, t.protocol, t.device,
+                          t.master)
+        with self._join_lock:
+            if rc == 0 and not self._closed:
+                self._client = client
+                log.info("joined the Mooncake cluster at master %s", t.master)
+                return
+            self.join_failures += rc != 0
         if rc != 0:
-            self.close()
-            raise RemoteConfigError(
-                f"cannot join the Mooncake cluster at master {t.master} (metadata {t.metadata}, protocol "
-                f"{t.protocol}): setup returned {rc}; is mooncake_master running there?")
-        self._probe_name = f"{t.namespace}/__probe__"
+            log.warning("joining the Mooncake cluster at master %s failed (setup returned %s)", t.master, rc)
+        try:
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - a client that never joined
+            log.debug("closing an unjoined Mooncake client: %s", exc)
 
     def stat_now(self, names: Sequence[str]) -> list[int]:
-        found = self._client.batch_is_exist(list(names))
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(names)
+        found = c.batch_is_exist(list(names))
         out: list[int] = []
         for name, f in zip(names, found):
             if f == 1:
-                out.append(int(self._client.get_size(name)))
+                out.append(int(c.get_size(name)))
             elif f == 0:
                 out.append(NOT_FOUND)
             else:
@@ -158,25 +198,40 @@ class MooncakeAdapter(BlockingAdapter):
         return out
 
     def get_now(self, items: Sequence[GetItem]) -> list[int]:
-        return list(self._client.batch_get_into_multi_buffers(
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(items)
+        return list(c.batch_get_into_multi_buffers(
             [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
             [[n for _, n in i.ranges] for i in items]))
 
     def put_now(self, items: Sequence[PutItem]) -> list[int]:
-        codes = self._client.batch_put_from_multi_buffers(
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(items)
+        codes = c.batch_put_from_multi_buffers(
             [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
             [[n for _, n in i.ranges] for i in items])
         return [i.size if c == 0 else int(c) for i, c in zip(items, codes)]
 
     def remove_now(self, names: Sequence[str]) -> list[int]:
-        return [int(self._client.remove(n, True)) for n in names]
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(names)
+        return [int(c.remove(n, True)) for n in names]
 
     def probe_now(self) -> bool:
-        return self._client.batch_is_exist([self._probe_name])[0] in (0, 1)
+        c = self._client
+        if c is None:  # not joined yet: (re)start joining, answer later
+            self._start_join()
+            return False
+        return c.batch_is_exist([self._probe_name])[0] in (0, 1)
 
     def close(self) -> None:
         super().close()
-        client, self._client = getattr(self, "_client", None), None
+        with self._join_lock:
+            self._closed = True
+            client, self._client = self._client, None
         if client is not None:
             try:
                 client.close()

@@ -293,3 +293,40 @@ def test_stats_of_a_store_without_a_remote_tier_have_the_same_remote_keys(tmp_pa
         assert {"hits", "misses", "errors", "objects_written", "bytes_written", "get_latency"} <= set(r)
     finally:
         s.close()
+
+
+class _LateCluster:
+    """Stands in for Mooncake's client class: setup fails until `joins_after` attempts
+    were made (a master that is not up yet), then joins; the cluster holds nothing."""
+
+    attempts = 0
+    joins_after = 2
+
+    def setup(self, *args):
+        type(self).attempts += 1
+        return 0 if type(self).attempts > type(self).joins_after else -1
+
+    def batch_is_exist(self, names):
+        return [0] * len(names)
+
+    def close(self):
+        pass
+
+
+def test_a_mooncake_adapter_started_before_its_master_serves_unreachable_then_joins():
+    from kvstore.remote.mooncake import MooncakeAdapter
+
+    _LateCluster.attempts = 0
+    a = MooncakeAdapter(MooncakeTarget.from_url("mooncake://127.0.0.1:1"), probe_interval_s=0.02,
+                        connect_wait_s=1.0, client_class=_LateCluster)
+    try:
+        assert a.reachable() is False  # the daemon starts anyway
+        res = a.wait(a.submit_stat(["kvstore/x"]), 1)
+        assert not res.ok and res.codes[0] < 0 and res.seconds == 0.0  # fails at once, no wait
+        deadline = time.monotonic() + 10
+        while not a.reachable() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.reachable() and a.join_failures == 2 and a.stats()["reconnects"] == 1
+        assert a.wait(a.submit_stat(["kvstore/x"]), 1).codes == (NOT_FOUND,)
+    finally:
+        a.close()
