@@ -6,6 +6,7 @@ and counted, never served; an unreachable or slow remote store costs a bounded w
 what is written; the adapter contract (exactly-once results, buffers kept until the end)."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -330,3 +331,20 @@ def test_a_mooncake_adapter_started_before_its_master_serves_unreachable_then_jo
         assert a.wait(a.submit_stat(["kvstore/x"]), 1).codes == (NOT_FOUND,)
     finally:
         a.close()
+
+
+def test_the_remote_options_come_from_flags_env_and_toml(tmp_path):
+    from kvstore.config import load_config
+    from kvstore.server.daemon import store_settings
+
+    url = "mooncake://10.1.2.3:50051?metadata=http://10.1.2.3:8080/metadata&protocol=tcp"
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'remote = "{url}"\nremote_policy = "cost:0.05"\n')
+    c = load_config(config_file=toml, env={"KVSTORE_REMOTE_TIMEOUT": "0.5"})
+    assert (c.remote, c.remote_policy, c.remote_timeout) == (url, "cost:0.05", 0.5)
+    assert c.sources["remote"].startswith("file:") and c.sources["remote_timeout"] == "env:KVSTORE_REMOTE_TIMEOUT"
+    s = store_settings(c, cuda_available=lambda: False)
+    assert (s.remote_url, s.remote_policy, s.remote_timeout_s) == (url, "cost:0.05", 0.5)
+    c = load_config(cli={"remote": "mooncake://h:1"}, config_file=toml, env={"KVSTORE_REMOTE": url})
+    assert c.remote == "mooncake://h:1" and c.sources["remote"] == "flag:--remote"
+    assert load_config(env={}, config_file=os.devnull).remote == ""
