@@ -238,7 +238,6 @@ class BlockingAdapter(RemoteAdapter):
             tid = self._next
             self._next += 1
             self._tasks[tid] = _Task(fut)
-        fut.add_done_callback(lambda f, tid=tid: self._finished(tid))
         return tid
 
     def _run(self, fn: Callable[[list], list[int]], batch: list, n: int) -> TaskResult:
@@ -295,12 +294,8 @@ class BlockingAdapter(RemoteAdapter):
             if t is None or t.taken or t.callback is not None:
                 raise RemoteError(f"remote task {task_id} is unknown or its result was already delivered")
             t.callback = fn
-            done = t.future.done()
-            if done:
-                t.taken = True
-                del self._tasks[task_id]
-        if done:
-            self._deliver(fn, t.future.result())
+        # runs _finished now when the task has ended, else on the adapter thread that ends it
+        t.future.add_done_callback(lambda f, tid=task_id: self._finished(tid))
 
     # -------------------------------------------------------------- reachability
     def reachable(self) -> bool:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt_dropped", "bytes_read", "objects_written",
-            "bytes_written", "already_present", "put_errors", "put_skipped_policy", "put_skipped_unreachable",
+            "bytes_written", "put_errors", "put_skipped_policy", "put_skipped_unreachable",
             "put_queue_full", "lookups_skipped_unreachable", "fill_no_room")
 
 
@@ -242,7 +242,7 @@ class RemoteTier:
             return
         tid = self.adapter.submit_put(items)
 
-        def settle(res: TaskResult, waited: bool = True) -> None:
+        def settle(res: TaskResult) -> None:
             keep.clear()
             with self._stat_lock:
                 self._put_latency.add(res.seconds)
