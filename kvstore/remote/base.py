@@ -36,9 +36,10 @@ Contract (every adapter keeps it):
   reports `ok=False` and every code negative.
 - Thread safety: every public method may be called from any thread at once.
 - Reachability: `reachable()` is False after an operation failed because the store
-  could not be reached, until a background probe (every `probe_interval_s`) succeeds
-  again; while unreachable, submitted tasks fail at once with `UNREACHABLE` instead of
-  waiting for a timeout, and `reconnects` counts each return.
+  could not be reached, or a caller's wait timed out (`suspect()`: a hung or very slow
+  store), until a background probe (every `probe_interval_s`) gets an answer again;
+  while unreachable, submitted tasks fail at once with `UNREACHABLE` instead of waiting
+  for a timeout, and `reconnects` counts each return.
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ class RemoteAdapter(ABC):
     @abstractmethod
     def reachable(self) -> bool:
         """False while the store is known to be unreachable (module contract)."""
+
+    @abstractmethod
+    def suspect(self) -> None:
+        """A caller's `wait` timed out: treat the store as unreachable (fail fast) until
+        the probe gets an answer from it again."""
 
     @abstractmethod
     def stats(self) -> dict:
@@ -301,13 +307,16 @@ class BlockingAdapter(RemoteAdapter):
     def reachable(self) -> bool:
         return self._reach.ok
 
+    def suspect(self) -> None:
+        self._mark_unreachable()
+
     def _mark_unreachable(self) -> None:
         with self._reach.lock:
             if not self._reach.ok or self._stop.is_set():
                 return
             self._reach.ok = False
-            log.warning("the remote store is unreachable; local tiers keep serving, probing every %.1f s",
-                        self._probe_interval)
+            log.warning("the remote store is unreachable or not answering; local tiers keep serving, probing "
+                        "every %.1f s", self._probe_interval)
             self._prober = threading.Thread(target=self._probe_loop, name="kvstore-remote-probe", daemon=True)
             self._prober.start()
 

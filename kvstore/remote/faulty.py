@@ -98,6 +98,8 @@ class FaultyAdapter(BlockingAdapter):
         return self._enter(len(names)) or self.inner.remove_now(names)
 
     def probe_now(self) -> bool:
+        if self.faults.delay_s > 0:
+            time.sleep(self.faults.delay_s)  # a slow store answers its probe slowly too
         return not self.faults.down and self.inner.probe_now()
 
     def stats(self) -> dict:

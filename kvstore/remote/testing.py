@@ -1,8 +1,8 @@
 """A real `mooncake_master` on loopback, for tests and benchmarks of the remote tier.
 
 Owns: `MooncakeMaster`, which starts the master with its embedded HTTP metadata server
-on free loopback ports, waits until it answers, kills and restarts it on the same ports
-(a master restart, as the fault tests need), and `mooncake_unavailable()`, the reason
+on free loopback ports, waits until it answers, pauses and resumes it (SIGSTOP/SIGCONT:
+a hung master), kills and restarts it on the same ports (a master restart), and `mooncake_unavailable()`, the reason
 the remote tier cannot run here (None when it can).
 
     with MooncakeMaster(tmp_path) as master:
@@ -94,6 +94,15 @@ class MooncakeMaster:
             self.proc.wait(10)
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the master hangs (accepts connections, answers nothing) until `resume`."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> "MooncakeMaster":
         self.kill()
         self.restarts += 1
@@ -101,6 +110,7 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused master cannot act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)

@@ -21,9 +21,9 @@ A damaged object is freed, counted in `corrupt_dropped` and removed from the rem
 store; it is never served.
 
 Faults: every remote wait is bounded by `timeout_s`; a timeout or an error is counted
-and the caller sees a miss (local tiers keep serving). While the adapter reports the
-store unreachable, fills and writes are skipped at once and counted; the adapter's probe
-reconnects by itself. A get that timed out keeps its slot until the get has ended.
+and the caller sees a miss (local tiers keep serving). A timeout also makes the adapter
+suspect the store (a hung master): while the adapter reports the store unreachable,
+fills and writes are skipped at once and counted; its probe reconnects by itself. A get that timed out keeps its slot until the get has ended.
 """
 
 from __future__ import annotations
@@ -259,6 +259,7 @@ class RemoteTier:
         if res is None:
             self._count("timeouts")
             self._count("errors")
+            self.adapter.suspect()
             self.adapter.add_done_callback(tid, settle)
         else:
             settle(res)
@@ -324,6 +325,7 @@ class RemoteTier:
         if res is None:
             self._count("timeouts")
             self._count("errors")
+            self.adapter.suspect()
             self.adapter.add_done_callback(tid, lambda r: self._free([p.slot for p in plans], views))
             return 0
         with self._stat_lock:
@@ -381,6 +383,7 @@ class RemoteTier:
         if res is None:
             self._count("timeouts")
             self._count("errors")
+            self.adapter.suspect()
             self.adapter.add_done_callback(tid, lambda r: None)
             log.info("remote %s timed out after %.2f s", what, self.settings.timeout_s)
         return res

@@ -2,8 +2,8 @@
 HTTP metadata server, TCP transport) and REAL daemon processes (`kvstore serve --remote
 URL`, separate sockets, directories and arenas: two "hosts"). An object put through
 daemon 1 is got through daemon 2 with equal bytes; `kvstore inspect --json` and
-/metrics show the remote tier; a master killed and restarted mid-stream fails no request
-and the counters say what happened; a damaged or half-written remote object is never
+/metrics show the remote tier; a master hung (SIGSTOP) and then killed and restarted
+mid-stream fails no request and the counters say what happened; a damaged or half-written remote object is never
 served. Skipped, with the reason, only where Mooncake cannot be imported or started."""
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_an_object_put_through_one_daemon_is_got_through_another_with_equal_byte
     assert res.returncode == 0 and b"remote" in res.stdout and b"reachable" in res.stdout
 
 
-def test_master_killed_and_restarted_mid_stream_fails_no_request(tmp_path):
+def test_master_hung_then_killed_and_restarted_mid_stream_fails_no_request(tmp_path):
     master = _start_master(tmp_path / "master")
     d1, d2 = _daemon(tmp_path / "host1", master), _daemon(tmp_path / "host2", master)
     try:
@@ -116,22 +116,29 @@ def test_master_killed_and_restarted_mid_stream_fails_no_request(tmp_path):
 
 
 def _stream_through_a_master_restart(master, d1, d2):
-    served_remote, failures = 0, []
+    served_remote, failures, waits = 0, [], []
     with d1.client() as kv1, d2.client() as kv2:
-        for i in range(24):
-            if i == 8:
-                master.kill()
+        for i in range(30):
+            if i == 4:
+                master.pause()  # a hung master: waits time out, then the tier fails fast
+            if i == 9:
+                master.resume()
             if i == 14:
+                master.kill()
+            if i == 20:
                 master.restart()
             key, body = f"stream/{i}".encode(), blob(32 << 10, 100 + i)
             try:
                 kv1.put(key, body)
                 with kv1.get(key) as view:  # the writing host always serves its own
                     assert view.memoryview.tobytes() == body
-                if i >= 14:
+                if i >= 20 or 9 <= i < 14:
                     time.sleep(0.3)  # the restarted master: give the write a moment
                 prev = f"stream/{i - 1}".encode()
-                if kv2.lookup([prev])[0].hit:
+                t0 = time.monotonic()
+                hit = kv2.lookup([prev])[0].hit
+                waits.append(time.monotonic() - t0)
+                if hit:
                     with kv2.get(prev) as view:
                         assert view.memoryview.tobytes() == blob(32 << 10, 100 + i - 1)
                         served_remote += 1
@@ -139,6 +146,8 @@ def _stream_through_a_master_restart(master, d1, d2):
                 failures.append(f"{i}: {type(exc).__name__}: {exc}")
             time.sleep(0.1)
         assert failures == []
+        assert max(waits) < 2 * 1.0 + 1.0  # a look-up waits at most its stat and get bounds (1 s each)
+        print(f"lookup waits: max {max(waits):.2f} s, median {sorted(waits)[len(waits) // 2]:.3f} s")
         # after the restart (the master lost its objects) writes reach the other host again
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -156,6 +165,7 @@ def _stream_through_a_master_restart(master, d1, d2):
     assert r1["reconnects"] >= 1 and r2["reconnects"] >= 1  # both saw the master go and come back
     assert r1["errors"] + r1["put_skipped_unreachable"] >= 1  # writes while it was away: counted
     assert r2["errors"] + r2["lookups_skipped_unreachable"] >= 1  # look-ups while it was away: counted
+    assert r1["timeouts"] + r2["timeouts"] >= 1  # the hung master: bounded waits that ran out
     assert r2["corrupt_dropped"] == 0
 
 

@@ -163,19 +163,27 @@ def test_an_unreachable_remote_store_costs_one_bounded_wait_then_none_and_reconn
         s2.close()
 
 
-def test_a_slow_remote_store_times_out_within_the_bound_and_frees_its_slot_later(tmp_path):
+def test_a_slow_remote_store_times_out_within_the_bound_then_fails_fast_and_recovers(tmp_path):
     faults = RemoteFaults()
     _, [(s1, _), (s2, a2)] = _pair(tmp_path, faults=faults, timeout=0.2)
     try:
         put(s1, b"k", data(PAGE, 10))
         _drain(s1)
-        faults.delay_s = 1.0
+        faults.delay_s = 1.0  # every call (and the probe) takes 1 s: a hung master
         t0 = time.monotonic()
-        assert s2.lookup([b"k2"])[0].hit is False
-        assert time.monotonic() - t0 < 0.5
-        assert _remote_stats(s2)["timeouts"] >= 1
+        assert s2.lookup([b"k"])[0].hit is False
+        assert time.monotonic() - t0 < 0.8  # one bounded wait (0.2 s), not the 1 s call
+        r = _remote_stats(s2)
+        assert r["timeouts"] == 1 and r["reachable"] is False  # suspected after the timeout
+        calls = a2.injected["delays"]
+        assert s2.lookup([b"k"])[0].hit is False  # fails fast: no remote call, no wait
+        assert a2.injected["delays"] == calls and _remote_stats(s2)["lookups_skipped_unreachable"] >= 1
         faults.delay_s = 0.0
-        time.sleep(1.2)  # the late tasks end; a late get's slot is freed then
+        deadline = time.monotonic() + 10
+        while not _remote_stats(s2)["reachable"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert get_bytes(s2, b"k") == data(PAGE, 10)  # back once the probe answered
+        time.sleep(1.2)  # the late calls end; their results go nowhere, their buffers are freed
         s2.delete([b"k"])
         assert s2.stats()["tiers"][0]["used_bytes"] == 0
     finally:
