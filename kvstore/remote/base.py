@@ -49,6 +49,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -160,7 +161,8 @@ class RemoteAdapter(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Stop the threads and the client; tasks still running finish or fail first."""
+        """Stop the threads and the client, waiting a bounded time (`close_wait_s`) for
+        tasks still running (a hung store must not hang the daemon's shutdown)."""
 
 
 @dataclass
@@ -183,6 +185,8 @@ class BlockingAdapter(RemoteAdapter):
     `get_now`, `put_now`, `remove_now` (one batch each, returning a code per item) and
     `probe_now` (True when the store answers). Those run on `workers` threads; a batch
     whose codes include UNREACHABLE marks the store unreachable (module contract)."""
+
+    close_wait_s = 5.0  # how long close() waits for running tasks
 
     def __init__(self, workers: int = 4, probe_interval_s: float = 0.5) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-remote")
@@ -340,6 +344,12 @@ class BlockingAdapter(RemoteAdapter):
 
     def close(self) -> None:
         self._stop.set()
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        with self._lock:
+            running = [t.future for t in self._tasks.values() if not t.future.done()]
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        _, stuck = futures_wait(running, timeout=self.close_wait_s)
+        if stuck:
+            log.warning("closing the remote adapter with %d task(s) still running after %.1f s (the store is not "
+                        "answering); not waiting for them", len(stuck), self.close_wait_s)
         if self._prober is not None:
-            self._prober.join(timeout=5.0)
+            self._prober.join(timeout=1.0)

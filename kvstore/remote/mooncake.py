@@ -232,8 +232,18 @@ class MooncakeAdapter(BlockingAdapter):
         with self._join_lock:
             self._closed = True
             client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception as exc:  # noqa: BLE001 - closing is best effort
-                log.warning("closing the Mooncake client failed: %s", exc)
+        if client is None:
+            return
+        if not self.reachable():
+            # Unmounting asks the master, holding the GIL: with a hung master that froze
+            # the whole process for over a minute. Leave the client to the process's end.
+            log.warning("the Mooncake master is not answering: leaving the client unclosed")
+            _ABANDONED.append(client)
+            return
+        try:
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - closing is best effort
+            log.warning("closing the Mooncake client failed: %s", exc)
+
+
+_ABANDONED: list[Any] = []  # clients not closed (their destructor would block on the master)
