@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -165,9 +165,17 @@ class RemoteAdapter(ABC):
         tasks still running (a hung store must not hang the daemon's shutdown)."""
 
 
+def _outcome(t: "_Task") -> TaskResult:
+    """The result of a finished task (one cancelled by close: failed)."""
+    if t.future.cancelled():
+        return TaskResult(False, (FAILED,) * t.items, 0.0, "the remote adapter closed before the task ran")
+    return t.future.result()
+
+
 @dataclass
 class _Task:
     future: Future
+    items: int
     taken: bool = False
     callback: Optional[Callable[[TaskResult], None]] = None
 
@@ -247,7 +255,7 @@ class BlockingAdapter(RemoteAdapter):
         with self._lock:
             tid = self._next
             self._next += 1
-            self._tasks[tid] = _Task(fut)
+            self._tasks[tid] = _Task(fut, n)
         return tid
 
     def _run(self, fn: Callable[[list], list[int]], batch: list, n: int) -> TaskResult:
@@ -273,7 +281,7 @@ class BlockingAdapter(RemoteAdapter):
                 return
             t.taken = True
             del self._tasks[tid]
-        self._deliver(t.callback, t.future.result())
+        self._deliver(t.callback, _outcome(t))
 
     @staticmethod
     def _deliver(fn: Callable[[TaskResult], None], res: TaskResult) -> None:
@@ -288,9 +296,12 @@ class BlockingAdapter(RemoteAdapter):
             if t is None or t.taken or t.callback is not None:
                 raise RemoteError(f"remote task {task_id} is unknown or its result was already delivered")
         try:
-            res = t.future.result(timeout=max(0.0, timeout_s))
+            t.future.exception(timeout=max(0.0, timeout_s))  # waits; never raises the task's own error
         except TimeoutError:
             return None
+        except CancelledError:
+            pass
+        res = _outcome(t)
         with self._lock:
             if t.taken:
                 raise RemoteError(f"remote task {task_id}'s result was already delivered")

@@ -360,3 +360,17 @@ def test_the_remote_options_come_from_flags_env_and_toml(tmp_path):
     c = load_config(cli={"remote": "mooncake://h:1"}, config_file=toml, env={"KVSTORE_REMOTE": url})
     assert c.remote == "mooncake://h:1" and c.sources["remote"] == "flag:--remote"
     assert load_config(env={}, config_file=os.devnull).remote == ""
+
+
+def test_closing_an_adapter_is_bounded_and_fails_the_tasks_it_never_ran():
+    a = FaultyAdapter(MemoryAdapter(), RemoteFaults(delay_s=0.3), workers=1)
+    a.close_wait_s = 1.0
+    tids = [a.submit_stat(["x"]) for _ in range(3)]
+    got = []
+    a.add_done_callback(tids[2], got.append)
+    t0 = time.monotonic()
+    a.close()
+    assert time.monotonic() - t0 < 1.5
+    first = a.wait(tids[0], 5)
+    assert first.codes == (NOT_FOUND,)  # it was running: it finished
+    assert got and not got[0].ok and "closed" in got[0].error  # it never ran: failed, delivered once
