@@ -471,6 +471,13 @@ def inspect_cmd(
               f"hit rate {_pct(stats['get_hit_rate'])}   (keys read; engines read only what a lookup found)")
     con.print(f"evictions {stats.get('evictions', 0)}  demotions {stats.get('demotions', 0)}  "
               f"write-backs {stats.get('writebacks', 0)}  leases {stats.get('leases', 0)}")
+    remote = stats.get("remote") or {}
+    if remote.get("enabled"):
+        con.print(f"remote {remote['url']}  {'reachable' if remote['reachable'] else 'UNREACHABLE'}  "
+                  f"hits {remote['hits']}  misses {remote['misses']}  errors {remote['errors']}  "
+                  f"corrupt {remote['corrupt_dropped']}  written {remote['objects_written']} objects "
+                  f"({format_size(remote['bytes_written'])})  get p50 {1e3 * remote['get_latency']['p50_s']:.1f} ms",
+                  markup=False)
     if objs:
         con.print(f"top {len(objs)} objects by hits")
         o_t = Table()

@@ -196,6 +196,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_key_bytes", "int", 1024, "longest key accepted, in bytes", minimum=1),
     Option("workers", "int", 16, "threads for RPCs that block (the asyncio gRPC server runs the rest on its event loop)", minimum=1),
     Option("log_level", "choice", "info", "daemon log level", choices=LOG_LEVELS),
+    Option("remote", "str", "",
+           "remote tier shared by many hosts, e.g. mooncake://MASTER_HOST:PORT?metadata=URL&protocol=tcp (empty: none)"),
+    Option("remote_policy", "str", "all", "which committed objects go to the remote tier: all | none | cost:SECONDS"),
+    Option("remote_timeout", "float", 2.0, "seconds any remote operation may take before it counts as failed",
+           minimum=0.001),
 )
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 
@@ -227,6 +232,9 @@ class Config:
     max_key_bytes: int
     workers: int
     log_level: str
+    remote: str = ""
+    remote_policy: str = "all"
+    remote_timeout: float = 2.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     config_file: Optional[Path] = None
 

@@ -42,6 +42,11 @@ class StoreSettings:
     # drops them (`corrupt_dropped`). NVMe commits are always hashed in full (they are
     # made durable). -1: hash every commit in full.
     commit_verify_max_bytes: int = 1 << 20
+    # The remote tier (kvstore.remote): its URL ("" = none), which objects it receives
+    # (all | none | cost:SECONDS) and the bound on every remote wait, in seconds.
+    remote_url: str = ""
+    remote_policy: str = "all"
+    remote_timeout_s: float = 2.0
 
     def validate(self) -> None:
         """InvalidRequest naming the first bad setting."""

@@ -35,6 +35,11 @@ verifying/promoting an NVMe hit run outside it (the object or reservation is pin
 so do prefetches from NVMe to the CPU tier; demotions and other prefetch moves still
 copy bytes under the lock; kvstore.writeback gives the coldest CPU-tier objects NVMe
 copies ahead of need, outside it, so demoting them writes nothing.
+
+Remote tier (optional, `settings.remote_url`; kvstore.remote): committed objects are
+offered to it after commit and written in the background; a key absent from every local
+tier is looked up there by `lookup`/`presence` (wait=True) and `get`, and a remote hit is
+verified and committed to the CPU tier before it is answered.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ from kvstore.eviction import make_policy
 from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
 from kvstore.writeback import WriteBack
+from kvstore.remote.base import RemoteAdapter
+from kvstore.remote.tier import RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
     TIER_NAMES,
@@ -98,9 +105,12 @@ class _PendingPut:
 class Store:
     """The tiered object store. Thread-safe; see the module docstring."""
 
-    def __init__(self, settings: StoreSettings, *, wrap_tier: Optional[Callable[[Tier], Tier]] = None) -> None:
+    def __init__(self, settings: StoreSettings, *, wrap_tier: Optional[Callable[[Tier], Tier]] = None,
+                 remote_adapter: Optional[RemoteAdapter] = None) -> None:
         """Validate settings (InvalidRequest naming the bad one); allocate nothing until
-        `open`. `wrap_tier` (tests) wraps each tier as it is created, e.g. in a FaultyTier."""
+        `open`. `wrap_tier` (tests) wraps each tier as it is created, e.g. in a FaultyTier;
+        `remote_adapter` (tests) is the remote tier's adapter instead of the one
+        `settings.remote_url` names (the Store closes it)."""
         s = settings
         s.validate()
         self.settings = s
@@ -119,6 +129,14 @@ class Store:
         self._dir_lock = -1
         self._open = False
         self._writeback = WriteBack(self, s.writeback_watermark)  # started by open (CPU + NVMe tiers, < 1)
+        self._remote_adapter = remote_adapter
+        self._remote: Optional[RemoteTier] = None  # made by open when a remote tier is configured
+        if s.remote_url or remote_adapter is not None:
+            from kvstore.remote.policy import parse_policy
+
+            parse_policy(s.remote_policy)  # bad settings fail here, before anything opens
+            if remote_adapter is None:
+                check_url(s.remote_url)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -155,6 +173,21 @@ class Store:
             self._open = True
         if {"cpu", "nvme"} <= set(self.tiers) and self.settings.writeback_watermark < 1.0:
             self._writeback.start()
+        if self.settings.remote_url or self._remote_adapter is not None:
+            self._open_remote()
+
+    def _open_remote(self) -> None:
+        s = self.settings
+        try:
+            if "cpu" not in self.tiers:
+                raise InvalidRequest("the remote tier needs a CPU tier (remote hits land there): give --cpu-capacity a size")
+            adapter = self._remote_adapter if self._remote_adapter is not None else make_adapter(s.remote_url)
+            self._remote = RemoteTier(self, RemoteSettings(s.remote_url or f"({adapter.kind})", s.remote_policy,
+                                                           s.remote_timeout_s), adapter)
+        except BaseException:
+            self.close()
+            raise
+        self._remote.start()
 
     def _open_tiers(self) -> None:
         s = self.settings
@@ -179,6 +212,9 @@ class Store:
         """Abort open reservations, optionally write the CPU tier back to NVMe, flush and
         close the index, unmap and unlink the arenas. Idempotent."""
         self._writeback.stop()  # first: its rounds take the lock and copy outside it
+        if self._remote is not None:  # its writes and fills end before the tiers close
+            self._remote.stop()
+            self._remote = None
         with self._lock:
             if not self._open:
                 return
@@ -258,7 +294,19 @@ class Store:
         """`lookup` without the records: (tier, size) per present key, None per absent
         one. The server's Lookup fast path (one dict probe per key under the lock). With
         `wait=False` it returns None at once when the lock is busy (the asyncio server
-        then retries on a worker thread instead of stalling its event loop)."""
+        then retries on a worker thread instead of stalling its event loop); with a
+        remote tier also when some key is absent locally (asking the remote tier blocks),
+        and with `wait=True` such keys are filled from the remote tier first."""
+        out = self._presence(keys, wait)
+        if out is None or self._remote is None or all(out):
+            return out
+        if not wait:
+            return None  # a remote look-up blocks: the caller retries on a worker thread
+        if self._remote.fill([k for k, f in zip(keys, out) if f is None]):
+            return self._presence(keys, True)
+        return out
+
+    def _presence(self, keys: Sequence[bytes], wait: bool) -> Optional[list[Optional[tuple[str, int]]]]:
         if not self._lock.acquire(blocking=wait):
             return None
         try:
@@ -373,6 +421,8 @@ class Store:
             self._counters["puts"] += 1
         if p.tier == "cpu":
             self._writeback.kick()
+        if self._remote is not None:
+            self._remote.offer(p.key, slot.size, p.meta)
         return LookupEntry(p.key, True, p.tier, slot.size)
 
     def abort(self, reservation_id: int) -> None:
@@ -413,6 +463,10 @@ class Store:
         without the read-back (verify_nvme "always" acts as "first" for this get; a
         corrupt object is then the client's BadObject, and stays in the store).
         """
+        if self._remote is not None:
+            found = self._presence(keys, True)
+            if found is not None and not all(found):
+                self._remote.fill([k for k, f in zip(keys, found) if f is None])
         plans: list[tuple[StoredObject, Optional[Slot]]] = []
         with self._lock:
             self._require_open()
@@ -577,7 +631,9 @@ class Store:
                       "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
                       "writebacks", "writeback_bytes", "writeback_failures"):
                 out[k] = self._counters[k]
-            return out
+            remote = self._remote
+        out["remote"] = remote.stats() if remote is not None else disabled_stats()
+        return out
 
     def list_objects(self, fingerprint: Optional[str] = None, prefix: Optional[bytes] = None,
                      tier: Optional[str] = None, limit: Optional[int] = None) -> list[ObjectInfo]:

@@ -42,6 +42,22 @@ step "triton 3.7.1 and numpy"
 pip_install triton==3.7.1 numpy
 step "hypercache itself, editable, with the kernels and dev extras (grpcio, lmdb, typer, pytest ...)"
 pip_install -e '.[kernels,dev]'
+# Remote tier (docs/remote.md): the Mooncake Store client and the shared libraries it needs.
+# Optional: without it `kvstore serve --remote` refuses with the reason and its tests skip.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  if ! dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1; then
+    step "libibverbs1 librdmacm1 libnuma1 (apt; for the remote tier's Mooncake client)"
+    { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1; } >/dev/null 2>&1 \
+      || step "apt-get could not install libibverbs1 librdmacm1 libnuma1: the remote tier may not start"
+  fi
+fi
+if command -v nvidia-smi >/dev/null 2>&1; then  # GPU hosts: the CUDA build of the same client
+  step "mooncake-transfer-engine (the remote tier's client, CUDA build)"
+  pip_install mooncake-transfer-engine || step "mooncake-transfer-engine did not install: remote tier off"
+else
+  step "mooncake-transfer-engine-non-cuda (the remote tier's client: the 'remote' extra)"
+  pip_install -e '.[remote]' || step "the remote extra (mooncake) did not install: remote tier off"
+fi
 # A guard against an install that replaced the CPU torch with a CUDA build.
 python - <<'PY'
 import torch

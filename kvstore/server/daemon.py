@@ -82,6 +82,9 @@ def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_av
         writeback_on_close=config.writeback_on_close,
         writeback_watermark=config.writeback_watermark,
         verify_nvme=config.verify_nvme,
+        remote_url=config.remote,
+        remote_policy=config.remote_policy,
+        remote_timeout_s=config.remote_timeout,
     )
 
 

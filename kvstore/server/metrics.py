@@ -64,6 +64,41 @@ class _StoreCollector:
         yield used
         yield cap
         yield objs
+        yield from _remote_metrics(s.get("remote") or {})
+
+
+_REMOTE_COUNTERS = (
+    ("hits", "Local misses found in the remote tier (verified, then served from the CPU tier)"),
+    ("misses", "Local misses the remote tier did not hold either"),
+    ("errors", "Remote operations that failed or timed out"),
+    ("timeouts", "Remote operations that took longer than remote_timeout"),
+    ("corrupt_dropped", "Remote objects that failed their checksum or header check (dropped, never served)"),
+    ("objects_written", "Objects this daemon wrote to the remote tier"),
+    ("bytes_written", "Bytes of objects this daemon wrote to the remote tier"),
+    ("bytes_read", "Bytes of objects this daemon read from the remote tier"),
+    ("put_skipped_unreachable", "Remote writes skipped while the remote store was unreachable"),
+    ("lookups_skipped_unreachable", "Keys not asked of the remote tier while it was unreachable"),
+    ("reconnects", "Times the remote store became reachable again"),
+)
+
+
+def _remote_metrics(r: dict[str, Any]) -> Iterator[Any]:
+    """The remote tier's series (kvstore.remote.tier), when one is configured."""
+    if not r.get("enabled"):
+        return
+    for name, help_text in _REMOTE_COUNTERS:
+        yield CounterMetricFamily(f"kvstore_remote_{name}", help_text, value=float(r.get(name, 0)))
+    yield GaugeMetricFamily("kvstore_remote_reachable", "1 while the remote store is reachable",
+                            value=1.0 if r.get("reachable") else 0.0)
+    yield GaugeMetricFamily("kvstore_remote_pending_writes", "Objects queued for or being written to the remote tier",
+                            value=float(r.get("pending_writes", 0)))
+    lat = GaugeMetricFamily("kvstore_remote_latency_seconds", "Remote operation latency over the last 4096 operations",
+                            labels=["op", "quantile"])
+    for op in ("get", "put"):
+        d = r.get(f"{op}_latency") or {}
+        lat.add_metric([op, "0.5"], float(d.get("p50_s", 0.0)))
+        lat.add_metric([op, "0.99"], float(d.get("p99_s", 0.0)))
+    yield lat
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -1,0 +1,366 @@
+"""The remote-tier adapter interface: how the daemon talks to a store shared by many hosts.
+
+Owns: `RemoteAdapter` (the interface the Store's remote tier calls), its records
+(`PutItem`, `GetItem`, `TaskResult`), the remote error classes, and `BlockingAdapter`, the
+task machinery (a small thread pool, exactly-once results, reachability and automatic
+reconnect) that adapters over a blocking client (Mooncake Store, the in-memory mock) fill
+in with three blocking calls.
+
+Call order (one remote tier, any number of threads)::
+
+    tid = adapter.submit_stat(names)              # sizes of the objects, -1 where absent
+    res = adapter.wait(tid, timeout_s)            # TaskResult, or None: not done yet
+    tid = adapter.submit_get([GetItem(name, [(hdr_ptr, 4096), (slot_ptr, n)])])
+    res = adapter.wait(tid, timeout_s)            # per item: bytes read, or a negative code
+    tid = adapter.submit_put([PutItem(name, [(hdr_ptr, 4096), (slot_ptr, n)])])
+    adapter.add_done_callback(tid, fn)            # fn(TaskResult) once the task has ended
+
+Contract (every adapter keeps it):
+
+- Non-blocking: every `submit_*` returns a task id at once; the work runs elsewhere.
+  `wait(tid, timeout_s)` blocks at most `timeout_s` and returns None when the task has
+  not finished; `poll(tid)` is `wait(tid, 0)`.
+- Exactly once: a task's `TaskResult` is delivered exactly once, by the first `wait`/
+  `poll` that sees it finished, or to the callback given to `add_done_callback` (then
+  no `wait` returns it). A task that timed out in `wait` still runs to its end.
+- Buffers: the caller owns every buffer named in a `PutItem`/`GetItem` and must keep it
+  alive and unchanged (put) or untouched (get) until the task's result has been
+  delivered, even after a `wait` timed out. A put never keeps a reference after that;
+  a get writes only inside the ranges given.
+- Objects are all-or-nothing: an object is visible to `submit_stat`/`submit_get` only
+  once its put has completed; a reader never sees a half-written object (a put that
+  fails or dies half-way leaves nothing, or the previous complete object).
+- Results per item: `codes[i] >= 0` is success (bytes moved, or the size for stat),
+  `NOT_FOUND` means absent, any other negative value is an error (`error` says what).
+  A task whose whole batch failed (the store unreachable, a timeout of the client)
+  reports `ok=False` and every code negative.
+- Thread safety: every public method may be called from any thread at once.
+- Reachability: `reachable()` is False after an operation failed because the store
+  could not be reached, or a caller's wait timed out (`suspect()`: a hung or very slow
+  store), until a background probe (every `probe_interval_s`) gets an answer again;
+  while unreachable, submitted tasks fail at once with `UNREACHABLE` instead of waiting
+  for a timeout, and `reconnects` counts each return.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from kvstore.errors import InvalidRequest, KVStoreError
+
+log = logging.getLogger(__name__)
+
+NOT_FOUND = -704  # the object is absent (Mooncake's OBJECT_NOT_FOUND; every adapter uses it)
+UNREACHABLE = -900  # the remote store could not be reached (Mooncake's RPC_FAIL)
+FAILED = -1  # any other failure of one item
+
+
+class RemoteError(KVStoreError):
+    """The remote tier failed: unreachable, timed out, or refused an operation."""
+
+    code = "REMOTE_ERROR"
+
+
+class RemoteConfigError(RemoteError, InvalidRequest):
+    """A remote tier URL or setting is invalid (the message names the bad part)."""
+
+    code = "INVALID_REQUEST"
+
+
+@dataclass(frozen=True)
+class PutItem:
+    """One object to write: its remote name and its bytes as (address, length) ranges,
+    concatenated in order (the caller's buffers; see the module contract)."""
+
+    name: str
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+
+@dataclass(frozen=True)
+class GetItem:
+    """One object to read into (address, length) ranges whose lengths sum to its exact size."""
+
+    name: str
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """A finished task: one code per item (module contract), and how long it ran."""
+
+    ok: bool
+    codes: tuple[int, ...]
+    seconds: float
+    error: str = ""
+
+
+class RemoteAdapter(ABC):
+    """A store shared across hosts (module docstring: the contract)."""
+
+    namespace: str = "kvstore"  # prefix of the remote object names (kvstore.remote.envelope)
+    kind: str = "remote"  # short adapter name for stats
+
+    @abstractmethod
+    def submit_stat(self, names: Sequence[str]) -> int:
+        """Sizes of the named objects (code: size in bytes, NOT_FOUND, or an error)."""
+
+    @abstractmethod
+    def submit_get(self, items: Sequence[GetItem]) -> int:
+        """Read each object into its ranges (code: bytes read, NOT_FOUND, or an error)."""
+
+    @abstractmethod
+    def submit_put(self, items: Sequence[PutItem]) -> int:
+        """Write each object whole (code: bytes written, or an error). Writing a name that
+        exists leaves one complete object under it."""
+
+    @abstractmethod
+    def submit_remove(self, names: Sequence[str]) -> int:
+        """Remove the named objects (code 0, NOT_FOUND, or an error)."""
+
+    @abstractmethod
+    def wait(self, task_id: int, timeout_s: float) -> Optional[TaskResult]:
+        """The task's result once, or None when it has not finished within `timeout_s`.
+        Raises RemoteError for an id that is unknown or whose result was delivered."""
+
+    def poll(self, task_id: int) -> Optional[TaskResult]:
+        """`wait(task_id, 0)`."""
+        return self.wait(task_id, 0.0)
+
+    @abstractmethod
+    def add_done_callback(self, task_id: int, fn: Callable[[TaskResult], None]) -> None:
+        """Deliver the task's result to `fn` (on some adapter thread, or at once when it has
+        finished) instead of to `wait`."""
+
+    @abstractmethod
+    def reachable(self) -> bool:
+        """False while the store is known to be unreachable (module contract)."""
+
+    @abstractmethod
+    def suspect(self) -> None:
+        """A caller's `wait` timed out: treat the store as unreachable (fail fast) until
+        the probe gets an answer from it again."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Adapter-level figures: at least `reconnects` and `unreachable_fast_fails`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the threads and the client, waiting a bounded time (`close_wait_s`) for
+        tasks still running (a hung store must not hang the daemon's shutdown)."""
+
+
+def _outcome(t: "_Task") -> TaskResult:
+    """The result of a finished task (one cancelled by close: failed)."""
+    if t.future.cancelled():
+        return TaskResult(False, (FAILED,) * t.items, 0.0, "the remote adapter closed before the task ran")
+    return t.future.result()
+
+
+@dataclass
+class _Task:
+    future: Future
+    items: int
+    taken: bool = False
+    callback: Optional[Callable[[TaskResult], None]] = None
+
+
+@dataclass
+class _Reach:
+    ok: bool = True
+    reconnects: int = 0
+    fast_fails: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class BlockingAdapter(RemoteAdapter):
+    """The task machinery over a blocking client: subclasses implement `stat_now`,
+    `get_now`, `put_now`, `remove_now` (one batch each, returning a code per item) and
+    `probe_now` (True when the store answers). Those run on `workers` threads; a batch
+    whose codes include UNREACHABLE marks the store unreachable (module contract)."""
+
+    close_wait_s = 5.0  # how long close() waits for running tasks
+
+    def __init__(self, workers: int = 4, probe_interval_s: float = 0.5) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-remote")
+        self._tasks: dict[int, _Task] = {}
+        self._lock = threading.Lock()
+        self._next = 1
+        self._reach = _Reach()
+        self._probe_interval = probe_interval_s
+        self._stop = threading.Event()
+        self._prober: Optional[threading.Thread] = None
+
+    # -------------------------------------------------------------- the blocking calls
+    @abstractmethod
+    def stat_now(self, names: Sequence[str]) -> list[int]:
+        """Sizes per name (NOT_FOUND when absent); blocking."""
+
+    @abstractmethod
+    def get_now(self, items: Sequence[GetItem]) -> list[int]:
+        """Bytes read per item; blocking."""
+
+    @abstractmethod
+    def put_now(self, items: Sequence[PutItem]) -> list[int]:
+        """Bytes written per item; blocking."""
+
+    @abstractmethod
+    def remove_now(self, names: Sequence[str]) -> list[int]:
+        """0 per removed name; blocking."""
+
+    @abstractmethod
+    def probe_now(self) -> bool:
+        """True when the store answers a cheap request; blocking."""
+
+    # -------------------------------------------------------------- the interface
+    def submit_stat(self, names: Sequence[str]) -> int:
+        return self._submit(self.stat_now, list(names), len(names))
+
+    def submit_get(self, items: Sequence[GetItem]) -> int:
+        return self._submit(self.get_now, list(items), len(items))
+
+    def submit_put(self, items: Sequence[PutItem]) -> int:
+        return self._submit(self.put_now, list(items), len(items))
+
+    def submit_remove(self, names: Sequence[str]) -> int:
+        return self._submit(self.remove_now, list(names), len(names))
+
+    def _submit(self, fn: Callable[[list], list[int]], batch: list, n: int) -> int:
+        if not self.reachable():
+            with self._reach.lock:
+                self._reach.fast_fails += 1
+            fut: Future = Future()
+            fut.set_result(TaskResult(False, (UNREACHABLE,) * n, 0.0, "the remote store is unreachable"))
+        else:
+            try:
+                fut = self._pool.submit(self._run, fn, batch, n)
+            except RuntimeError:  # the adapter was closed
+                fut = Future()
+                fut.set_result(TaskResult(False, (FAILED,) * n, 0.0, "the remote adapter is closed"))
+        with self._lock:
+            tid = self._next
+            self._next += 1
+            self._tasks[tid] = _Task(fut, n)
+        return tid
+
+    def _run(self, fn: Callable[[list], list[int]], batch: list, n: int) -> TaskResult:
+        t0 = time.perf_counter()
+        try:
+            codes = [int(c) for c in fn(batch)]
+            if len(codes) != n:
+                raise RemoteError(f"the remote client answered {len(codes)} results for a batch of {n}")
+            err = ""
+        except Exception as exc:  # noqa: BLE001 - a task reports its failure, never raises
+            log.warning("remote %s failed: %s", getattr(fn, "__name__", "operation"), exc)
+            codes, err = [FAILED] * n, f"{type(exc).__name__}: {exc}"
+        if n and UNREACHABLE in codes:
+            self._mark_unreachable()
+            err = err or "the remote store is unreachable"
+        ok = all(c >= 0 or c == NOT_FOUND for c in codes)
+        return TaskResult(ok, tuple(codes), time.perf_counter() - t0, err)
+
+    def _finished(self, tid: int) -> None:
+        with self._lock:
+            t = self._tasks.get(tid)
+            if t is None or t.callback is None or t.taken:
+                return
+            t.taken = True
+            del self._tasks[tid]
+        self._deliver(t.callback, _outcome(t))
+
+    @staticmethod
+    def _deliver(fn: Callable[[TaskResult], None], res: TaskResult) -> None:
+        try:
+            fn(res)
+        except Exception:  # noqa: BLE001 - a callback must not kill an adapter thread
+            log.exception("remote task callback failed")
+
+    def wait(self, task_id: int, timeout_s: float) -> Optional[TaskResult]:
+        with self._lock:
+            t = self._tasks.get(task_id)
+            if t is None or t.taken or t.callback is not None:
+                raise RemoteError(f"remote task {task_id} is unknown or its result was already delivered")
+        try:
+            t.future.exception(timeout=max(0.0, timeout_s))  # waits; never raises the task's own error
+        except TimeoutError:
+            return None
+        except CancelledError:
+            pass
+        res = _outcome(t)
+        with self._lock:
+            if t.taken:
+                raise RemoteError(f"remote task {task_id}'s result was already delivered")
+            t.taken = True
+            self._tasks.pop(task_id, None)
+        return res
+
+    def add_done_callback(self, task_id: int, fn: Callable[[TaskResult], None]) -> None:
+        with self._lock:
+            t = self._tasks.get(task_id)
+            if t is None or t.taken or t.callback is not None:
+                raise RemoteError(f"remote task {task_id} is unknown or its result was already delivered")
+            t.callback = fn
+        # runs _finished now when the task has ended, else on the adapter thread that ends it
+        t.future.add_done_callback(lambda f, tid=task_id: self._finished(tid))
+
+    # -------------------------------------------------------------- reachability
+    def reachable(self) -> bool:
+        return self._reach.ok
+
+    def suspect(self) -> None:
+        self._mark_unreachable()
+
+    def _mark_unreachable(self) -> None:
+        with self._reach.lock:
+            if not self._reach.ok or self._stop.is_set():
+                return
+            self._reach.ok = False
+            log.warning("the remote store is unreachable or not answering; local tiers keep serving, probing "
+                        "every %.1f s", self._probe_interval)
+            self._prober = threading.Thread(target=self._probe_loop, name="kvstore-remote-probe", daemon=True)
+            self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self._probe_interval):
+            try:
+                up = self.probe_now()
+            except Exception as exc:  # noqa: BLE001 - keep probing
+                log.debug("remote probe failed: %s", exc)
+                up = False
+            if up:
+                with self._reach.lock:
+                    self._reach.ok = True
+                    self._reach.reconnects += 1
+                log.warning("the remote store is reachable again")
+                return
+
+    def stats(self) -> dict:
+        with self._reach.lock:
+            return {"reconnects": self._reach.reconnects, "unreachable_fast_fails": self._reach.fast_fails}
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            running = [t.future for t in self._tasks.values() if not t.future.done()]
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        _, stuck = futures_wait(running, timeout=self.close_wait_s)
+        if stuck:
+            log.warning("closing the remote adapter with %d task(s) still running after %.1f s (the store is not "
+                        "answering); not waiting for them", len(stuck), self.close_wait_s)
+        if self._prober is not None:
+            self._prober.join(timeout=1.0)

@@ -1,0 +1,249 @@
+"""The Mooncake Store adapter of the remote tier.
+
+Owns: parsing `mooncake://MASTER_HOST:PORT?metadata=URL&protocol=tcp[&...]` into a
+`MooncakeTarget`, and `MooncakeAdapter`, a `BlockingAdapter` over Mooncake's Python
+client (`mooncake.store.MooncakeDistributedStore`, from the mooncake-transfer-engine
+wheels: the `remote` extra).
+
+The daemon joins the Mooncake cluster as one client: it mounts a segment of its own
+memory into the cluster's pool (`segment=`, default 256MiB; 0 contributes nothing and
+only uses what other clients and `mooncake_store_service` processes give) and moves
+bytes with the transfer engine (`protocol=tcp`, or `rdma` with `device=`). Objects are
+written and read straight from and into the caller's buffers (the CPU arena) in one
+call per batch: `batch_put_from_multi_buffers` (header + object bytes as two ranges)
+and `batch_get_into_multi_buffers`, the calls LMCache's and SGLang HiCache's Mooncake
+backends use. Mooncake makes an object visible only when its put completed (PutStart /
+PutEnd at the master), so a half-written object is never read.
+
+URL parameters: `metadata` (the metadata server, e.g. the master's embedded one at
+`http://HOST:8080/metadata`; default that URL on the master's host), `protocol` (tcp),
+`device` (RDMA devices), `host` (the address this client advertises to peers; default
+127.0.0.1 for a loopback master, else this host's name), `segment` and `buffer` (sizes:
+the mounted segment and the client's staging buffer), `namespace` (prefix of object
+names; default `kvstore`).
+
+Mooncake's own health_check answers 0 even when the master is down, so the probe asks
+`batch_is_exist` for one name instead (RPC_FAIL = -900 while the master is away). A
+restarted master has lost its objects (no HA without etcd); the client re-registers
+with it by itself, which the probe sees. A daemon started while no master answers does
+not wait for it (Mooncake's setup fails only after ~90 s): it serves its local tiers
+with the remote tier unreachable and keeps joining in the background.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+from urllib.parse import parse_qs, urlsplit
+
+from kvstore.config import ConfigError, parse_size
+from kvstore.remote.base import NOT_FOUND, UNREACHABLE, BlockingAdapter, GetItem, PutItem, RemoteConfigError
+
+log = logging.getLogger(__name__)
+
+SCHEME = "mooncake"
+_PARAMS = ("metadata", "protocol", "device", "host", "segment", "buffer", "namespace")
+PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class MooncakeTarget:
+    """Where and how to join a Mooncake cluster (module docstring: the URL parameters)."""
+
+    master: str  # HOST:PORT of mooncake_master's RPC service
+    metadata: str
+    protocol: str = "tcp"
+    device: str = ""
+    local_hostname: str = "127.0.0.1"
+    segment_bytes: int = 256 << 20
+    buffer_bytes: int = 16 << 20
+    namespace: str = "kvstore"
+
+    @classmethod
+    def from_url(cls, url: str) -> "MooncakeTarget":
+        """Parse a mooncake:// URL; RemoteConfigError naming the bad part."""
+        u = urlsplit(url.strip())
+        if u.scheme != SCHEME:
+            raise RemoteConfigError(f"remote URL {url!r}: scheme must be {SCHEME}://, got {u.scheme or 'none'!r}")
+        try:
+            host, port = u.hostname, u.port
+        except ValueError as exc:
+            raise RemoteConfigError(f"remote URL {url!r}: bad port ({exc})") from None
+        if not host or not port:
+            raise RemoteConfigError(f"remote URL {url!r}: expected mooncake://MASTER_HOST:PORT?metadata=URL")
+        q = parse_qs(u.query, keep_blank_values=True)
+        for name, values in q.items():
+            if name not in _PARAMS:
+                raise RemoteConfigError(f"remote URL {url!r}: unknown parameter {name!r} (known: {', '.join(_PARAMS)})")
+            if len(values) != 1:
+                raise RemoteConfigError(f"remote URL {url!r}: parameter {name!r} given {len(values)} times")
+        p = {k: v[0] for k, v in q.items()}
+        protocol = p.get("protocol", "tcp").lower()
+        if protocol not in PROTOCOLS:
+            raise RemoteConfigError(f"remote URL {url!r}: protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        metadata = p.get("metadata") or f"http://{_bracket(host)}:8080/metadata"
+        if not metadata.startswith(("http://", "https://", "etcd://", "redis://")) and "://" in metadata:
+            raise RemoteConfigError(f"remote URL {url!r}: metadata {metadata!r} is not an http/etcd/redis URL")
+        try:
+            seg = parse_size(p.get("segment", 256 << 20), "segment")
+            buf = parse_size(p.get("buffer", 16 << 20), "buffer")
+        except ConfigError as exc:
+            raise RemoteConfigError(f"remote URL {url!r}: {exc}") from None
+        ns = p.get("namespace", "kvstore")
+        if not ns or "/" in ns:
+            raise RemoteConfigError(f"remote URL {url!r}: namespace must be non-empty and without '/', got {ns!r}")
+        return cls(f"{_bracket(host)}:{port}", metadata, protocol, p.get("device", ""),
+                   p.get("host") or _default_local_host(host), seg, buf, ns)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _default_local_host(master_host: str) -> str:
+    try:
+        if ipaddress.ip_address(master_host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        if master_host == "localhost":
+            return "127.0.0.1"
+    return socket.gethostname()
+
+
+def load_client_class() -> Any:
+    """Mooncake's client class; RemoteConfigError saying how to install it when absent."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise RemoteConfigError(
+            f"the mooncake remote tier needs the Mooncake Store client ({exc}); install the remote extra "
+            "(pip install 'hypercache[remote]', i.e. mooncake-transfer-engine-non-cuda, or "
+            "mooncake-transfer-engine on CUDA hosts) and the libibverbs1 librdmacm1 libnuma1 packages"
+        ) from None
+    return MooncakeDistributedStore
+
+
+class MooncakeAdapter(BlockingAdapter):
+    """The remote tier on Mooncake Store (module docstring)."""
+
+    kind = "mooncake"
+
+    def __init__(self, target: MooncakeTarget, workers: int = 4, probe_interval_s: float = 0.5,
+                 connect_wait_s: float = 10.0, client_class: Any = None) -> None:
+        """Join the cluster, waiting up to `connect_wait_s` for it; when that does not
+        succeed (no master yet: Mooncake's setup then fails only after ~90 s), start
+        unreachable and keep joining in the background (the probe), so the daemon serves
+        its local tiers meanwhile. `client_class` (tests) stands in for Mooncake's."""
+        cls = client_class if client_class is not None else load_client_class()
+        super().__init__(workers=workers, probe_interval_s=probe_interval_s)
+        self.target = target
+        self.namespace = target.namespace
+        self._cls = cls
+        self._client: Any = None
+        self._closed = False
+        self._join_lock = threading.Lock()
+        self.join_failures = 0
+        self._joiner: Optional[threading.Thread] = None
+        self._start_join()
+        assert self._joiner is not None
+        self._joiner.join(connect_wait_s)
+        if self._client is None:
+            log.warning("not joined to the Mooncake cluster at master %s (metadata %s) after %.0f s; serving the "
+                        "local tiers and joining in the background", target.master, target.metadata, connect_wait_s)
+            self._mark_unreachable()
+        self._probe_name = f"{target.namespace}/__probe__"
+
+    def _start_join(self) -> None:
+        with self._join_lock:
+            if self._joiner is not None and self._joiner.is_alive():
+                return
+            self._joiner = threading.Thread(target=self._join, name="kvstore-remote-join", daemon=True)
+            self._joiner.start()
+
+    def _join(self) -> None:
+        t = self.target
+        client = self._cls()
+        rc = client.setup(t.local_hostname, t.metadata, t.segment_bytes, t.buffer_bytes, t.protocol, t.device,
+                          t.master)
+        with self._join_lock:
+            if rc == 0 and not self._closed:
+                self._client = client
+                log.info("joined the Mooncake cluster at master %s", t.master)
+                return
+            self.join_failures += rc != 0
+        if rc != 0:
+            log.warning("joining the Mooncake cluster at master %s failed (setup returned %s)", t.master, rc)
+        try:
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - a client that never joined
+            log.debug("closing an unjoined Mooncake client: %s", exc)
+
+    def stat_now(self, names: Sequence[str]) -> list[int]:
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(names)
+        found = c.batch_is_exist(list(names))
+        out: list[int] = []
+        for name, f in zip(names, found):
+            if f == 1:
+                out.append(int(c.get_size(name)))
+            elif f == 0:
+                out.append(NOT_FOUND)
+            else:
+                out.append(int(f) if f < -1 else -1)
+        return out
+
+    def get_now(self, items: Sequence[GetItem]) -> list[int]:
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(items)
+        return list(c.batch_get_into_multi_buffers(
+            [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
+            [[n for _, n in i.ranges] for i in items]))
+
+    def put_now(self, items: Sequence[PutItem]) -> list[int]:
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(items)
+        codes = c.batch_put_from_multi_buffers(
+            [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
+            [[n for _, n in i.ranges] for i in items])
+        return [i.size if c == 0 else int(c) for i, c in zip(items, codes)]
+
+    def remove_now(self, names: Sequence[str]) -> list[int]:
+        c = self._client
+        if c is None:
+            return [UNREACHABLE] * len(names)
+        return [int(c.remove(n, True)) for n in names]
+
+    def probe_now(self) -> bool:
+        c = self._client
+        if c is None:  # not joined yet: (re)start joining, answer later
+            self._start_join()
+            return False
+        return c.batch_is_exist([self._probe_name])[0] in (0, 1)
+
+    def close(self) -> None:
+        super().close()
+        with self._join_lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is None:
+            return
+        if not self.reachable():
+            # Unmounting asks the master, holding the GIL: with a hung master that froze
+            # the whole process for over a minute. Leave the client to the process's end.
+            log.warning("the Mooncake master is not answering: leaving the client unclosed")
+            _ABANDONED.append(client)
+            return
+        try:
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - closing is best effort
+            log.warning("closing the Mooncake client failed: %s", exc)
+
+
+_ABANDONED: list[Any] = []  # clients not closed (their destructor would block on the master)

@@ -1,0 +1,424 @@
+"""The remote tier of one Store: below NVMe, shared by the daemons of many hosts.
+
+Owns: `RemoteSettings`, `RemoteTier` (the Store's side of a `RemoteAdapter`: writing
+committed objects out in the background, filling local misses from the remote store,
+and the counters `kvstore inspect` and /metrics show), and `make_adapter` (URL ->
+adapter).
+
+Writes: `offer(key, size, meta)` after a commit queues the key when the policy says so
+(kvstore.remote.policy); a writer thread takes batches, pins each object (`busy`), and
+submits one put per batch straight from the object's bytes in the CPU arena (NVMe-tier
+objects through a staging copy), each behind a 4 KiB envelope header
+(kvstore.remote.envelope) recording the key, meta and the store checksum. The pin is
+released when the put has ended, even when the writer stopped waiting for it.
+
+Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker thread, and
+`Store.get`) asks `fill(keys)`: one stat of the missing names, then for each present
+object a CPU-tier slot is allocated (making room as a put would) and one get reads the
+header and the bytes into it; the header is checked and the bytes hashed before the
+object is committed to the CPU tier as verified, so the usual zero-copy read serves it.
+A damaged object is freed, counted in `corrupt_dropped` and removed from the remote
+store; it is never served.
+
+Faults: every remote wait is bounded by `timeout_s`; a timeout or an error is counted
+and the caller sees a miss (local tiers keep serving). A timeout also makes the adapter
+suspect the store (a hung master): while the adapter reports the store unreachable,
+fills and writes are skipped at once and counted; its probe reconnects by itself. A get that timed out keeps its slot until the get has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from kvstore.errors import BadObject, KVStoreError
+from kvstore.placement import StoredObject, object_name
+from kvstore.records import ObjectMeta
+from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
+from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, header_fits, remote_name
+from kvstore.remote.policy import RemotePolicy, parse_policy
+
+if TYPE_CHECKING:
+    from kvstore.store import Store
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("hits", "misses", "errors", "timeouts", "corrupt_dropped", "bytes_read", "objects_written",
+            "bytes_written", "put_errors", "put_skipped_policy", "put_skipped_unreachable",
+            "put_queue_full", "lookups_skipped_unreachable", "fill_no_room")
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How the Store uses its remote tier."""
+
+    url: str
+    policy: str = "all"  # kvstore.remote.policy: all | none | cost:SECONDS
+    timeout_s: float = 2.0  # bound on every remote wait (stat, get, put)
+    queue_limit: int = 4096  # offers beyond this many queued keys are dropped (counted)
+    batch: int = 16  # objects per put task
+
+
+def check_url(url: str) -> None:
+    """Parse a remote URL without connecting; RemoteConfigError naming the bad part."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme != "mooncake":
+        raise RemoteConfigError(f"remote URL {url!r}: unknown scheme {scheme or '(none)'!r}; supported: mooncake://")
+    from kvstore.remote.mooncake import MooncakeTarget
+
+    MooncakeTarget.from_url(url)
+
+
+def make_adapter(url: str) -> RemoteAdapter:
+    """The adapter a remote URL names, connected; RemoteConfigError for a bad URL or a
+    cluster that cannot be joined."""
+    check_url(url)
+    from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget
+
+    return MooncakeAdapter(MooncakeTarget.from_url(url))
+
+
+class _Latency:
+    """The last 4096 durations of one operation kind, for p50/p99."""
+
+    def __init__(self) -> None:
+        self._d: deque[float] = deque(maxlen=4096)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, s: float) -> None:
+        self._d.append(s)
+        self.count += 1
+        self.total += s
+
+    def summary(self) -> dict[str, Any]:
+        v = sorted(self._d)
+        pick = (lambda q: v[min(len(v) - 1, int(q * len(v)))]) if v else (lambda q: 0.0)
+        return {"count": self.count, "seconds_total": self.total, "p50_s": pick(0.5), "p99_s": pick(0.99)}
+
+
+@dataclass
+class _Fill:
+    key: bytes
+    name: str
+    size: int  # the remote object's bytes (header included)
+    slot: Any
+    header: torch.Tensor
+
+
+class RemoteTier:
+    """The remote tier of `store` over `adapter` (module docstring). Thread-safe."""
+
+    def __init__(self, store: "Store", settings: RemoteSettings, adapter: RemoteAdapter) -> None:
+        if not settings.timeout_s > 0:
+            raise RemoteConfigError(f"remote_timeout must be > 0 seconds, got {settings.timeout_s!r}")
+        self.store = store
+        self.settings = settings
+        self.adapter = adapter
+        self.policy: RemotePolicy = parse_policy(settings.policy)
+        self._counters: Counter = Counter()
+        self._get_latency = _Latency()
+        self._put_latency = _Latency()
+        self._stat_lock = threading.Lock()
+        self._queue: deque[bytes] = deque()
+        self._queued: set[bytes] = set()
+        self._qcond = threading.Condition()
+        self._stop = False
+        self._writing = 0  # objects whose put has not ended
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvstore-remote-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the writer (queued writes are dropped), then the adapter, whose running
+        tasks end first. Call without the store's lock."""
+        with self._qcond:
+            self._stop = True
+            self._qcond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.adapter.close()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stat_lock:
+            self._counters[name] += n
+
+    def _name(self, key: bytes) -> str:
+        return remote_name(self.adapter.namespace, key)
+
+    # ------------------------------------------------------------------ writes
+    def offer(self, key: bytes, size: int, meta: ObjectMeta) -> None:
+        """A committed object: queue it for the remote tier when the policy says so."""
+        if not self.policy.should_write(size, meta) or not header_fits(key, meta):
+            self._count("put_skipped_policy")
+            return
+        with self._qcond:
+            if key in self._queued:
+                return
+            if len(self._queue) >= self.settings.queue_limit:
+                self._count("put_queue_full")
+                return
+            self._queue.append(key)
+            self._queued.add(key)
+            self._qcond.notify()
+
+    def pending(self) -> int:
+        """Objects queued or being written now."""
+        with self._qcond:
+            return len(self._queue) + self._writing
+
+    def _loop(self) -> None:
+        while True:
+            with self._qcond:
+                while not self._queue and not self._stop:
+                    self._qcond.wait()
+                if self._stop:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self.settings.batch, len(self._queue)))]
+                self._queued.difference_update(batch)
+                self._writing += len(batch)
+            try:
+                self.write(batch)
+            except Exception:  # never take the daemon down
+                log.exception("remote write batch failed")
+                self._count("put_errors", len(batch))
+                self._written(len(batch))
+
+    def _written(self, n: int) -> None:
+        with self._qcond:
+            self._writing -= n
+
+    def write(self, keys: Sequence[bytes]) -> None:
+        """Write the committed objects among `keys` to the remote tier (one put task)."""
+        if not self.adapter.reachable():
+            self._count("put_skipped_unreachable", len(keys))
+            self._written(len(keys))
+            return
+        s = self.store
+        jobs: list[StoredObject] = []
+        with s._lock:
+            if not s._open:
+                self._written(len(keys))
+                return
+            for k in keys:
+                o = s._place.objects.get(k)
+                if o is not None and not o.removed:
+                    o.busy += 1
+                    jobs.append(o)
+        self._written(len(keys) - len(jobs))
+        items: list[PutItem] = []
+        keep: list[Any] = []  # buffers that must live until the put has ended
+        sent: list[StoredObject] = []
+        for o in jobs:
+            try:
+                tier = s.tiers[o.tier]
+                data = tier.view(o.slot)
+                if data is None or data.device.type != "cpu":  # a file or GPU tier: stage the bytes in host memory
+                    data = torch.empty(o.size, dtype=torch.uint8)
+                    tier.read_into(o.slot, data)
+                if not o.verified and tier.checksum(o.slot) != o.checksum:
+                    raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
+                hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+                encode_header(o.key, o.meta, o.size, o.checksum, memoryview(hdr.numpy()))
+            except (KVStoreError, OSError) as exc:
+                log.warning("remote write of %r skipped: %s", o.key, exc)
+                self._count("put_errors")
+                self._unpin([o])
+                continue
+            items.append(PutItem(self._name(o.key), ((hdr.data_ptr(), HEADER_BYTES), (data.data_ptr(), o.size))))
+            keep.append((hdr, data))
+            sent.append(o)
+        if not items:
+            return
+        tid = self.adapter.submit_put(items)
+
+        def settle(res: TaskResult) -> None:
+            keep.clear()
+            with self._stat_lock:
+                self._put_latency.add(res.seconds)
+            for o, code in zip(sent, res.codes):
+                if code >= 0:
+                    self._count("objects_written")
+                    self._count("bytes_written", o.size)
+                else:
+                    self._count("put_errors")
+                    self._count("errors")
+            self._unpin(sent)
+
+        res = self.adapter.wait(tid, self.settings.timeout_s)
+        if res is None:
+            self._count("timeouts")
+            self._count("errors")
+            self.adapter.suspect()
+            self.adapter.add_done_callback(tid, settle)
+        else:
+            settle(res)
+
+    def _unpin(self, objs: Sequence[StoredObject]) -> None:
+        s = self.store
+        with s._lock:
+            for o in objs:
+                o.busy -= 1
+                if s._open:
+                    s._place.release_slot_if_unpinned(o)
+        self._written(len(objs))
+
+    # ------------------------------------------------------------------ fills
+    def fill(self, keys: Sequence[bytes]) -> int:
+        """Bring the remote copies of `keys` (absent locally) into the CPU tier, verified;
+        returns how many now sit there. Never raises for remote trouble (counted)."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return 0
+        if not self.adapter.reachable():
+            self._count("lookups_skipped_unreachable", len(keys))
+            return 0
+        names = [self._name(k) for k in keys]
+        res = self._wait(self.adapter.submit_stat(names), "stat")
+        if res is None:
+            return 0
+        found: list[tuple[bytes, str, int]] = []
+        for k, n, code in zip(keys, names, res.codes):
+            if code == NOT_FOUND:
+                self._count("misses")
+            elif code < 0:
+                self._count("errors")
+            elif code <= HEADER_BYTES:
+                self._drop_corrupt(k, n, f"remote object of {k!r} is only {code} bytes")
+            else:
+                found.append((k, n, code))
+        if not found:
+            return 0
+        s = self.store
+        plans: list[_Fill] = []
+        with s._lock:
+            if not s._open or "cpu" not in s.tiers:
+                return 0
+            for k, n, size in found:
+                if k in s._place.objects:
+                    continue
+                try:
+                    slot = s._place.allocate("cpu", size - HEADER_BYTES, k)
+                except KVStoreError as exc:
+                    log.info("no CPU-tier room for remote object %r: %s", k, exc)
+                    self._count("fill_no_room")
+                    continue
+                plans.append(_Fill(k, n, size, slot, torch.empty(HEADER_BYTES, dtype=torch.uint8)))
+            cpu = s.tiers["cpu"]
+        if not plans:
+            return 0
+        views = [cpu.view(p.slot) for p in plans]
+        items = [GetItem(p.name, ((p.header.data_ptr(), HEADER_BYTES), (v.data_ptr(), p.size - HEADER_BYTES)))
+                 for p, v in zip(plans, views)]
+        tid = self.adapter.submit_get(items)
+        res = self.adapter.wait(tid, self.settings.timeout_s)
+        if res is None:
+            self._count("timeouts")
+            self._count("errors")
+            self.adapter.suspect()
+            self.adapter.add_done_callback(tid, lambda r: self._free([p.slot for p in plans], views))
+            return 0
+        with self._stat_lock:
+            self._get_latency.add(res.seconds)
+        done: list[tuple[_Fill, int, ObjectMeta]] = []
+        bad: list[_Fill] = []
+        for p, code in zip(plans, res.codes):
+            if code != p.size:
+                self._count("misses" if code == NOT_FOUND else "errors")
+                bad.append(p)
+                continue
+            try:
+                h = decode_header(memoryview(p.header.numpy()), p.key, p.size)
+                actual = cpu.checksum(p.slot)
+                if actual != h.checksum:
+                    raise BadObject(f"remote object of {p.key!r}: payload hashes to {actual:#x}, "
+                                    f"its header records {h.checksum:#x}")
+            except (BadObject, KVStoreError) as exc:
+                self._drop_corrupt(p.key, p.name, str(exc))
+                bad.append(p)
+                continue
+            done.append((p, h.checksum, h.meta))
+        self._free([p.slot for p in bad], ())
+        return self._commit(done)
+
+    def _commit(self, done: list[tuple[_Fill, int, ObjectMeta]]) -> int:
+        s = self.store
+        n = 0
+        with s._lock:
+            cpu = s.tiers.get("cpu")
+            for p, checksum, meta in done:
+                if not s._open or cpu is None:
+                    return n
+                if p.key in s._place.objects:  # filled or put meanwhile: keep that one
+                    cpu.free(p.slot)
+                    n += 1
+                    continue
+                slot = cpu.seal(p.slot, object_name(p.key))
+                now = time.time()
+                s._place.objects[p.key] = StoredObject(p.key, "cpu", slot, checksum, meta, now, now, verified=True)
+                self._count("hits")
+                self._count("bytes_read", slot.size)
+                n += 1
+        return n
+
+    def _free(self, slots: Sequence[Any], views: Any) -> None:
+        s = self.store
+        with s._lock:
+            if s._open and "cpu" in s.tiers:
+                for slot in slots:
+                    s.tiers["cpu"].free(slot)
+
+    def _wait(self, tid: int, what: str) -> Optional[TaskResult]:
+        res = self.adapter.wait(tid, self.settings.timeout_s)
+        if res is None:
+            self._count("timeouts")
+            self._count("errors")
+            self.adapter.suspect()
+            self.adapter.add_done_callback(tid, lambda r: None)
+            log.info("remote %s timed out after %.2f s", what, self.settings.timeout_s)
+        return res
+
+    def _drop_corrupt(self, key: bytes, name: str, why: str) -> None:
+        log.warning("%s; dropped from the remote tier, not served", why)
+        self._count("corrupt_dropped")
+        try:
+            self.adapter.add_done_callback(self.adapter.submit_remove([name]), lambda r: None)
+        except KVStoreError as exc:
+            log.info("removing damaged remote object %s failed: %s", name, exc)
+
+    # ------------------------------------------------------------------ figures
+    def stats(self) -> dict[str, Any]:
+        with self._stat_lock:
+            c = dict(self._counters)
+            get_lat, put_lat = self._get_latency.summary(), self._put_latency.summary()
+        out: dict[str, Any] = {"url": self.settings.url, "enabled": True, "adapter": self.adapter.kind,
+                               "policy": self.policy.name if not hasattr(self.policy, "min_cost_s")
+                               else f"cost:{getattr(self.policy, 'min_cost_s'):g}",
+                               "reachable": self.adapter.reachable(), "timeout_s": self.settings.timeout_s,
+                               "pending_writes": self.pending()}
+        for name in COUNTERS:
+            out[name] = c.get(name, 0)
+        out.update(self.adapter.stats())
+        out["get_latency"], out["put_latency"] = get_lat, put_lat
+        return out
+
+
+def disabled_stats() -> dict[str, Any]:
+    """The `remote` stats object of a daemon without a remote tier (same keys, zeros)."""
+    out: dict[str, Any] = {"url": "", "enabled": False, "adapter": "", "policy": "", "reachable": False,
+                           "timeout_s": 0.0, "pending_writes": 0, "reconnects": 0, "unreachable_fast_fails": 0}
+    for name in COUNTERS:
+        out[name] = 0
+    empty = {"count": 0, "seconds_total": 0.0, "p50_s": 0.0, "p99_s": 0.0}
+    out["get_latency"], out["put_latency"] = dict(empty), dict(empty)
+    return out

@@ -1,0 +1,34 @@
+"""tools/bench_remote.py end to end at toy sizes (a real mooncake_master and holder
+process on loopback): it writes the JSON with every side, the overheads and the target
+verdict. The figures mean nothing at this size; the full run is in docs/results/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.remote.testing import mooncake_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+_WHY = mooncake_unavailable()
+
+
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_bench_remote_writes_both_sides_and_the_overhead_verdict(tmp_path):
+    out_path = tmp_path / "remote.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_remote.py"), "--sizes", "1", "--repeats", "1",
+                          "--iters", "3", "--out", str(out_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out_path.read_text())
+    (row,) = d["rows"]
+    assert row["size_mib"] == 1 and set(row) >= {"mooncake", "mooncake_verified", "ours", "overhead"}
+    for side in ("mooncake", "mooncake_verified", "ours"):
+        assert row[side]["get_p50_ms"]["median"] > 0 and row[side]["put_gbps"]["median"] > 0
+    assert d["summary"]["target_met"] == (d["summary"]["worst_p50_latency_overhead_pct"] <= 10.0)
+    assert "shared" in d["machine"]["note"] and "--out" in d["command"]

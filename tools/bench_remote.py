@@ -1,0 +1,293 @@
+"""Benchmark of the remote tier's data path against Mooncake's own Python client, in one run.
+
+Starts a real `mooncake_master` on loopback (embedded HTTP metadata server, TCP
+transport) and a *holder* process that mounts a 1 GiB segment into the cluster (the
+memory of "another host"); the bench client mounts nothing, so every byte crosses the
+loopback TCP transport. For each object size (1, 4, 16, 64 MiB) it times, interleaved
+per repeat:
+
+  mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
+             zero-copy calls of Mooncake's Python API
+  mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
+  ours       the daemon's remote path: `MooncakeAdapter.submit_put` / `submit_get` + `wait`
+             (its worker thread, header + bytes as two ranges), plus what the remote tier
+             does around them: encoding the 4 KiB envelope header on a put, decoding it
+             and hashing the bytes (the checksum verified on every remote read) on a get
+
+Each op is one object (put, get, remove); the two sides alternate op by op, so both
+see the same load on a shared machine. Per repeat: p50 / p99
+latency and throughput (bytes / total time); the JSON holds the median of the repeats
+with their min..max spread and our overhead vs the raw client (p50 latency and
+throughput), against the 10% target; and the *paired* overhead: the median, over every
+op, of ours / the baseline's op run next to it (robust to load that drifts on a shared
+machine).
+
+    python tools/bench_remote.py --json              # docs/results/remote-<date>.json
+    python tools/bench_remote.py --sizes 1,4 --repeats 3 --iters 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from kvstore.format import checksum  # noqa: E402
+from kvstore.records import ObjectMeta  # noqa: E402
+from kvstore.remote.base import GetItem, PutItem  # noqa: E402
+from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header  # noqa: E402
+from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
+from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
+
+MIB = 1 << 20
+HOLDER = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+c = MooncakeDistributedStore()
+rc = c.setup("127.0.0.1", sys.argv[1], int(sys.argv[3]), 16 << 20, "tcp", "", sys.argv[2])
+print("ready" if rc == 0 else f"failed {rc}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def pct(v: list[float], q: float) -> float:
+    s = sorted(v)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class Raw:
+    """Mooncake's own client, the baseline."""
+
+    def __init__(self, master: MooncakeMaster) -> None:
+        self.c = load_client_class()()
+        rc = self.c.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{master.rpc_port}")
+        if rc != 0:
+            raise RuntimeError(f"raw client setup returned {rc}")
+
+    def put(self, name: str, buf: torch.Tensor) -> None:
+        rc = self.c.put_from(name, buf.data_ptr(), buf.numel())
+        if rc != 0:
+            raise RuntimeError(f"raw put_from {name} returned {rc}")
+
+    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+        n = self.c.get_into(name, buf.data_ptr(), buf.numel())
+        if n != buf.numel():
+            raise RuntimeError(f"raw get_into {name} returned {n}")
+
+    def remove(self, name: str) -> None:
+        self.c.remove(name, True)
+
+
+class RawVerified(Raw):
+    """Mooncake's client plus the one thing a careful caller must add: hashing what it read."""
+
+    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+        super().get(name, buf, want)
+        if checksum(buf) != want:
+            raise RuntimeError(f"raw get_into {name}: checksum mismatch")
+
+
+class Ours:
+    """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
+
+    def __init__(self, master: MooncakeMaster) -> None:
+        self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=0"))
+        self.hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        self.meta = ObjectMeta("bench", 0, 0.0, {})
+
+    def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
+        encode_header(name.encode(), self.meta, buf.numel(), csum, memoryview(self.hdr.numpy()))
+        res = self.a.wait(self.a.submit_put([PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
+                                                            (buf.data_ptr(), buf.numel())))]), 60)
+        if res is None or not res.ok:
+            raise RuntimeError(f"adapter put {name}: {res}")
+
+    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+        hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        res = self.a.wait(self.a.submit_get([GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
+                                                            (buf.data_ptr(), buf.numel())))]), 60)
+        if res is None or res.codes[0] != buf.numel() + HEADER_BYTES:
+            raise RuntimeError(f"adapter get {name}: {res}")
+        h = decode_header(memoryview(hdr.numpy()), name.encode(), buf.numel() + HEADER_BYTES)
+        if checksum(buf) != h.checksum or h.checksum != want:
+            raise RuntimeError(f"adapter get {name}: checksum mismatch")
+
+    def remove(self, name: str) -> None:
+        self.a.wait(self.a.submit_remove([name]), 60)
+
+
+def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int, check: bool) -> tuple[float, float]:
+    """One put, get and remove of one object; (put seconds, get seconds)."""
+    name = f"bench/{tag}/{src.numel()}/{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    if isinstance(side, Ours):
+        side.put(name, src, csum)
+    else:
+        side.put(name, src)
+    t1 = time.perf_counter()
+    side.get(name, dst, csum)
+    t2 = time.perf_counter()
+    side.remove(name)
+    if check and not torch.equal(src, dst):
+        raise RuntimeError(f"{tag}: bytes read back differ")
+    return t1 - t0, t2 - t1
+
+
+def run_repeat(sides: dict[str, Any], src: torch.Tensor, dst: torch.Tensor, iters: int,
+               csum: int) -> dict[str, dict[str, float]]:
+    """`iters` ops per side, the sides alternating op by op (so both see the same load)."""
+    lat: dict[str, list[tuple[float, float]]] = {tag: [] for tag in sides}
+    for i in range(iters):
+        order = list(sides.items()) if i % 2 == 0 else list(reversed(sides.items()))
+        for tag, side in order:
+            lat[tag].append(one_op(side, tag, src, dst, csum, check=i < 2))
+    n = src.numel()
+    out: dict[str, Any] = {"_ops": lat}
+    for tag, v in lat.items():
+        puts, gets = [a for a, _ in v], [b for _, b in v]
+        out[tag] = {"put_p50_ms": 1e3 * pct(puts, 0.5), "put_p99_ms": 1e3 * pct(puts, 0.99),
+                    "get_p50_ms": 1e3 * pct(gets, 0.5), "get_p99_ms": 1e3 * pct(gets, 0.99),
+                    "put_gbps": n * iters / sum(puts) / 1e9, "get_gbps": n * iters / sum(gets) / 1e9}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1,4,16,64", help="object sizes in MiB, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=0, help="ops per size and repeat (0: 24, 16, 10 at 1, 4, 16 MiB; 6 above)")
+    ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
+    args = ap.parse_args(argv)
+    why = mooncake_unavailable()
+    if why:
+        print(f"bench_remote: {why}", file=sys.stderr)
+        return 2
+    sizes = [int(s) for s in args.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    master = MooncakeMaster(root).start()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.metadata, f"127.0.0.1:{master.rpc_port}",
+                               str(1 << 30)], stdout=subprocess.PIPE, stderr=open(root / "holder.log", "wb"),
+                              text=True)
+    try:
+        line = holder.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
+        raw, ours = Raw(master), Ours(master)
+        rawv = RawVerified.__new__(RawVerified)
+        rawv.c = raw.c  # the same client; only the get differs
+        rows = []
+        for mib in sizes:
+            n = mib * MIB
+            iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            dst = torch.empty(n, dtype=torch.uint8)
+            csum = checksum(src)
+            sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
+            run_repeat(sides, src, dst, 2, csum)  # warm-up
+            per: dict[str, list[dict]] = {tag: [] for tag in sides}
+            ops: dict[str, list[tuple[float, float]]] = {}
+            for _ in range(args.repeats):
+                rep = run_repeat(sides, src, dst, iters, csum)
+                for tag in per:
+                    per[tag].append(rep[tag])
+                for tag, v in rep["_ops"].items():
+                    ops.setdefault(tag, []).extend(v)
+            row: dict[str, Any] = {"size_mib": mib, "iters_per_repeat": iters}
+            for tag in per:
+                row[tag] = {k: spread([p[k] for p in per[tag]]) for k in per[tag][0]}
+            ov: dict[str, Any] = {}
+            for base in ("mooncake", "mooncake_verified"):
+                for op in ("put", "get"):
+                    sfx = "" if base == "mooncake" else "_vs_verified"
+                    ov[f"{op}_p50_latency_pct{sfx}"] = 100.0 * (row["ours"][f"{op}_p50_ms"]["median"]
+                                                               / row[base][f"{op}_p50_ms"]["median"] - 1)
+                    ov[f"{op}_throughput_pct{sfx}"] = 100.0 * (1 - row["ours"][f"{op}_gbps"]["median"]
+                                                              / row[base][f"{op}_gbps"]["median"])
+            # Paired: each op of ours against the baseline's op next to it in time (the same
+            # load), median over every op of every repeat: robust to load that drifts.
+            for base in ("mooncake", "mooncake_verified"):
+                sfx = "" if base == "mooncake" else "_vs_verified"
+                for j, op in enumerate(("put", "get")):
+                    ratios = [a[j] / b[j] for a, b in zip(ops["ours"], ops[base])]
+                    ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
+            row["overhead"] = ov
+            rows.append(row)
+            print(f"{mib:>3} MiB  put p50 {row['mooncake']['put_p50_ms']['median']:.2f} -> "
+                  f"{row['ours']['put_p50_ms']['median']:.2f} ms ({ov['put_p50_latency_pct']:+.1f}%)  "
+                  f"get p50 {row['mooncake']['get_p50_ms']['median']:.2f} -> {row['ours']['get_p50_ms']['median']:.2f} ms "
+                  f"({ov['get_p50_latency_pct']:+.1f}%; vs verified {ov['get_p50_latency_pct_vs_verified']:+.1f}%)  "
+                  f"paired put {ov['put_paired_median_pct']:+.1f}% get {ov['get_paired_median_pct']:+.1f}%  "
+                  f"get {row['ours']['get_gbps']['median']:.2f} GB/s", flush=True)
+        worst = max(max(r["overhead"]["put_p50_latency_pct"], r["overhead"]["get_p50_latency_pct"]) for r in rows)
+        worst_paired = max(max(r["overhead"]["put_paired_median_pct"], r["overhead"]["get_paired_median_pct"])
+                           for r in rows)
+        worst_v = max(max(r["overhead"]["put_p50_latency_pct_vs_verified"],
+                          r["overhead"]["get_p50_latency_pct_vs_verified"]) for r in rows)
+        out = {
+            "benchmark": "remote tier data path vs Mooncake's Python client (loopback, TCP transport)",
+            "date": _dt.date.today().isoformat(),
+            "command": "python tools/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "note": "a 2-core CPU machine shared with five other engineers' test runs at the same "
+                                "time: absolute figures are noisy; the two sides run interleaved in one process "
+                                "so they see the same load"},
+            "setup": "mooncake_master (embedded HTTP metadata) + a holder process mounting a 1 GiB segment; the "
+                     "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get",
+            "mooncake_version": _mooncake_version(),
+            "repeats": args.repeats,
+            "rows": rows,
+            "summary": {"worst_p50_latency_overhead_pct": worst, "target_pct": 10.0, "target_met": worst <= 10.0,
+                        "worst_p50_latency_overhead_vs_verified_pct": worst_v,
+                        "worst_paired_median_overhead_pct": worst_paired,
+                        "per_size_paired_overhead_pct": {str(r["size_mib"]): {
+                            "put": r["overhead"]["put_paired_median_pct"], "get": r["overhead"]["get_paired_median_pct"],
+                            "get_vs_verified": r["overhead"]["get_paired_median_pct_vs_verified"]} for r in rows},
+                        "per_size_p50_overhead_pct": {str(r["size_mib"]): {"put": r["overhead"]["put_p50_latency_pct"],
+                                                                          "get": r["overhead"]["get_p50_latency_pct"]}
+                                                      for r in rows}},
+        }
+        if args.json or args.out:
+            path = args.out or REPO / "docs" / "results" / f"remote-{out['date']}.json"
+            path.write_text(json.dumps(out, indent=2) + "\n")
+            print(f"wrote {path}")
+        print(f"worst p50 overhead {worst:+.1f}% (target <= 10%)")
+        ours.a.close()
+        raw.c.close()
+        return 0
+    finally:
+        holder.kill()
+        holder.wait(10)
+        master.stop()
+
+
+def _mooncake_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mooncake-transfer-engine-non-cuda")
+    except Exception:  # noqa: BLE001 - informational
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
