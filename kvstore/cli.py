@@ -4,7 +4,8 @@
 Owns: the user-facing commands and their output. `serve` runs the daemon; its flags are
 generated from the option registry in kvstore/config.py, so every option has exactly one
 name, type, default and help text. The client commands (put, get, inspect, evict, ls,
-show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket`, print
+show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket` (or
+`--tcp HOST:PORT --tcp-token-file FILE`, plus `--tcp-tls-ca CA` for TLS), print
 JSON with `--json` where they print data, and on failure print one line
 "kvstore: error: REASON" to stderr (no traceback) and exit non-zero: 3 when no daemon
 is running (the message says how to start one), 1 otherwise (2: bad usage).
@@ -43,6 +44,10 @@ SocketOpt = typer.Option(None, "--socket", help="daemon's unix socket [default: 
                          show_default=False)
 TcpOpt = typer.Option(None, "--tcp", help="reach the daemon over TCP HOST:PORT instead of the socket",
                       show_default=False)
+TcpTokenOpt = typer.Option(None, "--tcp-token-file", help="with --tcp: file holding the daemon's token "
+                           "[default: $KVSTORE_TCP_TOKEN_FILE]", show_default=False)
+TcpCaOpt = typer.Option(None, "--tcp-tls-ca", help="with --tcp: PEM CA bundle; talk TLS to a daemon serving it",
+                        show_default=False)
 JsonOpt = typer.Option(False, "--json", help="print JSON")
 
 
@@ -71,12 +76,13 @@ def reports_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _client(socket: Optional[Path], tcp: Optional[str]) -> Any:
+def _client(socket: Optional[Path], tcp: Optional[str], tcp_token_file: Optional[Path] = None,
+            tcp_tls_ca: Optional[Path] = None) -> Any:
     from kvstore.client import KVStoreClient
 
     if socket is None and tcp is None:
         socket = load_config().socket
-    return KVStoreClient(socket=socket, tcp=tcp)
+    return KVStoreClient(socket=socket, tcp=tcp, tcp_token_file=tcp_token_file, tcp_tls_ca=tcp_tls_ca)
 
 
 def _print_json(obj: Any) -> None:
@@ -182,11 +188,13 @@ def put_cmd(
     fingerprint: str = typer.Option("", "--fingerprint", help="model fingerprint to record"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Store a file's bytes as one object."""
     k = key_from_text(key)
-    with _client(socket, tcp) as kv, _file_bytes(file) as data:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv, _file_bytes(file) as data:
         if len(data) == 0:
             raise KVStoreError(f"{file} is empty; objects must hold at least 1 byte")
         res = kv.put(k, data, tier=tier, fingerprint=fingerprint)
@@ -238,9 +246,11 @@ def get_cmd(
                                           show_default=False),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
 ) -> None:
     """Write an object's bytes to a file or stdout."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         with kv.get(key_from_text(key)) as view:
             data = view.memoryview if view.tier != "gpu" else memoryview(view.tobytes())
             if output is None:
@@ -260,10 +270,12 @@ def rm_cmd(
     keys: list[str] = typer.Argument(..., help="keys to delete"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Delete objects (a leased object stays until its leases end)."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         deleted = kv.delete([key_from_text(k) for k in keys])
     if as_json:
         _print_json({"requested": len(keys), "deleted": deleted})
@@ -277,10 +289,12 @@ def evict_cmd(
     tier: str = typer.Option(..., "--tier", help="tier to empty: gpu -> cpu, cpu -> nvme, nvme -> dropped"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Demote every unleased object out of a tier to the next tier down."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         moved = kv.evict(tier)
     if as_json:
         _print_json({"tier": tier, "moved": moved})
@@ -295,9 +309,11 @@ def prefetch_cmd(
     tier: Optional[str] = typer.Option(None, "--tier", help="target tier [default: the fastest enabled]"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
 ) -> None:
     """Promote objects to a faster tier ahead of use."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         n = kv.prefetch([key_from_text(k) for k in keys], tier)
     print(f"{n} of {len(keys)} in {tier or 'the fastest tier'} or above")
 
@@ -320,10 +336,12 @@ def inspect_cmd(
     top: int = typer.Option(10, "--top", help="how many of the most-hit objects to show"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Tiers, capacity and use, hit rate, object counts, top objects by hits."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         stats = kv.stats()
         objs = kv.list(limit=top) if top > 0 else []
         info = kv.info
@@ -368,10 +386,12 @@ def ls_cmd(
     limit: int = typer.Option(1000, "--limit", help="at most this many (most-hit first)"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """List objects, most-hit first."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         objs = kv.list(fingerprint=fingerprint, prefix=key_from_text(prefix) if prefix else None, tier=tier,
                        limit=limit)
     if as_json:
@@ -394,10 +414,12 @@ def show_cmd(
     key: str = typer.Argument(..., help="object key"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """One object's record and, for an object-format blob, its header and parts."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         res = kv.show(key_from_text(key))
     out = {"object": _object_json(res.info), "is_blob": res.is_blob, "header": res.header, "parts": res.parts}
     if as_json:
@@ -435,6 +457,8 @@ def bench_cmd(
     count: int = typer.Option(16, "--count", help="objects per tier"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Put/get throughput per tier against the running daemon (objects are deleted after)."""
@@ -446,7 +470,7 @@ def bench_cmd(
     data = os.urandom(min(nbytes, 1 << 20)) * (nbytes // min(nbytes, 1 << 20))
     data += os.urandom(nbytes - len(data))
     results = []
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         enabled = list(kv.info.tiers) if kv.info else ["cpu"]
         chosen = [t.strip() for t in tiers.split(",") if t.strip()] or enabled
         run_id = f"bench-{os.getpid()}-{int(time.time())}"

@@ -31,6 +31,7 @@ class Limits:
     tiers: tuple[str, ...]
     default_tier: str
     list_limit: int = 100_000
+    max_message_bytes: int = 16 << 20
 
 
 def _key_repr(key: bytes) -> str:
