@@ -293,6 +293,7 @@ class KVStoreServicer:
     def Stats(self, request: pb.StatsRequest, remaining: Optional[float]) -> pb.StatsResponse:
         stats = dict(self.store.stats())
         stats["tcp_auth_failures"] = self.metrics.auth_failures
+        stats["waiting"] = self._waiters.active if self._waiters is not None else 0
         return codec.stats_to_pb(stats)
 
     def PutBytes(self, request: pb.PutBytesRequest, remaining: Optional[float]) -> pb.PutBytesResponse:

@@ -20,6 +20,7 @@ class KeyWaiters:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._by_key: dict[bytes, set[asyncio.Future]] = {}
+        self.active = 0  # WaitFor calls waiting now (an int: safe to read from any thread)
 
     def notify(self, key: Optional[bytes]) -> None:
         """Wake the waiters of `key` (None: every waiter). Thread-safe and non-blocking."""
@@ -45,14 +46,17 @@ class KeyWaiters:
             if not group:
                 del self._by_key[key]
 
-    def waiting(self) -> int:
-        """How many waits are registered now (on the loop's thread)."""
-        return sum(len(g) for g in self._by_key.values())
-
     async def wait(self, key: bytes, timeout_s: float, state: Callable[[bytes], Awaitable[str]]) -> bool:
         """True once `state(key)` is "present"; False when it is "absent" (nobody writes
         it, or the writer gave up) or `timeout_s` passes first."""
         deadline = self._loop.time() + max(0.0, timeout_s)
+        self.active += 1
+        try:
+            return await self._wait(key, deadline, state)
+        finally:
+            self.active -= 1
+
+    async def _wait(self, key: bytes, deadline: float, state: Callable[[bytes], Awaitable[str]]) -> bool:
         while True:
             fut = self._watch(key)
             try:
