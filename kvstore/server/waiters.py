@@ -24,8 +24,10 @@ class KeyWaiters:
 
     def notify(self, key: Optional[bytes]) -> None:
         """Wake the waiters of `key` (None: every waiter). Thread-safe and non-blocking."""
-        if not self._loop.is_closed():
+        try:
             self._loop.call_soon_threadsafe(self._wake, key)
+        except RuntimeError:  # the loop is closed (daemon shutting down): nobody waits any more
+            pass
 
     def _wake(self, key: Optional[bytes]) -> None:
         groups = list(self._by_key.values()) if key is None else [self._by_key.get(key, set())]

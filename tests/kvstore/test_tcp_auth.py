@@ -38,7 +38,8 @@ def tcp_daemon(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("tcp")
     port, metrics_port = free_port(), free_port()
     d = DaemonProcess(root, cpu_capacity="16MiB", nvme_capacity="64MiB",
-                      extra_args=["--tcp", f":{port}", "--metrics-port", str(metrics_port)])
+                      extra_args=["--tcp", f":{port}", "--metrics-port", str(metrics_port),
+                                  "--max-message-size", "256KiB"])
     d.env["KVSTORE_TCP_TOKEN_FILE"] = str(_token_file(root))  # the env form of --tcp-token-file
     d.tcp = f"127.0.0.1:{port}"
     d.tcp_port, d.metrics_port, d.token_file = port, metrics_port, root / "token"
@@ -240,3 +241,16 @@ def test_put_bytes_refuses_bad_input_clearly(tcp_daemon):
             kv.put(b"x", b"y", tier="tape")
         with pytest.raises(InvalidRequest, match="at least 1 byte"):
             kv.put(b"x", b"")
+
+
+def test_get_bytes_over_the_message_limit_is_refused_naming_the_remedy(tcp_daemon):
+    with KVStoreClient(tcp=tcp_daemon.tcp, tcp_token_file=tcp_daemon.token_file) as kv:
+        keys = [b"big-%d" % i for i in range(3)]
+        for i, k in enumerate(keys):
+            kv.put(k, bytes([i]) * (100 << 10))
+        with pytest.raises(InvalidRequest, match="ask for fewer keys"):
+            kv.get_many(keys)
+        views = [kv.get(k) for k in keys]  # one at a time they travel
+        assert [v.tobytes()[:1] for v in views] == [b"\x00", b"\x01", b"\x02"]
+        with pytest.raises(InvalidRequest):  # over the daemon's message limit on the way in
+            kv.put(b"too-big", b"x" * (300 << 10))
