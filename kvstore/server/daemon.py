@@ -340,10 +340,7 @@ class Daemon:
                 await self._health.enter_graceful_shutdown()
             except Exception:  # older grpc_health without it
                 pass
-        if self.tcp_server is not None:
-            await self.tcp_server.stop(grace)
-        if self.server is not None:
-            await self.server.stop(grace)
+        await asyncio.gather(*(server.stop(grace) for server in (self.tcp_server, self.server) if server is not None))
 
     def _expire_loop(self) -> None:
         interval = self.config.expire_interval
