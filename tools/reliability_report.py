@@ -55,8 +55,8 @@ ROWS: tuple[Row, ...] = (
     Row("2", "TCP requests without the right token: refused (UNAUTHENTICATED) and counted; nothing they asked for "
              "happens", (K + "test_tcp_auth.py::test_requests_without_the_right_token_are_refused_and_counted",
                          K + "test_tcp_auth.py::test_cli_over_tcp_needs_the_right_token")),
-    Row("2", "TCP clients never get regions (no Reserve/Commit of bytes never sent); bytes over the wire, verified", (
-        K + "test_tcp_auth.py::test_region_rpcs_are_refused_over_tcp_even_with_the_token",
+    Row("2", "TCP clients never get regions nor commit bytes they never sent; bytes over the wire, verified", (
+        K + "test_tcp_auth.py::test_no_region_and_no_commit_over_tcp_even_with_the_token",
         K + "test_tcp_auth.py::test_client_with_the_token_puts_and_gets_bytes_over_the_wire",
         K + "test_tcp_auth.py::test_tensors_round_trip_over_the_wire")),
     Row("2", "`--tcp :PORT` listened on every interface (now loopback); TLS as an option", (

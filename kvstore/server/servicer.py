@@ -18,9 +18,11 @@ The handlers are coroutines for a grpc.aio server. Where each RPC's work runs:
   loop never blocks on the Store's lock or on I/O.
 
 One servicer serves each listener: the unix socket's ("unix") and, with --tcp, a copy
-for the TCP listener ("tcp", `for_tcp`) that refuses the region RPCs (Reserve, Commit,
-Abort, Get: a Region is only meaningful on the daemon's host) and serves the bytes over
-the wire instead (PutBytes, GetBytes; kvstore.server.wiredata).
+for the TCP listener ("tcp", `for_tcp`) that never hands out a Region (only meaningful on
+the daemon's host) and never publishes bytes the daemon did not receive: Commit and Get
+are refused there, Reserve answers without a region (a reservation then only marks the
+key in flight, e.g. an engine's claim, until Abort or expiry), and the bytes travel
+over the wire instead (PutBytes, GetBytes; kvstore.server.wiredata).
 
 The RPC methods themselves are plain functions `fn(request, remaining_s)`, where
 `remaining_s` is the call's deadline budget (None: no deadline).
@@ -78,7 +80,7 @@ def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
 _TRY_INLINE = ("Lookup", "Release", "Renew")
 _INLINE = ("Info",)
 _ASYNC = ("WaitFor",)  # coroutines that wait on the event loop
-_LOCAL_ONLY = ("Reserve", "Commit", "Abort", "Get")  # answer with Regions: unix socket only
+_LOCAL_ONLY = ("Commit", "Get")  # publish bytes written in place / answer with Regions: unix socket only
 BUSY = object()  # what a `wait=False` RPC returns when the Store's lock is taken
 
 
@@ -136,8 +138,8 @@ class KVStoreServicer:
                     raise errors.InvalidRequest(request.reason)
                 if refused:
                     raise errors.InvalidRequest(
-                        f"{name} is not served over TCP: its answer is a region in the daemon host's memory or "
-                        "files; a TCP client sends and receives the bytes (PutBytes, GetBytes)")
+                        f"{name} is not served over TCP: it works on bytes in the daemon host's memory or files; "
+                        "a TCP client sends and receives the bytes (PutBytes, GetBytes)")
                 remaining = context.time_remaining()
                 if inline:
                     return fn(request, remaining)
@@ -226,7 +228,10 @@ class KVStoreServicer:
         meta = codec.meta_from_pb(request.meta)
         client_id = codec.check_client_id(request.client_id, required=False)
         res = self.store.reserve(key, int(request.size), tier, meta, client_id=client_id)
-        return codec.reservation_to_pb(res)
+        out = codec.reservation_to_pb(res)
+        if self.transport == "tcp":
+            out.ClearField("region")  # nothing to write through: it can only be aborted
+        return out
 
     def Commit(self, request: pb.CommitRequest, remaining: Optional[float]) -> pb.CommitResponse:
         if request.reservation_id == 0:

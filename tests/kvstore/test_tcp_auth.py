@@ -1,7 +1,8 @@
 """The daemon's TCP listener, driven by real daemons and real TCP connections: it never
 starts without a token, refuses (and counts) requests without the right one, binds the
 loopback address unless a host is named, speaks TLS when given a certificate pair, and
-moves bytes over the wire (a TCP client never gets a shared-memory region)."""
+moves bytes over the wire (a TCP client never gets a shared-memory region nor commits
+bytes it did not send)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvstore.client import KVStoreClient
 from kvstore.config import parse_hostport
@@ -158,20 +161,26 @@ def test_requests_without_the_right_token_are_refused_and_counted(tcp_daemon, tm
         assert kv.lookup([b"wire-key"])[0].hit
 
 
-def test_region_rpcs_are_refused_over_tcp_even_with_the_token(tcp_daemon):
+def test_no_region_and_no_commit_over_tcp_even_with_the_token(tcp_daemon):
     md = (bearer_metadata(TOKEN), (PROTOCOL_METADATA_KEY, "1"))
     ch = grpc.insecure_channel(tcp_daemon.tcp)
     stub = KVStoreStub(ch)
     with ch:
-        for rpc, req in (("Reserve", pb.ReserveRequest(key=b"r", size=10, client_id="c")),
-                         ("Commit", pb.CommitRequest(reservation_id=1, checksum=1)),
-                         ("Abort", pb.AbortRequest(reservation_id=1)),
+        res = stub.Reserve(pb.ReserveRequest(key=b"r", size=10, client_id="c"), timeout=10, metadata=md)
+        assert res.status == "reserved" and not res.HasField("region")  # a claim, nothing to write through
+        for rpc, req in (("Commit", pb.CommitRequest(reservation_id=res.reservation_id, checksum=1)),
                          ("Get", pb.GetRequest(keys=[b"wire-key"], client_id="c"))):
             with pytest.raises(grpc.RpcError) as exc:
                 getattr(stub, rpc)(req, timeout=10, metadata=md)
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, rpc
             assert "not served over TCP" in exc.value.details()
+        with tcp_daemon.client() as kv:
+            assert kv.lookup([b"r"])[0].hit is False  # in flight, never committed
+            assert kv.wait_for(b"r", 0.2) is False
+        stub.Abort(pb.AbortRequest(reservation_id=res.reservation_id), timeout=10, metadata=md)
         assert stub.Lookup(pb.LookupRequest(keys=[b"r"]), timeout=10, metadata=md).entries[0].hit is False
+    with tcp_daemon.client() as kv:  # the key is free again for a real put
+        assert kv.put(b"r", b"y" * 10).status == "stored"
 
 
 def test_cli_over_tcp_needs_the_right_token(tcp_daemon, tmp_path):
@@ -254,3 +263,21 @@ def test_get_bytes_over_the_message_limit_is_refused_naming_the_remedy(tcp_daemo
         assert [v.tobytes()[:1] for v in views] == [b"\x00", b"\x01", b"\x02"]
         with pytest.raises(InvalidRequest):  # over the daemon's message limit on the way in
             kv.put(b"too-big", b"x" * (300 << 10))
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.one_of(st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=80),
+                       st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=20).map(
+                           lambda t: "Bearer " + TOKEN[:10] + t),
+                       st.just("Bearer " + TOKEN[:-1]), st.just("Bearer " + TOKEN + "x"),
+                       st.just("bearer " + TOKEN), st.just(TOKEN)))
+def test_fuzzed_authorization_values_are_all_refused(tcp_daemon, value):
+    ch = grpc.insecure_channel(tcp_daemon.tcp)
+    with ch:
+        try:
+            KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=10, metadata=(("authorization", value or "x"),))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        else:
+            raise AssertionError(f"authorization {value!r} was accepted")
