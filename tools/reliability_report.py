@@ -54,11 +54,15 @@ ROWS: tuple[Row, ...] = (
         K + "test_tcp_auth.py::test_serve_refuses_a_token_file_open_to_other_users_or_too_short")),
     Row("2", "TCP requests without the right token: refused (UNAUTHENTICATED) and counted; nothing they asked for "
              "happens", (K + "test_tcp_auth.py::test_requests_without_the_right_token_are_refused_and_counted",
-                         K + "test_tcp_auth.py::test_cli_over_tcp_needs_the_right_token")),
+                         K + "test_tcp_auth.py::test_cli_over_tcp_needs_the_right_token",
+                         K + "test_tcp_auth.py::test_fuzzed_authorization_values_are_all_refused"),
+        figures="test_tcp_refused"),
     Row("2", "TCP clients never get regions nor commit bytes they never sent; bytes over the wire, verified", (
         K + "test_tcp_auth.py::test_no_region_and_no_commit_over_tcp_even_with_the_token",
         K + "test_tcp_auth.py::test_client_with_the_token_puts_and_gets_bytes_over_the_wire",
-        K + "test_tcp_auth.py::test_tensors_round_trip_over_the_wire")),
+        K + "test_tcp_auth.py::test_tensors_round_trip_over_the_wire",
+        K + "test_tcp_auth.py::test_get_bytes_over_the_message_limit_is_refused_naming_the_remedy"),
+        figures="test_tcp_wire"),
     Row("2", "`--tcp :PORT` listened on every interface (now loopback); TLS as an option", (
         K + "test_tcp_auth.py::test_port_only_daemon_listens_on_loopback_alone",
         K + "test_tcp_auth.py::test_tls_listener_serves_clients_that_trust_its_certificate",
@@ -73,7 +77,8 @@ ROWS: tuple[Row, ...] = (
              "against a daemon whose key limit is above LMDB's 511)", ()),
     Row("5", "WaitFor held a server worker: 16+ waiters on one key stalled every other request", (
         K + "test_waitfor_workers.py::test_many_waiters_on_one_key_leave_every_other_request_prompt",
-        K + "test_waitfor_workers.py::test_waiters_return_false_when_the_writer_aborts_and_time_out_on_their_own")),
+        K + "test_waitfor_workers.py::test_waiters_return_false_when_the_writer_aborts_and_time_out_on_their_own"),
+        figures="test_waitfor"),
     Row("6", "no isolation between clients of one user (writable reader mappings, unbound leases, sequential ids)", ()),
     Row("7", "oversized integers / deeply nested JSON in meta.extra_json gave INTERNAL", (
         K + "test_fuzz.py::test_oversized_integers_and_deep_json_in_extra_are_invalid_argument",)),

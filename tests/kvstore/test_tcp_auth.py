@@ -6,6 +6,7 @@ bytes it did not send)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from kvstore.errors import DaemonNotRunning, InvalidRequest, KVStoreError, Unaut
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.auth import bearer_metadata
 from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, KVStoreStub
-from kvstore.testing import REPO_ROOT, DaemonProcess, free_port
+from kvstore.testing import REPO_ROOT, DaemonProcess, free_port, record_figures
 
 TOKEN = "tcp-test-token-5f0e9c1a7b3d"
 
@@ -106,19 +107,32 @@ def test_port_only_daemon_listens_on_loopback_alone(tcp_daemon):
 
 def test_client_with_the_token_puts_and_gets_bytes_over_the_wire(tcp_daemon):
     data = bytes(range(256)) * 300
+    keys = [b"wire-key"] + [b"wire-%d" % i for i in range(20)]
+    blobs = {k: data if k == b"wire-key" else os.urandom(100 + 997 * i) for i, k in enumerate(keys)}
+    ops = verified = wrong = 0
     with KVStoreClient(tcp=tcp_daemon.tcp, tcp_token_file=tcp_daemon.token_file) as kv:
-        res = kv.put(b"wire-key", data, extra={"n": 1})
-        assert res.status == "stored" and res.checksum != 0
+        for k, v in blobs.items():
+            res = kv.put(k, v, extra={"n": 1}, tier="nvme" if len(v) % 2 else "cpu")
+            ops += 1
+            assert res.status == "stored" and res.checksum != 0
         assert kv.put(b"wire-key", data).status == "exists"
-        with kv.get(b"wire-key") as view:
-            assert view.tobytes() == data
-            assert view.lease.region.kind == "wire" and view.meta.extra == {"n": 1}
+        for k, v in blobs.items():
+            with kv.get(k) as view:
+                ops += 1
+                verified += view.tobytes() == v
+                wrong += view.tobytes() != v
+                assert view.lease.region.kind == "wire" and view.meta.extra == {"n": 1}
         assert kv.get_many([b"absent"]) == [None]
         assert kv.lookup([b"wire-key"])[0].hit
         assert kv.map_arenas() == []
-    with tcp_daemon.client() as local, local.get(b"wire-key") as view:  # the same bytes, seen locally
-        assert view.tobytes() == data
-
+    with tcp_daemon.client() as local:  # the same bytes, seen locally
+        for k, v in blobs.items():
+            with local.get(k) as view:
+                ops += 1
+                verified += view.tobytes() == v
+                wrong += view.tobytes() != v
+    record_figures("test_tcp_wire", operations=ops, objects_verified=verified, losses=wrong)
+    assert wrong == 0 and verified == 2 * len(blobs)
 
 def test_tensors_round_trip_over_the_wire(tcp_daemon):
     import torch
@@ -141,6 +155,7 @@ def test_requests_without_the_right_token_are_refused_and_counted(tcp_daemon, tm
     before = _stats_failures(tcp_daemon)
     with pytest.raises(Unauthenticated, match="no valid token"):
         KVStoreClient(tcp=tcp_daemon.tcp, tcp_token_file=wrong)
+    refused = 1  # the client's Info
     ch = grpc.insecure_channel(tcp_daemon.tcp)
     stub = KVStoreStub(ch)
     with ch:
@@ -151,14 +166,19 @@ def test_requests_without_the_right_token_are_refused_and_counted(tcp_daemon, tm
                 getattr(stub, rpc)(req, timeout=10, metadata=((PROTOCOL_METADATA_KEY, "1"),))
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert dict(exc.value.trailing_metadata() or ())[ERROR_CODE_METADATA_KEY] == "UNAUTHENTICATED"
+            refused += 1
         with pytest.raises(grpc.RpcError) as exc:  # a bearer that differs in its last byte
             stub.Lookup(pb.LookupRequest(keys=[b"k"]), timeout=10, metadata=(bearer_metadata(TOKEN[:-1] + "x"),))
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert _stats_failures(tcp_daemon) == before + 7  # the client's Info, five raw calls, the near miss
+        refused += 1
+    counted = _stats_failures(tcp_daemon) - before
     text = urllib.request.urlopen(f"http://127.0.0.1:{tcp_daemon.metrics_port}/metrics", timeout=10).read().decode()
-    assert f"kvstore_tcp_auth_failures_total {float(before + 7)}" in text
     with tcp_daemon.client() as kv:  # nothing the refused calls asked for happened
-        assert kv.lookup([b"wire-key"])[0].hit
+        still_there = kv.lookup([b"wire-key"])[0].hit
+    record_figures("test_tcp_refused", operations=refused, refused_counted=counted, losses=int(not still_there))
+    assert counted == refused == 7
+    assert f"kvstore_tcp_auth_failures_total {float(before + refused)}" in text
+    assert still_there
 
 
 def test_no_region_and_no_commit_over_tcp_even_with_the_token(tcp_daemon):
