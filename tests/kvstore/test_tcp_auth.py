@@ -301,3 +301,29 @@ def test_fuzzed_authorization_values_are_all_refused(tcp_daemon, value):
             assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
         else:
             raise AssertionError(f"authorization {value!r} was accepted")
+
+
+def test_asyncio_client_over_tcp_authenticates_and_moves_bytes_over_the_wire(tcp_daemon, tmp_path):
+    import asyncio
+
+    from kvstore.client import AsyncKVStoreClient
+
+    data = os.urandom(50_000)
+
+    async def run() -> bytes:
+        async with AsyncKVStoreClient(tcp=tcp_daemon.tcp, tcp_token_file=tcp_daemon.token_file) as kv:
+            assert (await kv.put(b"aio-wire", data)).status == "stored"
+            view = await kv.get(b"aio-wire")
+            out = view.tobytes()
+            await kv.release_many([view])
+            return out
+
+    assert asyncio.run(run()) == data
+    wrong = _token_file(tmp_path, text="wrong-token-for-asyncio-1")
+
+    async def refused() -> None:
+        async with AsyncKVStoreClient(tcp=tcp_daemon.tcp, tcp_token_file=wrong):
+            pass
+
+    with pytest.raises(Unauthenticated):
+        asyncio.run(refused())
