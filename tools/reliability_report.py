@@ -61,7 +61,8 @@ ROWS: tuple[Row, ...] = (
         K + "test_tcp_auth.py::test_no_region_and_no_commit_over_tcp_even_with_the_token",
         K + "test_tcp_auth.py::test_client_with_the_token_puts_and_gets_bytes_over_the_wire",
         K + "test_tcp_auth.py::test_tensors_round_trip_over_the_wire",
-        K + "test_tcp_auth.py::test_get_bytes_over_the_message_limit_is_refused_naming_the_remedy"),
+        K + "test_tcp_auth.py::test_get_bytes_over_the_message_limit_is_refused_naming_the_remedy",
+        K + "test_tcp_auth.py::test_asyncio_client_over_tcp_authenticates_and_moves_bytes_over_the_wire"),
         figures="test_tcp_wire"),
     Row("2", "`--tcp :PORT` listened on every interface (now loopback); TLS as an option", (
         K + "test_tcp_auth.py::test_port_only_daemon_listens_on_loopback_alone",
