@@ -4,7 +4,8 @@
 Owns: the user-facing commands and their output. `serve` runs the daemon; its flags are
 generated from the option registry in kvstore/config.py, so every option has exactly one
 name, type, default and help text. The client commands (put, get, inspect, evict, ls,
-show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket`, print
+show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket` (or
+`--tcp HOST:PORT --tcp-token-file FILE`, plus `--tcp-tls-ca CA` for TLS), print
 JSON with `--json` where they print data, and on failure print one line
 "kvstore: error: REASON" to stderr (no traceback) and exit non-zero: 3 when no daemon
 is running (the message says how to start one), 1 otherwise (2: bad usage); `rm` exits 1
@@ -52,6 +53,10 @@ SocketOpt = typer.Option(None, "--socket", help="daemon's unix socket [default: 
                          show_default=False, metavar="PATH")
 TcpOpt = typer.Option(None, "--tcp", help="reach the daemon over TCP HOST:PORT instead of the socket",
                       show_default=False, metavar="HOST:PORT")
+TcpTokenOpt = typer.Option(None, "--tcp-token-file", help="with --tcp: file holding the daemon's token "
+                           "[default: $KVSTORE_TCP_TOKEN_FILE]", show_default=False)
+TcpCaOpt = typer.Option(None, "--tcp-tls-ca", help="with --tcp: PEM CA bundle; talk TLS to a daemon serving it",
+                        show_default=False)
 JsonOpt = typer.Option(False, "--json", help="print JSON")
 KeyArg = typer.Argument(..., help="object key (text; 'hex:...' for binary keys)", metavar="KEY")
 TierOpt = typer.Option(None, "--tier", help="cpu, nvme or gpu [default: the daemon's]", metavar="TIER",
@@ -86,12 +91,13 @@ def reports_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _client(socket: Optional[Path], tcp: Optional[str]) -> Any:
+def _client(socket: Optional[Path], tcp: Optional[str], tcp_token_file: Optional[Path] = None,
+            tcp_tls_ca: Optional[Path] = None) -> Any:
     from kvstore.client import KVStoreClient
 
     if socket is None and tcp is None:
         socket = load_config().socket
-    return KVStoreClient(socket=socket, tcp=tcp)
+    return KVStoreClient(socket=socket, tcp=tcp, tcp_token_file=tcp_token_file, tcp_tls_ca=tcp_tls_ca)
 
 
 def _print_json(obj: Any) -> None:
@@ -193,6 +199,8 @@ def config_cmd(
         None, "--socket", metavar="PATH", show_default=False,
         help="show the settings of the daemon running at this socket instead of what `kvstore serve` would use"),
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Print the effective configuration and where each value came from (with --socket or
@@ -201,7 +209,7 @@ def config_cmd(
         if config_file is not None:
             raise ConfigError("--config: give either --config (a file to layer in) or --socket/--tcp (a running "
                               "daemon), not both")
-        with _client(socket, tcp) as kv:
+        with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
             report = kv.stats().get("daemon_config")
             target = kv.target
         if not report:
@@ -260,6 +268,8 @@ def put_cmd(
                                  help="when the key holds other bytes, delete that object and store this file"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Store a file's bytes as one object. A key that already holds the same bytes is left
@@ -268,7 +278,7 @@ def put_cmd(
 
     k = key_from_text(key)
     replaced = False
-    with _client(socket, tcp) as kv, _file_bytes(file) as data:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv, _file_bytes(file) as data:
         if len(data) == 0:
             raise KVStoreError(f"{file} is empty; objects must hold at least 1 byte")
         res = kv.put(k, data, tier=tier, fingerprint=fingerprint)
@@ -341,9 +351,11 @@ def get_cmd(
                                           show_default=False, metavar="FILE"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
 ) -> None:
     """Write an object's bytes to a file or stdout."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         with kv.get(key_from_text(key)) as view:
             data = view.memoryview if view.tier != "gpu" else memoryview(view.tobytes())
             if output is None:
@@ -363,12 +375,14 @@ def rm_cmd(
     keys: list[str] = typer.Argument(..., help="keys to delete", metavar="KEY"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Delete objects (a leased object stays until its leases end). Exits 1 when a key was
     not in the store or could not be deleted (named on stderr)."""
     ks = [key_from_text(k) for k in keys]
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         present = [e.key for e in kv.lookup(ks) if e.hit]
         deleted = kv.delete(present) if present else 0
         left = {e.key for e in kv.lookup(present) if e.hit} if deleted < len(present) else set()
@@ -391,11 +405,13 @@ def evict_cmd(
                              metavar="TIER"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Demote every unleased object out of a tier to the next tier down (dropped when no
     enabled tier lies below it)."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         enabled = list(kv.info.tiers) if kv.info else []
         moved = kv.evict(tier)
     below = enabled[enabled.index(tier) + 1:] if tier in enabled else []
@@ -415,9 +431,11 @@ def prefetch_cmd(
                                        metavar="TIER", show_default=False),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
 ) -> None:
     """Promote objects to a faster tier ahead of use."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         n = kv.prefetch([key_from_text(k) for k in keys], tier)
     print(f"{n} of {len(keys)} in {tier or 'the fastest tier'} or above")
 
@@ -440,10 +458,12 @@ def inspect_cmd(
     top: int = typer.Option(10, "--top", help="how many of the most-hit objects to show", metavar="N"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Tiers, capacity and use, hit rate, object counts, top objects by hits."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         stats = kv.stats()
         objs = kv.list(limit=top) if top > 0 else []
         info = kv.info
@@ -520,11 +540,13 @@ def ls_cmd(
     limit: int = typer.Option(1000, "--limit", help="at most this many (most-hit first)", metavar="N"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """List objects, most-hit first."""
     key_prefix = key_from_text(prefix) if prefix else None
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         objs = kv.list(fingerprint=fingerprint, prefix=key_prefix, tier=tier, limit=limit)
         if not objs and fingerprint and len(fingerprint) >= MIN_FINGERPRINT_PREFIX:
             # a short fingerprint: match it as a prefix (over the daemon's whole listing)
@@ -550,10 +572,12 @@ def show_cmd(
     key: str = KeyArg,
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """One object's record and, for an object-format blob, its header and parts."""
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         res = kv.show(key_from_text(key))
     out = {"object": _object_json(res.info), "is_blob": res.is_blob, "header": res.header, "parts": res.parts}
     if as_json:
@@ -592,6 +616,8 @@ def bench_cmd(
     count: int = typer.Option(16, "--count", help="objects per tier", metavar="N"),
     socket: Optional[Path] = SocketOpt,
     tcp: Optional[str] = TcpOpt,
+    tcp_token_file: Optional[Path] = TcpTokenOpt,
+    tcp_tls_ca: Optional[Path] = TcpCaOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Put/get throughput per tier against the running daemon (objects are deleted after)."""
@@ -603,7 +629,7 @@ def bench_cmd(
     data = os.urandom(min(nbytes, 1 << 20)) * (nbytes // min(nbytes, 1 << 20))
     data += os.urandom(nbytes - len(data))
     results = []
-    with _client(socket, tcp) as kv:
+    with _client(socket, tcp, tcp_token_file, tcp_tls_ca) as kv:
         enabled = list(kv.info.tiers) if kv.info else ["cpu"]
         chosen = [t.strip() for t in tiers.split(",") if t.strip()] or enabled
         run_id = f"bench-{os.getpid()}-{int(time.time())}"

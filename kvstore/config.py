@@ -170,7 +170,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("nvme_capacity", "size", 16 << 30, "bytes of object files the NVMe tier may keep under --dir (0: no NVMe tier)"),
     Option("gpu_capacity", "gpusize", "auto",
            f"bytes of the GPU tier's CUDA arena; auto: {format_size(GPU_AUTO_BYTES)} where CUDA is present, else 0"),
-    Option("tcp", "hostport", "", "also listen on TCP HOST:PORT (empty: unix socket only)"),
+    Option("tcp", "hostport", "",
+           "also listen on TCP HOST:PORT (empty: unix socket only; ':PORT' binds 127.0.0.1); needs a token file"),
+    Option("tcp_token_file", "str", "",
+           "file holding the bearer token every TCP request must carry (required with --tcp; clients take the "
+           "same option)"),
+    Option("tcp_tls_cert", "str", "", "PEM certificate chain: serve TCP over TLS (with --tcp-tls-key)"),
+    Option("tcp_tls_key", "str", "", "PEM private key of --tcp-tls-cert"),
     Option("fast_lookup", "bool", True,
            "also answer Lookup on SOCKET.fast, a msgpack unix socket beside the gRPC one (mode 0600); "
            "clients use it when present, else gRPC"),
@@ -216,6 +222,9 @@ class Config:
     nvme_capacity: int
     gpu_capacity: Optional[int]  # None: "auto" (resolve with resolve_gpu_capacity)
     tcp: str
+    tcp_token_file: str
+    tcp_tls_cert: str
+    tcp_tls_key: str
     fast_lookup: bool
     metrics_port: int
     metrics_host: str
@@ -266,11 +275,13 @@ class Config:
 
 
 def parse_hostport(value: str, what: str = "tcp") -> tuple[str, int]:
-    """("host", port) from "HOST:PORT" or "[v6]:PORT"; ConfigError naming the value."""
+    """("host", port) from "HOST:PORT" or "[v6]:PORT"; ConfigError naming the value. No
+    host (":PORT") means the loopback address: listening on every interface takes an
+    explicit "0.0.0.0:PORT"."""
     m = re.match(r"^\[(?P<h6>[^\]]+)\]:(?P<p6>\d+)$|^(?P<h>[^:\[\]]*):(?P<p>\d+)$", value.strip())
     if not m:
         raise ConfigError(f"{what}: expected HOST:PORT (e.g. 127.0.0.1:50051), got {value!r}")
-    host = m.group("h6") or m.group("h") or "0.0.0.0"
+    host = m.group("h6") or m.group("h") or "127.0.0.1"
     port = int(m.group("p6") or m.group("p"))
     if not 0 < port < 65536:
         raise ConfigError(f"{what}: port must be 1..65535, got {port} in {value!r}")

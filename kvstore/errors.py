@@ -65,6 +65,12 @@ class StorageError(KVStoreError):
     code = "STORAGE_ERROR"
 
 
+class Unauthenticated(KVStoreError):
+    """A TCP request carried no token or the wrong one (the daemon's --tcp-token-file)."""
+
+    code = "UNAUTHENTICATED"
+
+
 ALL_ERRORS: tuple[type[KVStoreError], ...] = (
     KVStoreError,
     DaemonNotRunning,
@@ -75,6 +81,7 @@ ALL_ERRORS: tuple[type[KVStoreError], ...] = (
     InvalidRequest,
     AlreadyExists,
     StorageError,
+    Unauthenticated,
 )
 
 ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {cls.code: cls for cls in ALL_ERRORS}

@@ -124,6 +124,7 @@ class Store:
         self._leases = LeaseTable(s.lease_ttl_s)
         self._reservations = LeaseTable(s.lease_ttl_s)
         self._inflight: dict[bytes, int] = {}  # key -> reservation id
+        self._settle_listeners: list[Callable[[Optional[bytes]], None]] = []
         self._counters = self._place.counters
         self._index: Optional[ObjectIndex] = None
         self._dir_lock = -1
@@ -235,6 +236,8 @@ class Store:
             self._open = False
             self._close_media()
             self._cond.notify_all()
+            for fn in self._settle_listeners:
+                fn(None)
 
     def _close_media(self) -> None:
         if self._index is not None:
@@ -369,6 +372,8 @@ class Store:
         if free:
             self.tiers[e.payload.tier].free(e.payload.slot)
         self._cond.notify_all()
+        for fn in self._settle_listeners:
+            fn(e.key)
 
     def commit(self, reservation_id: int, checksum: int) -> LookupEntry:
         """Verify the reserved bytes hash to `checksum` and make the object visible.
@@ -436,6 +441,29 @@ class Store:
                 raise InvalidRequest(f"reservation {reservation_id} is being committed and cannot be aborted")
             self._end_reservation_locked(e, free=True)
             self._counters["aborted_puts"] += 1
+
+    def add_settle_listener(self, fn: Callable[[Optional[bytes]], None]) -> None:
+        """Call `fn(key)` whenever a reservation of `key` ends (committed, aborted or
+        expired), and `fn(None)` when the store closes. It runs under the store's lock, on
+        whatever thread ended the reservation: it must only hand the news on (e.g.
+        `loop.call_soon_threadsafe`), never block or call back into the store. This is how
+        the server waits for keys without holding a thread per waiter (`key_state`)."""
+        with self._lock:
+            self._settle_listeners.append(fn)
+
+    def key_state(self, key: bytes, *, wait: bool = True) -> Optional[str]:
+        """"present", "in_flight" (a reservation is open) or "absent" (also once the
+        store is closed); None when `wait` is False and the lock is busy."""
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            if not self._open:
+                return "absent"
+            if key in self._place.objects:
+                return "present"
+            return "in_flight" if key in self._inflight else "absent"
+        finally:
+            self._lock.release()
 
     def wait_for(self, key: bytes, timeout_s: float) -> bool:
         """Block until `key` is committed (True) or its in-flight put is aborted, or the

@@ -4,7 +4,8 @@ semantics as `KVStoreClient` (every method is a coroutine; views are the same cl
 Owns: a grpc.aio channel (and the fast Lookup socket, see kvstore.client.fastpath), the
 asyncio put flow, and a keepalive task that renews leases and sends releases queued by
 dropped views. Copies into the arena larger than
-OFFLOAD_BYTES run in a worker thread so the event loop keeps turning.
+OFFLOAD_BYTES run in a worker thread so the event loop keeps turning. Over TCP it
+authenticates and moves bytes over the wire exactly as KVStoreClient does.
 
     async with AsyncKVStoreClient(socket) as kv:
         await kv.put(b"key", data)
@@ -25,8 +26,8 @@ import xxhash
 
 from kvstore import checksums as cks
 from kvstore.client.common import (
-    CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, METADATA, PUT_ATTEMPTS, ClientCore,
-    DaemonInfo,
+    CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, PUT_ATTEMPTS, ClientCore,
+    DaemonInfo, TcpAuth,
     KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.fastpath import AsyncFastLookup
@@ -49,8 +50,11 @@ class AsyncKVStoreClient:
 
     def __init__(self, socket: Optional[Union[str, Path]] = None, tcp: Optional[str] = None, *,
                  client_id: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 max_message_size: int = DEFAULT_MAX_MESSAGE) -> None:
-        self._core = ClientCore(socket, tcp, client_id, timeout, max_message_size)
+                 max_message_size: int = DEFAULT_MAX_MESSAGE,
+                 tcp_token_file: Optional[Union[str, Path]] = None,
+                 tcp_tls_ca: Optional[Union[str, Path]] = None) -> None:
+        self._core = ClientCore(socket, tcp, client_id, timeout, max_message_size,
+                                TcpAuth(tcp_token_file, tcp_tls_ca))
         self._fast = AsyncFastLookup(self._core.target, timeout)
         self._channel: Optional[grpc.aio.Channel] = None
         self._stub: Optional[KVStoreStub] = None
@@ -73,7 +77,9 @@ class AsyncKVStoreClient:
         if self._channel is None:
             check_reachable(self.target)
             opts = client_channel_options(self._core.max_message_size, self.target)
-            self._channel = grpc.aio.insecure_channel(self.target, options=opts)
+            creds = self._core.channel_credentials()
+            self._channel = (grpc.aio.secure_channel(self.target, creds, options=opts) if creds is not None
+                             else grpc.aio.insecure_channel(self.target, options=opts))
             self._stub = KVStoreStub(self._channel)
             self._loop = asyncio.get_running_loop()
         info = self._core.set_info(await self._call("Info", pb.InfoRequest(), timeout=CONNECT_TIMEOUT_S))
@@ -114,7 +120,8 @@ class AsyncKVStoreClient:
         if self._stub is None:
             raise KVStoreError(f"the client for {self.target} is not connected (await connect() first)")
         try:
-            return await getattr(self._stub, rpc)(request, timeout=timeout or self._core.timeout, metadata=METADATA)
+            return await getattr(self._stub, rpc)(request, timeout=timeout or self._core.timeout,
+                                                  metadata=self._core.metadata)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.target, rpc) from None
 
@@ -144,7 +151,7 @@ class AsyncKVStoreClient:
             raise KVStoreError(f"the client for {self.target} is not connected")
         call = self._channel.unary_unary(HEALTH_CHECK_METHOD)
         try:
-            raw = await call(encode_health_request(), timeout=timeout)
+            raw = await call(encode_health_request(), timeout=timeout, metadata=self._core.metadata)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, self.target, "Health") from None
         return decode_health_status(raw) == HEALTH_SERVING
@@ -189,6 +196,15 @@ class AsyncKVStoreClient:
 
     # ------------------------------------------------------------------ put
 
+    async def _put_wire(self, key: bytes, data: memoryview, tier: Optional[str], meta: pb.ObjectMeta) -> PutResult:
+        for _ in range(PUT_ATTEMPTS):
+            res = await self._call("PutBytes", self._core.put_bytes_request(key, data, tier, meta))
+            if res.status in ("stored", "exists"):
+                return PutResult(key, res.tier, data.nbytes, res.status, res.checksum)
+            if await self.wait_for(key, self._core.timeout):
+                return PutResult(key, res.tier, data.nbytes, "exists")
+        raise CapacityExhausted(f"put of {key!r}: other writers kept aborting it ({PUT_ATTEMPTS} tries)")
+
     async def _put(self, key: bytes, size: int, tier: Optional[str], meta: pb.ObjectMeta, write: Any) -> PutResult:
         for _ in range(PUT_ATTEMPTS):
             res = await self._call("Reserve", self._core.reserve_request(key, size, tier, meta))
@@ -217,6 +233,9 @@ class AsyncKVStoreClient:
                   token_count: int = 0, cost: float = 0.0, extra: Optional[Mapping[str, Any]] = None) -> PutResult:
         k = as_key(key)
         mv = as_bytes_view(data)
+        if self._core.remote:
+            meta = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)
+            return await self._put_wire(k, mv, tier, meta)
 
         def write(region: Any) -> int:
             if mv.nbytes <= FUSED_HASH_MIN:  # small: one copy, one hash call
@@ -238,6 +257,8 @@ class AsyncKVStoreClient:
         k = as_key(key)
         plan = fmt.plan_blob(tensors, fingerprint=fingerprint, token_count=token_count, meta=meta, layers=layers)
         m = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)
+        if self._core.remote:
+            return await self._put_wire(k, self._core.blob_bytes(plan, tensors), tier, m)
         return await self._put(k, plan.total_size, tier, m, self._core.blob_writer(plan, tensors))
 
     # ------------------------------------------------------------------ get
@@ -270,6 +291,9 @@ class AsyncKVStoreClient:
                        client_verifies: bool = False) -> list[Optional[ObjectView]]:
         """As KVStoreClient.get_many (`client_verifies` included)."""
         ks = [as_key(k) for k in keys]
+        if self._core.remote:  # bytes over the wire, verified here
+            got = await self._call("GetBytes", pb.GetBytesRequest(keys=ks, no_promote=not promote))
+            return [self._core.wire_view(o) if o.found else None for o in got.objects]
         leases = self._core.leases(await self._call("Get", self._core.get_request(ks, promote, client_verifies)))
         views: list[Optional[ObjectView]] = []
         try:
@@ -301,5 +325,5 @@ class AsyncKVStoreClient:
             raise
 
     async def release_many(self, views: Sequence[ObjectView]) -> None:
-        ids = [i for i in (v.detach() for v in views) if i is not None]
+        ids = [i for i in (v.detach() for v in views) if i]  # 0: a wire view, no lease
         await self._release_ids(ids)

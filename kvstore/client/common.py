@@ -3,7 +3,9 @@ the daemon listens, request building, put_tensors' in-place write step, response
 lease bookkeeping, and the records the client API returns.
 
 Owns: `ClientCore`, which `KVStoreClient` (sync) and `AsyncKVStoreClient` (asyncio)
-both build on, so the two offer the same API with the same semantics.
+both build on, so the two offer the same API with the same semantics; and the TCP
+connection facts (the bearer token sent with every call, the TLS trust roots) and the
+over-the-wire data path's views (a TCP client gets and sends bytes, never regions).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Se
 from kvstore.client.regions import RegionMapper
 from kvstore.client.status import not_running
 from kvstore.client.views import ObjectView
-from kvstore.errors import InvalidRequest, VersionMismatch
+from kvstore.errors import BadObject, InvalidRequest, VersionMismatch
 from kvstore.records import Lease, LookupEntry, ObjectInfo, Region
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.auth import bearer_metadata, read_pem, read_token_file
 from kvstore.rpc.service import PROTOCOL_METADATA_KEY, PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -121,12 +124,41 @@ class ShowResult:
     parts: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TcpAuth:
+    """How a TCP client proves itself: the token file (None: tcp_token_file from the
+    config / KVSTORE_TCP_TOKEN_FILE) and, for a daemon serving TLS, the PEM bundle of
+    the certificate authorities to trust."""
+
+    token_file: Optional[Union[str, Path]] = None
+    tls_ca: Optional[Union[str, Path]] = None
+
+
+def _no_release(lease_id: int) -> None:
+    """Views of wire bytes hold no lease."""
+
+
 class ClientCore:
     """State and pure logic shared by the sync and asyncio clients."""
 
     def __init__(self, socket: Optional[Union[str, Path]], tcp: Optional[str], client_id: Optional[str],
-                 timeout: float, max_message_size: int) -> None:
+                 timeout: float, max_message_size: int, auth: Optional[TcpAuth] = None) -> None:
         self.target = resolve_target(socket, tcp)
+        # Over TCP the daemon is (maybe) on another host: bytes travel in messages.
+        self.remote = not self.target.startswith("unix:")
+        self.metadata: tuple[tuple[str, str], ...] = METADATA
+        self.tls_ca: Optional[bytes] = None
+        if self.remote:
+            auth = auth or TcpAuth()
+            token_file = auth.token_file
+            if token_file is None:
+                from kvstore.config import load_config
+
+                token_file = load_config().tcp_token_file or None
+            if token_file:
+                self.metadata = METADATA + (bearer_metadata(read_token_file(token_file, "--tcp-token-file")),)
+            if auth.tls_ca:
+                self.tls_ca = read_pem(auth.tls_ca, "--tcp-tls-ca")
         self.client_id = client_id or f"{_socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         self.max_message_size = max_message_size
@@ -135,6 +167,14 @@ class ClientCore:
         self._held: set[int] = set()
         self._held_lock = threading.Lock()
         self._pending: collections.deque[int] = collections.deque()
+
+    def channel_credentials(self) -> Any:
+        """grpc channel credentials for TLS, or None for a plain channel."""
+        if self.tls_ca is None:
+            return None
+        import grpc
+
+        return grpc.ssl_channel_credentials(root_certificates=self.tls_ca)
 
     # ------------------------------------------------------------------ leases
 
@@ -234,6 +274,38 @@ class ClientCore:
                           before_tensor=lambda: self.regions.pin_arena_of(lease.region),
                           before_host=(lambda: self.regions.prefetch(lease.region))
                           if lease.region.kind == "file" else None)
+
+    def put_bytes_request(self, key: bytes, data: memoryview, tier: Optional[str],
+                          meta: pb.ObjectMeta) -> pb.PutBytesRequest:
+        return pb.PutBytesRequest(key=key, data=bytes(data), tier=tier or "", meta=meta, client_id=self.client_id)
+
+    @staticmethod
+    def wire_view(o: pb.ObjectBytes) -> ObjectView:
+        """A view over bytes that came over the wire (GetBytes), checked against the
+        checksum the daemon recorded: BadObject when they differ. It holds no lease."""
+        import numpy as np
+
+        from kvstore.checksums import host_checksum
+
+        data = o.data
+        actual = host_checksum(data)
+        if actual != o.checksum:
+            raise BadObject(f"object {codec.key_text(o.key)!r}: the {len(data)} bytes received hash to "
+                            f"{actual:#018x}, the daemon recorded {o.checksum:#018x}")
+        lease = Lease(0, o.key, o.tier, Region("wire", "", 0, len(data)), len(data), o.checksum, float("inf"),
+                      codec.meta_from_pb(o.meta))
+        return ObjectView(lease, np.frombuffer(data, dtype=np.uint8), None, _no_release, _no_release)
+
+    @staticmethod
+    def blob_bytes(plan: "BlobPlan", tensors: Mapping[str, Any]) -> memoryview:
+        """put_tensors over the wire: the blob laid out in a local buffer."""
+        import torch
+
+        from kvstore import format as fmt
+
+        buf = torch.empty(plan.total_size, dtype=torch.uint8)
+        fmt.write_blob(buf, plan, tensors)
+        return memoryview(buf.numpy())
 
     @staticmethod
     def leases(m: pb.GetResponse) -> list[Optional[Lease]]:

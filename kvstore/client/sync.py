@@ -14,6 +14,11 @@ renews this client's leases and sends releases queued by dropped views.
         with kv.get_tensors(b"seg") as (header, tensors):
             ...                             # tensors are views over the arena
 
+Over TCP (`KVStoreClient(tcp="host:port", tcp_token_file=F)`, optionally `tcp_tls_ca=CA`
+for a daemon serving TLS) every call carries the daemon's token, and puts and gets move
+the bytes in messages (PutBytes / GetBytes: objects up to the message size limit): a
+view then holds a verified local copy, no lease.
+
 A client is thread-safe. Do not share one across fork(); make a new one in the child.
 """
 
@@ -28,8 +33,8 @@ import xxhash
 
 from kvstore import checksums as cks
 from kvstore.client.common import (
-    CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, METADATA, PUT_ATTEMPTS, ClientCore,
-    DaemonInfo,
+    CONNECT_TIMEOUT_S, DEFAULT_MAX_MESSAGE, DEFAULT_TIMEOUT_S, FUSED_HASH_MIN, PUT_ATTEMPTS, ClientCore,
+    DaemonInfo, TcpAuth,
     KeyLike, PutResult, ShowResult, as_bytes_view, as_key, check_reachable,
 )
 from kvstore.client.fastpath import FastLookup
@@ -50,8 +55,11 @@ class KVStoreClient:
 
     def __init__(self, socket: Optional[Union[str, Path]] = None, tcp: Optional[str] = None, *,
                  client_id: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 max_message_size: int = DEFAULT_MAX_MESSAGE, connect: bool = True) -> None:
-        self._core = ClientCore(socket, tcp, client_id, timeout, max_message_size)
+                 max_message_size: int = DEFAULT_MAX_MESSAGE, connect: bool = True,
+                 tcp_token_file: Optional[Union[str, Path]] = None,
+                 tcp_tls_ca: Optional[Union[str, Path]] = None) -> None:
+        self._core = ClientCore(socket, tcp, client_id, timeout, max_message_size,
+                                TcpAuth(tcp_token_file, tcp_tls_ca))
         self._fast = FastLookup(self._core.target, timeout)
         self._channel: Optional[grpc.Channel] = None
         self._stub: Optional[KVStoreStub] = None
@@ -86,7 +94,9 @@ class KVStoreClient:
         if self._channel is None:
             check_reachable(self.target)
             opts = client_channel_options(self._core.max_message_size, self.target)
-            self._channel = grpc.insecure_channel(self.target, options=opts)
+            creds = self._core.channel_credentials()
+            self._channel = (grpc.secure_channel(self.target, creds, options=opts) if creds is not None
+                             else grpc.insecure_channel(self.target, options=opts))
             self._stub = KVStoreStub(self._channel)
         info = self._core.set_info(self._call("Info", pb.InfoRequest(), timeout=CONNECT_TIMEOUT_S))
         if self._keepalive is None:
@@ -123,7 +133,8 @@ class KVStoreClient:
         if self._stub is None:
             raise KVStoreError(f"the client for {self.target} is closed")
         try:
-            return getattr(self._stub, rpc)(request, timeout=timeout or self._core.timeout, metadata=METADATA)
+            return getattr(self._stub, rpc)(request, timeout=timeout or self._core.timeout,
+                                            metadata=self._core.metadata)
         except grpc.RpcError as exc:
             raise translate(exc, self.target, rpc) from None
 
@@ -151,7 +162,7 @@ class KVStoreClient:
             raise KVStoreError(f"the client for {self.target} is closed")
         call = self._channel.unary_unary(HEALTH_CHECK_METHOD)
         try:
-            raw = call(encode_health_request(), timeout=timeout)
+            raw = call(encode_health_request(), timeout=timeout, metadata=self._core.metadata)
         except grpc.RpcError as exc:
             raise translate(exc, self.target, "Health") from None
         return decode_health_status(raw) == HEALTH_SERVING
@@ -188,6 +199,8 @@ class KVStoreClient:
         the first read that needs each: pinning a large arena takes seconds (every page
         is locked). Mappings are shared by every client of the process. Returns the
         arenas' paths."""
+        if self._core.remote:  # the daemon's memory is on its host: nothing to map
+            return []
         paths = [t["path"] for t in self.stats().get("tiers", []) if t.get("name") == "cpu" and t.get("path")]
         for path in paths:
             self._core.regions.map_arena(path, pin=pin)
@@ -205,6 +218,16 @@ class KVStoreClient:
         return self._call("WaitFor", req, timeout=timeout + self._core.timeout).present
 
     # ------------------------------------------------------------------ put
+
+    def _put_wire(self, key: bytes, data: memoryview, tier: Optional[str], meta: pb.ObjectMeta) -> PutResult:
+        """A put over TCP: the bytes travel in the request; the daemon writes and checksums them."""
+        for _ in range(PUT_ATTEMPTS):
+            res = self._call("PutBytes", self._core.put_bytes_request(key, data, tier, meta))
+            if res.status in ("stored", "exists"):
+                return PutResult(key, res.tier, data.nbytes, res.status, res.checksum)
+            if self.wait_for(key, self._core.timeout):  # "in_flight": another client writes it
+                return PutResult(key, res.tier, data.nbytes, "exists")
+        raise CapacityExhausted(f"put of {key!r}: other writers kept aborting it ({PUT_ATTEMPTS} tries)")
 
     def _put(self, key: bytes, size: int, tier: Optional[str], meta: pb.ObjectMeta, write: Any) -> PutResult:
         for _ in range(PUT_ATTEMPTS):
@@ -233,6 +256,9 @@ class KVStoreClient:
         """Store `data` (any bytes-like object) under `key`: reserve, write in place, commit."""
         k = as_key(key)
         mv = as_bytes_view(data)
+        if self._core.remote:
+            meta = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)
+            return self._put_wire(k, mv, tier, meta)
 
         def write(region: Any) -> int:
             if mv.nbytes <= FUSED_HASH_MIN:  # small: one copy, one hash call
@@ -257,6 +283,8 @@ class KVStoreClient:
         k = as_key(key)
         plan = fmt.plan_blob(tensors, fingerprint=fingerprint, token_count=token_count, meta=meta, layers=layers)
         m = self._core.meta_pb(fingerprint, token_count, cost, dict(extra) if extra else None)
+        if self._core.remote:
+            return self._put_wire(k, self._core.blob_bytes(plan, tensors), tier, m)
         return self._put(k, plan.total_size, tier, m, self._core.blob_writer(plan, tensors))
 
     # ------------------------------------------------------------------ get
@@ -279,6 +307,9 @@ class KVStoreClient:
         promotion then reads the disk once. A corrupt object raises BadObject in the
         client and is not dropped from the store."""
         ks = [as_key(k) for k in keys]
+        if self._core.remote:  # bytes over the wire, verified here
+            got = self._call("GetBytes", pb.GetBytesRequest(keys=ks, no_promote=not promote))
+            return [self._core.wire_view(o) if o.found else None for o in got.objects]
         leases = self._core.leases(self._call("Get", self._core.get_request(ks, promote, client_verifies)))
         views: list[Optional[ObjectView]] = []
         try:
@@ -314,5 +345,5 @@ class KVStoreClient:
 
     def release_many(self, views: Sequence[ObjectView]) -> None:
         """Release several views in one RPC."""
-        ids = [i for i in (v.detach() for v in views) if i is not None]
+        ids = [i for i in (v.detach() for v in views) if i]  # 0: a wire view, no lease
         self._release_ids(ids)

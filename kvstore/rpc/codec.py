@@ -18,6 +18,8 @@ from kvstore.errors import InvalidRequest
 from kvstore.rpc import kvstore_pb2 as pb
 
 MAX_EXTRA_JSON_BYTES = 64 << 10
+MAX_EXTRA_DEPTH = 32  # nesting of arrays/objects in meta.extra_json
+EXTRA_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what the index's msgpack records hold
 MAX_WAIT_S = 300.0
 MAX_CLIENT_ID = 256
 
@@ -31,6 +33,7 @@ class Limits:
     tiers: tuple[str, ...]
     default_tier: str
     list_limit: int = 100_000
+    max_message_bytes: int = 16 << 20
 
 
 def _key_repr(key: bytes) -> str:
@@ -92,13 +95,59 @@ def meta_from_pb(m: pb.ObjectMeta) -> st.ObjectMeta:
         if len(m.extra_json) > MAX_EXTRA_JSON_BYTES:
             raise InvalidRequest(f"meta.extra_json is {len(m.extra_json)} bytes, over the limit of "
                                  f"{MAX_EXTRA_JSON_BYTES}")
+        nesting = _json_nesting(m.extra_json)
+        if nesting > MAX_EXTRA_DEPTH:
+            raise InvalidRequest(f"meta.extra_json nests {nesting} levels deep, over the limit of {MAX_EXTRA_DEPTH}")
         try:
             extra = json.loads(m.extra_json)
-        except ValueError as exc:
-            raise InvalidRequest(f"meta.extra_json is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer of > 4300 digits
+            raise InvalidRequest(f"meta.extra_json is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(extra, dict):
             raise InvalidRequest(f"meta.extra_json must be a JSON object, got {type(extra).__name__}")
+        _check_extra_values(extra)
     return st.ObjectMeta(fingerprint=m.fingerprint, token_count=m.token_count, cost=m.cost, extra=extra)
+
+
+def _json_nesting(text: str) -> int:
+    """The deepest bracket nesting of JSON text (brackets inside strings not counted),
+    measured before parsing so a deep document never reaches the recursive parser."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_extra_values(value: Any, path: str = "meta.extra_json") -> None:
+    """InvalidRequest naming the first integer the index cannot store (outside int64 /
+    uint64)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        lo, hi = EXTRA_INT_RANGE
+        if not lo <= value <= hi:
+            digits = len(str(abs(value)))
+            raise InvalidRequest(f"{path} holds an integer of {digits} digits, outside the 64-bit range "
+                                 f"{lo}..{hi}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_extra_values(v, f"{path}.{k[:40]}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_extra_values(v, f"{path}[{i}]")
 
 
 def meta_to_pb(m: st.ObjectMeta) -> pb.ObjectMeta:

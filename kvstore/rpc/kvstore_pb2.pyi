@@ -354,3 +354,59 @@ class ShowResponse(_message.Message):
     header_json: str
     parts: _containers.RepeatedCompositeFieldContainer[FormatPart]
     def __init__(self, info: _Optional[_Union[ObjectInfo, _Mapping]] = ..., is_blob: _Optional[bool] = ..., header_json: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[FormatPart, _Mapping]]] = ...) -> None: ...
+
+class PutBytesRequest(_message.Message):
+    __slots__ = ("key", "data", "tier", "meta", "client_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    data: bytes
+    tier: str
+    meta: ObjectMeta
+    client_id: str
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., tier: _Optional[str] = ..., meta: _Optional[_Union[ObjectMeta, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class PutBytesResponse(_message.Message):
+    __slots__ = ("status", "tier", "size", "checksum")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    tier: str
+    size: int
+    checksum: int
+    def __init__(self, status: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class GetBytesRequest(_message.Message):
+    __slots__ = ("keys", "no_promote")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    no_promote: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ...) -> None: ...
+
+class ObjectBytes(_message.Message):
+    __slots__ = ("found", "key", "tier", "checksum", "meta", "data")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    key: bytes
+    tier: str
+    checksum: int
+    meta: ObjectMeta
+    data: bytes
+    def __init__(self, found: _Optional[bool] = ..., key: _Optional[bytes] = ..., tier: _Optional[str] = ..., checksum: _Optional[int] = ..., meta: _Optional[_Union[ObjectMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetBytesResponse(_message.Message):
+    __slots__ = ("objects",)
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectBytes]
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectBytes, _Mapping]]] = ...) -> None: ...

@@ -2,8 +2,11 @@
 
 Owns: turning a `Config` into `StoreSettings`, start-up checks (one daemon per socket,
 guarded by a lock file; shared-memory room for the CPU arena), the gRPC server (unix
-socket with mode 0600 in a 0700 directory, optional TCP, message-size limits, standard
-grpc.health.v1 health checking), the background thread that expires dead leases and
+socket with mode 0600 in a 0700 directory, message-size limits, standard
+grpc.health.v1 health checking), the optional TCP listener (a second gRPC server on the
+same loop: every call must carry the bearer token of --tcp-token-file, checked by
+kvstore.server.tcpauth; TLS with --tcp-tls-cert/--tcp-tls-key; bytes over the wire, no
+regions), the background thread that expires dead leases and
 reservations, the optional Prometheus endpoint, the fast Lookup socket `<socket>.fast`
 (kvstore.server.fastpath; config `fast_lookup`), and graceful shutdown on SIGTERM/SIGINT:
 stop accepting, let in-flight RPCs finish (a short grace), abort open reservations,
@@ -40,6 +43,7 @@ from kvstore.rpc.service import (
 from kvstore.server.fastpath import FastLookupServer
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.servicer import KVStoreServicer
+from kvstore.server.tcpauth import TcpSettings, TokenCheck, server_credentials, tcp_settings
 
 log = logging.getLogger("kvstore.server")
 
@@ -173,6 +177,7 @@ class Daemon:
         self._store_factory = store_factory
         self.store: Any = None
         self.server: Optional[grpc.aio.Server] = None
+        self.tcp_server: Optional[grpc.aio.Server] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_thread: Optional[threading.Thread] = None
         self._pool: Optional[futures.ThreadPoolExecutor] = None
@@ -201,6 +206,7 @@ class Daemon:
     def _start_locked(self) -> None:
         cfg = self.config
         settings = store_settings(cfg)
+        tcp = tcp_settings(cfg)  # before anything opens: --tcp without a token never starts
         check_shm_room(settings.cpu_capacity)
         if self._store_factory is not None:
             self.store = self._store_factory(settings)
@@ -216,7 +222,7 @@ class Daemon:
                               "--gpu-capacity a size")
         default_tier = cfg.default_tier if cfg.default_tier in tiers else tiers[0]
         limits = codec.Limits(max_batch=cfg.max_batch, max_key_bytes=cfg.max_key_bytes, tiers=tiers,
-                              default_tier=default_tier)
+                              default_tier=default_tier, max_message_bytes=cfg.max_message_size)
         info = pb.InfoResponse(
             protocol_version=PROTOCOL_VERSION, daemon_version=daemon_version(), pid=os.getpid(),
             lease_ttl_s=cfg.lease_ttl, max_message_bytes=cfg.max_message_size, max_batch=cfg.max_batch,
@@ -227,6 +233,8 @@ class Daemon:
         servicer = KVStoreServicer(self.store, limits, self.metrics, info, executor=self._pool,
                                    settings_report=settings_report(cfg))
         self._start_loop()
+        assert self._loop is not None
+        servicer.attach_loop(self._loop)
         sock = Path(cfg.socket).absolute()
         # The fast socket first: its bind changes the process umask for an instant, which
         # must not happen while the gRPC server already serves puts (new NVMe files).
@@ -237,7 +245,8 @@ class Daemon:
             fastwire.fast_socket_path(sock).unlink()
         self._on_loop(self._start_server(servicer, sock)).result()
         os.chmod(sock, 0o600)
-        tcp = cfg.tcp_address()
+        if tcp is not None:
+            self._on_loop(self._start_tcp_server(servicer.for_tcp(), tcp)).result()
 
         self._expirer = threading.Thread(target=self._expire_loop, name="kvstore-expire", daemon=True)
         self._expirer.start()
@@ -246,7 +255,7 @@ class Daemon:
         log.info(
             "kvstore daemon ready: socket=%s%s%s pid=%d tiers=%s dir=%s%s", sock,
             f" fast={self.fast.path}" if self.fast else "",
-            f" tcp={cfg.tcp}" if tcp else "", os.getpid(),
+            f" tcp={tcp.target}{'+tls' if tcp.tls else ''}" if tcp else "", os.getpid(),
             ",".join(f"{t}={format_size(c)}" for t, c in (("gpu", settings.gpu_capacity),
                                                            ("cpu", settings.cpu_capacity),
                                                            ("nvme", settings.nvme_capacity)) if c),
@@ -304,17 +313,27 @@ class Daemon:
             os.umask(old_umask)
         if bound == 0:
             raise ConfigError(f"cannot listen on unix socket {sock}")
-        tcp = cfg.tcp_address()
-        if tcp is not None:
-            host, port = tcp
-            target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            try:
-                self.tcp_port = self.server.add_insecure_port(target)
-            except RuntimeError:
-                self.tcp_port = 0
-            if self.tcp_port == 0:
-                raise ConfigError(f"cannot listen on TCP {cfg.tcp} (address in use or not local?)")
         await self.server.start()
+
+    async def _start_tcp_server(self, servicer: KVStoreServicer, tcp: TcpSettings) -> None:
+        """The TCP listener: its own server, every call checked for the token first."""
+        cfg = self.config
+        assert self.metrics is not None
+        self.tcp_server = grpc.aio.server(
+            options=channel_options(cfg.max_message_size) + [("grpc.so_reuseport", 0)],
+            interceptors=[TokenCheck(tcp.token, self.metrics.refused)],
+        )
+        self.tcp_server.add_generic_rpc_handlers((generic_handler(servicer.handlers()), _health_handler()))
+        try:
+            if tcp.tls is not None:
+                self.tcp_port = self.tcp_server.add_secure_port(tcp.target, server_credentials(tcp.tls))
+            else:
+                self.tcp_port = self.tcp_server.add_insecure_port(tcp.target)
+        except RuntimeError:
+            self.tcp_port = 0
+        if self.tcp_port == 0:
+            raise ConfigError(f"cannot listen on TCP {tcp.target} (address in use or not local?)")
+        await self.tcp_server.start()
 
     async def _add_health(self) -> None:
         try:
@@ -337,8 +356,7 @@ class Daemon:
                 await self._health.enter_graceful_shutdown()
             except Exception:  # older grpc_health without it
                 pass
-        if self.server is not None:
-            await self.server.stop(grace)
+        await asyncio.gather(*(server.stop(grace) for server in (self.tcp_server, self.server) if server is not None))
 
     def _expire_loop(self) -> None:
         interval = self.config.expire_interval
@@ -373,11 +391,14 @@ class Daemon:
         self._stopping.set()
         if self._expirer is not None:
             self._expirer.join(timeout=self.config.expire_interval + 1.0)
-        if self._loop is not None and self.server is not None and not self._stopped:  # start() failed half way
-            try:
-                self._on_loop(self.server.stop(0)).result(2.0)
-            except Exception:
-                pass
+        if self._loop is not None and not self._stopped:  # start() failed half way
+            for server in (self.tcp_server, self.server):
+                if server is None:
+                    continue
+                try:
+                    self._on_loop(server.stop(0)).result(2.0)
+                except Exception:
+                    pass
         if self._loop is not None and self.fast is not None and not self._stopped:
             try:
                 self._on_loop(self.fast.stop()).result(3.0)

@@ -3,7 +3,8 @@
 Owns: the daemon's metrics registry. Store-level figures (Get and Lookup hits and misses, evictions, bytes
 and objects per tier, leases) are read from `Store.stats()` at scrape time by a
 collector, so they are never double-counted or stale; per-RPC latency histograms and
-error counters are recorded by the servicer through `DaemonMetrics.observe`. The HTTP
+error counters are recorded by the servicer through `DaemonMetrics.observe`, and TCP
+requests refused for their token through `DaemonMetrics.refused`. The HTTP
 server (GET /metrics) is off by default and started by `--metrics-port` /
 KVSTORE_METRICS_PORT.
 """
@@ -121,6 +122,12 @@ class DaemonMetrics:
             "kvstore_request_errors", "RPCs that ended in an error, by method and error code",
             ["rpc", "code"], registry=self.registry,
         )
+        self.auth_refusals = Counter(
+            "kvstore_tcp_auth_failures", "TCP requests refused for a missing or wrong token",
+            registry=self.registry,
+        )
+        self.auth_failures = 0  # the same count, for Stats (tcp_auth_failures)
+        self._auth_lock = threading.Lock()
         self._latency_by_rpc: dict[str, Any] = {}
         self._http: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
@@ -132,6 +139,12 @@ class DaemonMetrics:
         child.observe(seconds)
         if error_code is not None:
             self.errors.labels(rpc, error_code).inc()
+
+    def refused(self, method: str) -> None:
+        """Count one TCP request refused for its token (any thread)."""
+        with self._auth_lock:
+            self.auth_failures += 1
+        self.auth_refusals.inc()
 
     def serve_http(self, host: str, port: int) -> int:
         """Serve GET /metrics on host:port in a daemon thread; returns the bound port."""

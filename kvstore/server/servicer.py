@@ -11,9 +11,18 @@ The handlers are coroutines for a grpc.aio server. Where each RPC's work runs:
 
 - on the event loop: Info (no Store call), and Lookup, Release and Renew when the
   Store's lock is free at that instant (`wait=False`: a few dict operations, no I/O);
+- WaitFor waits on the event loop (kvstore.server.waiters), never on a worker: its
+  look at the key's state is inline when the lock is free, else a short worker call;
 - on the worker pool (`executor`): those three when the lock is busy, and every other
-  RPC (they may hash, fsync, write LMDB, move objects between tiers or wait), so the
-  event loop never blocks on the Store's lock or on I/O.
+  RPC (they may hash, fsync, write LMDB, move objects between tiers), so the event
+  loop never blocks on the Store's lock or on I/O.
+
+One servicer serves each listener: the unix socket's ("unix") and, with --tcp, a copy
+for the TCP listener ("tcp", `for_tcp`) that never hands out a Region (only meaningful on
+the daemon's host) and never publishes bytes the daemon did not receive: Commit and Get
+are refused there, Reserve answers without a region (a reservation then only marks the
+key in flight, e.g. an engine's claim, until Abort or expiry), and the bytes travel
+over the wire instead (PutBytes, GetBytes; kvstore.server.wiredata).
 
 The RPC methods themselves are plain functions `fn(request, remaining_s)`, where
 `remaining_s` is the call's deadline budget (None: no deadline).
@@ -37,7 +46,9 @@ from kvstore.checksums import ALGORITHMS
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, PROTOCOL_VERSION, MalformedRequest
+from kvstore.server import wiredata
 from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.waiters import KeyWaiters
 
 log = logging.getLogger("kvstore.server")
 
@@ -68,6 +79,8 @@ def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
 # RPCs whose Store call is a few dict operations: tried on the event loop first.
 _TRY_INLINE = ("Lookup", "Release", "Renew")
 _INLINE = ("Info",)
+_ASYNC = ("WaitFor",)  # coroutines that wait on the event loop
+_LOCAL_ONLY = ("Commit", "Get")  # publish bytes written in place / answer with Regions: unix socket only
 BUSY = object()  # what a `wait=False` RPC returns when the Store's lock is taken
 
 
@@ -83,17 +96,36 @@ class KVStoreServicer:
     grpc.aio server; blocking work runs on `executor` (see the module docstring)."""
 
     NAMES = ("Info", "Lookup", "Reserve", "Commit", "Abort", "WaitFor", "Get", "Release", "Renew",
-             "Delete", "Prefetch", "Evict", "Stats", "List", "Show")
+             "Delete", "Prefetch", "Evict", "Stats", "List", "Show", "PutBytes", "GetBytes")
 
     def __init__(self, store: Any, limits: codec.Limits, metrics: DaemonMetrics, info: pb.InfoResponse,
-                 executor: Optional[Executor] = None, settings_report: Optional[dict[str, Any]] = None) -> None:
+                 executor: Optional[Executor] = None, transport: str = "unix",
+                 settings_report: Optional[dict[str, Any]] = None) -> None:
         self.store = store
         self.settings_report = settings_report  # the daemon's effective config, in Stats as "daemon_config"
         self.limits = limits
         self.metrics = metrics
         self._info = info
         self.executor = executor
+        self.transport = transport
         self._fast = hasattr(store, "presence")  # a Store stand-in may lack the lock-free probes
+        self._waiters: Optional[KeyWaiters] = None
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve WaitFor on `loop` (the server's event loop) instead of on a worker: the
+        Store tells the waiters when a reservation ends. Without it (or with a Store
+        stand-in lacking the listener) WaitFor blocks a worker as before."""
+        if hasattr(self.store, "add_settle_listener") and hasattr(self.store, "key_state"):
+            self._waiters = KeyWaiters(loop)
+            self.store.add_settle_listener(self._waiters.notify)
+
+    def for_tcp(self) -> "KVStoreServicer":
+        """The servicer of the TCP listener: same store, limits, metrics and waiters;
+        region RPCs refused, bytes served over the wire."""
+        twin = KVStoreServicer(self.store, self.limits, self.metrics, self._info, self.executor, transport="tcp",
+                               settings_report=self.settings_report)
+        twin._waiters = self._waiters
+        return twin
 
     # ------------------------------------------------------------------ plumbing
 
@@ -104,6 +136,8 @@ class KVStoreServicer:
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable:
         inline = name in _INLINE
         try_inline = name in _TRY_INLINE and self._fast
+        run_async = name in _ASYNC
+        refused = name in _LOCAL_ONLY and self.transport == "tcp"
 
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
@@ -112,9 +146,15 @@ class KVStoreServicer:
                 self._check_protocol(context)
                 if isinstance(request, MalformedRequest):
                     raise errors.InvalidRequest(request.reason)
+                if refused:
+                    raise errors.InvalidRequest(
+                        f"{name} is not served over TCP: it works on bytes in the daemon host's memory or files; "
+                        "a TCP client sends and receives the bytes (PutBytes, GetBytes)")
                 remaining = context.time_remaining()
                 if inline:
                     return fn(request, remaining)
+                if run_async:
+                    return await fn(request, remaining)
                 if try_inline:
                     out = fn(request, remaining, wait=False)
                     if out is not BUSY:
@@ -198,7 +238,10 @@ class KVStoreServicer:
         meta = codec.meta_from_pb(request.meta)
         client_id = codec.check_client_id(request.client_id, required=False)
         res = self.store.reserve(key, int(request.size), tier, meta, client_id=client_id)
-        return codec.reservation_to_pb(res)
+        out = codec.reservation_to_pb(res)
+        if self.transport == "tcp":
+            out.ClearField("region")  # nothing to write through: it can only be aborted
+        return out
 
     def Commit(self, request: pb.CommitRequest, remaining: Optional[float]) -> pb.CommitResponse:
         if request.reservation_id == 0:
@@ -212,12 +255,22 @@ class KVStoreServicer:
         self.store.abort(int(request.reservation_id))
         return pb.AbortResponse()
 
-    def WaitFor(self, request: pb.WaitForRequest, remaining: Optional[float]) -> pb.WaitForResponse:
+    async def WaitFor(self, request: pb.WaitForRequest, remaining: Optional[float]) -> pb.WaitForResponse:
         key = codec.check_key(request.key, self.limits)
         timeout = codec.check_timeout(request.timeout_s)
         if remaining is not None:
             timeout = max(0.0, min(timeout, remaining - 0.05))
-        return pb.WaitForResponse(present=bool(self.store.wait_for(key, timeout)))
+        if self._waiters is None:
+            present = await self._offload(lambda: self.store.wait_for(key, timeout))
+        else:
+            present = await self._waiters.wait(key, timeout, self._key_state)
+        return pb.WaitForResponse(present=bool(present))
+
+    async def _key_state(self, key: bytes) -> str:
+        state = self.store.key_state(key, wait=False)  # inline when the lock is free
+        if state is None:
+            state = await self._offload(lambda: self.store.key_state(key))
+        return state
 
     def Get(self, request: pb.GetRequest, remaining: Optional[float]) -> pb.GetResponse:
         keys = codec.check_keys(request.keys, self.limits)
@@ -253,10 +306,58 @@ class KVStoreServicer:
         return pb.EvictResponse(moved=int(self.store.evict_tier(tier)))
 
     def Stats(self, request: pb.StatsRequest, remaining: Optional[float]) -> pb.StatsResponse:
-        stats = self.store.stats()
+        stats = dict(self.store.stats())
+        stats["tcp_auth_failures"] = self.metrics.auth_failures
+        stats["waiting"] = self._waiters.active if self._waiters is not None else 0
         if self.settings_report is not None:  # for `kvstore config --socket`
             stats["daemon_config"] = self.settings_report
         return codec.stats_to_pb(stats)
+
+    def PutBytes(self, request: pb.PutBytesRequest, remaining: Optional[float]) -> pb.PutBytesResponse:
+        key = codec.check_key(request.key, self.limits)
+        host_tiers = [t for t in self.limits.tiers if t != "gpu"] or ["cpu"]
+        default = self.limits.default_tier if self.limits.default_tier != "gpu" else host_tiers[0]
+        tier = codec.check_tier(request.tier, self.limits, default=default)
+        if tier == "gpu":
+            raise errors.InvalidRequest("PutBytes stores into the cpu or nvme tier, not gpu (the daemon does not "
+                                        "copy wire bytes onto a GPU)")
+        size = len(request.data)
+        if size == 0:
+            raise errors.InvalidRequest(f"PutBytes of key {codec.key_text(key)!r} carries no bytes (at least 1)")
+        meta = codec.meta_from_pb(request.meta)
+        client_id = codec.check_client_id(request.client_id, required=False) or wiredata.SERVER_CLIENT_ID
+        res = self.store.reserve(key, size, tier, meta, client_id=client_id)
+        if res.status != "reserved":
+            return pb.PutBytesResponse(status=res.status, tier=res.tier, size=size)
+        try:
+            checksum = wiredata.write_region(res.region, request.data)
+            entry = self.store.commit(res.reservation_id, checksum)
+        except BaseException:
+            try:
+                self.store.abort(res.reservation_id)
+            except errors.KVStoreError:
+                pass  # commit already ended it
+            raise
+        return pb.PutBytesResponse(status="stored", tier=entry.tier, size=size, checksum=checksum)
+
+    def GetBytes(self, request: pb.GetBytesRequest, remaining: Optional[float]) -> pb.GetBytesResponse:
+        keys = codec.check_keys(request.keys, self.limits)
+        leases = self.store.get(keys, wiredata.SERVER_CLIENT_ID, promote=not request.no_promote)
+        try:
+            wiredata.check_answer_size([x.size if x is not None else None for x in leases],
+                                       self.limits.max_message_bytes)
+            out = pb.GetBytesResponse()
+            for key, lease in zip(keys, leases):
+                if lease is None:
+                    out.objects.add(key=key)
+                    continue
+                out.objects.add(found=True, key=key, tier=lease.tier, checksum=lease.checksum,
+                                meta=codec.meta_to_pb(lease.meta), data=wiredata.read_region(lease.region))
+            return out
+        finally:
+            held = [x.lease_id for x in leases if x is not None]
+            if held:
+                self.store.release(held)
 
     def List(self, request: pb.ListRequest, remaining: Optional[float]) -> pb.ListResponse:
         tier = codec.check_tier(request.tier, self.limits, default="") if request.tier else None

@@ -27,9 +27,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
     """This module's daemon: small message limit, metrics and TCP on, and a socket in a
     directory that does not exist yet (the daemon creates it)."""
     metrics_port, tcp_port = free_port(), free_port()
-    d = DaemonProcess(tmp_path_factory.mktemp("rpc"), cpu_capacity="32MiB", nvme_capacity="128MiB",
+    root = tmp_path_factory.mktemp("rpc")
+    token = root / "token"
+    token.write_text("rpc-test-token-0123456789\n")
+    token.chmod(0o600)
+    d = DaemonProcess(root, cpu_capacity="32MiB", nvme_capacity="128MiB",
                       extra_args=["--max-message-size", "64KiB", "--metrics-port", str(metrics_port),
-                                  "--tcp", f"127.0.0.1:{tcp_port}"])
+                                  "--tcp", f"127.0.0.1:{tcp_port}", "--tcp-token-file", str(token)])
+    d.token_file = token
     d.socket = d.socket.parent / "private" / "kv.sock"
     d.args[d.args.index("--socket") + 1] = str(d.socket)
     d.metrics_port, d.tcp_port = metrics_port, tcp_port
@@ -181,7 +186,7 @@ def test_metrics_endpoint_serves_store_gauges_and_request_latency(daemon):
 def test_tcp_listener_serves_the_control_plane(daemon):
     with daemon.client() as kv:
         kv.put(b"over-unix", b"x")
-    with KVStoreClient(tcp=f"127.0.0.1:{daemon.tcp_port}") as kv:
+    with KVStoreClient(tcp=f"127.0.0.1:{daemon.tcp_port}", tcp_token_file=daemon.token_file) as kv:
         assert kv.lookup([b"over-unix"])[0].hit
         assert [t["name"] for t in kv.stats()["tiers"]] == ["cpu", "nvme"]
 
@@ -226,9 +231,6 @@ def test_commit_of_an_unknown_reservation_is_unknown_key(daemon):
 def test_version_mismatch_from_an_old_daemon_reaches_the_client_as_its_class(daemon, monkeypatch):
     import kvstore.client.common as common
 
-    monkeypatch.setattr(common, "METADATA", ((PROTOCOL_METADATA_KEY, "0"),))
-    import kvstore.client.sync as sync
-
-    monkeypatch.setattr(sync, "METADATA", ((PROTOCOL_METADATA_KEY, "0"),))
+    monkeypatch.setattr(common, "METADATA", ((PROTOCOL_METADATA_KEY, "0"),))  # what every call carries
     with pytest.raises(VersionMismatch, match="protocol 0"):
         KVStoreClient(socket=daemon.socket)
