@@ -55,6 +55,7 @@ from kvstore.errors import (
     AlreadyExists,
     BadObject,
     CapacityExhausted,
+    IndexDamaged,
     InvalidRequest,
     KVStoreError,
     StorageError,
@@ -63,6 +64,7 @@ from kvstore.errors import (
 from kvstore.eviction import make_policy
 from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
+from kvstore.objheader import ObjectHeader
 from kvstore.writeback import WriteBack
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
@@ -78,11 +80,11 @@ from kvstore.records import (  # noqa: F401  (re-exported: the Store API's recor
 from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.cpu_arena import CpuArena
 from kvstore.tiers.gpu_arena import GpuArena
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.recovery import scan_object_files
+from kvstore.tiers.nvme import NvmeTier, check_private_dir
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_BYTES = 1024
 
 
 class _PendingPut:
@@ -128,8 +130,12 @@ class Store:
         with self._lock:
             if self._open:
                 return
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.dir / "kvstore.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                check_private_dir(self.dir, "cache directory", follow=True, make_private=False)
+                fd = os.open(self.dir / "kvstore.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                raise StorageError(f"cannot use the cache directory {self.dir}: {exc.strerror or exc}") from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -139,9 +145,7 @@ class Store:
             try:
                 self._open_tiers()
                 if "nvme" in self.tiers:
-                    self._index = ObjectIndex(self.dir / "index.lmdb")
-                    self._index.open()
-                    self._place.index = self._index
+                    self._open_index()
                     self._place.recover_nvme()
             except BaseException:
                 self._close_media()
@@ -149,6 +153,25 @@ class Store:
             self._open = True
         if {"cpu", "nvme"} <= set(self.tiers) and self.settings.writeback_watermark < 1.0:
             self._writeback.start()
+
+    def _open_index(self) -> None:
+        """Open the LMDB index; a damaged one is rebuilt from the object files' headers
+        (settings.index_recovery "rebuild") or refused with the repair command to run."""
+        objects = self.dir / "objects"
+        self._index = ObjectIndex(self.dir / "index.lmdb",
+                                  rebuild_source=lambda: scan_object_files(objects).records)
+        self._place.index = self._index
+        try:
+            self._index.open()
+        except IndexDamaged as exc:
+            if self.settings.index_recovery != "rebuild":
+                raise IndexDamaged(f"{exc}; rebuild it from the object files with: kvstore repair --dir {self.dir}") \
+                    from None
+            log.warning("%s; moving it aside and rebuilding it from the object files", exc)
+            n = self._index.rebuild(str(exc))
+            self._counters["index_rebuilds"] += 1
+            log.warning("index %s rebuilt from %d object files (the damaged one is at %s)", self._index.path, n,
+                        self._index.moved_aside[-1] if self._index.moved_aside else "-")
 
     def _open_tiers(self) -> None:
         s = self.settings
@@ -229,12 +252,12 @@ class Store:
             raise InvalidRequest(f"tier {name!r} is not enabled in this daemon (enabled: {', '.join(self.tiers)})")
         return t
 
-    @staticmethod
-    def _check_key(key: bytes) -> None:
+    def _check_key(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)):
             raise InvalidRequest(f"keys must be bytes, got {type(key).__name__}")
-        if not key or len(key) > MAX_KEY_BYTES:
-            raise InvalidRequest(f"key length must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        limit = self.settings.max_key_bytes
+        if not key or len(key) > limit:
+            raise InvalidRequest(f"key length must be 1..{limit} bytes (the NVMe tier's index limit), got {len(key)}")
 
     def _info(self, o: StoredObject) -> ObjectInfo:
         r = self.tiers[o.tier].region(o.slot)
@@ -337,8 +360,10 @@ class Store:
                     f"checksum mismatch committing key {p.key!r}: client sent {checksum:#x}, the {slot.size} "
                     f"bytes in tier {p.tier!r} hash to {actual:#x}; the reservation is dropped"
                 )
-            slot = t.seal(slot, object_name(p.key))
             now = time.time()
+            m = p.meta
+            header = ObjectHeader(p.key, slot.size, checksum, m.fingerprint, m.token_count, m.cost, dict(m.extra), now)
+            slot = t.seal(slot, object_name(p.key), header)
             o = StoredObject(p.key, p.tier, slot, checksum, p.meta, now, now, verified=verify_now)
             if t.durable:
                 assert self._index is not None
@@ -560,6 +585,7 @@ class Store:
             for k in ("hits", "misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
                       "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
                       "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
+                      "recovered_from_files", "files_set_aside", "index_rebuilds",
                       "writebacks", "writeback_bytes", "writeback_failures"):
                 out[k] = self._counters[k]
             return out

@@ -134,7 +134,7 @@ class WriteBack:
             place.copy(cpu, o.slot, nvme, slot)
             if not o.verified and nvme.checksum(slot) != o.checksum:
                 raise BadObject(f"object {o.key!r} fails its checksum while being written back")
-            return nvme.seal(slot, object_name(o.key)), None
+            return nvme.seal(slot, object_name(o.key), place.header(o)), None
         except Exception as exc:  # noqa: BLE001 - logged, counted, freed by the caller
             log.warning("write-back of %r to nvme failed: %s", o.key, exc)
             return slot, exc

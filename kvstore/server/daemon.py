@@ -82,6 +82,10 @@ def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_av
         writeback_on_close=config.writeback_on_close,
         writeback_watermark=config.writeback_watermark,
         verify_nvme=config.verify_nvme,
+        verify_memory=config.verify_memory,
+        index_recovery=config.index_recovery,
+        arena_mode=int(config.arena_mode, 8),
+        max_key_bytes=config.max_key_bytes,
     )
 
 
