@@ -170,6 +170,27 @@ def config_cmd(
     _console().print(table)
 
 
+@app.command("repair")
+@reports_errors
+def repair_cmd(
+    directory: Optional[Path] = typer.Option(None, "--dir", help="cache directory [default: as `kvstore serve`]",
+                                             show_default=False),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Rebuild a cache directory's index from its object files' headers (stop the daemon
+    first). The old index is moved aside and files without a usable header are set
+    aside in objects/quarantine/: nothing is deleted but files of dropped objects."""
+    from kvstore.recovery import repair
+
+    d = Path(directory) if directory is not None else load_config().dir
+    report = repair(d)
+    if as_json:
+        _print_json({"dir": str(d), "records": report.records, "set_aside": report.set_aside,
+                     "dead_removed": report.dead_removed, "old_index": report.old_index})
+    else:
+        sys.stdout.write(report.line(d) + "\n")
+
+
 # ---------------------------------------------------------------------------- data
 
 
