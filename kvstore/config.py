@@ -200,7 +200,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("arena_mode", "choice", "0600",
            "file mode of the shared-memory arena: 0600 (this user only), 0640 (the group may read), 0660 (the group "
            "may read and write)", choices=("0600", "0640", "0660")),
-    Option("shm_name", "str", "", "name of the shared-memory arena (/dev/shm/NAME.arena); empty: derived from the socket"),
+    Option("shm_name", "str", "", "name of the shared-memory arena (/dev/shm/NAME.<random>.arena); empty: derived from the socket"),
     Option("max_message_size", "size", 16 << 20, "largest gRPC message either end accepts", minimum=4096),
     Option("max_batch", "int", 4096, "most keys one batch request may carry", minimum=1),
     Option("max_key_bytes", "int", 511,

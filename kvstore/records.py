@@ -24,7 +24,7 @@ class StoreSettings:
     cpu_capacity: int  # bytes of the shared-memory arena (0 = no CPU tier)
     nvme_capacity: int  # bytes of object files allowed under dir/objects (0 = no NVMe tier)
     gpu_capacity: int = 0  # bytes of the CUDA arena; 0 = no GPU tier (also none without CUDA)
-    shm_name: str = "kvstore"  # the arena file is /dev/shm/<shm_name>.arena (derive it from the socket path)
+    shm_name: str = "kvstore"  # the arena file is /dev/shm/<shm_name>.<random>.arena (derive it from the socket path)
     lease_ttl_s: float = 30.0  # leases and reservations expire this long after their last renew
     eviction: str = "cost"  # "lru" | "cost"
     default_tier: str = "cpu"

@@ -182,7 +182,7 @@ class Store:
             else:
                 log.warning("gpu capacity %d requested but CUDA is not available: no gpu tier", s.gpu_capacity)
         if s.cpu_capacity > 0:
-            made.append(CpuArena(s.cpu_capacity, s.shm_name))
+            made.append(CpuArena(s.cpu_capacity, s.shm_name, mode=s.arena_mode))
         if s.nvme_capacity > 0:
             made.append(NvmeTier(self.dir / "objects", s.nvme_capacity))
         if not made:
