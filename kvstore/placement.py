@@ -75,6 +75,9 @@ class Placement:
         self.counters = counters
         self.objects_root = objects_root
         self.objects: dict[bytes, StoredObject] = {}
+        # StoreSettings.verify_memory == "always": a memory-tier object's bytes are not
+        # trusted after commit, so a move or write-back out of it re-checks them
+        self.verify_moves = False
 
     def recover_nvme(self) -> None:
         """Rebuild the NVMe tier's objects from the index, then adopt the object files it
@@ -287,7 +290,7 @@ class Placement:
                 raise CapacityExhausted(f"tier {dst_name!r} has no room for {o.size} bytes")
         try:
             self.copy(src, o.slot, dst, slot)
-            if (src.durable or not o.verified) and dst.checksum(slot) != o.checksum:
+            if (src.durable or not o.verified or self.verify_moves) and dst.checksum(slot) != o.checksum:
                 raise BadObject(f"object {o.key!r} in tier {o.tier} ({o.slot.path}) fails its checksum")
             slot = dst.seal(slot, object_name(o.key), self.header(o))
             old_tier, old_slot = o.tier, o.slot

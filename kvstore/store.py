@@ -113,6 +113,7 @@ class Store:
         self._cond = threading.Condition(self._lock)
         self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first (filled by open)
         self._place = Placement(self.tiers, None, self._policy, Counter(), self.dir / "objects")
+        self._place.verify_moves = s.verify_memory == "always"
         self._leases = LeaseTable(s.lease_ttl_s)
         self._reservations = LeaseTable(s.lease_ttl_s)
         self._inflight: dict[bytes, int] = {}  # key -> reservation id
@@ -331,15 +332,16 @@ class Store:
             self.tiers[e.payload.tier].free(e.payload.slot)
         self._cond.notify_all()
 
-    def commit(self, reservation_id: int, checksum: int) -> LookupEntry:
+    def commit(self, reservation_id: int, checksum: int, client_id: Optional[str] = None) -> LookupEntry:
         """Verify the reserved bytes hash to `checksum` and make the object visible.
 
         NVMe: the file is fsync'ed and renamed, then the index txn commits. On mismatch
-        raises BadObject and frees the space; an unknown/expired id raises UnknownKey.
+        raises BadObject and frees the space; an unknown/expired id, or (with `client_id`)
+        one another client reserved, raises UnknownKey.
         """
         with self._lock:
             self._require_open()
-            e = self._reservations.get(reservation_id)
+            e = self._owned_locked(self._reservations, reservation_id, client_id)
             if e is None:
                 raise UnknownKey(f"reservation {reservation_id} is unknown, expired or already finished")
             p: _PendingPut = e.payload
@@ -386,11 +388,21 @@ class Store:
             self._writeback.kick()
         return LookupEntry(p.key, True, p.tier, slot.size)
 
-    def abort(self, reservation_id: int) -> None:
+    def _owned_locked(self, table: LeaseTable, lease_id: int, client_id: Optional[str]) -> Optional[LeaseEntry]:
+        """table's entry `lease_id` when `client_id` (None: any) took it; a live entry
+        of another client is counted in `foreign_requests_refused` and not returned."""
+        e = table.owned(lease_id, client_id)
+        if e is None and table.get(lease_id) is not None:
+            self._counters["foreign_requests_refused"] += 1
+            log.warning("client %r named lease/reservation %d of another client; refused", client_id, lease_id)
+        return e
+
+    def abort(self, reservation_id: int, client_id: Optional[str] = None) -> None:
         """Drop a reservation and free its space; waiters on its key are woken (False).
-        An unknown or finished id is ignored (abort is idempotent)."""
+        An unknown or finished id, or (with `client_id`) another client's, is ignored
+        (abort is idempotent)."""
         with self._lock:
-            e = self._reservations.get(reservation_id)
+            e = self._owned_locked(self._reservations, reservation_id, client_id)
             if e is None:
                 return
             if e.payload.committing:
@@ -425,6 +437,7 @@ class Store:
         corrupt object is then the client's BadObject, and stays in the store).
         """
         plans: list[tuple[StoredObject, Optional[Slot]]] = []
+        verify_memory = self.settings.verify_memory == "always"
         with self._lock:
             self._require_open()
             seen: set[bytes] = set()
@@ -433,7 +446,7 @@ class Store:
                 if o is None or key in seen:
                     continue
                 durable = self.tiers[o.tier].durable
-                if not durable and o.verified:
+                if not durable and o.verified and not verify_memory:
                     continue  # the common case: a verified memory-tier object
                 seen.add(key)
                 dst = None
@@ -445,7 +458,8 @@ class Store:
                     except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
                         log.debug("no promotion of %r: %s", key, exc)
                         dst = None
-                always = durable and self.settings.verify_nvme == "always" and not client_verifies
+                always = (durable and self.settings.verify_nvme == "always" and not client_verifies) or \
+                    (not durable and verify_memory)
                 if dst is not None or always or not o.verified:
                     plans.append((o, dst))
                 else:
@@ -470,13 +484,16 @@ class Store:
                                  o.checksum, e.expires_at, o.meta))
             return out
 
-    def release(self, lease_ids: Sequence[int], *, wait: bool = True) -> bool:
-        """Unpin. Unknown or expired lease ids are ignored (release is idempotent).
-        With `wait=False`, returns False without doing anything when the lock is busy."""
+    def release(self, lease_ids: Sequence[int], client_id: Optional[str] = None, *, wait: bool = True) -> bool:
+        """Unpin. Unknown or expired lease ids, and (with `client_id`) other clients'
+        leases, are ignored (release is idempotent). With `wait=False`, returns False
+        without doing anything when the lock is busy."""
         if not self._lock.acquire(blocking=wait):
             return False
         try:
             for i in lease_ids:
+                if self._owned_locked(self._leases, i, client_id) is None:
+                    continue
                 e = self._leases.release(i)
                 if e is not None:
                     self._unlease_locked(e.payload)
@@ -585,7 +602,7 @@ class Store:
             for k in ("hits", "misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
                       "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
                       "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
-                      "recovered_from_files", "files_set_aside", "index_rebuilds",
+                      "recovered_from_files", "files_set_aside", "index_rebuilds", "foreign_requests_refused",
                       "writebacks", "writeback_bytes", "writeback_failures"):
                 out[k] = self._counters[k]
             return out

@@ -132,7 +132,7 @@ class WriteBack:
         (slot to free, the error)."""
         try:
             place.copy(cpu, o.slot, nvme, slot)
-            if not o.verified and nvme.checksum(slot) != o.checksum:
+            if (not o.verified or place.verify_moves) and nvme.checksum(slot) != o.checksum:
                 raise BadObject(f"object {o.key!r} fails its checksum while being written back")
             return nvme.seal(slot, object_name(o.key), place.header(o)), None
         except Exception as exc:  # noqa: BLE001 - logged, counted, freed by the caller
