@@ -37,7 +37,7 @@ class StoredObject:
     """A committed object's mutable state (guarded by the Store's lock)."""
 
     __slots__ = ("key", "tier", "slot", "backing", "checksum", "meta", "created", "last_access", "hits",
-                 "leases", "busy", "verified", "removed", "freed")
+                 "leases", "busy", "verified", "removed", "freed", "writeback_failures")
 
     def __init__(self, key: bytes, tier: str, slot: Slot, checksum: int, meta: ObjectMeta,
                  created: float, last_access: float, hits: int = 0, verified: bool = True) -> None:
@@ -49,6 +49,7 @@ class StoredObject:
         self.verified = verified  # checksum confirmed (since open for NVMe; after commit for large memory objects)
         self.removed = False  # dropped: out of the map; its slot is freed when the last pin goes
         self.freed = False  # the primary slot went back to its tier
+        self.writeback_failures = 0  # failed background copies to NVMe (kvstore.writeback gives up at a limit)
 
     @property
     def size(self) -> int:

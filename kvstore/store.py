@@ -603,7 +603,7 @@ class Store:
                       "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
                       "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
                       "recovered_from_files", "files_set_aside", "index_rebuilds", "foreign_requests_refused",
-                      "writebacks", "writeback_bytes", "writeback_failures"):
+                      "writebacks", "writeback_bytes", "writeback_failures", "writeback_given_up"):
                 out[k] = self._counters[k]
             return out
 
