@@ -1,0 +1,184 @@
+"""No other local user, and no other client of the same user, reaches a client's cache.
+
+The real daemon in a subprocess; a second local user (created with useradd when the
+tests run as root, skipped with the reason otherwise) plants files and symlinks where
+the old daemon put its arena and tries to open what the daemon made. Clients of one
+user: readers map the arena read-only, lease and reservation ids are random and bound
+to the client that took them, and `--verify-memory always` catches bytes changed in
+shared memory after commit before they are served.
+"""
+
+from __future__ import annotations
+
+import grpc
+import mmap
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvstore.client.regions import _TABLE
+from kvstore.errors import UnknownKey
+from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.rpc.codec import region_from_pb
+from kvstore.rpc.service import PROTOCOL_METADATA_KEY
+
+OTHER_USER = "kvstore-other"
+
+
+@pytest.fixture(scope="module")
+def other_user() -> tuple[int, int]:
+    """(uid, gid) of a second local user (made with useradd when missing)."""
+    if os.geteuid() != 0:
+        pytest.skip("a second local user is needed: these tests create one with useradd, which needs root")
+    try:
+        pw = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        if shutil.which("useradd") is None:
+            pytest.skip("useradd is not installed: cannot create a second local user")
+        done = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/sh", OTHER_USER],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"useradd {OTHER_USER} failed: {done.stderr.strip()}")
+        pw = pwd.getpwnam(OTHER_USER)
+    return pw.pw_uid, pw.pw_gid
+
+
+def as_user(user: tuple[int, int], script: str) -> subprocess.CompletedProcess:
+    """Run a shell script as the other user (no supplementary groups)."""
+    uid, gid = user
+    return subprocess.run(["sh", "-c", script], user=uid, group=gid, extra_groups=[], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_files_and_symlinks_another_user_plants_under_the_arena_name_are_never_used(start_daemon, other_user,
+                                                                                    tmp_path):
+    from kvstore.testing import DaemonProcess
+
+    d = DaemonProcess(tmp_path / "d")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.chmod(tmp_path, 0o755)
+    shm = Path("/dev/shm")
+    planted = [shm / f"{d.shm_name}.arena", shm / f"{d.shm_name}.{'0' * 32}.arena"]
+    link = shm / f"{d.shm_name}.{'1' * 32}.arena"
+    done = as_user(other_user, f"umask 000; echo attacker > {planted[0]}; echo attacker > {planted[1]}; "
+                               f"ln -s {victim} {link}")
+    assert done.returncode == 0, done.stderr
+    try:
+        d.start()
+        (arena,) = [p for p in d.arena_files() if p not in planted and p != link]
+        st = os.lstat(arena)
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600
+        with d.client() as kv:
+            kv.put(b"secret", b"s" * 8192, tier="cpu")
+            with kv.get(b"secret") as view:
+                assert view.tobytes() == b"s" * 8192
+        assert victim.read_bytes() == b"precious", "a planted symlink made the daemon write through it"
+        for p in planted:
+            assert p.read_text() == "attacker\n" and os.lstat(p).st_uid == other_user[0]
+        assert os.path.islink(link)
+        # the other user can neither read the arena nor an object file
+        with d.client() as kv:
+            kv.put(b"secret/nvme", b"n" * 8192, tier="nvme")
+        (obj,) = (d.dir / "objects").glob("??/*.obj")
+        for path in (arena, obj):
+            done = as_user(other_user, f"head -c 16 {path}")
+            assert done.returncode != 0 and "Permission denied" in done.stderr, (path, done)
+    finally:
+        d.cleanup()
+        for p in planted + [link]:
+            p.unlink(missing_ok=True)
+
+
+def test_arena_is_shared_with_the_group_only_when_asked(start_daemon):
+    d = start_daemon(extra_args=["--arena-mode", "0640"])
+    (arena,) = d.arena_files()
+    assert os.stat(arena).st_mode & 0o777 == 0o640
+    d2 = start_daemon("d2")
+    (arena2,) = d2.arena_files()
+    assert os.stat(arena2).st_mode & 0o777 == 0o600
+
+
+def test_a_second_daemon_with_the_same_shm_name_is_refused(start_daemon, tmp_path):
+    from kvstore.testing import DaemonProcess
+
+    d = start_daemon()
+    other = DaemonProcess(tmp_path / "other")
+    other.args[other.args.index("--shm-name") + 1] = d.shm_name
+    try:
+        with pytest.raises(RuntimeError, match="is in use by another daemon"):
+            other.start(timeout=60)
+    finally:
+        other.cleanup()
+    assert len(d.arena_files()) == 1
+
+
+def test_readers_map_the_arena_read_only(daemon):
+    with daemon.client() as kv:
+        kv.put(b"iso/ro", b"r" * 8192, tier="cpu")
+        with kv.get(b"iso/ro") as view:
+            assert not view.array.flags.writeable
+            arena = _TABLE.arenas[kv.stats()["tiers"][0]["path"]]
+            with pytest.raises(TypeError):  # the mapping itself is PROT_READ
+                arena.mm[0:1] = b"x"
+            assert arena.rw_array is None or arena.rw_mm is not arena.mm
+        kv.delete([b"iso/ro"])
+
+
+def test_lease_and_reservation_ids_are_random_and_bound_to_their_client(daemon):
+    md = ((PROTOCOL_METADATA_KEY, "1"),)
+    with daemon.client() as owner, daemon.client() as thief:
+        owner.put(b"iso/leased", b"L" * 4096, tier="cpu")
+        views = [owner.get(b"iso/leased") for _ in range(4)]
+        ids = [v.lease_id for v in views]
+        assert len(set(ids)) == 4
+        assert min(abs(a - b) for a in ids for b in ids if a != b) > 1 << 20, f"sequential lease ids: {ids}"
+        before = thief.stats()["foreign_requests_refused"]
+        thief._call("Release", pb.ReleaseRequest(lease_ids=ids, client_id=thief.client_id))
+        assert thief.stats()["leases"] == 4, "another client's release must not end the leases"
+        assert thief.delete([b"iso/leased"]) == 0  # still leased: not deleted
+        res = owner._stub.Reserve(pb.ReserveRequest(key=b"iso/reserved", size=4096, tier="cpu",
+                                                    client_id=owner.client_id), metadata=md, timeout=10)
+        owner._core.regions.write(region_from_pb(res.region), memoryview(b"R" * 4096))
+        with pytest.raises(UnknownKey):  # commit by another client: refused as unknown
+            thief._call("Commit", pb.CommitRequest(reservation_id=res.reservation_id, checksum=0,
+                                                   client_id=thief.client_id))
+        thief._call("Abort", pb.AbortRequest(reservation_id=res.reservation_id, client_id=thief.client_id))
+        assert thief.stats()["foreign_requests_refused"] - before == 4 + 2
+        from kvstore.format import checksum
+
+        entry = owner._call("Commit", pb.CommitRequest(reservation_id=res.reservation_id,
+                                                       checksum=checksum(b"R" * 4096), client_id=owner.client_id))
+        assert entry.entry.hit
+        for v in views:
+            v.release()
+        with owner.get(b"iso/reserved") as v:
+            assert v.tobytes() == b"R" * 4096
+        owner.delete([b"iso/leased", b"iso/reserved"])
+
+
+def test_memory_bytes_changed_after_commit_are_caught_before_served_with_verify_memory_always(start_daemon):
+    d = start_daemon(extra_args=["--verify-memory", "always"])
+    with d.client() as kv:
+        kv.put(b"iso/victim", b"V" * 8192, tier="cpu")
+        kv.put(b"iso/other", b"O" * 8192, tier="cpu")
+        with kv.get(b"iso/victim") as view:
+            assert view.tobytes() == b"V" * 8192
+            region = view.lease.region
+        fd = os.open(region.path, os.O_RDWR)  # a client of the same user writing through its own mapping
+        try:
+            with mmap.mmap(fd, 0) as mm:
+                mm[region.offset] = ord("X")
+        finally:
+            os.close(fd)
+        with pytest.raises(UnknownKey):  # a miss: the changed bytes are not served
+            kv.get(b"iso/victim")
+        st = kv.stats()
+        assert st["corrupt_dropped"] == 1 and kv.lookup([b"iso/victim"])[0].hit is False
+        with kv.get(b"iso/other") as view:
+            assert view.tobytes() == b"O" * 8192
