@@ -19,6 +19,7 @@ bytes exists.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -31,7 +32,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvstore import checksums as cks
-from kvstore.errors import BadObject, InvalidRequest, KVStoreError
+from kvstore.errors import BadObject, InvalidRequest, KVStoreError, StorageError
 from kvstore.records import Region
 
 log = logging.getLogger("kvstore.client")
@@ -88,6 +89,13 @@ def _cuda_ready(import_torch: bool = True) -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def _write_error(region: Region, exc: OSError) -> StorageError:
+    """A failed write into a reserved object file, as a kvstore error (a full disk is
+    named as such; the put is aborted and nothing becomes visible)."""
+    full = " (the disk under the NVMe tier is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return StorageError(f"writing the object file {region.path} failed: {exc.strerror or exc}{full}")
 
 
 class _ArenaTable:
@@ -287,16 +295,19 @@ class RegionMapper:
             dst = self.host_array(region, writable=True)
             dst[:] = np.frombuffer(data, dtype=np.uint8)
         elif region.kind == "file":
-            fd = os.open(region.path, os.O_WRONLY)
             try:
-                done = 0
-                while done < data.nbytes:
-                    n = os.pwrite(fd, data[done: done + IO_CHUNK], region.offset + done)
-                    if n <= 0:
-                        raise KVStoreError(f"short write to {region.path} at {region.offset + done}")
-                    done += n
-            finally:
-                os.close(fd)
+                fd = os.open(region.path, os.O_WRONLY | os.O_NOFOLLOW)
+                try:
+                    done = 0
+                    while done < data.nbytes:
+                        n = os.pwrite(fd, data[done: done + IO_CHUNK], region.offset + done)
+                        if n <= 0:
+                            raise KVStoreError(f"short write to {region.path} at {region.offset + done}")
+                        done += n
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _write_error(region, exc) from None
         elif region.kind == "cuda_ipc":
             import torch
 
@@ -325,19 +336,22 @@ class RegionMapper:
                 h.update(d)
             return h.intdigest()
         if region.kind == "file":
-            fd = os.open(region.path, os.O_WRONLY)
             try:
-                for off in range(0, n, HASH_CHUNK):
-                    chunk = data[off: off + HASH_CHUNK]
-                    done = 0
-                    while done < chunk.nbytes:
-                        w = os.pwrite(fd, chunk[done:], region.offset + off + done)
-                        if w <= 0:
-                            raise KVStoreError(f"short write to {region.path} at {region.offset + off + done}")
-                        done += w
-                    h.update(chunk)  # just read by pwrite: still in cache
-            finally:
-                os.close(fd)
+                fd = os.open(region.path, os.O_WRONLY | os.O_NOFOLLOW)
+                try:
+                    for off in range(0, n, HASH_CHUNK):
+                        chunk = data[off: off + HASH_CHUNK]
+                        done = 0
+                        while done < chunk.nbytes:
+                            w = os.pwrite(fd, chunk[done:], region.offset + off + done)
+                            if w <= 0:
+                                raise KVStoreError(f"short write to {region.path} at {region.offset + off + done}")
+                            done += w
+                        h.update(chunk)  # just read by pwrite: still in cache
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _write_error(region, exc) from None
             return h.intdigest()
         self.write(region, data)  # cuda_ipc: the device copy dominates; hash the host source
         return cks.host_checksum(data)

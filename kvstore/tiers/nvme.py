@@ -141,9 +141,13 @@ class NvmeTier(Tier):
     def disk_free(self) -> int:
         """Bytes the file system under the tier still offers (less the headroom kept for
         the index and directories); capacity's bound when the disk is the smaller."""
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
+        for path in (self.root, self.root.parent):  # the root itself may have been removed
+            try:
+                st = os.statvfs(path)
+                break
+            except OSError:
+                continue
+        else:
             return 0
         return max(0, st.f_bavail * st.f_frsize - self._min_disk_free)
 
@@ -161,7 +165,8 @@ class NvmeTier(Tier):
                 if attempt:
                     raise
                 log.warning("nvme: working directory %s is gone; recreating it", self.tmp)
-                self.tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.root.mkdir(mode=0o700, exist_ok=True)
+                self.tmp.mkdir(mode=0o700, exist_ok=True)
                 self.counters["tmp_recreated"] += 1
         try:
             try:
