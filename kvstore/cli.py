@@ -7,7 +7,8 @@ name, type, default and help text. The client commands (put, get, inspect, evict
 show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket`, print
 JSON with `--json` where they print data, and on failure print one line
 "kvstore: error: REASON" to stderr (no traceback) and exit non-zero: 3 when no daemon
-is running (the message says how to start one), 1 otherwise (2: bad usage).
+is running (the message says how to start one), 1 otherwise (2: bad usage). `repair`
+rebuilds a stopped daemon's index from its object files (kvstore.recovery).
 """
 
 from __future__ import annotations

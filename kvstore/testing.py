@@ -4,7 +4,9 @@ the engine's store connector).
 Owns: `DaemonProcess`, which starts `python -m kvstore.cli serve` on a private socket,
 cache directory and shared-memory name, waits until it answers grpc.health.v1 Check,
 and stops it (SIGTERM), kills it (SIGKILL) or restarts it on the same directory, and
-cleans up what a killed daemon leaves behind (its /dev/shm arena, its socket).
+cleans up what a killed daemon leaves behind (its /dev/shm arena, its socket); and
+`record_figures`, through which reliability tests report what they did (operations,
+objects verified, losses) to tools/reliability_report.py.
 
     with DaemonProcess(tmp_path, cpu_capacity="64MiB") as daemon:
         with daemon.client() as kv:
@@ -14,6 +16,7 @@ cleans up what a killed daemon leaves behind (its /dev/shm arena, its socket).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -27,6 +30,19 @@ from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1
+FIGURES_ENV = "KVSTORE_RELIABILITY_FIGURES"
+
+
+def record_figures(test: str, **figures: Any) -> None:
+    """Append `{"test": test, **figures}` as one JSON line to the file named by
+    $KVSTORE_RELIABILITY_FIGURES (set by tools/reliability_report.py; unset: nothing is
+    written). Figures are what the test counted, e.g. operations=, objects_verified=,
+    losses=."""
+    path = os.environ.get(FIGURES_ENV)
+    if not path:
+        return
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"test": test, **figures}, sort_keys=True) + "\n")
 
 
 def drop_page_cache(path: str) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from kvstore.errors import CapacityExhausted, InvalidRequest, UnknownKey
+from kvstore.testing import record_figures
 
 MiB = 1 << 20
 
@@ -38,6 +39,7 @@ def test_removed_tmp_directory_is_recreated_and_puts_keep_working(start_daemon):
         nvme = next(t for t in kv.stats()["tiers"] if t["name"] == "nvme")
         assert nvme["tmp_recreated"] == 2
     assert (d.dir / "objects" / "tmp").stat().st_mode & 0o777 == 0o700
+    record_figures("test_nvme_faults_tmp", operations=4, objects_verified=2, losses=0, directories_removed=2)
 
 
 @pytest.fixture
@@ -79,6 +81,8 @@ def test_a_full_disk_evicts_nvme_objects_and_gives_kvstore_errors_not_oserror(st
         with pytest.raises(CapacityExhausted, match="free now"):  # more than the whole disk
             kv.put(b"full/huge", blob(99, 16 * MiB), tier="nvme")
         kv.put(b"full/after", blob(100, size), tier="nvme")  # the tier still works
+        record_figures("test_nvme_faults_disk", operations=n + 2, objects_verified=len(present), losses=0,
+                       evictions=st["evictions"], disk_full=nvme["disk_full"], oserrors=0)
     assert d.proc is not None and d.proc.poll() is None
     d.stop()
     d.start()  # and restarts with what it had
