@@ -26,9 +26,12 @@ Pinned objects (leased, being written, being moved or verified) are never evicte
 moved or freed; an object deleted or found corrupt while pinned leaves the index at once
 and its space is freed when the last pin goes.
 
-Durability (NVMe): bytes fsync'ed and renamed into place, then the LMDB record
-committed; `open` rebuilds the NVMe tier from LMDB, drops records whose file is missing
-or short, deletes orphan and half-written files. Memory tiers start empty.
+Durability (NVMe): bytes and their header record (kvstore.objheader) fsync'ed and renamed
+into place, then the LMDB record committed; `open` rebuilds the NVMe tier from LMDB,
+drops records whose file is missing or short, adopts object files the index does not
+name from their headers (never deleting one for that), and deletes half-written files
+and those of dropped objects. A damaged index is rebuilt from the headers or refused
+(settings.index_recovery; kvstore.index). Memory tiers start empty.
 
 Locking: one lock guards all metadata, taken with `with`. Checksumming a commit and
 verifying/promoting an NVMe hit run outside it (the object or reservation is pinned);
@@ -126,8 +129,8 @@ class Store:
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
         """Create/map the tiers, open the LMDB index and rebuild the NVMe tier from it
-        (records whose file is missing or short are dropped and counted; orphan files from
-        a crash between write and index commit are deleted)."""
+        (records whose file is missing or short are dropped and counted; object files from
+        a crash between write and index commit are adopted from their headers)."""
         with self._lock:
             if self._open:
                 return
