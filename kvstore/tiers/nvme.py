@@ -126,7 +126,7 @@ class NvmeTier(Tier):
     def open(self) -> None:
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            check_private_dir(self.root, "nvme tier directory")
+            check_private_dir(self.root, "nvme tier directory", follow=True)
             self.tmp.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the nvme tier directory {self.root}: {exc}") from exc

@@ -199,3 +199,16 @@ def test_memory_bytes_changed_after_commit_are_caught_before_served_with_verify_
         FIGURES.update(operations=4, objects_verified=1, losses=0, changed_bytes_served=0,
                        corrupt_dropped=st["corrupt_dropped"])
         record_figures("test_local_isolation_clients", **FIGURES)
+
+
+def test_a_cache_directory_another_user_owns_is_refused(other_user, tmp_path):
+    from kvstore.errors import StorageError
+    from kvstore.store import Store, StoreSettings
+
+    planted = tmp_path / "cache"
+    planted.mkdir()
+    os.chown(planted, *other_user)  # e.g. pre-created by that user under a shared /tmp
+    settings = StoreSettings(dir=planted, cpu_capacity=1 << 20, nvme_capacity=1 << 20, shm_name="kvstore-iso-dir")
+    with pytest.raises(StorageError, match=f"belongs to uid {other_user[0]}"):
+        Store(settings).open()
+    assert list(planted.iterdir()) == []  # nothing was created in it
