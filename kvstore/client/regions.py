@@ -175,7 +175,7 @@ class RegionMapper:
         if pin:
             with self._lock:
                 if not arena.pinned:
-                    arena.pinned = self._maybe_pin(arena.array, import_torch=True)
+                    arena.pinned = self._maybe_pin(arena.array, import_torch=True, read_only=True)
         return arena.pinned
 
     def pin_arena_of(self, region: Region, *, for_write: bool = False) -> None:
@@ -195,7 +195,7 @@ class RegionMapper:
             elif not arena.pinned:
                 arena.pinned = self._maybe_pin(arena.array, import_torch=True, read_only=True)
 
-    def _maybe_pin(self, array: np.ndarray, import_torch: bool, read_only: bool = False) -> bool:
+    def _maybe_pin(self, array: np.ndarray, import_torch: bool, *, read_only: bool) -> bool:
         pin = self._pin if self._pin is not None else _cuda_ready(import_torch)
         if not pin or array.size == 0:
             return False
