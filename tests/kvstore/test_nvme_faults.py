@@ -108,6 +108,8 @@ def test_key_limit_agrees_across_tiers_and_config(start_daemon, tmp_path):
                 assert v.tobytes() == blob(i, 300 << 10)
         with pytest.raises(InvalidRequest, match="over the limit of 511"):
             kv.put(over, b"x", tier="cpu")
+        record_figures("test_nvme_faults_keys", operations=7, objects_verified=2, losses=0,
+                       demotions=st["demotions"], refused_long_keys=1)
     from kvstore.testing import DaemonProcess
 
     bad = DaemonProcess(tmp_path / "bad", extra_args=["--max-key-bytes", "1024"])
