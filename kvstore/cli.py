@@ -12,7 +12,8 @@ is running (the message says how to start one), 1 otherwise (2: bad usage); `rm`
 when a key was not there, `put` when the key holds other bytes (unless --replace).
 `serve` failing on a path it cannot use says so in one line naming the option. `config
 --socket` shows a running daemon's settings (reported in its Stats). Help is click's
-plain layout (kvstore.cli_help); tables printed to a pipe are not cut at 80 columns.
+plain layout (kvstore.cli_help); tables printed to a pipe are not cut at 80 columns. `repair`
+rebuilds a stopped daemon's index from its object files (kvstore.recovery).
 """
 
 from __future__ import annotations
@@ -251,6 +252,27 @@ def _display(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+@app.command("repair")
+@reports_errors
+def repair_cmd(
+    directory: Optional[Path] = typer.Option(None, "--dir", help="cache directory [default: as `kvstore serve`]",
+                                             show_default=False),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Rebuild a cache directory's index from its object files' headers (stop the daemon
+    first). The old index is moved aside and files without a usable header are set
+    aside in objects/quarantine/: nothing is deleted but files of dropped objects."""
+    from kvstore.recovery import repair
+
+    d = Path(directory) if directory is not None else load_config().dir
+    report = repair(d)
+    if as_json:
+        _print_json({"dir": str(d), "records": report.records, "set_aside": report.set_aside,
+                     "dead_removed": report.dead_removed, "old_index": report.old_index})
+    else:
+        sys.stdout.write(report.line(d) + "\n")
 
 
 # ---------------------------------------------------------------------------- data

@@ -196,10 +196,22 @@ OPTIONS: tuple[Option, ...] = (
            "keep CPU-tier bytes without an NVMe copy at or below this share of the CPU tier, writing the coldest "
            "back in the background so making room never writes under the store's lock (1: off)",
            minimum=0.0, maximum=1.0),
-    Option("shm_name", "str", "", "name of the shared-memory arena (/dev/shm/NAME.arena); empty: derived from the socket"),
+    Option("verify_memory", "choice", "commit",
+           "checksum CPU/GPU-tier objects once, at commit or first get (commit), or before every get (always: "
+           "detects bytes changed in shared memory after commit, at the cost of hashing each read)",
+           choices=("commit", "always")),
+    Option("index_recovery", "choice", "rebuild",
+           "a damaged LMDB index at start: rebuild it from the object files' headers (rebuild) or refuse to start "
+           "naming `kvstore repair --dir DIR` (refuse)", choices=("rebuild", "refuse")),
+    Option("arena_mode", "choice", "0600",
+           "file mode of the shared-memory arena: 0600 (this user only), 0640 (the group may read), 0660 (the group "
+           "may read and write)", choices=("0600", "0640", "0660")),
+    Option("shm_name", "str", "", "name of the shared-memory arena (/dev/shm/NAME.<random>.arena); empty: derived from the socket"),
     Option("max_message_size", "size", 16 << 20, "largest gRPC message either end accepts", minimum=4096),
     Option("max_batch", "int", 4096, "most keys one batch request may carry", minimum=1),
-    Option("max_key_bytes", "int", 1024, "longest key accepted, in bytes", minimum=1),
+    Option("max_key_bytes", "int", 511,
+           "longest key accepted, in bytes (at most 511: the NVMe tier's LMDB index holds no longer key)",
+           minimum=1, maximum=511),
     Option("workers", "int", 16, "threads for RPCs that block (the asyncio gRPC server runs the rest on its event loop)", minimum=1),
     Option("log_level", "choice", "info", "daemon log level", choices=LOG_LEVELS),
     Option("remote", "str", "",
@@ -235,6 +247,9 @@ class Config:
     verify_nvme: str
     writeback_on_close: bool
     writeback_watermark: float
+    verify_memory: str
+    index_recovery: str
+    arena_mode: str
     shm_name: str
     max_message_size: int
     max_batch: int

@@ -90,3 +90,8 @@ ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {cls.code: cls for cls in ALL_ER
 def error_from_code(code: str, message: str) -> KVStoreError:
     """Rebuild an error from its wire `code` and message (unknown codes -> KVStoreError)."""
     return ERRORS_BY_CODE.get(code, KVStoreError)(message)
+
+
+class IndexDamaged(StorageError):
+    """The LMDB index is missing pages, truncated or unreadable (the message says how);
+    it is rebuilt from the object files' headers (`kvstore repair --dir DIR`)."""

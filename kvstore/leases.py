@@ -1,6 +1,8 @@
 """Leases: time-limited pins that clients hold on objects (and the Store on reservations).
 
-`LeaseTable` maps lease id -> (key, client id, expiry, payload). A lease expires
+`LeaseTable` maps lease id -> (key, client id, expiry, payload). Ids are random 63-bit
+numbers (never 0): a client cannot guess another's, and `owned` tells the Store whether
+the client naming an id is the one that took it. A lease expires
 `ttl_s` after it was taken or last renewed; `renew(client_id)` extends every lease of a
 client (the client library renews on a timer while it lives), so the leases of a client
 that died go away by themselves. The Store never evicts, moves or frees an object while a
@@ -12,7 +14,7 @@ Not thread-safe: the Store calls it under its lock. Times are time.monotonic() s
 from __future__ import annotations
 
 import heapq
-import itertools
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,12 +35,11 @@ class LeaseEntry:
 class LeaseTable:
     """Lease id -> LeaseEntry, with per-key counts, per-client renew and TTL expiry."""
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, first_id: int = 1) -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
             raise InvalidRequest(f"lease ttl must be > 0 seconds, got {ttl_s}")
         self.ttl_s = ttl_s
         self._clock = clock
-        self._ids = itertools.count(first_id)
         self._entries: dict[int, LeaseEntry] = {}
         self._by_key: Counter[bytes] = Counter()
         self._by_client: dict[str, set[int]] = {}
@@ -50,7 +51,10 @@ class LeaseTable:
     def acquire(self, key: bytes, client_id: str, payload: Any = None, now: Optional[float] = None) -> LeaseEntry:
         """Take a new lease on `key` for `client_id`."""
         now = self._clock() if now is None else now
-        e = LeaseEntry(next(self._ids), key, client_id, now + self.ttl_s, payload)
+        lease_id = 0
+        while lease_id == 0 or lease_id in self._entries:
+            lease_id = secrets.randbits(63)
+        e = LeaseEntry(lease_id, key, client_id, now + self.ttl_s, payload)
         self._entries[e.lease_id] = e
         self._by_key[key] += 1
         self._by_client.setdefault(client_id, set()).add(e.lease_id)
@@ -59,6 +63,14 @@ class LeaseTable:
 
     def get(self, lease_id: int) -> Optional[LeaseEntry]:
         return self._entries.get(lease_id)
+
+    def owned(self, lease_id: int, client_id: Optional[str]) -> Optional[LeaseEntry]:
+        """The lease if `client_id` took it (None: unknown, gone, or another client's;
+        `client_id` None skips the check: the Store's own in-process callers)."""
+        e = self._entries.get(lease_id)
+        if e is None or (client_id is not None and e.client_id != client_id):
+            return None
+        return e
 
     def _remove(self, e: LeaseEntry) -> None:
         del self._entries[e.lease_id]

@@ -25,7 +25,9 @@ import torch
 from kvstore.errors import BadObject, CapacityExhausted, KVStoreError, StorageError
 from kvstore.eviction import Candidate, EvictionPolicy
 from kvstore.index import IndexRecord, ObjectIndex
+from kvstore.objheader import ObjectHeader, read_trailer
 from kvstore.records import TIER_NAMES, ObjectMeta
+from kvstore.recovery import scan_object_files
 from kvstore.tiers.base import Slot, Tier
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ class StoredObject:
     """A committed object's mutable state (guarded by the Store's lock)."""
 
     __slots__ = ("key", "tier", "slot", "backing", "checksum", "meta", "created", "last_access", "hits",
-                 "leases", "busy", "verified", "removed", "freed")
+                 "leases", "busy", "verified", "removed", "freed", "writeback_failures")
 
     def __init__(self, key: bytes, tier: str, slot: Slot, checksum: int, meta: ObjectMeta,
                  created: float, last_access: float, hits: int = 0, verified: bool = True) -> None:
@@ -47,6 +49,7 @@ class StoredObject:
         self.verified = verified  # checksum confirmed (since open for NVMe; after commit for large memory objects)
         self.removed = False  # dropped: out of the map; its slot is freed when the last pin goes
         self.freed = False  # the primary slot went back to its tier
+        self.writeback_failures = 0  # failed background copies to NVMe (kvstore.writeback gives up at a limit)
 
     @property
     def size(self) -> int:
@@ -73,8 +76,16 @@ class Placement:
         self.counters = counters
         self.objects_root = objects_root
         self.objects: dict[bytes, StoredObject] = {}
+        # StoreSettings.verify_memory == "always": a memory-tier object's bytes are not
+        # trusted after commit, so a move or write-back out of it re-checks them
+        self.verify_moves = False
 
     def recover_nvme(self) -> None:
+        """Rebuild the NVMe tier's objects from the index, then adopt the object files it
+        does not name from their headers (a crash between a file's rename and its index
+        commit, or an index rebuilt or lost): no object file is deleted because the index
+        does not know it. Dropped objects' files (marked dead) are deleted; files without
+        a usable header, and superseded copies of a key, are set aside in quarantine/."""
         assert self.index is not None
         nvme = self.tiers["nvme"]
         root = self.objects_root
@@ -82,13 +93,9 @@ class Placement:
         live: set[str] = set()
         for rec in self.index.items():
             path = root / rec.file
-            try:
-                on_disk = path.stat().st_size
-            except FileNotFoundError:
-                on_disk = -1
-            if on_disk != rec.size:
-                log.warning("index: object %r file %s is %s; dropping its record", rec.key, path,
-                            "missing" if on_disk < 0 else f"{on_disk} bytes, not {rec.size}")
+            why = self._record_mismatch(rec, path)
+            if why:
+                log.warning("index: object %r file %s %s; dropping its record", rec.key, path, why)
                 drop.append(rec.key)
                 continue
             slot = Slot("nvme", rec.offset, rec.length, rec.size, str(path))
@@ -96,17 +103,65 @@ class Placement:
             live.add(str(path))
             meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
             self.objects[rec.key] = StoredObject(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
-                                             rec.last_access, rec.hits, verified=False)
+                                                 rec.last_access, rec.hits, verified=False)
         drop += self.index.bad_keys
         self.index.delete_many(drop)
         self.counters["recovery_dropped"] += len(drop)
         self.counters["recovered_objects"] += len(self.objects)
-        for slot in nvme.list_sealed():
-            if slot.path not in live:
-                log.info("nvme: removing orphan object file %s (not in the index)", slot.path)
-                Path(slot.path).unlink(missing_ok=True)
-                self.counters["orphans_removed"] += 1
+        scan = scan_object_files(root, [s.path for s in nvme.list_sealed() if s.path not in live])
+        adopted = []
+        for rec in scan.records:
+            if rec.key in self.objects:
+                scan.superseded.append(str(root / rec.file))
+                continue
+            path = str(root / rec.file)
+            slot = Slot("nvme", 0, rec.length, rec.size, path)
+            nvme.adopt(slot)
+            meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
+            self.objects[rec.key] = StoredObject(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
+                                                 rec.last_access, 0, verified=False)
+            adopted.append(rec)
+        if adopted:
+            log.warning("nvme: adopted %d object files the index did not name (from their headers)", len(adopted))
+            self.index.put_many(adopted)
+        self.counters["recovered_from_files"] += len(adopted)
+        for path in scan.dead:
+            Path(path).unlink(missing_ok=True)
+            self.counters["orphans_removed"] += 1  # files of dropped objects
+        for path, why in scan.unreadable + [(p, "a newer file holds the same key") for p in scan.superseded]:
+            try:
+                dst = nvme.set_aside(path)
+                log.warning("nvme: %s: %s; set aside as %s (not deleted)", path, why, dst)
+                self.counters["files_set_aside"] += 1
+            except OSError as exc:
+                log.warning("nvme: %s: %s; cannot set it aside: %s", path, why, exc)
         self.counters["partial_writes_removed"] += nvme.discard_unsealed()
+
+    @staticmethod
+    def _record_mismatch(rec: IndexRecord, path: Path) -> str:
+        """Why `rec` cannot be served from `path` ("" when it can): the file is missing,
+        short, or its header names another object."""
+        try:
+            on_disk = os.lstat(path).st_size
+        except FileNotFoundError:
+            return "is missing"
+        if on_disk == rec.size:
+            return ""  # a file of the old layout (no header)
+        try:
+            t = read_trailer(str(path))
+        except (OSError, BadObject) as exc:
+            return f"has a damaged header ({exc})"
+        if t is None or t.header.size != rec.size or on_disk != rec.size + t.nbytes:
+            return f"is {on_disk} bytes, not {rec.size} plus a header"
+        if t.header.key != rec.key or t.header.checksum != rec.checksum or not t.live:
+            return "holds another or a dropped object"
+        return ""
+
+    def header(self, o: "StoredObject") -> ObjectHeader:
+        """The header record an NVMe copy of `o` carries."""
+        m = o.meta
+        return ObjectHeader(o.key, o.size, o.checksum, m.fingerprint, m.token_count, m.cost, dict(m.extra),
+                            o.created)
 
     def below(self, name: str) -> Optional[str]:
         order = list(self.tiers)
@@ -134,25 +189,32 @@ class Placement:
             self.tiers[o.tier].free(o.slot)
 
     def drop_backing(self, o: StoredObject) -> None:
-        """Forget the NVMe copy of a promoted object (its primary copy stays)."""
+        """Forget the NVMe copy of a promoted object (its primary copy stays). The file
+        goes before its record: a crash in between leaves a record without a file
+        (dropped at open), never a file that would bring the copy back."""
         if o.backing is not None:
-            if self.index is not None:
-                self.index.delete(o.key)
             self.tiers["nvme"].free(o.backing)
             o.backing = None
+            if self.index is not None:
+                self.index.delete(o.key)
 
     def drop(self, o: StoredObject) -> None:
         """Remove an object from the map and the index; free its slot now or at last unpin
-        (pins hold the primary slot only; a backing copy goes at once)."""
+        (pins hold the primary slot only; a backing copy goes at once). A durable slot
+        still pinned is marked dropped in its header first, so a crash before its last
+        unpin does not bring it back."""
         if o.removed:
             return
         if self.objects.get(o.key) is o:
             del self.objects[o.key]
-        if self.tiers[o.tier].durable and self.index is not None:
-            self.index.delete(o.key)
-        self.drop_backing(o)  # (deletes the index record when the backing copy held it)
+        durable = self.tiers[o.tier].durable
         o.removed = True
+        if durable and o.pinned:
+            self.tiers[o.tier].retire(o.slot)
+        self.drop_backing(o)  # (deletes the index record when the backing copy held it)
         self.release_slot_if_unpinned(o)
+        if durable and self.index is not None:
+            self.index.delete(o.key)
 
     # ------------------------------------------------------------------ room and movement
     def allocate(self, tier: str, size: int, key: bytes, exclude: frozenset = frozenset()) -> Slot:
@@ -169,10 +231,10 @@ class Placement:
             if not cands:
                 pinned = sum(o.slot.length for o in self.objects.values() if o.tier == tier and o.pinned)
                 raise CapacityExhausted(
-                    f"tier {tier!r} cannot fit {size} bytes: {t.used_bytes} of {t.capacity} bytes in use, "
-                    f"{pinned} of them pinned by leases; nothing left to evict"
+                    f"tier {tier!r} cannot fit {size} bytes: {t.used_bytes} of {t.capacity} bytes in use "
+                    f"({t.free_bytes()} free now), {pinned} of them pinned by leases; nothing left to evict"
                 )
-            need = max(size - (t.capacity - t.used_bytes), 1)
+            need = max(size - t.free_bytes(), 1)
             backed = [c for c in cands if self.objects[c.key].tier == tier and self.objects[c.key].backing is not None]
             if backed and sum(c.size for c in backed) >= need:
                 cands = backed  # demoting these costs no I/O (kvstore.writeback made their NVMe copies)
@@ -229,9 +291,9 @@ class Placement:
                 raise CapacityExhausted(f"tier {dst_name!r} has no room for {o.size} bytes")
         try:
             self.copy(src, o.slot, dst, slot)
-            if (src.durable or not o.verified) and dst.checksum(slot) != o.checksum:
+            if (src.durable or not o.verified or self.verify_moves) and dst.checksum(slot) != o.checksum:
                 raise BadObject(f"object {o.key!r} in tier {o.tier} ({o.slot.path}) fails its checksum")
-            slot = dst.seal(slot, object_name(o.key))
+            slot = dst.seal(slot, object_name(o.key), self.header(o))
             old_tier, old_slot = o.tier, o.slot
             o.tier, o.slot = dst_name, slot
             if dst.durable:

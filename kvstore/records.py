@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 TIER_NAMES = ("gpu", "cpu", "nvme")  # fastest first; demotion goes left to right
 VERIFY_MODES = ("always", "first")  # StoreSettings.verify_nvme
+INDEX_RECOVERY_MODES = ("rebuild", "refuse")  # StoreSettings.index_recovery
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class StoreSettings:
     cpu_capacity: int  # bytes of the shared-memory arena (0 = no CPU tier)
     nvme_capacity: int  # bytes of object files allowed under dir/objects (0 = no NVMe tier)
     gpu_capacity: int = 0  # bytes of the CUDA arena; 0 = no GPU tier (also none without CUDA)
-    shm_name: str = "kvstore"  # the arena file is /dev/shm/<shm_name>.arena (derive it from the socket path)
+    shm_name: str = "kvstore"  # the arena file is /dev/shm/<shm_name>.<random>.arena (derive it from the socket path)
     lease_ttl_s: float = 30.0  # leases and reservations expire this long after their last renew
     eviction: str = "cost"  # "lru" | "cost"
     default_tier: str = "cpu"
@@ -47,6 +48,16 @@ class StoreSettings:
     remote_url: str = ""
     remote_policy: str = "all"
     remote_timeout_s: float = 2.0
+    # A damaged LMDB index (truncated, not LMDB, unreadable) found at open: "rebuild" it
+    # from the object files' headers (the old one is moved aside), or "refuse" to start
+    # with one line naming the damage and `kvstore repair --dir DIR`.
+    index_recovery: str = "rebuild"
+    # Memory-tier (cpu/gpu) objects: "commit" checksums them once (at commit, or at the
+    # first get when committed unverified); "always" also before every get, so bytes a
+    # client changed in shared memory after commit are caught before they are served.
+    verify_memory: str = "commit"
+    arena_mode: int = 0o600  # file mode of the CPU arena (0o640 / 0o660 share it with the group)
+    max_key_bytes: int = 511  # longest key (LMDB's limit: the NVMe tier's index)
 
     def validate(self) -> None:
         """InvalidRequest naming the first bad setting."""
@@ -60,6 +71,14 @@ class StoreSettings:
             raise InvalidRequest(f"unknown default tier {self.default_tier!r}; choose from {TIER_NAMES}")
         if self.verify_nvme not in VERIFY_MODES:
             raise InvalidRequest(f"verify_nvme must be one of {VERIFY_MODES}, got {self.verify_nvme!r}")
+        if self.index_recovery not in INDEX_RECOVERY_MODES:
+            raise InvalidRequest(f"index_recovery must be one of {INDEX_RECOVERY_MODES}, got {self.index_recovery!r}")
+        if self.verify_memory not in ("commit", "always"):
+            raise InvalidRequest(f"verify_memory must be 'commit' or 'always', got {self.verify_memory!r}")
+        if self.arena_mode not in (0o600, 0o640, 0o660):
+            raise InvalidRequest(f"arena_mode must be 0600, 0640 or 0660, got {self.arena_mode:o}")
+        if not 1 <= self.max_key_bytes <= 511:
+            raise InvalidRequest(f"max_key_bytes must be 1..511 (the index's key limit), got {self.max_key_bytes}")
         if not self.lease_ttl_s > 0:
             raise InvalidRequest(f"lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
         if not 0.0 <= self.writeback_watermark <= 1.0:

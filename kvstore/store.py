@@ -26,9 +26,12 @@ Pinned objects (leased, being written, being moved or verified) are never evicte
 moved or freed; an object deleted or found corrupt while pinned leaves the index at once
 and its space is freed when the last pin goes.
 
-Durability (NVMe): bytes fsync'ed and renamed into place, then the LMDB record
-committed; `open` rebuilds the NVMe tier from LMDB, drops records whose file is missing
-or short, deletes orphan and half-written files. Memory tiers start empty.
+Durability (NVMe): bytes and their header record (kvstore.objheader) fsync'ed and renamed
+into place, then the LMDB record committed; `open` rebuilds the NVMe tier from LMDB,
+drops records whose file is missing or short, adopts object files the index does not
+name from their headers (never deleting one for that), and deletes half-written files
+and those of dropped objects. A damaged index is rebuilt from the headers or refused
+(settings.index_recovery; kvstore.index). Memory tiers start empty.
 
 Locking: one lock guards all metadata, taken with `with`. Checksumming a commit and
 verifying/promoting an NVMe hit run outside it (the object or reservation is pinned);
@@ -60,6 +63,7 @@ from kvstore.errors import (
     AlreadyExists,
     BadObject,
     CapacityExhausted,
+    IndexDamaged,
     InvalidRequest,
     KVStoreError,
     StorageError,
@@ -68,6 +72,7 @@ from kvstore.errors import (
 from kvstore.eviction import make_policy
 from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
+from kvstore.objheader import ObjectHeader
 from kvstore.writeback import WriteBack
 from kvstore.remote.base import RemoteAdapter
 from kvstore.remote.tier import RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter
@@ -85,11 +90,11 @@ from kvstore.records import (  # noqa: F401  (re-exported: the Store API's recor
 from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.cpu_arena import CpuArena
 from kvstore.tiers.gpu_arena import GpuArena
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.recovery import scan_object_files
+from kvstore.tiers.nvme import NvmeTier, check_private_dir
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_BYTES = 1024
 
 
 class _PendingPut:
@@ -121,6 +126,7 @@ class Store:
         self._cond = threading.Condition(self._lock)
         self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first (filled by open)
         self._place = Placement(self.tiers, None, self._policy, Counter(), self.dir / "objects")
+        self._place.verify_moves = s.verify_memory == "always"
         self._leases = LeaseTable(s.lease_ttl_s)
         self._reservations = LeaseTable(s.lease_ttl_s)
         self._inflight: dict[bytes, int] = {}  # key -> reservation id
@@ -142,13 +148,17 @@ class Store:
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
         """Create/map the tiers, open the LMDB index and rebuild the NVMe tier from it
-        (records whose file is missing or short are dropped and counted; orphan files from
-        a crash between write and index commit are deleted)."""
+        (records whose file is missing or short are dropped and counted; object files from
+        a crash between write and index commit are adopted from their headers)."""
         with self._lock:
             if self._open:
                 return
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.dir / "kvstore.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                check_private_dir(self.dir, "cache directory", follow=True, make_private=False)
+                fd = os.open(self.dir / "kvstore.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                raise StorageError(f"cannot use the cache directory {self.dir}: {exc.strerror or exc}") from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -164,9 +174,7 @@ class Store:
             try:
                 self._open_tiers()
                 if "nvme" in self.tiers:
-                    self._index = ObjectIndex(self.dir / "index.lmdb")
-                    self._index.open()
-                    self._place.index = self._index
+                    self._open_index()
                     self._place.recover_nvme()
             except BaseException:
                 self._close_media()
@@ -190,6 +198,25 @@ class Store:
             raise
         self._remote.start()
 
+    def _open_index(self) -> None:
+        """Open the LMDB index; a damaged one is rebuilt from the object files' headers
+        (settings.index_recovery "rebuild") or refused with the repair command to run."""
+        objects = self.dir / "objects"
+        self._index = ObjectIndex(self.dir / "index.lmdb",
+                                  rebuild_source=lambda: scan_object_files(objects).records)
+        self._place.index = self._index
+        try:
+            self._index.open()
+        except IndexDamaged as exc:
+            if self.settings.index_recovery != "rebuild":
+                raise IndexDamaged(f"{exc}; rebuild it from the object files with: kvstore repair --dir {self.dir}") \
+                    from None
+            log.warning("%s; moving it aside and rebuilding it from the object files", exc)
+            n = self._index.rebuild(str(exc))
+            self._counters["index_rebuilds"] += 1
+            log.warning("index %s rebuilt from %d object files (the damaged one is at %s)", self._index.path, n,
+                        self._index.moved_aside[-1] if self._index.moved_aside else "-")
+
     def _open_tiers(self) -> None:
         s = self.settings
         made: list[Tier] = []
@@ -199,7 +226,7 @@ class Store:
             else:
                 log.warning("gpu capacity %d requested but CUDA is not available: no gpu tier", s.gpu_capacity)
         if s.cpu_capacity > 0:
-            made.append(CpuArena(s.cpu_capacity, s.shm_name))
+            made.append(CpuArena(s.cpu_capacity, s.shm_name, mode=s.arena_mode))
         if s.nvme_capacity > 0:
             made.append(NvmeTier(self.dir / "objects", s.nvme_capacity))
         if not made:
@@ -274,12 +301,12 @@ class Store:
             raise InvalidRequest(f"tier {name!r} is not enabled in this daemon (enabled: {', '.join(self.tiers)})")
         return t
 
-    @staticmethod
-    def _check_key(key: bytes) -> None:
+    def _check_key(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)):
             raise InvalidRequest(f"keys must be bytes, got {type(key).__name__}")
-        if not key or len(key) > MAX_KEY_BYTES:
-            raise InvalidRequest(f"key length must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        limit = self.settings.max_key_bytes
+        if not key or len(key) > limit:
+            raise InvalidRequest(f"key length must be 1..{limit} bytes (the NVMe tier's index limit), got {len(key)}")
 
     def _info(self, o: StoredObject) -> ObjectInfo:
         r = self.tiers[o.tier].region(o.slot)
@@ -375,15 +402,16 @@ class Store:
         for fn in self._settle_listeners:
             fn(e.key)
 
-    def commit(self, reservation_id: int, checksum: int) -> LookupEntry:
+    def commit(self, reservation_id: int, checksum: int, client_id: Optional[str] = None) -> LookupEntry:
         """Verify the reserved bytes hash to `checksum` and make the object visible.
 
         NVMe: the file is fsync'ed and renamed, then the index txn commits. On mismatch
-        raises BadObject and frees the space; an unknown/expired id raises UnknownKey.
+        raises BadObject and frees the space; an unknown/expired id, or (with `client_id`)
+        one another client reserved, raises UnknownKey.
         """
         with self._lock:
             self._require_open()
-            e = self._reservations.get(reservation_id)
+            e = self._owned_locked(self._reservations, reservation_id, client_id)
             if e is None:
                 raise UnknownKey(f"reservation {reservation_id} is unknown, expired or already finished")
             p: _PendingPut = e.payload
@@ -404,8 +432,10 @@ class Store:
                     f"checksum mismatch committing key {p.key!r}: client sent {checksum:#x}, the {slot.size} "
                     f"bytes in tier {p.tier!r} hash to {actual:#x}; the reservation is dropped"
                 )
-            slot = t.seal(slot, object_name(p.key))
             now = time.time()
+            m = p.meta
+            header = ObjectHeader(p.key, slot.size, checksum, m.fingerprint, m.token_count, m.cost, dict(m.extra), now)
+            slot = t.seal(slot, object_name(p.key), header)
             o = StoredObject(p.key, p.tier, slot, checksum, p.meta, now, now, verified=verify_now)
             if t.durable:
                 assert self._index is not None
@@ -430,11 +460,21 @@ class Store:
             self._remote.offer(p.key, slot.size, p.meta)
         return LookupEntry(p.key, True, p.tier, slot.size)
 
-    def abort(self, reservation_id: int) -> None:
+    def _owned_locked(self, table: LeaseTable, lease_id: int, client_id: Optional[str]) -> Optional[LeaseEntry]:
+        """table's entry `lease_id` when `client_id` (None: any) took it; a live entry
+        of another client is counted in `foreign_requests_refused` and not returned."""
+        e = table.owned(lease_id, client_id)
+        if e is None and table.get(lease_id) is not None:
+            self._counters["foreign_requests_refused"] += 1
+            log.warning("client %r named lease/reservation %d of another client; refused", client_id, lease_id)
+        return e
+
+    def abort(self, reservation_id: int, client_id: Optional[str] = None) -> None:
         """Drop a reservation and free its space; waiters on its key are woken (False).
-        An unknown or finished id is ignored (abort is idempotent)."""
+        An unknown or finished id, or (with `client_id`) another client's, is ignored
+        (abort is idempotent)."""
         with self._lock:
-            e = self._reservations.get(reservation_id)
+            e = self._owned_locked(self._reservations, reservation_id, client_id)
             if e is None:
                 return
             if e.payload.committing:
@@ -496,6 +536,7 @@ class Store:
             if found is not None and not all(found):
                 self._remote.fill([k for k, f in zip(keys, found) if f is None])
         plans: list[tuple[StoredObject, Optional[Slot]]] = []
+        verify_memory = self.settings.verify_memory == "always"
         with self._lock:
             self._require_open()
             seen: set[bytes] = set()
@@ -504,7 +545,7 @@ class Store:
                 if o is None or key in seen:
                     continue
                 durable = self.tiers[o.tier].durable
-                if not durable and o.verified:
+                if not durable and o.verified and not verify_memory:
                     continue  # the common case: a verified memory-tier object
                 seen.add(key)
                 dst = None
@@ -516,7 +557,8 @@ class Store:
                     except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
                         log.debug("no promotion of %r: %s", key, exc)
                         dst = None
-                always = durable and self.settings.verify_nvme == "always" and not client_verifies
+                always = (durable and self.settings.verify_nvme == "always" and not client_verifies) or \
+                    (not durable and verify_memory)
                 if dst is not None or always or not o.verified:
                     plans.append((o, dst))
                 else:
@@ -541,13 +583,16 @@ class Store:
                                  o.checksum, e.expires_at, o.meta))
             return out
 
-    def release(self, lease_ids: Sequence[int], *, wait: bool = True) -> bool:
-        """Unpin. Unknown or expired lease ids are ignored (release is idempotent).
-        With `wait=False`, returns False without doing anything when the lock is busy."""
+    def release(self, lease_ids: Sequence[int], client_id: Optional[str] = None, *, wait: bool = True) -> bool:
+        """Unpin. Unknown or expired lease ids, and (with `client_id`) other clients'
+        leases, are ignored (release is idempotent). With `wait=False`, returns False
+        without doing anything when the lock is busy."""
         if not self._lock.acquire(blocking=wait):
             return False
         try:
             for i in lease_ids:
+                if self._owned_locked(self._leases, i, client_id) is None:
+                    continue
                 e = self._leases.release(i)
                 if e is not None:
                     self._unlease_locked(e.payload)
@@ -657,7 +702,8 @@ class Store:
             for k in ("hits", "misses", "lookup_hits", "lookup_misses", "evictions", "demotions", "promotions", "corrupt_dropped", "puts",
                       "bad_commits", "aborted_puts", "deletes", "expired_leases", "expired_reservations",
                       "recovered_objects", "recovery_dropped", "orphans_removed", "partial_writes_removed",
-                      "writebacks", "writeback_bytes", "writeback_failures"):
+                      "recovered_from_files", "files_set_aside", "index_rebuilds", "foreign_requests_refused",
+                      "writebacks", "writeback_bytes", "writeback_failures", "writeback_given_up"):
                 out[k] = self._counters[k]
             remote = self._remote
         out["remote"] = remote.stats() if remote is not None else disabled_stats()

@@ -169,12 +169,16 @@ class DaemonProcess:
         try:
             self.stop()
         finally:
-            for leftover in (Path("/dev/shm") / f"{self.shm_name}.arena",):
+            for leftover in Path("/dev/shm").glob(f"{self.shm_name}.*.arena"):
                 try:
                     leftover.unlink()
                 except FileNotFoundError:
                     pass
             shutil.rmtree(self._sockdir, ignore_errors=True)
+
+    def arena_files(self) -> list[Path]:
+        """The daemon's shared-memory arena file(s) (the name has a random part)."""
+        return sorted(Path("/dev/shm").glob(f"{self.shm_name}.*.arena"))
 
     def __enter__(self) -> "DaemonProcess":
         return self.start()

@@ -19,6 +19,11 @@ backed objects survive a daemon restart. A failed copy is logged, counted
 wakes when `kick()`ed (a CPU-tier commit: the way new unbacked bytes arrive) and every
 `interval_s` (for copies dropped under NVMe pressure); a round copies at most
 `round_bytes`, and rounds repeat while they back something.
+
+Failures are not retried forever: an object whose copy failed MAX_ATTEMPTS times (a
+medium error, an index write that failed) is left out of later rounds; it stays in the
+CPU tier and is demoted the ordinary way (under the lock) when room is needed. Every
+failed copy counts in `writeback_failures`, objects given up on in `writeback_given_up`.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ class WriteBackHost(Protocol):
 
 
 log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # failed write-backs of one object before the thread stops trying it
 
 
 class WriteBack:
@@ -98,7 +105,8 @@ class WriteBack:
             excess = sum(o.size for o in unbacked) - int(self.watermark * s.tiers["cpu"].capacity)
             if excess <= 0:
                 return 0
-            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits) for o in unbacked if not o.pinned]
+            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits) for o in unbacked
+                     if not o.pinned and o.writeback_failures < MAX_ATTEMPTS]
             jobs: list[tuple[Any, Any]] = []
             for key in place.policy.choose_victims(cands, min(excess, self.round_bytes)):
                 o = place.objects[key]
@@ -122,7 +130,7 @@ class WriteBack:
                         place.index.put(place.record(o))
                     except KVStoreError as exc:
                         log.warning("write-back of %r: index record failed (%s); copy dropped", o.key, exc)
-                        o.backing, keep = None, False
+                        o.backing, keep, error = None, False, exc
                 if keep:
                     backed += 1
                     place.counters["writebacks"] += 1
@@ -130,6 +138,10 @@ class WriteBack:
                 else:
                     if error is not None:
                         place.counters["writeback_failures"] += 1
+                        o.writeback_failures += 1
+                        if o.writeback_failures == MAX_ATTEMPTS:
+                            place.counters["writeback_given_up"] += 1
+                            log.warning("write-back of %r failed %d times; not trying it again", o.key, MAX_ATTEMPTS)
                     if s._open:
                         nvme.free(slot)
                 place.release_slot_if_unpinned(o)
@@ -141,9 +153,9 @@ class WriteBack:
         (slot to free, the error)."""
         try:
             place.copy(cpu, o.slot, nvme, slot)
-            if not o.verified and nvme.checksum(slot) != o.checksum:
+            if (not o.verified or place.verify_moves) and nvme.checksum(slot) != o.checksum:
                 raise BadObject(f"object {o.key!r} fails its checksum while being written back")
-            return nvme.seal(slot, object_name(o.key)), None
+            return nvme.seal(slot, object_name(o.key), place.header(o)), None
         except Exception as exc:  # noqa: BLE001 - logged, counted, freed by the caller
             log.warning("write-back of %r to nvme failed: %s", o.key, exc)
             return slot, exc

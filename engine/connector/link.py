@@ -53,7 +53,8 @@ class ConnectorClient(KVStoreClient):
 
     def abort(self, reservation_id: int) -> None:
         """Free a reservation (idempotent on the daemon side); waiters on its key wake."""
-        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id), timeout=CONNECT_TIMEOUT_S)
+        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id, client_id=self.client_id),
+                   timeout=CONNECT_TIMEOUT_S)
 
 
 def is_transport_error(exc: BaseException) -> bool:

@@ -100,7 +100,8 @@ class AsyncKVStoreClient:
         try:
             ids = self._core.take_pending() + self._core.held_ids()
             if ids:
-                await self._call("Release", pb.ReleaseRequest(lease_ids=ids), timeout=CONNECT_TIMEOUT_S)
+                await self._call("Release", pb.ReleaseRequest(lease_ids=ids, client_id=self.client_id),
+                                 timeout=CONNECT_TIMEOUT_S)
         except KVStoreError:
             pass
         await self._fast.close()
@@ -139,7 +140,7 @@ class AsyncKVStoreClient:
         pending = self._core.take_pending()
         if pending:
             self._core.untrack(pending)
-            await self._call("Release", pb.ReleaseRequest(lease_ids=pending))
+            await self._call("Release", pb.ReleaseRequest(lease_ids=pending, client_id=self.client_id))
 
     async def renew(self) -> None:
         await self._call("Renew", pb.RenewRequest(client_id=self.client_id))
@@ -218,10 +219,12 @@ class AsyncKVStoreClient:
             try:
                 checksum = await asyncio.to_thread(write, region) if size >= OFFLOAD_BYTES else write(region)
                 entry = await self._call("Commit",
-                                         pb.CommitRequest(reservation_id=res.reservation_id, checksum=checksum))
+                                         pb.CommitRequest(reservation_id=res.reservation_id, checksum=checksum,
+                                                          client_id=self.client_id))
             except BaseException:
                 try:
-                    await self._call("Abort", pb.AbortRequest(reservation_id=res.reservation_id),
+                    await self._call("Abort",
+                                     pb.AbortRequest(reservation_id=res.reservation_id, client_id=self.client_id),
                                      timeout=CONNECT_TIMEOUT_S)
                 except KVStoreError:
                     pass
@@ -266,7 +269,7 @@ class AsyncKVStoreClient:
     async def _release_ids(self, lease_ids: Sequence[int]) -> None:
         self._core.untrack(lease_ids)
         if lease_ids and self._stub is not None:
-            await self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids)))
+            await self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids), client_id=self.client_id))
 
     def _release_soon(self, lease_id: int) -> None:
         """ObjectView.release() is synchronous: queue the RPC for the keepalive, or send it

@@ -237,7 +237,7 @@ class ClientCore:
                 buf: Any = self.regions.cuda_tensor(region)
             else:
                 buf = torch.from_numpy(self.regions.host_array(region, writable=True))
-                self.regions.pin_arena_of(region)  # copies from a GPU tensor then run pinned
+                self.regions.pin_arena_of(region, for_write=True)  # copies from a GPU tensor then run pinned
             checksum = fmt.write_blob(buf, plan, tensors)
             if region.kind == "cuda_ipc":
                 torch.cuda.current_stream(buf.device).synchronize()

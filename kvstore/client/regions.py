@@ -3,10 +3,13 @@ object files, and the GPU arena over CUDA IPC.
 
 Owns: mapping each shm arena once per process and caching the mapping (shared by every
 client in the process; re-mapped when the daemon restarted and the arena file is a new
-one), pinning that mapping with
-cudaHostRegister where CUDA is present (so copies to the GPU run at PCIe speed), mapping
-object files for in-place reads and writes (copies out of them read the file instead:
-kvstore.client.fileio), and opening CUDA IPC handles once.
+one). Reads go through a read-only mapping (PROT_READ: a reader cannot change another
+object's bytes by mistake); a read-write mapping is made only when this process writes a
+put. Arena files are opened without following links and refused unless regular and not
+writable by every user. Mappings are pinned with cudaHostRegister where CUDA is present
+(the read-only one with cudaHostRegisterReadOnly), so copies to and from the GPU run at
+PCIe speed. Also: mapping object files for in-place reads and writes (copies out of
+them read the file instead: kvstore.client.fileio), and opening CUDA IPC handles once.
 
 Buffers come back as numpy uint8 arrays that alias the mapping. Whatever is derived from
 one (a memoryview, `torch.from_numpy`, slices) keeps that array, and so the mapping, alive;
@@ -16,9 +19,11 @@ bytes exists.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import stat
 import sys
 import threading
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvstore import checksums as cks
-from kvstore.errors import BadObject, InvalidRequest, KVStoreError
+from kvstore.errors import BadObject, InvalidRequest, KVStoreError, StorageError
 from kvstore.records import Region
 
 log = logging.getLogger("kvstore.client")
@@ -40,10 +45,36 @@ HASH_CHUNK = 256 << 10
 
 @dataclass
 class _Arena:
+    """One arena file mapped by this process: read-only for reads (`array`); read-write
+    (`rw_array`) only once this process writes a put into it."""
+
     ino: tuple[int, int]
     mm: mmap.mmap
     array: np.ndarray
     pinned: bool
+    rw_mm: Optional[mmap.mmap] = None
+    rw_array: Optional[np.ndarray] = None
+    rw_pinned: bool = False
+
+
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: pin a PROT_READ mapping
+
+
+def _open_arena(path: str, writable: bool) -> int:
+    """Open an arena file without following links; KVStoreError unless it is a regular
+    file that no other user may write (the daemon makes it 0600, 0640 or 0660)."""
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except PermissionError:
+        raise KVStoreError(f"no permission to map the daemon's arena {path} (it belongs to another user)") from None
+    except OSError as exc:
+        raise KVStoreError(f"cannot open the daemon's arena {path}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o002:
+        os.close(fd)
+        raise KVStoreError(f"refusing to map {path}: not a regular file, or writable by any user "
+                           f"(mode {st.st_mode & 0o777:o})")
+    return fd
 
 
 def _cuda_ready(import_torch: bool = True) -> bool:
@@ -58,6 +89,13 @@ def _cuda_ready(import_torch: bool = True) -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def _write_error(region: Region, exc: OSError) -> StorageError:
+    """A failed write into a reserved object file, as a kvstore error (a full disk is
+    named as such; the put is aborted and nothing becomes visible)."""
+    full = " (the disk under the NVMe tier is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return StorageError(f"writing the object file {region.path} failed: {exc.strerror or exc}{full}")
 
 
 class _ArenaTable:
@@ -91,7 +129,7 @@ class RegionMapper:
 
     def _arena(self, path: str) -> _Arena:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             raise KVStoreError(f"shared-memory arena {path} does not exist (did the daemon stop?)") from None
         ino = (st.st_dev, st.st_ino)
@@ -102,19 +140,33 @@ class RegionMapper:
                 return arena
             if arena is not None:  # the daemon restarted: a new arena file at the same path
                 self._drop(path)
+            fd = _open_arena(path, writable=False)
             try:
-                fd = os.open(path, os.O_RDWR)
-            except PermissionError:
-                raise KVStoreError(f"no permission to map the daemon's arena {path} (it belongs to another user)") \
-                    from None
-            try:
-                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != ino:
+                    raise KVStoreError(f"shared-memory arena {path} was replaced while being opened; retry")
+                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
             finally:
                 os.close(fd)
             array = np.frombuffer(mm, dtype=np.uint8)
-            arena = _Arena(ino, mm, array, self._maybe_pin(array, import_torch=False))
+            arena = _Arena(ino, mm, array, self._maybe_pin(array, import_torch=False, read_only=True))
             self._table.arenas[path] = arena
             return arena
+
+    def _writable(self, path: str) -> np.ndarray:
+        """The read-write mapping of an arena (made on the first write of this process)."""
+        arena = self._arena(path)
+        with self._lock:
+            if arena.rw_array is None:
+                fd = _open_arena(path, writable=True)
+                try:
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != arena.ino:
+                        raise KVStoreError(f"shared-memory arena {path} was replaced; retry")
+                    arena.rw_mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+                arena.rw_array = np.frombuffer(arena.rw_mm, dtype=np.uint8)
+            return arena.rw_array
 
     def map_arena(self, path: str, pin: bool = True) -> bool:
         """Map the shm arena at `path` now and, with `pin` and CUDA usable, pin it (ahead
@@ -123,27 +175,35 @@ class RegionMapper:
         if pin:
             with self._lock:
                 if not arena.pinned:
-                    arena.pinned = self._maybe_pin(arena.array, import_torch=True)
+                    arena.pinned = self._maybe_pin(arena.array, import_torch=True, read_only=True)
         return arena.pinned
 
-    def pin_arena_of(self, region: Region) -> None:
+    def pin_arena_of(self, region: Region, *, for_write: bool = False) -> None:
         """Pin the arena behind a shm region (once) if CUDA is usable: called before a
-        view's bytes are handed out as a tensor, so host-to-device copies run pinned."""
+        view's bytes are handed out as a tensor (the read-only mapping), or before a put
+        copies from the GPU into it (`for_write`: the read-write mapping), so copies
+        between host and device run pinned."""
         if region.kind != "shm":
             return
         with self._lock:
             arena = self._table.arenas.get(region.path)
-            if arena is not None and not arena.pinned:
-                arena.pinned = self._maybe_pin(arena.array, import_torch=True)
+            if arena is None:
+                return
+            if for_write:
+                if arena.rw_array is not None and not arena.rw_pinned:
+                    arena.rw_pinned = self._maybe_pin(arena.rw_array, import_torch=True, read_only=False)
+            elif not arena.pinned:
+                arena.pinned = self._maybe_pin(arena.array, import_torch=True, read_only=True)
 
-    def _maybe_pin(self, array: np.ndarray, import_torch: bool) -> bool:
+    def _maybe_pin(self, array: np.ndarray, import_torch: bool, *, read_only: bool) -> bool:
         pin = self._pin if self._pin is not None else _cuda_ready(import_torch)
         if not pin or array.size == 0:
             return False
         try:  # pragma: no cover - GPU only
             import torch
 
-            rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+            flags = CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+            rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, flags)
             ok = (rc.value if hasattr(rc, "value") else int(rc)) == 0
             if not ok:
                 log.warning("cudaHostRegister of the arena mapping failed (%s); host-to-device copies unpinned", rc)
@@ -154,14 +214,15 @@ class RegionMapper:
 
     def _drop(self, path: str) -> None:
         arena = self._table.arenas.pop(path)
-        if arena.pinned:  # pragma: no cover - GPU only
-            try:
-                import torch
+        for pinned, array in ((arena.pinned, arena.array), (arena.rw_pinned, arena.rw_array)):
+            if pinned and array is not None:  # pragma: no cover - GPU only
+                try:
+                    import torch
 
-                torch.cuda.cudart().cudaHostUnregister(arena.array.ctypes.data)
-            except Exception:
-                pass
-        del arena  # the mmap closes when the last view of it is gone
+                    torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+                except Exception:
+                    pass
+        del arena  # the mmaps close when the last view of them is gone
 
     @staticmethod
     def _check_bounds(region: Region, size: int) -> None:
@@ -174,13 +235,9 @@ class RegionMapper:
     def host_array(self, region: Region, *, writable: bool) -> np.ndarray:
         """A uint8 array aliasing a shm or file region's bytes (read-only unless `writable`)."""
         if region.kind == "shm":
-            arena = self._arena(region.path)
-            self._check_bounds(region, arena.array.size)
-            out = arena.array[region.offset: region.offset + region.length]
-            if not writable:
-                out = out.view()
-                out.flags.writeable = False
-            return out
+            base = self._writable(region.path) if writable else self._arena(region.path).array
+            self._check_bounds(region, base.size)
+            return base[region.offset: region.offset + region.length]
         if region.kind == "file":
             return self._file_array(region, writable=writable)
         if region.kind == "cuda_ipc":
@@ -238,16 +295,19 @@ class RegionMapper:
             dst = self.host_array(region, writable=True)
             dst[:] = np.frombuffer(data, dtype=np.uint8)
         elif region.kind == "file":
-            fd = os.open(region.path, os.O_WRONLY)
             try:
-                done = 0
-                while done < data.nbytes:
-                    n = os.pwrite(fd, data[done: done + IO_CHUNK], region.offset + done)
-                    if n <= 0:
-                        raise KVStoreError(f"short write to {region.path} at {region.offset + done}")
-                    done += n
-            finally:
-                os.close(fd)
+                fd = os.open(region.path, os.O_WRONLY | os.O_NOFOLLOW)
+                try:
+                    done = 0
+                    while done < data.nbytes:
+                        n = os.pwrite(fd, data[done: done + IO_CHUNK], region.offset + done)
+                        if n <= 0:
+                            raise KVStoreError(f"short write to {region.path} at {region.offset + done}")
+                        done += n
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _write_error(region, exc) from None
         elif region.kind == "cuda_ipc":
             import torch
 
@@ -276,19 +336,22 @@ class RegionMapper:
                 h.update(d)
             return h.intdigest()
         if region.kind == "file":
-            fd = os.open(region.path, os.O_WRONLY)
             try:
-                for off in range(0, n, HASH_CHUNK):
-                    chunk = data[off: off + HASH_CHUNK]
-                    done = 0
-                    while done < chunk.nbytes:
-                        w = os.pwrite(fd, chunk[done:], region.offset + off + done)
-                        if w <= 0:
-                            raise KVStoreError(f"short write to {region.path} at {region.offset + off + done}")
-                        done += w
-                    h.update(chunk)  # just read by pwrite: still in cache
-            finally:
-                os.close(fd)
+                fd = os.open(region.path, os.O_WRONLY | os.O_NOFOLLOW)
+                try:
+                    for off in range(0, n, HASH_CHUNK):
+                        chunk = data[off: off + HASH_CHUNK]
+                        done = 0
+                        while done < chunk.nbytes:
+                            w = os.pwrite(fd, chunk[done:], region.offset + off + done)
+                            if w <= 0:
+                                raise KVStoreError(f"short write to {region.path} at {region.offset + off + done}")
+                            done += w
+                        h.update(chunk)  # just read by pwrite: still in cache
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _write_error(region, exc) from None
             return h.intdigest()
         self.write(region, data)  # cuda_ipc: the device copy dominates; hash the host source
         return cks.host_checksum(data)

@@ -112,7 +112,8 @@ class KVStoreClient:
         try:
             ids = self._core.take_pending() + self._core.held_ids()
             if ids:
-                self._call("Release", pb.ReleaseRequest(lease_ids=ids), timeout=CONNECT_TIMEOUT_S)
+                self._call("Release", pb.ReleaseRequest(lease_ids=ids, client_id=self.client_id),
+                           timeout=CONNECT_TIMEOUT_S)
         except KVStoreError:
             pass
         if self._keepalive is not None and self._keepalive is not threading.current_thread():
@@ -144,7 +145,7 @@ class KVStoreClient:
                 pending = self._core.take_pending()
                 if pending:
                     self._core.untrack(pending)
-                    self._call("Release", pb.ReleaseRequest(lease_ids=pending))
+                    self._call("Release", pb.ReleaseRequest(lease_ids=pending, client_id=self.client_id))
                 if self._core.holds_leases:
                     self._call("Renew", pb.RenewRequest(client_id=self.client_id))
             except KVStoreError:
@@ -241,10 +242,12 @@ class KVStoreClient:
             region = codec.region_from_pb(res.region)
             try:
                 checksum = write(region)
-                entry = self._call("Commit", pb.CommitRequest(reservation_id=res.reservation_id, checksum=checksum))
+                entry = self._call("Commit", pb.CommitRequest(reservation_id=res.reservation_id, checksum=checksum,
+                                                              client_id=self.client_id))
             except BaseException:
                 try:
-                    self._call("Abort", pb.AbortRequest(reservation_id=res.reservation_id), timeout=CONNECT_TIMEOUT_S)
+                    self._call("Abort", pb.AbortRequest(reservation_id=res.reservation_id, client_id=self.client_id),
+                               timeout=CONNECT_TIMEOUT_S)
                 except KVStoreError:
                     pass  # already gone (e.g. commit failed and freed it); it expires anyway
                 raise
@@ -292,7 +295,7 @@ class KVStoreClient:
     def _release_ids(self, lease_ids: Sequence[int]) -> None:
         self._core.untrack(lease_ids)
         if lease_ids and self._stub is not None:
-            self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids)))
+            self._call("Release", pb.ReleaseRequest(lease_ids=list(lease_ids), client_id=self.client_id))
 
     def _release_one(self, lease_id: int) -> None:
         self._release_ids([lease_id])

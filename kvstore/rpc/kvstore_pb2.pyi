@@ -114,12 +114,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., key: _Optional[bytes] = ..., tier: _Optional[str] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., status: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "checksum")
+    __slots__ = ("reservation_id", "checksum", "client_id")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     checksum: int
-    def __init__(self, reservation_id: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    client_id: str
+    def __init__(self, reservation_id: _Optional[int] = ..., checksum: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("entry",)
@@ -128,10 +130,12 @@ class CommitResponse(_message.Message):
     def __init__(self, entry: _Optional[_Union[LookupEntry, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "client_id")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+    client_id: str
+    def __init__(self, reservation_id: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -192,10 +196,12 @@ class GetResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "client_id")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    client_id: str
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -89,6 +89,10 @@ def store_settings(config: Config, cuda_available: Callable[[], bool] = _cuda_av
         remote_url=config.remote,
         remote_policy=config.remote_policy,
         remote_timeout_s=config.remote_timeout,
+        verify_memory=config.verify_memory,
+        index_recovery=config.index_recovery,
+        arena_mode=int(config.arena_mode, 8),
+        max_key_bytes=config.max_key_bytes,
     )
 
 

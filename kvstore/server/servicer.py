@@ -246,13 +246,14 @@ class KVStoreServicer:
     def Commit(self, request: pb.CommitRequest, remaining: Optional[float]) -> pb.CommitResponse:
         if request.reservation_id == 0:
             raise errors.InvalidRequest("reservation_id is required (the id Reserve returned)")
-        entry = self.store.commit(int(request.reservation_id), int(request.checksum))
+        client_id = codec.check_client_id(request.client_id, required=False)
+        entry = self.store.commit(int(request.reservation_id), int(request.checksum), client_id=client_id)
         return pb.CommitResponse(entry=codec.lookup_entry_to_pb(entry))
 
     def Abort(self, request: pb.AbortRequest, remaining: Optional[float]) -> pb.AbortResponse:
         if request.reservation_id == 0:
             raise errors.InvalidRequest("reservation_id is required (the id Reserve returned)")
-        self.store.abort(int(request.reservation_id))
+        self.store.abort(int(request.reservation_id), client_id=codec.check_client_id(request.client_id, required=False))
         return pb.AbortResponse()
 
     async def WaitFor(self, request: pb.WaitForRequest, remaining: Optional[float]) -> pb.WaitForResponse:
@@ -283,7 +284,8 @@ class KVStoreServicer:
         if len(request.lease_ids) > self.limits.max_batch:
             raise errors.InvalidRequest(
                 f"batch of {len(request.lease_ids)} lease ids is over the limit of {self.limits.max_batch}")
-        if self.store.release(list(request.lease_ids), wait=wait) is False:
+        client_id = codec.check_client_id(request.client_id, required=False)
+        if self.store.release(list(request.lease_ids), client_id, wait=wait) is False:
             return BUSY
         return pb.ReleaseResponse()
 

@@ -11,6 +11,7 @@ import torch
 
 from kvstore.allocator import Extent, ExtentAllocator
 from kvstore.errors import InvalidRequest
+from kvstore.objheader import ObjectHeader
 from kvstore.tiers.base import Slot, Tier
 
 
@@ -47,7 +48,7 @@ class ArenaTier(Tier):
     def free(self, slot: Slot) -> None:
         self._alloc.free(Extent(slot.offset, slot.length))
 
-    def seal(self, slot: Slot, name: str) -> Slot:
+    def seal(self, slot: Slot, name: str, header: Optional[ObjectHeader] = None) -> Slot:
         return slot
 
     def view(self, slot: Slot) -> torch.Tensor:

@@ -40,11 +40,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from kvstore.records import Region
+
+if TYPE_CHECKING:
+    from kvstore.objheader import ObjectHeader
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,22 @@ class Tier(ABC):
         """Give a slot's room back. Exactly once per slot; never raises for a live slot."""
 
     @abstractmethod
-    def seal(self, slot: Slot, name: str) -> Slot:
-        """Make a written slot final (NVMe: fsync, rename into place, fsync the directory)
-        and return the slot as it now is. Raises StorageError; the slot is then unsealed
-        and still the caller's to free."""
+    def seal(self, slot: Slot, name: str, header: Optional["ObjectHeader"] = None) -> Slot:
+        """Make a written slot final (NVMe: write `header` after the bytes, fsync, rename
+        into place, fsync the directory) and return the slot as it now is. Memory tiers
+        ignore `header`; durable tiers store it so the index can be rebuilt from the
+        medium (kvstore.objheader). Raises StorageError; the slot is then unsealed and
+        still the caller's to free."""
+
+    def retire(self, slot: Slot) -> None:
+        """Durable tiers: mark a sealed slot as dropped while a reader still holds it (it
+        is freed at the last unpin), so a crash before that does not bring the object
+        back at the next open. Memory tiers: nothing to do."""
+
+    def free_bytes(self) -> int:
+        """Bytes an allocation may still take now (the NVMe tier also counts the file
+        system's real free space)."""
+        return self.capacity - self.used_bytes
 
     @abstractmethod
     def region(self, slot: Slot) -> Region:

@@ -1,16 +1,22 @@
 """The CPU tier: one shared-memory file in /dev/shm, split into slots by ExtentAllocator.
 
-The daemon creates `/dev/shm/<shm_name>.arena` (mode 0600, so only the daemon's user can
-map it), allocates its pages up front (`posix_fallocate`, so a full /dev/shm fails at
-start, not at first write) and pre-touches its own mapping (first touch of a page is
-slow). Clients map the same file once and read/write objects in place: a slot's Region
-is (file path, offset, length). Where CUDA is present the daemon's mapping is registered
-as pinned memory (cudaHostRegister) so copies to the GPU run at PCIe speed; clients pin
-their own mapping the same way.
+The daemon creates `/dev/shm/<shm_name>.<random>.arena` exclusively (O_CREAT | O_EXCL |
+O_NOFOLLOW: a file or symlink planted under any name makes creation fail, and the random
+part makes the name unguessable), checks that what it opened is a regular file it owns
+with the mode it asked for (0600 by default: only the daemon's user can map it; the
+`arena_mode` setting 0640 / 0660 shares it with the group, and nothing wider), allocates
+its pages up front (`posix_fallocate`, so a full /dev/shm fails at start, not at first
+write) and pre-touches its own mapping (first touch of a page is slow). Clients learn the
+path from each Region, map the file read-only for reads (and read-write only to write
+their own puts) and read/write objects in place: a slot's Region is (file path, offset,
+length). Where CUDA is present the daemon's mapping is registered as pinned memory
+(cudaHostRegister) so copies to the GPU run at PCIe speed; clients pin their own mapping
+the same way.
 
-One arena file per daemon: it holds an exclusive flock on the file while open, so a
-second daemon with the same shm_name gets AlreadyExists, and a stale file left by a
-crashed daemon (no lock holder) is reused from scratch.
+One arena per shm_name: the daemon holds an exclusive flock on its file while open. At
+open it looks at the files `<shm_name>.*.arena` this user owns: one still locked means a
+live daemon uses the name (AlreadyExists); unlocked ones were left by a crashed daemon
+and are removed. Files of other users, and symlinks, are never opened or removed.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,13 +42,37 @@ from kvstore.tiers.base import Slot, check_tensor_arg
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+ARENA_MODES = (0o600, 0o640, 0o660)
+
+
+def _check_name(shm_name: str) -> None:
+    if not shm_name or "/" in shm_name or shm_name.startswith("."):
+        raise InvalidRequest(f"shm name must be a plain non-empty file name, got {shm_name!r}")
 
 
 def arena_path(shm_name: str, shm_dir: Path = SHM_DIR) -> Path:
-    """The arena file of a daemon whose shm name is `shm_name`."""
-    if not shm_name or "/" in shm_name or shm_name.startswith("."):
-        raise InvalidRequest(f"shm name must be a plain non-empty file name, got {shm_name!r}")
-    return shm_dir / f"{shm_name}.arena"
+    """A fresh, unguessable arena file path for a daemon whose shm name is `shm_name`."""
+    _check_name(shm_name)
+    return shm_dir / f"{shm_name}.{secrets.token_hex(16)}.arena"
+
+
+def arena_files(shm_name: str, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Every arena file of `shm_name` (any user's; callers check owners)."""
+    _check_name(shm_name)
+    return sorted(shm_dir.glob(f"{shm_name}.*.arena"))
+
+
+def check_arena_file(fd: int, path: Path, mode: Optional[int] = None) -> os.stat_result:
+    """StorageError unless the open file is a regular file owned by this user (daemon
+    side: with `mode`, exactly that mode)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(f"shared-memory arena {path} is not a regular file; refusing it")
+    if st.st_uid != os.geteuid():
+        raise StorageError(f"shared-memory arena {path} belongs to uid {st.st_uid}, not {os.geteuid()}; refusing it")
+    if mode is not None and st.st_mode & 0o777 != mode:
+        raise StorageError(f"shared-memory arena {path} has mode {st.st_mode & 0o777:o}, not {mode:o}; refusing it")
+    return st
 
 
 class CpuArena(ArenaTier):
@@ -48,24 +80,59 @@ class CpuArena(ArenaTier):
 
     name = "cpu"
 
-    def __init__(self, capacity: int, shm_name: str, shm_dir: Path = SHM_DIR, pin: Optional[bool] = None) -> None:
+    def __init__(self, capacity: int, shm_name: str, shm_dir: Path = SHM_DIR, pin: Optional[bool] = None,
+                 mode: int = 0o600) -> None:
         super().__init__(capacity)
-        self.path = arena_path(shm_name, shm_dir)
+        if mode not in ARENA_MODES:
+            raise InvalidRequest(f"arena mode must be one of {', '.join(f'{m:04o}' for m in ARENA_MODES)}, "
+                                 f"got {mode:04o}")
+        _check_name(shm_name)
+        self.shm_name, self.shm_dir, self.mode = shm_name, Path(shm_dir), mode
+        self.path = Path()  # chosen at open
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._fd = -1
         self._mm: Optional[mmap.mmap] = None
         self._pinned = False
 
+    def _sweep(self) -> None:
+        """AlreadyExists when a live daemon holds an arena of this name; remove the ones
+        crashed daemons left (this user's regular files only)."""
+        legacy = self.shm_dir / f"{self.shm_name}.arena"  # the fixed name older daemons used
+        for path in arena_files(self.shm_name, self.shm_dir) + ([legacy] if legacy.exists() else []):
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    log.warning("cpu arena: ignoring %s (not a regular file of uid %d)", path, os.geteuid())
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                check_arena_file(fd, path)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise AlreadyExists(f"shared-memory arena {path} (name {self.shm_name!r}) is in use by another "
+                                        f"daemon") from None
+                log.info("cpu arena: removing %s, left by a daemon that did not stop cleanly", path)
+                os.unlink(path)
+            except StorageError:
+                continue
+            finally:
+                os.close(fd)
+
     def open(self) -> None:
         cap = self._alloc.capacity
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._sweep()
+        self.path = arena_path(self.shm_name, self.shm_dir)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise AlreadyExists(f"shared-memory arena {self.path} is in use by another daemon") from None
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, 0)  # a stale arena's bytes must not leak into this one
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.mode)
+        except OSError as exc:
+            raise StorageError(f"cannot create the cpu arena {self.path}: {exc.strerror}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, self.mode)  # the umask may have taken bits off
+            check_arena_file(fd, self.path, self.mode)
             os.ftruncate(fd, cap)
             try:
                 os.posix_fallocate(fd, 0, cap)
@@ -77,6 +144,7 @@ class CpuArena(ArenaTier):
             mm = mmap.mmap(fd, cap, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
+            os.unlink(self.path)
             raise
         self._fd, self._mm = fd, mm
         np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0  # pre-fault every page of our mapping

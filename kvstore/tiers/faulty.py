@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from kvstore.errors import InvalidRequest, StorageError
+from kvstore.objheader import ObjectHeader
 from kvstore.records import Region
 from kvstore.tiers.base import Slot, Tier
 
@@ -95,9 +96,15 @@ class FaultyTier(Tier):
     def free(self, slot: Slot) -> None:
         self.inner.free(slot)
 
-    def seal(self, slot: Slot, name: str) -> Slot:
+    def seal(self, slot: Slot, name: str, header: Optional[ObjectHeader] = None) -> Slot:
         self._maybe_fail("seal", slot)
-        return self.inner.seal(slot, name)
+        return self.inner.seal(slot, name, header)
+
+    def retire(self, slot: Slot) -> None:
+        self.inner.retire(slot)
+
+    def free_bytes(self) -> int:
+        return self.inner.free_bytes()
 
     def region(self, slot: Slot) -> Region:
         return self.inner.region(slot)

@@ -13,12 +13,13 @@ ExtentAllocator the CPU arena uses.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from kvstore.errors import InvalidRequest, StorageError
 from kvstore.format import checksum as blob_checksum
+from kvstore.objheader import ObjectHeader
 from kvstore.records import Region
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Slot, check_tensor_arg
@@ -52,7 +53,7 @@ class GpuArena(ArenaTier):
             raise StorageError("gpu arena is not open")
         return self._base
 
-    def seal(self, slot: Slot, name: str) -> Slot:
+    def seal(self, slot: Slot, name: str, header: Optional[ObjectHeader] = None) -> Slot:
         torch.cuda.synchronize(self.device)  # pragma: no cover - GPU only
         return slot
 

@@ -61,8 +61,8 @@ def test_lookups_are_answered_while_another_rpc_blocks_in_wait_for(daemon):
         assert time.monotonic() - t0 < 1.0, "lookups must not queue behind a blocked WaitFor"
         t.join(10)
         assert waited == [False]  # nothing was committed: the wait timed out
-        ch_stub.Abort(pb.AbortRequest(reservation_id=res.reservation_id), metadata=((PROTOCOL_METADATA_KEY, "1"),),
-                      timeout=10)
+        ch_stub.Abort(pb.AbortRequest(reservation_id=res.reservation_id, client_id="w"),
+                      metadata=((PROTOCOL_METADATA_KEY, "1"),), timeout=10)
 
 
 def test_sigterm_lets_an_in_flight_rpc_finish_then_exits_cleanly(start_daemon):

@@ -98,6 +98,6 @@ def test_the_daemon_rejects_a_kvsum_blob_committed_with_an_xxh3_checksum(daemon)
                                metadata=md, timeout=10)
         kv._core.regions.write(codec.region_from_pb(res.region), memoryview(blob))
         with pytest.raises(BadObject):
-            kv._call("Commit", pb.CommitRequest(reservation_id=res.reservation_id,
+            kv._call("Commit", pb.CommitRequest(reservation_id=res.reservation_id, client_id="c",
                                                 checksum=xxhash.xxh3_64_intdigest(blob)))
         assert kv.lookup([b"cks/wrong"])[0].hit is False

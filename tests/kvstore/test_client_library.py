@@ -147,7 +147,8 @@ def test_commit_with_a_wrong_checksum_is_bad_object_and_nothing_is_visible(daemo
         res = stub.Reserve(pb.ReserveRequest(key=b"bad-sum", size=4096, tier="cpu", client_id="t"), timeout=10)
         RegionMapper().write(region_from_pb(res.region), memoryview(b"z" * 4096))
         with pytest.raises(grpc.RpcError) as exc:
-            stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, checksum=12345), timeout=10)
+            stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, checksum=12345, client_id="t"),
+                        timeout=10)
         assert exc.value.code() == grpc.StatusCode.DATA_LOSS
         assert "checksum mismatch" in exc.value.details()
         assert kv.lookup([b"bad-sum"])[0].hit is False

@@ -1,10 +1,13 @@
-"""ObjectIndex (LMDB): durable records, reopen, schema check, map growth, bad records."""
+"""ObjectIndex (LMDB): durable records, reopen, schema check, map growth, bad records, damage
+checks before mapping and rebuilds."""
+
+import os
 
 import lmdb
 import pytest
 
-from kvstore.errors import VersionMismatch
-from kvstore.index import IndexRecord, ObjectIndex
+from kvstore.errors import IndexDamaged, VersionMismatch
+from kvstore.index import MAX_PAGE, IndexRecord, ObjectIndex, lmdb_needed_bytes
 
 
 def rec(key: bytes, **kw) -> IndexRecord:
@@ -54,4 +57,60 @@ def test_undecodable_record_is_skipped_and_reported(tmp_path):
     idx.put(rec(b"good"))
     idx._write(lambda txn: txn.put(b"junk", b"\xc1\xc1"))
     assert [r.key for r in idx.items()] == [b"good"] and idx.bad_keys == [b"junk"]
+    idx.close()
+
+
+def _filled(path, n=2000) -> int:
+    idx = ObjectIndex(path)
+    idx.open()
+    idx.put_many([rec(b"k%05d" % i, file=f"ab/{i}.obj") for i in range(n)])
+    idx.close()
+    return (path / "data.mdb").stat().st_size
+
+
+@pytest.mark.parametrize("keep", [0, 100, 4096, 8192 + 7, "half"])
+def test_a_truncated_index_is_index_damaged_before_lmdb_maps_it(tmp_path, keep):
+    """(In process: a mapping of the truncated file would kill pytest with SIGBUS.)"""
+    size = _filled(tmp_path / "i")
+    keep = size // 2 if keep == "half" else keep
+    os.truncate(tmp_path / "i" / "data.mdb", keep)
+    with pytest.raises(IndexDamaged, match="truncated|no valid LMDB meta page"):
+        ObjectIndex(tmp_path / "i").open()
+
+
+def test_a_foreign_file_as_data_mdb_is_index_damaged(tmp_path):
+    (tmp_path / "i").mkdir()
+    (tmp_path / "i" / "data.mdb").write_bytes(os.urandom(64 << 10))
+    with pytest.raises(IndexDamaged, match="no valid LMDB meta page"):
+        ObjectIndex(tmp_path / "i").open()
+
+
+def test_meta_pages_give_the_size_lmdb_needs(tmp_path):
+    size = _filled(tmp_path / "i")
+    head = (tmp_path / "i" / "data.mdb").read_bytes()[: 2 * MAX_PAGE]
+    need = lmdb_needed_bytes(head, size)
+    assert need is not None and 2 * 4096 < need <= size
+    assert lmdb_needed_bytes(head[:4096], size) is None  # the second meta page is missing
+
+
+def test_rebuild_moves_the_index_aside_and_fills_a_fresh_one(tmp_path):
+    _filled(tmp_path / "i", n=10)
+    idx = ObjectIndex(tmp_path / "i", rebuild_source=lambda: [rec(b"only")])
+    idx.open()
+    assert idx.rebuild("test") == 1
+    assert [r.key for r in idx.items()] == [b"only"] and len(idx.moved_aside) == 1
+    old = ObjectIndex(idx.moved_aside[0])
+    old.open()
+    assert len(old) == 10  # moved aside, not deleted
+    old.close()
+    idx.close()
+
+
+def test_an_index_shrunk_while_open_is_rebuilt_before_the_next_transaction(tmp_path):
+    _filled(tmp_path / "i", n=10)
+    idx = ObjectIndex(tmp_path / "i", rebuild_source=lambda: [rec(b"from-files")])
+    idx.open()
+    os.truncate(tmp_path / "i" / "data.mdb", 4096)  # no page is touched before the check
+    idx.put(rec(b"new"))
+    assert sorted(r.key for r in idx.items()) == [b"from-files", b"new"] and len(idx.moved_aside) == 1
     idx.close()

@@ -149,16 +149,17 @@ def test_crash_mid_put_leaves_nothing_visible_and_the_index_consistent(tmp_path)
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
-    # a crash after rename but before the index commit leaves an unindexed file: plant one
-    orphan = settings.dir / "objects" / "ff" / "ff00000000000000000000000000000.obj"
-    orphan.parent.mkdir(exist_ok=True)
-    orphan.write_bytes(b"orphan")
+    # a file the index does not name and that has no object header (not ours): set aside, never deleted
+    stray = settings.dir / "objects" / "ff" / "ff00000000000000000000000000000.obj"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"stray")
     with Store(settings) as s:
         st = s.stats()
         assert [e.hit for e in s.lookup([b"done", b"half", b"shm-half"])] == [True, False, False]
-        assert st["partial_writes_removed"] == 1 and st["orphans_removed"] == 1
+        assert st["partial_writes_removed"] == 1 and st["files_set_aside"] == 1 and st["orphans_removed"] == 0
         assert get_bytes(s, b"done") == b"x" * 10000
-        assert not list((settings.dir / "objects" / "tmp").iterdir()) and not orphan.exists()
+        assert not list((settings.dir / "objects" / "tmp").iterdir()) and not stray.exists()
+        assert [p.read_bytes() for p in (settings.dir / "objects" / "quarantine").iterdir()] == [b"stray"]
         assert s.tiers["nvme"].used_bytes == 3 * PAGE  # "done" only (promoted, its file kept as backing)
         assert s.tiers["cpu"].used_bytes == 3 * PAGE
     idx = ObjectIndex(settings.dir / "index.lmdb")

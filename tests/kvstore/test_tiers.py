@@ -56,7 +56,7 @@ def test_cpu_arena_accounts_and_reports_fragmentation(arena):
 
 
 def test_second_arena_with_the_same_name_is_refused_and_close_unlinks(arena):
-    other = CpuArena(PAGE, arena.path.name[: -len(".arena")])
+    other = CpuArena(PAGE, arena.shm_name)
     with pytest.raises(AlreadyExists, match="in use"):
         other.open()
     path = arena.path
@@ -64,12 +64,14 @@ def test_second_arena_with_the_same_name_is_refused_and_close_unlinks(arena):
     assert not path.exists()
 
 
-def test_stale_arena_file_from_a_dead_daemon_is_reused_and_cleared():
+def test_stale_arena_file_from_a_dead_daemon_is_removed_and_a_fresh_one_made():
     name = f"kvstore-stale-{uuid.uuid4().hex[:10]}"
-    arena_path(name).write_bytes(b"\xff" * 2 * PAGE)
+    stale = arena_path(name)
+    stale.write_bytes(b"\xff" * 2 * PAGE)
     a = CpuArena(2 * PAGE, name)
     a.open()
     try:
+        assert not stale.exists() and a.path != stale
         slot = a.allocate(PAGE, "x")
         assert int(a.view(slot).max()) == 0
     finally:

@@ -132,6 +132,29 @@ def test_a_failed_write_back_is_counted_and_leaks_nothing(tmp_path):
         s.close()
 
 
+def test_write_back_gives_up_on_an_object_after_repeated_failures_and_counts_each(tmp_path):
+    from kvstore.writeback import MAX_ATTEMPTS
+
+    s = _store(tmp_path)
+    try:
+        for i in range(5):  # 5 pages unbacked, watermark 4 pages: one copy tried per round
+            put(s, bytes([97 + i]), data(PAGE, i))
+        s.tiers["nvme"].fail("write_from", times=1000)
+        assert [s._writeback.run_once() for _ in range(5 * MAX_ATTEMPTS + 5)] == [0] * (5 * MAX_ATTEMPTS + 5)
+        st = s.stats()
+        assert st["writeback_failures"] == 5 * MAX_ATTEMPTS and st["writeback_given_up"] == 5
+        s._writeback.run_once()
+        assert s.stats()["writeback_failures"] == 5 * MAX_ATTEMPTS  # not retried forever
+        assert s.tiers["nvme"].used_bytes == 0 and _nvme_files(s) == []
+        assert [e.tier for e in s.lookup([bytes([97 + i]) for i in range(5)])] == ["cpu"] * 5  # kept, not dropped
+        s.tiers["nvme"].disarm()
+        for i in range(5, 9):  # a full CPU tier still makes room by ordinary demotion to NVMe
+            put(s, bytes([97 + i]), data(PAGE, i))
+        assert s.stats()["demotions"] == 1 and s.lookup([b"a"])[0].tier == "nvme"
+    finally:
+        s.close()
+
+
 def test_an_object_deleted_during_its_copy_leaves_no_file(tmp_path, monkeypatch):
     s = _store(tmp_path)
     real = s._place.copy
