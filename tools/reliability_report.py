@@ -48,7 +48,13 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row("1", "shared-memory arena pre-created or symlinked by another local user", ()),
+    Row("1", "shared-memory arena pre-created or symlinked by another local user; a cache directory another user "
+             "owns; a second daemon on the same arena name", (
+        K + "test_local_isolation.py::test_files_and_symlinks_another_user_plants_under_the_arena_name_are_never_used",
+        K + "test_local_isolation.py::test_arena_is_shared_with_the_group_only_when_asked",
+        K + "test_local_isolation.py::test_a_second_daemon_with_the_same_shm_name_is_refused",
+        K + "test_local_isolation.py::test_a_cache_directory_another_user_owns_is_refused"),
+        figures="test_local_isolation_arena"),
     Row("2", "--tcp without a token: refuses to start", (
         K + "test_tcp_auth.py::test_serve_with_tcp_and_no_token_refuses_to_start_with_one_line",
         K + "test_tcp_auth.py::test_serve_refuses_a_token_file_open_to_other_users_or_too_short")),
@@ -69,18 +75,24 @@ ROWS: tuple[Row, ...] = (
         K + "test_tcp_auth.py::test_tls_listener_serves_clients_that_trust_its_certificate",
         K + "test_tcp_auth.py::test_half_configured_tls_refuses_to_start")),
     Row("3", "damaged LMDB index (truncated, removed, while running) destroyed the object files", (
-        K + "test_index_recovery.py::test_index_truncated_while_stopped_is_rebuilt_from_the_object_files",
-        K + "test_index_recovery.py::test_index_truncated_while_running_is_rebuilt_and_no_object_is_lost",
-        K + "test_index_recovery.py::test_index_removed_after_a_kill_is_rebuilt_from_the_files",
+        K + "test_index_recovery.py::test_index_truncated_while_stopped_to_0_then_to_half_is_rebuilt_from_the_files",
+        K + "test_index_recovery.py::test_index_truncated_while_running_or_removed_after_a_kill_loses_nothing",
         K + "test_index_recovery.py::test_refuse_mode_names_kvstore_repair_which_rebuilds_the_index",
-        K + "test_index_recovery.py::test_repair_refuses_a_directory_a_running_daemon_holds")),
-    Row("4", "keys of 512-1024 bytes accepted but failing on the NVMe tier (the gRPC fuzzer below finds it "
-             "against a daemon whose key limit is above LMDB's 511)", ()),
+        K + "test_index_recovery.py::test_a_dropped_object_still_pinned_at_a_crash_does_not_come_back"),
+        figures="test_index_recovery"),
+    Row("4", "keys of 512-1024 bytes accepted but failing on the NVMe tier; write-back retried forever", (
+        K + "test_nvme_faults.py::test_key_limit_agrees_across_tiers_and_config",
+        K + "test_writeback.py::test_write_back_gives_up_on_an_object_after_repeated_failures_and_counts_each"),
+        figures="test_nvme_faults_keys"),
     Row("5", "WaitFor held a server worker: 16+ waiters on one key stalled every other request", (
         K + "test_waitfor_workers.py::test_many_waiters_on_one_key_leave_every_other_request_prompt",
         K + "test_waitfor_workers.py::test_waiters_return_false_when_the_writer_aborts_and_time_out_on_their_own"),
         figures="test_waitfor"),
-    Row("6", "no isolation between clients of one user (writable reader mappings, unbound leases, sequential ids)", ()),
+    Row("6", "no isolation between clients of one user (writable reader mappings, unbound leases, sequential ids)", (
+        K + "test_local_isolation.py::test_readers_map_the_arena_read_only",
+        K + "test_local_isolation.py::test_lease_and_reservation_ids_are_random_and_bound_to_their_client",
+        K + "test_local_isolation.py::test_memory_bytes_changed_after_commit_are_caught_before_served_with_verify_memory_always"),
+        figures="test_local_isolation_clients"),
     Row("7", "oversized integers / deeply nested JSON in meta.extra_json gave INTERNAL", (
         K + "test_fuzz.py::test_oversized_integers_and_deep_json_in_extra_are_invalid_argument",)),
     Row("7", "fuzzing (hypothesis): every RPC, raw bytes, the fast socket, the object header decoder: a kvstore "
@@ -92,8 +104,12 @@ ROWS: tuple[Row, ...] = (
         K + "test_fuzz.py::test_fast_socket_fuzzing_left_it_answering",
         K + "test_fuzz.py::test_mutated_blobs_decode_or_raise_a_kvstore_error",
         K + "test_fuzz.py::test_random_bytes_after_the_magic_raise_a_kvstore_error"), figures="test_fuzz"),
-    Row("8", "removing objects/tmp broke the NVMe tier until restart", ()),
-    Row("9", "full disk: raw OSError to clients, no eviction", ()),
+    Row("8", "removing objects/tmp broke the NVMe tier until restart", (
+        K + "test_nvme_faults.py::test_removed_tmp_directory_is_recreated_and_puts_keep_working",),
+        figures="test_nvme_faults_tmp"),
+    Row("9", "full disk: raw OSError to clients, no eviction", (
+        K + "test_nvme_faults.py::test_a_full_disk_evicts_nvme_objects_and_gives_kvstore_errors_not_oserror",),
+        figures="test_nvme_faults_disk"),
     Row("load", "8 client processes, mixed operations, shared key space under eviction pressure, every byte "
                 "read verified", (K + "test_load.py::test_eight_processes_of_mixed_operations_under_eviction_pressure"
                                       "_lose_and_corrupt_nothing",), figures="test_load"),
