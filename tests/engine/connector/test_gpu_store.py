@@ -1,7 +1,9 @@
 """The connector's CUDA paths (skipped without CUDA): signatures copied from the pinned
 CPU arena on a side stream, read zero-copy from the daemon's GPU tier over CUDA IPC,
 and put straight into the GPU tier; each generates exactly what in-process PIC does on
-the same GPU, and every lease ends."""
+the same GPU, and every lease ends. The engine's own device cache of signatures
+(`device_cache_bytes`, on by default on CUDA) is off here: with it, the second request's
+segments come from that cache and these paths would not run."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +32,7 @@ def test_loads_from_the_cpu_arena_and_the_gpu_tier_match_in_process_pic_on_cuda(
     prompts = [prompt((0, 1, 2)), prompt((2, 0, 1)), prompt((1, 2, 0))]
     want = [run_one(ref, ref_planner, p, f"ref{i}")[0].token_ids for i, p in enumerate(prompts)]
     engine = cuda_engine()
-    planner = attach_store(engine, PicConfig(), StoreConnectorConfig(socket=str(d.socket)))
+    planner = attach_store(engine, PicConfig(), StoreConnectorConfig(socket=str(d.socket), device_cache_bytes=0))
     try:
         got = [run_one(engine, planner, prompts[0], "cold")]
         assert planner.store.flush()
@@ -55,7 +57,7 @@ def test_puts_into_the_gpu_tier_round_trip(start_daemon):
 
     d = start_daemon(gpu_capacity="256MiB")
     engine = cuda_engine()
-    planner = attach_store(engine, PicConfig(), StoreConnectorConfig(socket=str(d.socket), put_tier="gpu"))
+    planner = attach_store(engine, PicConfig(), StoreConnectorConfig(socket=str(d.socket), put_tier="gpu", device_cache_bytes=0))
     try:
         first = run_one(engine, planner, prompt((0, 1)), "a")
         assert planner.store.flush()
