@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch
 
-from engine.models.layers.linear_ops import FAMILIES, RecurrenceInputs, naive_recurrence
 from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 from kernels.errors import KernelInputError
+from kernels.recurrence import FAMILIES, RecurrenceInputs, naive_recurrence
 
 __all__ = ["ChainEvents", "ChainLaunch", "seam_chain", "seam_chain_reference", "COMPUTE", "SET", "ADD", "COMPOSE"]
 
@@ -79,14 +79,14 @@ class ChainLaunch:
     else 32 when dk > 64, else 64; at most next_pow2(dv)). num_warps: rule 2 for delta
     with dk > 64, else 4. compose_chunk: a delta composition multiplies T's column chunks
     `[BLOCK_K, chunk]` with S's row chunks read back from the program's scratch tile (16,
-    32 or 64); 0 = the whole `[BLOCK_K, BLOCK_K]` T in registers against S (the first
-    version, kept to compare: at dk = 128 its operands spill ~19 KB per thread in ptxas -v
+    32 or 64); 0 = the whole `[BLOCK_K, BLOCK_K]` T in registers against S (kept to
+    compare: at dk = 128 its operands spill ~19 KB per thread in ptxas -v
     for sm_90, tools/ptxas_seam_chain.py, and it ran 4.2 ms per layer call on the H200
     against 0.24-0.32 ms chunked). prefetch (rule: on): a computed range loads token t + 1's
     inputs while token t updates S (hides the loads' latency on the serial token walk).
-    The rules are the fastest shapes of tools/check_seam_chain.py on the H200 (2026-11-29,
-    bench presets' shapes, 10 pieces, seam 16, bf16; docs/BENCHMARKS.md): delta 0.241 ms
-    at bv 16 / 2 warps (0.317 at the first rule's bv 32 / 8 warps), diag 0.157 ms with
+    The rules are the fastest shapes of tools/check_seam_chain.py on an H200 (bench
+    presets' shapes, 10 pieces, seam 16, bf16): delta 0.241 ms at bv 16 / 2 warps (0.317
+    at bv 32 / 8 warps), diag 0.157 ms with
     prefetch (0.254 without), scalar 0.102-0.112 ms with prefetch (0.170-0.190 without)."""
 
     block_v: Optional[int] = None

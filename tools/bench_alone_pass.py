@@ -19,6 +19,7 @@ On the CPU only the ratios mean anything. Prints the table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -47,7 +48,7 @@ def parse_args(argv=None):
                     help="also compare each shape's signatures with the torch backend's (largest relative error "
                          "per part field; on CUDA the runner's backend is fla)")
     ap.add_argument("--tail-states", default="fla", choices=("fla", "direct", "both"),
-                    help="engine.pic.compute.TAIL_STATES for scalar/diagonal-decay tails on fla: fla (a second "
+                    help="PicConfig.tail_states for scalar/diagonal-decay tails on fla: fla (a second "
                          "varlen call: the engine's default), direct (one sum per tail), or both: the pass timed "
                          "each way in this process (alone_direct_tails_ms next to alone_ms)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
@@ -83,7 +84,6 @@ def bench_preset(preset: str, args) -> list[dict]:
     from engine.builder import resolve_device, resolve_dtype
     from engine.cache.manager import CacheConfig, CacheManager
     from engine.models.weights import load_model
-    from engine.pic import compute
     from engine.pic.compute import compute_signatures
     from engine.pic.planner import resolve_state_dtype
     from engine.runtime.runner import ModelRunner
@@ -105,8 +105,9 @@ def bench_preset(preset: str, args) -> list[dict]:
         segs = [(torch.randint(3, vocab, (n,), generator=g).tolist(), min(args.seam, n - 1)) for _ in range(m)]
         prompt = [1] + [t for s, _ in segs for t in s]
 
-        def alone():
-            compute_signatures(model, segs, [1], backend=runner.backend, state_dtype=state_dtype)
+        def alone(tail_states: str = "fla"):
+            compute_signatures(model, segs, [1], backend=runner.backend, state_dtype=state_dtype,
+                               tail_states=tail_states)
 
         def full():
             seq = mgr.allocate(Sequence("full"))
@@ -115,15 +116,12 @@ def bench_preset(preset: str, args) -> list[dict]:
             finally:
                 mgr.free(seq)
 
-        default = compute.TAIL_STATES
-        compute.TAIL_STATES = "direct" if args.tail_states == "direct" else "fla"
-        a = _timed(alone, sync, args.repeats)
+        mode = "direct" if args.tail_states == "direct" else "fla"
+        a = _timed(functools.partial(alone, mode), sync, args.repeats)
         f = _timed(full, sync, args.repeats)
         other = None
         if args.tail_states == "both":
-            compute.TAIL_STATES = "direct"
-            other = _timed(alone, sync, args.repeats)
-        compute.TAIL_STATES = default
+            other = _timed(functools.partial(alone, "direct"), sync, args.repeats)
         a_ms, f_ms = statistics.median(a), statistics.median(f)
         tokens = m * (n + 1)
         row = {"preset": preset, "segments": m, "tokens_per_segment": n, "alone_ms": round(a_ms, 3),

@@ -9,7 +9,7 @@ model's plain torch path (the same model object and caches, backend "torch", no 
 in one process. Prints one table at the end; `--json` also writes
 docs/results/engine-<machine>-<date>.json.
 
-    python tools/bench_engine.py                       # GPU box, every bench preset
+    python tools/bench_engine.py                       # on a GPU, every bench preset
     python tools/bench_engine.py --lengths 4096,16384 --presets qwen3next-bench
     python tools/bench_engine.py --quick               # tiny presets on the CPU, seconds
 

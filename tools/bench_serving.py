@@ -1,7 +1,7 @@
 """Serving benchmark: position-independent caching through the kvstore daemon against
 prefix caching and full recomputation, on segmented workloads.
 
-    python tools/bench_serving.py --json                 # GPU box: two bench presets
+    python tools/bench_serving.py --json                 # on a GPU: two bench presets
     python tools/bench_serving.py --quick --json PATH    # CPU, tiny presets, ~1 minute
 
 One run per configuration; for each preset (default qwen3next-bench, gated DeltaNet, and
@@ -13,9 +13,9 @@ ring-bench, scalar decay; `--quick`: their tiny versions) on one engine:
    exactly what cold and warm mean), and the TTFT reduction of PIC over both;
 2. sustainable QPS at a TTFT SLO (p99 under `--slo-ms`, default `--slo-factor` x the
    full-recompute p99 TTFT of rag on the idle engine, `--slo-of p99`: a bound the
-   baseline itself meets without load; until 2026-11-30 it was the p50, which the
-   idle baseline's own p99 exceeded, so the search degenerated into noise at its lowest
-   rate) with Poisson arrivals, PIC vs prefix caching;
+   baseline itself meets without load; a p50-based SLO is exceeded by the idle
+   baseline's own p99, so the search degenerates into noise at its lowest rate) with
+   Poisson arrivals, PIC vs prefix caching;
 3. two engine processes sharing one daemon vs each with a private cache: hit rate, TTFT
    per workload (`--share-tasks`), sustainable QPS over both engines on a ladder of
    Poisson rates (`--share-qps-rates`), and the loads by path (daemon tier; GPU tier on
@@ -110,12 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "measured break-even share, full / alone cost per token, capped by the fraction)")
     ap.add_argument("--idle-resume", default="on", choices=("on", "off"),
                     help="PicConfig.idle_resume: an idle alone pass that gives way to a request is resumed later (on) "
-                         "or dropped and queued again (off: the behaviour before session 7; for A/B runs)")
-    ap.add_argument("--long-range-families", default="delta", choices=("delta", "all", "none"),
-                    help="engine.pic.long_ranges.BATCH_FAMILIES in this process: the linear families whose long "
-                         "in-context ranges share varlen calls per layer (delta: the engine's default; all: scalar "
-                         "and diagonal decay too, in one call with closed-form start states; none: one call per "
-                         "range for every family)")
+                         "or dropped and queued again (off; for A/B runs)")
+    ap.add_argument("--long-ranges", default="batched", choices=("batched", "per-range"),
+                    help="PicConfig.batch_long_ranges of every PIC planner, the workers' too: a delta-rule layer's "
+                         "long in-context ranges share two varlen calls (batched: the default) or take one fla call "
+                         "each (per-range)")
     ap.add_argument("--share-warm-pair", default="auto", choices=("auto", "on", "off"),
                     help="run an untimed pair of workers (one request per workload and one Poisson rung) before "
                          "the measured pairs, so neither pays first-time kernel compilation; auto: on CUDA")
@@ -270,7 +269,8 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
     gpus = worker_gpus(args.gpus, device)
     # workers compile their kernels before the timed part (nothing to compile on the CPU)
     warm = None if device.type == "cpu" else {"scale": scale, "max_tokens": args.max_tokens, "docs": args.docs}
-    pic = {"miss_path": args.miss_path, "miss_signatures": args.miss_signatures}  # the workers' PicConfig fields
+    pic = {"miss_path": args.miss_path, "miss_signatures": args.miss_signatures,  # the workers' PicConfig fields
+           "batch_long_ranges": args.long_ranges == "batched"}
     if "sharing" not in args.skip and first:
         trace = [r for task in args.share_tasks
                  for r in requests.load(task, args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)]
@@ -281,8 +281,8 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
         trials = [(rate, stream[j * k:(j + 1) * k]) for j, rate in enumerate(rates[:1] + rates)] if rates else []
         warm_pair_s = None
         if args.share_warm_pair == "on" or (args.share_warm_pair == "auto" and warm is not None):
-            # untimed: on a fresh machine the first pair compiles in its timed requests what
-            # warm_kernels missed (session 7, call C: the private pair's first requests)
+            # untimed: on a fresh machine the first pair would compile, in its timed requests,
+            # what warm_kernels missed (seen in the private pair's first requests)
             primer = [r for task in args.share_tasks
                       for r in requests.load(task, 1, args.seed + 7, scale, args.max_tokens, args.docs)]
             primer_stream = requests.load("rag", k, args.seed + 8, scale, args.max_tokens, args.docs)
@@ -340,7 +340,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
                                                cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
                                                miss_path=args.miss_path, miss_signatures=args.miss_signatures,
-                                               idle_resume=args.idle_resume == "on"),
+                                               idle_resume=args.idle_resume == "on",
+                                               batch_long_ranges=args.long_ranges == "batched"),
                 trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     h.idle_between_arrivals = args.qps_idle == "on"
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
@@ -470,10 +471,6 @@ def main(argv=None) -> int:
 
     if args.quick:
         torch.set_num_threads(1)
-    from engine.pic import long_ranges
-
-    long_ranges.BATCH_FAMILIES = {"delta": ("delta",), "all": ("delta", "diag", "scalar"),
-                                  "none": ()}[args.long_range_families]
     start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     daemon = None

@@ -10,7 +10,8 @@ against a tolerance relative to the logit scale: fla vs torch 1e-2 in fp32 (fla'
 kernels use TF32 dots) and 8e-2 in bf16; GPU torch vs CPU torch 1e-4 (TF32 disabled). `--bench` adds each "bench" preset (bf16, random weights) at a 2048-token
 prefill + 8 decode steps, fla vs torch.
 
-Run on the GPU box from the repository root (fla-core and einops installed):
+Run on a CUDA machine from the repository root (fla-core and einops installed; README.md,
+"Running on a GPU"):
     PYTHONPATH=. python tools/check_engine_gpu.py [--bench] [--json]
 Exit status 0 when every check passes, 1 when one fails, 2 when CUDA or fla is missing.
 """

@@ -1,9 +1,8 @@
 """GPU check of engine.pic.long_ranges: a request whose missing segments are computed in
 context (PicConfig.miss_path="context") has one long computed range per miss in each
-linear layer; on fla they can share varlen calls per layer (one for scalar/diagonal decay,
-two for the delta rule: engine.pic.long_ranges) instead of one call each. Side by side in
-one process, the path on (for every family, whatever long_ranges.BATCH_FAMILIES says) and
-off:
+linear layer; on fla a delta-rule layer's long ranges share two varlen calls
+(engine.pic.long_ranges) instead of one call each. Side by side in one process, two
+planners sharing one signature cache, PicConfig.batch_long_ranges on and off:
 
 1. correctness (tiny presets, float32, their trained weights): last-position logits and
    every linear layer's final state of the same request, batched vs one call per range
@@ -11,9 +10,7 @@ off:
 2. time (bench presets, bf16): the prefill of one rag-like request (`--docs` documents
    of `--doc-tokens` tokens, every other one cached, the rest missing) with device
    synchronisation around each run, median of `--repeats`, batched vs one call per
-   range, and full recompute of the same prompt for scale (and batched with fla's own
-   varlen state pass, which reads its offsets back from the device: `batched_fla_sync_ms`,
-   engine.models.layers.fla_backend.HOST_OFFSETS); and the largest last-position
+   range, and full recompute of the same prompt for scale; and the largest last-position
    logit difference between the two paths in bf16 (`max_abs_logit_diff`, with the logits'
    largest magnitude `logit_abs_max` for scale).
 
@@ -38,8 +35,9 @@ if str(REPO) not in sys.path:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", default="qwen3next-tiny,ring-tiny")
-    ap.add_argument("--bench", default="qwen3next-bench,ring-bench")
+    ap.add_argument("--tiny", default="qwen3next-tiny",
+                    help="presets of the correctness part (their delta-rule layers take the batched path)")
+    ap.add_argument("--bench", default="qwen3next-bench", help="presets of the timing part")
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=1400)
     ap.add_argument("--repeats", type=int, default=7)
@@ -60,8 +58,9 @@ def _texts(n: int, length: int, seed: int) -> list[str]:
 
 
 class Setup:
-    """A model, its runner and a PIC planner (misses in context) whose cache holds every
-    other document of `docs`."""
+    """A model, its runner and two PIC planners (misses in context; `planners[True]` with
+    long ranges batched, `planners[False]` one call per range) over one signature cache
+    that holds every other document of `docs`."""
 
     def __init__(self, preset: str, dtype, docs: list[str], seam: int, device: str = "cuda") -> None:
         import torch
@@ -71,6 +70,7 @@ class Setup:
         from engine.pic.config import PicConfig
         from engine.pic.offline import build_request, prefill_with_plan, release
         from engine.pic.planner import make_planner
+        from engine.pic.signature_cache import InMemorySignatureCache
         from engine.runtime.runner import ModelRunner
         from engine.tokenizer import load_tokenizer
 
@@ -83,7 +83,11 @@ class Setup:
         self.mgr = CacheManager.for_model(self.model, CacheConfig(block_size=16, num_blocks=total // 16 + 64,
                                                                   num_slots=4))
         self.runner = ModelRunner(self.model, self.mgr)
-        self.planner = make_planner(PicConfig(seam=seam, miss_path="context"), self.model, self.fp, self.tok)
+        cache = InMemorySignatureCache(PicConfig().signature_cache_bytes)
+        self.planners = {batch: make_planner(PicConfig(seam=seam, miss_path="context", batch_long_ranges=batch),
+                                             self.model, self.fp, self.tok, signature_cache=cache)
+                         for batch in (True, False)}
+        self.planner = self.planners[True]
         self.full = make_planner(PicConfig(method="full"), self.model, self.fp, self.tok)
         q = {"text": "Q: which documents mention the letter q?\nA: ", "cache": False}
         self.segments = [{"text": d, "cache": True} for d in docs] + [q]
@@ -122,16 +126,12 @@ class Setup:
 def correctness(preset: str, args) -> dict:
     import torch
 
-    from engine.pic import long_ranges
-
     s = Setup(preset, torch.float32, _texts(6, 400, 1), args.seam, args.device)
     got = {}
     for batch in (True, False):
-        long_ranges.BATCH_LONG_RANGES = batch
-        (logits, rep), res = s.run(s.planner, keep=True)
+        (logits, rep), res = s.run(s.planners[batch], keep=True)
         got[batch] = (logits, s.states(res), rep.miss_segments)
-        s.release(s.planner, s.runner, res.request)
-    long_ranges.BATCH_LONG_RANGES = True
+        s.release(s.planners[batch], s.runner, res.request)
     rel = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got[True][1], got[False][1]))
     return {"preset": preset, "miss_segments": got[True][2],
             "max_abs_logit_diff": float((got[True][0] - got[False][0]).abs().max()), "max_state_rel_diff": rel}
@@ -140,28 +140,16 @@ def correctness(preset: str, args) -> dict:
 def timing(preset: str, args) -> dict:
     import torch
 
-    from engine.pic import long_ranges
-
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     s = Setup(preset, dtype, _texts(args.docs, args.doc_tokens, 2), args.seam, args.device)
     row = {"preset": preset, "docs": args.docs, "doc_tokens": args.doc_tokens}
     (_, rep) = s.run(s.planner)
     row["miss_segments"], row["hit_segments"] = rep.miss_segments, rep.hit_segments
-    from engine.models.layers import fla_backend
-
-    for name, batch, host in (("batched", True, True), ("per_range", False, True), ("batched_again", True, True),
-                              ("batched_fla_sync", True, False)):
-        long_ranges.BATCH_LONG_RANGES = batch
-        fla_backend.HOST_OFFSETS = host  # False: fla's varlen state pass reads its offsets back (a sync per call)
-        runs = s.timed(s.planner, args.repeats)
+    for name, batch in (("batched", True), ("per_range", False), ("batched_again", True)):
+        runs = s.timed(s.planners[batch], args.repeats)
         row[f"{name}_ms"] = statistics.median(runs)
         row[f"{name}_runs_ms"] = [round(x, 3) for x in runs]
-    fla_backend.HOST_OFFSETS = True
-    logits = {}
-    for batch in (True, False):
-        long_ranges.BATCH_LONG_RANGES = batch
-        logits[batch] = s.run(s.planner)[0]
-    long_ranges.BATCH_LONG_RANGES = True
+    logits = {batch: s.run(s.planners[batch])[0] for batch in (True, False)}
     row["max_abs_logit_diff"] = float((logits[True] - logits[False]).abs().max())
     row["logit_abs_max"] = float(logits[False].abs().max())
     row["full_ms"] = statistics.median(s.timed(s.full, args.repeats))
@@ -176,11 +164,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from engine.pic import long_ranges
-
-    # every family through the shared calls when "batched" (the engine's default too:
-    # long_ranges.BATCH_FAMILIES); this tool measures each against one call per range
-    long_ranges.BATCH_FAMILIES = ("delta", "diag", "scalar")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (the batched path runs on fla); --device cpu dry-runs the script", file=sys.stderr)
         return 2
@@ -197,17 +180,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
                                                else None, "correctness": checks,
                                                "timing": rows}, indent=1) + "\n")
-    print("| preset | misses | batched ms | one call per range ms | speedup | full recompute ms | max logit diff "
-          "| batched, fla's sync ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| preset | misses | batched ms | one call per range ms | speedup | full recompute ms | max logit diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['preset']} | {r['miss_segments']}/{r['miss_segments'] + r['hit_segments']} | "
               f"{min(r['batched_ms'], r['batched_again_ms']):.1f} | {r['per_range_ms']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['full_ms']:.1f} | {r['max_abs_logit_diff']:.2e} (of {r['logit_abs_max']:.1f}) | "
-              f"{r['batched_fla_sync_ms']:.1f} |")
+              f"{r['full_ms']:.1f} | {r['max_abs_logit_diff']:.2e} (of {r['logit_abs_max']:.1f}) |")
     for c in checks:
         print(f"| {c['preset']} correctness | {c['miss_segments']} | max |logit diff| {c['max_abs_logit_diff']:.2e} "
-              f"| max state rel diff {c['max_state_rel_diff']:.2e} | | | | |")
+              f"| max state rel diff {c['max_state_rel_diff']:.2e} | | | |")
     return 0
 
 

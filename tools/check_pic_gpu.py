@@ -1,4 +1,4 @@
-"""GPU check and first timing of position-independent caching (run on the GPU box).
+"""GPU check and first timing of position-independent caching (run on a CUDA machine).
 
 Part 1, correctness on CUDA (fp32, tiny presets, fla for linear layers, the Triton
 rope_scatter / state_compose kernels for splicing): for each tiny preset,

@@ -1,7 +1,7 @@
 """How many operations the host launches for one prefill, per method and cache state: a
-count that does not depend on the machine (the GPU runs of sessions 7-8 found PIC's
-partial-hit requests host-bound, each computed token costing 1.3-2x what prefix
-caching pays).
+count that does not depend on the machine (on an H200 PIC's partial-hit requests are
+host-bound, each computed token costing 1.3-2x what prefix caching pays;
+docs/BENCHMARKS.md).
 
 A model with a bench preset's layer pattern (24 layers: qwen3next-bench's 3 gated
 DeltaNet : 1 full attention, ring-bench's 7 scalar decay : 1 full) at tiny widths, random

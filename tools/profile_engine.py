@@ -1,6 +1,6 @@
 """Where an engine's time goes: one warm request per method, one decode step, profiled.
 
-    python tools/profile_engine.py                               # GPU box, qwen3next-bench
+    python tools/profile_engine.py                               # on a GPU, qwen3next-bench
     python tools/profile_engine.py --preset qwen3next-tiny --device cpu --tasks fact
 
 For each task (default fact and rag at the preset's scale) it runs full recompute,

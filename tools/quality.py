@@ -468,7 +468,7 @@ def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int,
 
 
 def _have_rich() -> bool:
-    """rich draws the progress bar and the table; without it (a bare GPU box) the
+    """rich draws the progress bar and the table; without it (a bare install) the
     harness prints plain progress lines and a markdown table."""
     try:
         import rich  # noqa: F401

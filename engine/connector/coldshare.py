@@ -49,13 +49,14 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
+from engine.connector.claims import OWNED, PRESENT, Claim
+from engine.connector.config import StoreConnectorConfig
 from engine.connector.errors import StoreUnavailable
+from engine.connector.link import StoreLink
+from engine.connector.metrics import ConnectorMetrics
 from kvstore.errors import KVStoreError
-
-if TYPE_CHECKING:  # import cycle: store_cache builds a ColdShare
-    from engine.connector.store_cache import Claim, StoreSignatureCache
 
 log = logging.getLogger("engine.connector")
 
@@ -122,10 +123,28 @@ def decode_tokens(data: bytes) -> tuple[int, ...]:
     return tuple(a)
 
 
+class ClaimingCache(Protocol):
+    """What `ColdShare` uses of the signature cache that owns it (StoreSignatureCache)."""
+
+    config: StoreConnectorConfig
+    metrics: ConnectorMetrics
+    fingerprint: str
+    link: StoreLink
+
+    @property
+    def available(self) -> bool: ...
+
+    def claim(self, key: bytes) -> Claim: ...
+
+    def release(self, key: bytes) -> None: ...
+
+    def drop_claim(self, claim: Optional[Claim]) -> None: ...
+
+
 class ColdShare:
     """Offering and taking cold segments through the daemon (module docstring)."""
 
-    def __init__(self, cache: "StoreSignatureCache") -> None:
+    def __init__(self, cache: ClaimingCache) -> None:
         self.cache = cache
         self.config = cache.config
         self.metrics = cache.metrics
@@ -180,14 +199,14 @@ class ColdShare:
         self._pool.submit(lambda: None).result(timeout)
 
     # ------------------------------------------------------------------ helper
-    def take(self) -> Optional[tuple[WantedSegment, "Claim"]]:
+    def take(self) -> Optional[tuple[WantedSegment, Claim]]:
         """One offered segment of another engine, claimed by this one, or None (nothing
         offered, not yet time to poll, daemon away). The caller computes and stores it
         with the claim, or drops the claim (`cache.drop_claim`)."""
         taken = self.take_many(0)
         return taken[0] if taken else None
 
-    def take_many(self, max_tokens: int) -> list[tuple[WantedSegment, "Claim"]]:
+    def take_many(self, max_tokens: int) -> list[tuple[WantedSegment, Claim]]:
         """Offered segments of other engines, claimed by this one, in `take`'s order, while
         their tokens stay within `max_tokens` (at least one when any is offered): the
         caller computes them in one packed pass. Empty when nothing is offered, it is not
@@ -214,9 +233,7 @@ class ColdShare:
             offers.append((o.created, -int(extra.get("index", 0)), o))
         if stale:
             self._delete(stale)
-        from engine.connector.store_cache import OWNED, PRESENT
-
-        taken: list[tuple[WantedSegment, "Claim"]] = []
+        taken: list[tuple[WantedSegment, Claim]] = []
         tokens = 0
         for _, _, o in sorted(offers, key=lambda t: (t[0], t[1])):
             n = int((o.meta.extra or {}).get("tokens", 0))

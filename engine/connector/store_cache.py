@@ -61,6 +61,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.connector.claims import (  # noqa: F401 (re-exported: the claim record and its outcomes)
+    CLAIM_BYTES, CLAIM_TAG, COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, claim_key)
 from engine.connector.codec import signature_blob
 from engine.connector.coldshare import ColdShare
 from engine.connector.config import DEFAULT_DEVICE_CACHE_BYTES, StoreConnectorConfig
@@ -74,38 +76,6 @@ from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, S
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("engine.connector")
-
-CLAIM_TAG = b"kvengine-claim-v1\x00"
-CLAIM_BYTES = 1
-
-# Claim outcomes
-OWNED = "owned"  # this engine computes the segment and stores it
-WAITED = "waited"  # another engine computed it while this one waited: `segment` holds it
-PRESENT = "present"  # it landed before the claim: `segment` holds it
-INFLIGHT = "in_flight"  # another engine computes it: `wait_inflight(claim)` next
-COMPUTE = "compute"  # compute it here without a claim (dedup off, daemon away, wait timed out)
-
-
-def claim_key(key: bytes) -> bytes:
-    """The daemon key that marks `key` as being computed by some engine."""
-    return CLAIM_TAG + key
-
-
-@dataclass
-class Claim:
-    """The outcome of `StoreSignatureCache.claim` (see the module docstring)."""
-
-    key: bytes
-    status: str
-    segment: Optional[LoadedSegment] = None
-    reservation_id: int = 0
-    generation: int = 0
-    wait_ms: float = 0.0
-
-    @property
-    def owned(self) -> bool:
-        return self.status == OWNED
-
 
 class _Resident:
     __slots__ = ("segment", "refs")

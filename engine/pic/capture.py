@@ -5,7 +5,7 @@ With `PicConfig.miss_path="context"` a request computes each missing segment whe
 lies, in context, inside its one fused pass (engine.pic.fused). By default the segment is
 then queued for an idle-time alone pass (`help_idle`) that computes its signature: a
 second pass over the segment's tokens through every layer, which on the H200 cost
-1.6-3x a full prefill per token (docs/BENCHMARKS.md, sessions 7-8) and, on a cold stream,
+1.6-3x a full prefill per token (docs/BENCHMARKS.md) and, on a cold stream,
 competes with the next requests for the device. `PicConfig.miss_signatures="context"`
 takes the signature from the pass the request runs anyway (`ContextCapture`):
 
@@ -13,7 +13,7 @@ takes the signature from the pass the request runs anyway (`ContextCapture`):
 |---|---|---|
 | full attention | K/V of the tail rows (later placement) or of every row (first) | the pass's own K/V, K re-rotated to its alone position (RoPE composes) |
 | sliding window | K/V of the segment's last min(n, w) positions | the same |
-| linear | E_tail, T_tail over the tail tokens | the tail's recurrence inputs in context, run from zero: scalar/diagonal decay as one padded decay-weighted sum for every tail of the layer (`DIRECT_TAILS`), the delta rule from a run started at [0 I] with values [v 0] (on fla ONE varlen call per layer for every capture of the request); the live heads as the alone pass finds them |
+| linear | E_tail, T_tail over the tail tokens | the tail's recurrence inputs in context, run from zero: scalar/diagonal decay as one padded decay-weighted sum for every tail of the layer (linear_ops.end_states_and_log_sums: a fixed handful of ops, no fla call), the delta rule from a run started at [0 I] with values [v 0] (on fla ONE varlen call per layer for every capture of the request); the live heads as the alone pass finds them |
 | linear | E (first placement only) | the in-context run from position 0, which *is* the alone pass there |
 | linear with a conv | the last conv-1 pre-conv inputs | the pass's own |
 
@@ -36,18 +36,12 @@ import torch
 
 from engine.models.layers.linear_ops import RecurrenceInputs, end_states_and_log_sums, padded_ranges
 from engine.pic import long_ranges
-from engine.pic.compute import (LOG_FLOAT32_TINY, _PendingTransitions, _ScalarTransitions, _tail_transitions,
-                                settle_transitions, tails_from_zero)
+from engine.pic.compute import LOG_FLOAT32_TINY, PendingTransitions, ScalarTransitions, settle_transitions
 from engine.pic.errors import SplicePlacementError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
 #: what a context signature's meta says of where it came from
 ORIGIN = "context"
-#: scalar/diagonal-decay tails' E_tail as one decay-weighted sum each, all tails of a layer
-#: in one padded batch (linear_ops.end_states_and_log_sums: a fixed handful of ops) rather
-#: than an fla varlen call per layer (~1 ms of host time each on the H200) or a torch
-#: recurrence per tail: the capture runs on the request's path
-DIRECT_TAILS = True
 
 
 @dataclass
@@ -259,7 +253,7 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
     """A linear layer's part of every capture (module docstring), from the layer's
     recurrence inputs over C (`inp`, `[1, C, ...]`) and its pre-conv inputs `conv_in`
     `[1, C, ch]`: E_tail and T_tail of every capture's tail from zero (scalar and diagonal
-    decay as one batched sum for all tails, `DIRECT_TAILS`; the delta rule from one run
+    decay as one batched sum for all tails; the delta rule from one run
     per tail started at [0 | I], on fla one varlen call for all), E of a first placement
     from the in-context run from position 0, the conv tails in one gather. `ops`: (T, E) from
     zero of ranges the layer already ran (engine.pic.seam_chain_layer, keyed by local
@@ -271,13 +265,13 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
     e_of: dict[int, torch.Tensor] = {}
     transitions = None
     if lay.tailed:
-        if family != "delta" and DIRECT_TAILS:
+        if family != "delta":
             idx, valid = lay.padded_tails()
             E, log_sums = end_states_and_log_sums(family, inp, idx, valid)
             E = E.to(dtype)
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
-            transitions = _ScalarTransitions(list(log_sums.unbind(0)))
-        elif family == "delta":  # E_tail and T of every tail from one run: [0 | I] start, values [v | 0]
+            transitions = ScalarTransitions(list(log_sums.unbind(0)))
+        else:  # the delta rule: E_tail and T of every tail from one run: [0 | I] start, values [v | 0]
             if ops and all(tuple(sp) in ops for sp in lay.spans):  # the layer's own varlen call ran them
                 dense = torch.stack([ops[tuple(sp)][0] for sp in lay.spans])
                 E = torch.stack([ops[tuple(sp)][1] for sp in lay.spans])
@@ -288,12 +282,7 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
             idx, valid = lay.padded_tails()
             log_sums = (inp.log_decay[0].to(torch.float32)[idx] * valid[..., None]).sum(dim=1)  # [n, H]
             live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
-            transitions = _PendingTransitions(dense.to(dtype).contiguous(), live)
-        else:
-            e_tails, dense = tails_from_zero(mixer, inp, lay.spans, backend)
-            e_of = {id(c): e[0].to(dtype) for c, e in zip(lay.tailed, e_tails)}
-            transitions = _tail_transitions(mixer, [inp.slice_time(a, b) for a, b in lay.spans], backend, dtype,
-                                            dense)
+            transitions = PendingTransitions(dense.to(dtype).contiguous(), live)
     conv = None
     if mixer.conv is not None:
         width1 = mixer.conv.width - 1

@@ -28,14 +28,6 @@ from engine.pic import long_ranges
 from engine.pic.errors import AlonePassStopped, SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 
-#: E_tail of a packed alone pass's scalar/diagonal-decay tails on fla: "fla" runs every tail
-#: again in one varlen call; "direct" sums each tail's decay-weighted k v^T instead
-#: (linear_ops.end_state_from_zero: a few small ops per tail, no second fla call per layer;
-#: the pass's outputs, K/V and end states are unchanged). The pass is host-bound on the H200
-#: (ring-bench 4 x 1400: 72 ms host for 47 ms device, 42 fla calls of ~1 ms host each), but
-#: "direct" is not yet measured there: `tools/bench_alone_pass.py --tail-states both`.
-TAIL_STATES = "fla"
-
 #: log of the smallest normal float32: a head whose tail decay product is below it has
 #: forgotten its prefix (||T|| <= exp(sum of log decays) for the gated delta rule).
 LOG_FLOAT32_TINY = math.log(torch.finfo(torch.float32).tiny)
@@ -123,15 +115,17 @@ def compute_signatures(model: HybridDecoder, segments: Sequence[tuple[Sequence[i
                        anchor_ids: Sequence[int] = (), backend: str = "torch",
                        state_dtype: torch.dtype = torch.float32,
                        keep_end_state: bool = True,
-                       should_stop: Optional[Callable[[], bool]] = None) -> list[SegmentSignature]:
+                       should_stop: Optional[Callable[[], bool]] = None,
+                       tail_states: str = "fla") -> list[SegmentSignature]:
     """The signatures of several segments `(token_ids, split)`, each computed alone behind
     `anchor_ids` exactly as `compute_signature` computes it, in ONE pass through the
     layers: the alone passes are packed one after another, attention runs per segment
     (each attends only to itself), and the linear recurrences run as fla varlen calls
     (one per layer for the passes, one for the tails: E_tail, and for the delta rule T
     with it) or, on the torch backend, per segment. A cold request with m missing segments pays
-    one pass of per-call overhead instead of m."""
-    return _run_to_end(AlonePass(model, segments, anchor_ids, backend, state_dtype, keep_end_state), should_stop)
+    one pass of per-call overhead instead of m. `tail_states`: PicConfig.tail_states."""
+    return _run_to_end(AlonePass(model, segments, anchor_ids, backend, state_dtype, keep_end_state, tail_states),
+                       should_stop)
 
 
 def _run_to_end(alone: "AlonePass", should_stop: Optional[Callable[[], bool]]) -> list[SegmentSignature]:
@@ -147,11 +141,13 @@ class AlonePass:
     stopped, so idle work that gives way to requests loses nothing. `signatures()` once
     done. One segment runs exactly `compute_signature`'s single pass; several, the
     packed pass (`compute_signatures`). The pass keeps its own tensors (the hidden
-    states and the layers' parts so far): a suspended pass holds them until resumed."""
+    states and the layers' parts so far): a suspended pass holds them until resumed.
+    `tail_states` (PicConfig.tail_states): how a packed pass on fla gets its
+    scalar/diagonal-decay tails' E_tail (`tails_from_zero`)."""
 
     def __init__(self, model: HybridDecoder, segments: Sequence[tuple[Sequence[int], int]],
                  anchor_ids: Sequence[int] = (), backend: str = "torch", state_dtype: torch.dtype = torch.float32,
-                 keep_end_state: bool = True) -> None:
+                 keep_end_state: bool = True, tail_states: str = "fla") -> None:
         segs = [(list(t), int(s)) for t, s in segments]
         if not segs:
             raise SignatureFormatError("an alone pass needs at least one segment")
@@ -160,6 +156,7 @@ class AlonePass:
             _check_segment(len(toks), split, keep_end_state)
         self.model, self.segs, self.anchor_len = model, segs, a
         self.backend, self.state_dtype, self.keep_end_state = backend, state_dtype, keep_end_state
+        self.tail_states = tail_states
         self.tokens = sum(a + len(t) for t, _ in segs)
         device = model.device
         with torch.inference_mode():
@@ -226,7 +223,7 @@ class AlonePass:
                 got = [part]
             else:
                 mixed, got = _linear_alone_packed(mixer, h, self.pack, self.backend, self.state_dtype,
-                                                  self.keep_end_state, self.pending)
+                                                  self.keep_end_state, self.pending, self.tail_states)
         elif isinstance(mixer, Attention):
             if self.pack is None:
                 mixed, part = _attention_alone(mixer, h, self.positions)
@@ -285,7 +282,7 @@ def _attention_alone_packed(mixer: Attention, h: torch.Tensor, positions: torch.
 
 
 def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backend: str,
-                         state_dtype: torch.dtype, keep_end_state: bool, pending: list):
+                         state_dtype: torch.dtype, keep_end_state: bool, pending: list, tail_mode: str = "fla"):
     m = len(pack)
     conv_in, extras = mixer.project(h[None])
     conv_tails: list = [None] * m
@@ -330,7 +327,7 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
         e_tail, dense = tails_from_zero(mixer, inp, [span[j] for j in has_tail], backend)
         tail_states.update({j: e for j, e in zip(has_tail, e_tail) if j in cut})
     elif cut:
-        tail_states.update(zip(cut, tails_from_zero(mixer, inp, [span[j] for j in cut], backend)[0]))
+        tail_states.update(zip(cut, tails_from_zero(mixer, inp, [span[j] for j in cut], backend, tail_mode)[0]))
     transitions = _tail_transitions(mixer, [tails[j] for j in has_tail], backend, state_dtype, dense)
     parts = []
     for j in range(m):
@@ -358,13 +355,13 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backe
 
 
 def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]],
-                    backend: str) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+                    backend: str, tail_mode: str = "fla") -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
     """E `[1, H, dk, dv]` (float32) of each range `[a, b)` of `inp`'s time axis run from zero
     state (ranges sorted and disjoint), and for the delta rule on fla the dense operators
     `[n, H, dk, dk]` of the same ranges from the same varlen call (else None): the alone
     pass's tails, and the tails of misses computed in context (engine.pic.capture).
     On fla at most one varlen call for all ranges; none for scalar/diagonal decay with
-    TAIL_STATES == "direct": each E as one decay-weighted sum
+    `tail_mode` "direct" (PicConfig.tail_states): each E as one decay-weighted sum
     (linear_ops.end_state_from_zero); on torch one recurrence per range."""
     if not ranges:
         return [], None
@@ -372,7 +369,7 @@ def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[
         dense, e = long_ranges.delta_operators(inp, ranges)
         return [e[i:i + 1] for i in range(len(ranges))], dense
     tails = [inp.slice_time(a, b) for a, b in ranges]
-    if backend == "fla" and TAIL_STATES == "direct":  # scalar/diagonal decay: no second fla call
+    if backend == "fla" and tail_mode == "direct":  # scalar/diagonal decay: no second fla call
         return [end_state_from_zero(mixer.family, t) for t in tails], None
     if backend == "fla":
         cu = [0]
@@ -393,7 +390,7 @@ def _cat_inputs(inps: list[RecurrenceInputs]) -> RecurrenceInputs:
         beta=None if first.beta is None else torch.cat([i.beta for i in inps], dim=1), scale=first.scale)
 
 
-class _ScalarTransitions:
+class ScalarTransitions:
     """Log-decay sums of scalar/diagonal-decay tails: known at once."""
 
     def __init__(self, log_sums: list[torch.Tensor]) -> None:
@@ -404,7 +401,7 @@ class _ScalarTransitions:
             part.tail_transition = ls
 
 
-class _PendingTransitions:
+class PendingTransitions:
     """Dense delta-rule operators of one layer's tails, `[m, H, dk, dk]`, and which heads
     stay live (`[m, H]`, on the device). Their parts get them when `settle_transitions`
     reads every layer's live masks in one host sync at the end of the pass (no per-layer
@@ -418,7 +415,7 @@ class _PendingTransitions:
         pending.append(self)
 
 
-def settle_transitions(pending: list[_PendingTransitions]) -> None:
+def settle_transitions(pending: list[PendingTransitions]) -> None:
     """Give every pending delta part its live heads and operator rows: a head whose decay
     product underflowed, or whose operator is exactly 0, has forgotten its prefix."""
     if not pending:
@@ -448,9 +445,9 @@ def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend
     if not tails:
         return None
     if mixer.family != "delta":
-        return _ScalarTransitions([t.log_decay.to(torch.float32).sum(dim=1)[0].contiguous() for t in tails])
+        return ScalarTransitions([t.log_decay.to(torch.float32).sum(dim=1)[0].contiguous() for t in tails])
     log_sums = torch.stack([t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails])  # [m, H]
     if dense is None:  # a single segment's tail, or the torch backend
         dense = torch.cat([mixer.transition_operator(x, backend) for x in tails])
     live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
-    return _PendingTransitions(dense.to(state_dtype), live)
+    return PendingTransitions(dense.to(state_dtype), live)

@@ -33,6 +33,8 @@ COLD_FULL_POLICIES = ("fraction", "cost")
 MISS_PATHS = ("alone", "context")
 #: where the signatures of misses computed in context come from (PicConfig.miss_signatures)
 MISS_SIGNATURE_SOURCES = ("alone", "context")
+#: how an alone pass on fla gets its scalar/diagonal-decay tails' E_tail (PicConfig.tail_states)
+TAIL_STATE_MODES = ("fla", "direct")
 
 DEFAULT_SEAM = 16
 DEFAULT_SIGNATURE_CACHE_BYTES = 2 << 30
@@ -93,8 +95,8 @@ class PicConfig:
     alone pass. Keys of such planners carry `;ctx=1`, so their signatures never mix with
     those of alone-only planners.
     idle_resume (`pic`/`naive`): an idle alone pass that gives way to a request is kept
-    and resumed by the next idle call (True, default since session 7), or dropped and its
-    segments queued again (False: the behaviour before; for A/B runs).
+    and resumed by the next idle call (True, default), or dropped and its segments queued
+    again (False; for A/B runs).
     prefix_checkpoints (`prefix`): where prefix caching keeps linear states (and window
     rows), which a prefix can only be reused up to; full-attention K/V is kept at every
     cacheable segment boundary either way. `"branch"` (default, Marconi / SGLang style):
@@ -103,7 +105,15 @@ class PicConfig:
     again); the pass splits its linear recurrences at two points at most and costs what
     full recomputation costs. `"every"`: at every cacheable boundary (any segment prefix
     reusable, one recurrence split per segment: on the GPU this kept prefix caching
-    1.0-2.7x slower than full recomputation in the session-4 serving run).
+    1.0-2.7x slower than full recomputation in a GPU serving run).
+    batch_long_ranges (fused, fla): a delta-rule layer with two or more long computed
+    ranges (misses computed in context) runs them in two shared varlen calls
+    (engine.pic.long_ranges; True, default) instead of one fla call per range (False).
+    tail_states (alone passes on fla): E_tail of scalar/diagonal-decay tails from a
+    second varlen call over the tails (`"fla"`, default) or as one decay-weighted sum per
+    tail (`"direct"`, linear_ops.end_state_from_zero: no second call; same signatures
+    within float tolerance). Neither alternative has been timed against the default on a
+    GPU (`tools/bench_alone_pass.py --tail-states both`, `tools/check_long_ranges_gpu.py`).
     """
 
     method: str = "pic"
@@ -124,6 +134,8 @@ class PicConfig:
     miss_signatures: str = "alone"
     idle_resume: bool = True
     prefix_checkpoints: str = "branch"
+    batch_long_ranges: bool = True
+    tail_states: str = "fla"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,6 +163,10 @@ class PicConfig:
                                  f"{', '.join(COLD_FULL_POLICIES)}")
         if not isinstance(self.idle_resume, bool):
             raise PicConfigError(f"idle_resume={self.idle_resume!r} must be True or False")
+        if not isinstance(self.batch_long_ranges, bool):
+            raise PicConfigError(f"batch_long_ranges={self.batch_long_ranges!r} must be True or False")
+        if self.tail_states not in TAIL_STATE_MODES:
+            raise PicConfigError(f"tail_states={self.tail_states!r} must be one of {', '.join(TAIL_STATE_MODES)}")
         if self.miss_path not in MISS_PATHS:
             raise PicConfigError(f"miss_path={self.miss_path!r} must be one of {', '.join(MISS_PATHS)}")
         if self.miss_signatures not in MISS_SIGNATURE_SOURCES:

@@ -13,8 +13,8 @@ per token.
 `break_even()` is full / alone: the share of a prompt's tokens that alone passes can
 compute in the time a full pass computes the whole prompt. A request whose misses hold
 more than that is served faster by full recompute (and its misses computed later, when
-idle). On the H200 (session 5, 2026-11-30) alone passes cost 10-14x a full pass per token,
-a break-even of 0.07-0.1, where the configured `cold_full_fraction` was 0.5.
+idle). On an H200 alone passes cost 1.6-3x a full pass per token (docs/BENCHMARKS.md): a
+break-even of 0.33-0.6.
 """
 from __future__ import annotations
 

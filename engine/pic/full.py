@@ -24,7 +24,8 @@ def full_pass(runner, request: Request, ids: list[int], start: int, config: PicC
     baseline, and PIC's cold fallback; `captures`: misses whose signatures it takes)."""
     return fused_prefill(runner.model, runner.cache, request.seq, ids, [FusedItem(start, len(ids))],
                          backend=runner.backend, kernel=config.kernel, chain=config.seam_chain, all_logits=all_logits,
-                         stages=getattr(runner, "prefill_stages", None), captures=captures)
+                         stages=getattr(runner, "prefill_stages", None), captures=captures,
+                         batch_long_ranges=config.batch_long_ranges)
 
 
 class FullPlanner(ReportingPlanner):

@@ -103,7 +103,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
                   chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False,
                   stages: Optional[PrefillStages] = None,
-                  captures: Optional[CaptureSet] = None) -> torch.Tensor:
+                  captures: Optional[CaptureSet] = None, batch_long_ranges: bool = True) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
@@ -116,7 +116,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     token-wise parts (embedding, norms, projections, gates, MLPs) through these
     (engine.runtime.prefill_graphs: CUDA graphs per computed-token bucket); None: plainly.
     `captures`: missing segments computed by this pass whose signatures it takes on the
-    way (engine.pic.capture; `captures.signatures()` once it returns)."""
+    way (engine.pic.capture; `captures.signatures()` once it returns).
+    `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges)."""
     if chain not in SEAM_CHAIN_MODES:
         raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
@@ -184,7 +185,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                 inp = prepare(_conv_ranges(seq, cache, mixer, i, events, conv_in, shared=shared))
                 ops: dict = {}
                 o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend,
-                                       ops_out=ops if tap is not None else None)
+                                       ops_out=ops if tap is not None else None,
+                                       batch_long_ranges=batch_long_ranges)
                 if tap is not None:  # after the chain: its long ranges run from zero may be the tails
                     tap(inp, ops=ops)
             else:

@@ -273,7 +273,7 @@ class PicPlanner(ReportingPlanner):
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
                              backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
                              all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                             captures=captures)
+                             captures=captures, batch_long_ranges=self.config.batch_long_ranges)
 
     def _seal_tails(self, runner, state: _RequestState, spec: tuple) -> set:
         """The captured units whose tails the fused step keeps as ranges of their own, so
@@ -281,9 +281,10 @@ class PicPlanner(ReportingPlanner):
         also gives the capture their (T, E) and it runs no call of its own: all captured
         later placements, when each one's seam follows a spliced hit (merging then joins
         nothing but its own seam and the next hit's); none otherwise (a run of misses stays
-        one range: one call instead of one per tail), nor off fla or without delta layers."""
+        one range: one call instead of one per tail), nor off fla, without delta layers or
+        without the shared call (PicConfig.batch_long_ranges off)."""
         later = [u for u in state.to_capture if not u.first]
-        if not later or runner.backend != "fla" or not self.has_delta:
+        if not later or runner.backend != "fla" or not self.has_delta or not self.config.batch_long_ranges:
             return set()
         at = {id(s[1]): j for j, s in enumerate(spec) if s[0] == "s"}
         for u in later:
@@ -464,7 +465,7 @@ class PicPlanner(ReportingPlanner):
     def _start_alone(self, runner, segments: Sequence[tuple[Sequence[int], int]]) -> AlonePass:
         return AlonePass(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
                          backend=runner.backend, state_dtype=self.state_dtype,
-                         keep_end_state=self.config.keep_end_state)
+                         keep_end_state=self.config.keep_end_state, tail_states=self.config.tail_states)
 
     def _signed(self, alone: AlonePass) -> list[SegmentSignature]:
         sigs = alone.signatures()

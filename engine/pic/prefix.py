@@ -317,7 +317,8 @@ class PrefixPlanner(ReportingPlanner):
         cps = [BoundaryCheckpoint(lo, hi, with_state=hi in stateful) for lo, hi in todo if start < hi < n]
         logits = fused_prefill(runner.model, runner.cache, request.seq, ids, items, backend=runner.backend,
                                kernel=self.config.kernel, chain=self.config.seam_chain, checkpoints=cps,
-                               all_logits=all_logits, stages=getattr(runner, "prefill_stages", None))
+                               all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
+                               batch_long_ranges=self.config.batch_long_ranges)
         state: _PrefixState = request.planner_state[STATE_KEY]
         for cp in cps:
             if state.tip is None:  # an earlier checkpoint of this request did not fit

@@ -28,9 +28,8 @@ from kernels.seam_chain import ADD, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, Chain
 #: between chain launches (the chain's per-token loop is serial in time)
 CHAIN_MAX_TOKENS = 256
 
-#: families `auto` runs through the seam chain on CUDA: every one since the delta rule's
-#: dense composition was chunked (H200, 2026-11-29, tools/check_seam_chain.py, 10 pieces,
-#: seam 16, bf16: delta 0.24 ms per layer call against 2.56 ms for the per-event path, which
+#: families `auto` runs through the seam chain on CUDA: every one (H200,
+#: tools/check_seam_chain.py, 10 pieces, seam 16, bf16: delta 0.24 ms per layer call against 2.56 ms for the per-event path, which
 #: is host-bound; scalar 0.10-0.11, diag 0.16 against 1.9-2.2 ms). The per-event path stays
 #: for the CPU, `chain="off"`, dims over MAX_DIM_TRITON and prefix checkpoints.
 CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
@@ -140,12 +139,13 @@ def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
 
 
 def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: RecurrenceInputs, cl: ChainLayer,
-                       force, backend, ops_out: Optional[dict] = None):
+                       force, backend, ops_out: Optional[dict] = None, batch_long_ranges: bool = True):
     """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
     (a computed range longer than CHAIN_MAX_TOKENS runs fla's chunk kernel between chain
     calls when the backend is fla: token by token it would be slower). `ops_out` (optional)
     gets the (T, E) from zero of every long range the shared varlen path ran, keyed by its
-    local (start, end) (engine.pic.capture takes captured tails from there)."""
+    local (start, end) (engine.pic.capture takes captured tails from there).
+    `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges)."""
     state = cache.state[seq.slot]
     device = state.device
     E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
@@ -154,8 +154,8 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
     groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
     longs = [(events[a][1], events[a][2]) for a, b in groups
              if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
-    run = long_ranges.run_from_zero(mixer.family, inp, longs) if long_ranges.batches(mixer.family, len(longs)) \
-        else None
+    batched = long_ranges.batches(mixer.family, len(longs), batch_long_ranges)
+    run = long_ranges.run_from_zero(mixer.family, inp, longs) if batched else None
     if run is not None and ops_out is not None:
         ops_out.update(zip(longs, run.ops))
     starts: list[torch.Tensor] = []
@@ -173,7 +173,7 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
         sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)
         _, state = seam_chain(inp, state, sub, mixer.family, force_triton=force, out=o)
     if run is not None:
-        o_long = long_ranges.outputs(mixer.family, inp, longs, run, starts)
+        o_long = long_ranges.outputs(mixer.family, inp, longs, starts)
         for lo, hi in longs:
             o[:, lo:hi] = o_long[:, lo:hi]
     cache.state[seq.slot] = state

@@ -32,7 +32,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from engine.runtime.decode_batch import COL_TOKEN, TABLE_COL, blocks_for, pack_decode_rows
+from engine.runtime.decode_batch import COL_TOKEN, TABLE_COL, blocks_for, decode_context, pack_decode_rows
 from engine.runtime.sequence import Sequence
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -41,9 +41,6 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 class DecodeGraphs:
     def __init__(self, model, cache, backend: str, buckets: Seq[int] = BUCKETS,
                  max_blocks: int | None = None, capture: bool | None = None) -> None:
-        from engine.runtime.runner import decode_context
-
-        self._decode_context = decode_context
         self.model = model
         self.cache = cache
         self.backend = backend
@@ -88,7 +85,7 @@ class DecodeGraphs:
     def step(self, rows: torch.Tensor) -> torch.Tensor:
         """The function that is captured: `model.decode` over a packed rows tensor
         `[bucket, TABLE_COL + max_blocks]` on the device -> logits `[bucket, vocab]`."""
-        ctx = self._decode_context(rows, self.cache.has_paged, self.backend, paged_attention=True)
+        ctx = decode_context(rows, self.cache.has_paged, self.backend, paged_attention=True)
         return self.model.decode(rows[:, COL_TOKEN], ctx, self.cache.layers)
 
     def _static_rows(self, bucket: int) -> torch.Tensor:

@@ -22,9 +22,22 @@ from typing import Sequence as Seq
 import torch
 
 from engine.errors import CacheError
+from engine.models.layers.base import DecodeContext
 from engine.runtime.sequence import Sequence
 
 COL_TOKEN, COL_POS, COL_SLOT, COL_WRITE, TABLE_COL = 0, 1, 2, 3, 4
+
+
+def decode_context(rows: torch.Tensor, has_paged: bool, backend: str, paged_attention: bool) -> DecodeContext:
+    """The `DecodeContext` over a packed device tensor of decode rows (the module docstring's columns)."""
+    return DecodeContext(
+        positions=rows[:, COL_POS],
+        slots=rows[:, COL_SLOT],
+        write_slots=rows[:, COL_WRITE] if has_paged else None,
+        backend=backend,
+        block_tables=rows[:, TABLE_COL:] if has_paged else None,
+        paged_attention=paged_attention,
+    )
 
 
 def blocks_for(positions: Seq[int], block_size: int) -> int:

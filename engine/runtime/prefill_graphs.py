@@ -2,8 +2,8 @@
 (engine.pic.fused), captured per computed-token bucket and replayed.
 
 A warm PIC prefill computes few tokens (seams and the question: tens to hundreds) through
-every layer; launched op by op from Python it is host-bound (H200 serving traces,
-2026-11-30: 4-16 ms of GPU work inside 26-68 ms of TTFT, ~1100 kernel launches a request).
+every layer; launched op by op from Python it is host-bound (H200 serving traces: 4-16 ms
+of GPU work inside 26-68 ms of TTFT, ~1100 kernel launches a request).
 Most of those ops act on each token alone: the embedding, norms, projections, q/k
 normalisation and decay gates (a linear layer's `prepare`), output gates and projections,
 residuals and MLPs. `PrefillStages.run(name, fn, inputs, n)` runs such a token-wise

@@ -21,25 +21,13 @@ import torch
 from engine.cache.manager import CacheManager
 from engine.errors import RuntimeStateError
 from engine.models.decoder import HybridDecoder, MixerHook
-from engine.models.layers.base import DecodeContext, PrefillContext
+from engine.models.layers.base import PrefillContext
 from engine.models.layers.fla_backend import resolve_backend
-from engine.runtime.decode_batch import (COL_POS, COL_SLOT, COL_TOKEN, COL_WRITE, TABLE_COL, check_token_ids,
+from engine.runtime.decode_batch import (COL_TOKEN, check_token_ids, decode_context,
                                          pack_decode_rows, to_device)
 from engine.runtime.sequence import Sequence
 
 DECODE_ATTENTION = ("paged", "gather")
-
-
-def decode_context(rows: torch.Tensor, has_paged: bool, backend: str, paged_attention: bool) -> DecodeContext:
-    """The `DecodeContext` over a packed device tensor of decode rows (engine/runtime/decode_batch.py)."""
-    return DecodeContext(
-        positions=rows[:, COL_POS],
-        slots=rows[:, COL_SLOT],
-        write_slots=rows[:, COL_WRITE] if has_paged else None,
-        backend=backend,
-        block_tables=rows[:, TABLE_COL:] if has_paged else None,
-        paged_attention=paged_attention,
-    )
 
 
 class ModelRunner:

@@ -60,13 +60,13 @@ def test_the_ab_switches_parse_and_refuse_bad_values(capsys):
     from tools.bench_serving import parse_args
 
     args = parse_args([])
-    assert (args.idle_resume, args.long_range_families, args.share_warm_pair) == ("on", "delta", "auto")
+    assert (args.idle_resume, args.long_ranges, args.share_warm_pair) == ("on", "batched", "auto")
     assert (args.qps_idle, args.qps_trace_trial) == ("on", None)
-    args = parse_args(["--idle-resume", "off", "--long-range-families", "all"])
-    assert (args.idle_resume, args.long_range_families) == ("off", "all")
+    args = parse_args(["--idle-resume", "off", "--long-ranges", "per-range"])
+    assert (args.idle_resume, args.long_ranges) == ("off", "per-range")
     with pytest.raises(SystemExit):
-        parse_args(["--long-range-families", "scalar"])
-    assert "long-range-families" in capsys.readouterr().err
+        parse_args(["--long-ranges", "all"])  # the scalar/diagonal batched form is gone
+    assert "long-ranges" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--qps-idle", "maybe"])
     assert "qps-idle" in capsys.readouterr().err

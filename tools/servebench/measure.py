@@ -110,8 +110,8 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
     """Highest tried rate with p99 TTFT <= slo_ms (module docstring). `stream` holds
     warmup + trials * per_trial requests. The warm-up runs its requests alone, its last
     `per_trial` as an untimed Poisson burst at `start_rate` (`warmup_burst`): the first
-    requests an engine runs concurrently pay one-time costs (seconds of queueing in
-    session 5's runs), which would otherwise fail whichever method's first trial meets
+    requests an engine runs concurrently pay one-time costs (seconds of queueing on an
+    H200), which would otherwise fail whichever method's first trial meets
     them, and the other method would not. `trace_trial` (with `h.trace_dir`): profile
     that trial (0-based; host and device, every thread: the idle work and the puts
     between arrivals too) as `qps-<method>-trial<N>`; it is marked `traced` (the

@@ -51,7 +51,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 RECENT_STEPS = 50
 #: steps between feeding the curriculum gate a batch's per-task answer loss (a host sync)
 GATE_EVERY = 5
-#: checkpoints must stay under the largest file the GPU box returns
+#: checkpoints stay under this size (the committed models/ files and the bundles a remote run returns)
 MAX_CHECKPOINT_BYTES = 16 * 2**20
 
 

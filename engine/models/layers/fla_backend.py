@@ -22,9 +22,9 @@ device (a ring-bench alone pass, whose every linear layer makes varlen calls, sh
 syncs). `fla_chunk` therefore passes scalar/diagonal-decay varlen calls through
 `_chunk_fwd_h_host`, the same kernel launch with the offsets computed from the host copy
 of `cu_seqlens` (installed over the name those two modules import when its signature
-matches fla's; otherwise fla's own function runs, with its sync). Measured on the H200
-(session 8, tools/check_long_ranges_gpu.py, ring-bench, long ranges batched): 117 ms
-with it, 121 ms with fla's sync; `HOST_OFFSETS = False` restores fla's path.
+matches fla's; otherwise fla's own function runs, with its sync). Measured on an H200
+(tools/check_long_ranges_gpu.py, ring-bench, scalar long ranges in shared varlen calls):
+117 ms with it, 121 ms with fla's sync.
 """
 from __future__ import annotations
 
@@ -76,9 +76,6 @@ def _prep(inp: RecurrenceInputs, initial_state: torch.Tensor | None):
     return q, k, v, g, s0
 
 
-#: scalar/diagonal-decay varlen calls take the chunk offsets from the host (module docstring);
-#: False: fla's own chunk_fwd_h (one device read per call), for A/B runs
-HOST_OFFSETS = True
 #: the host copy of the running varlen call's cu_seqlens (per thread), for _chunk_fwd_h_host
 _HOST_CU = threading.local()
 #: fla's chunk_fwd_h parameters that _chunk_fwd_h_host reproduces
@@ -154,9 +151,9 @@ def fla_chunk(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | 
         from fla.ops.gla import chunk_gla
         from fla.ops.simple_gla import chunk_simple_gla
 
-        if var and HOST_OFFSETS:
+        if var:
             install_host_offsets()
-        _HOST_CU.cu = var.get("cu_seqlens_cpu") if HOST_OFFSETS else None
+        _HOST_CU.cu = var.get("cu_seqlens_cpu")
         try:
             if family == "diag":
                 o, s = chunk_gla(q, k, v, g, scale=inp.scale, initial_state=s0, output_final_state=True, **var)

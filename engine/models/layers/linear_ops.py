@@ -19,79 +19,13 @@ products underflow give zeros, never inf or NaN.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-FAMILIES = ("scalar", "diag", "delta")
-
-
-@dataclass
-class RecurrenceInputs:
-    """Per-token inputs of one linear layer's recurrence (time-first)."""
-
-    q: torch.Tensor  # [B, T, H, K]
-    k: torch.Tensor  # [B, T, H, K]
-    v: torch.Tensor  # [B, T, H, V]
-    log_decay: torch.Tensor  # [B, T, H] (scalar, delta) or [B, T, H, K] (diag); <= 0, float32
-    beta: torch.Tensor | None = None  # [B, T, H] (delta only)
-    scale: float = 1.0
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        b, t, h, kd = self.k.shape
-        return b, t, h, kd, self.v.shape[-1]
-
-    def slice_time(self, start: int, end: int) -> "RecurrenceInputs":
-        return replace(
-            self,
-            q=self.q[:, start:end], k=self.k[:, start:end], v=self.v[:, start:end],
-            log_decay=self.log_decay[:, start:end],
-            beta=None if self.beta is None else self.beta[:, start:end],
-        )
-
-
-def _check_family(family: str, inp: RecurrenceInputs) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"recurrence family={family!r} must be one of {FAMILIES}")
-    want = 4 if family == "diag" else 3
-    if inp.log_decay.dim() != want:
-        raise ValueError(f"{family} log_decay must have {want} dims, got shape {tuple(inp.log_decay.shape)}")
-    if family == "delta" and inp.beta is None:
-        raise ValueError("delta family needs beta")
-
-
-def _initial(inp: RecurrenceInputs, initial_state: torch.Tensor | None) -> torch.Tensor:
-    b, _, h, kd, vd = inp.shape
-    if initial_state is None:
-        return torch.zeros(b, h, kd, vd, dtype=torch.float32, device=inp.k.device)
-    if tuple(initial_state.shape) != (b, h, kd, vd):
-        raise ValueError(f"initial_state shape {tuple(initial_state.shape)} != {(b, h, kd, vd)}")
-    return initial_state.to(torch.float32)
-
-
-def naive_recurrence(family: str, inp: RecurrenceInputs,
-                     initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token loop, float32. Returns (o `[B, T, H, V]` in v's dtype, S `[B, H, K, V]`)."""
-    _check_family(family, inp)
-    s = _initial(inp, initial_state).clone()
-    q = inp.q.to(torch.float32) * inp.scale
-    k, v = inp.k.to(torch.float32), inp.v.to(torch.float32)
-    g = inp.log_decay.to(torch.float32)
-    outs = []
-    for t in range(q.shape[1]):
-        kt, vt = k[:, t], v[:, t]
-        if family == "diag":
-            s = torch.exp(g[:, t])[..., :, None] * s
-        else:
-            s = torch.exp(g[:, t])[..., None, None] * s
-        if family == "delta":
-            beta = inp.beta[:, t].to(torch.float32)[..., None]
-            vt = beta * (vt - torch.einsum("bhkv,bhk->bhv", s, kt))
-        s = s + kt[..., :, None] * vt[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
-    o = torch.stack(outs, dim=1) if outs else inp.v.new_zeros(inp.v.shape).float()
-    return o.to(inp.v.dtype), s
+# The inputs record, the family check and the token-by-token reference live in
+# kernels.recurrence (the seam-chain kernel is tested against them); re-exported here.
+from kernels.recurrence import FAMILIES, RecurrenceInputs, check_family, checked_state, naive_recurrence  # noqa: F401
 
 
 def recurrent_step(family: str, inp: RecurrenceInputs,
@@ -166,10 +100,10 @@ def chunked_recurrence(family: str, inp: RecurrenceInputs, initial_state: torch.
                        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Parallel-within-chunk form, float32; equals `naive_recurrence` up to rounding.
     Returns (o `[B, T, H, V]` in v's dtype, S `[B, H, K, V]` float32)."""
-    _check_family(family, inp)
+    check_family(family, inp)
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    s = _initial(inp, initial_state)
+    s = checked_state(inp, initial_state)
     f32 = torch.float32
     q = (inp.q.to(f32) * inp.scale).transpose(1, 2)
     k = inp.k.to(f32).transpose(1, 2)
@@ -203,7 +137,7 @@ def transition_operator(family: str, inp: RecurrenceInputs, chunk_size: int = 64
     delta: dense `[B, H, K, K]` float32 = prod_t exp(g_t)(I - beta_t k_t k_t^T) (later
     tokens on the left), computed by running the same recurrence from S0 = I with v = 0.
     """
-    _check_family(family, inp)
+    check_family(family, inp)
     if family in ("scalar", "diag"):
         return inp.log_decay.to(torch.float32).sum(dim=1)
     b, t, h, kd, _ = inp.shape
@@ -219,7 +153,7 @@ def end_state_from_zero(family: str, inp: RecurrenceInputs) -> torch.Tensor:
     """E, the end state `[B, H, K, V]` (float32) of the recurrence run from zero, as one sum
     for scalar/diagonal decay: E = sum_t exp(A_t) k_t v_t^T, A_t the log decays after token t
     (summed from the end, so no large sums are differenced). One einsum, no recurrence."""
-    _check_family(family, inp)
+    check_family(family, inp)
     if family == "delta":
         raise ValueError("end_state_from_zero: the delta rule's end state needs the recurrence")
     g = inp.log_decay.to(torch.float32)  # [B, T, H] or [B, T, H, K]
@@ -253,7 +187,7 @@ def end_states_and_log_sums(family: str, inp: RecurrenceInputs, idx: torch.Tenso
     """For scalar/diagonal decay, every range of `padded_ranges` at once (B = 1): E `[n, H,
     K, V]` run from zero (`end_state_from_zero`'s one sum per range, batched) and the
     log-decay sums `[n, H]` / `[n, H, K]`. A fixed number of ops whatever n."""
-    _check_family(family, inp)
+    check_family(family, inp)
     if family == "delta":
         raise ValueError("end_states_and_log_sums: the delta rule's end state needs the recurrence")
     m = valid.to(torch.float32)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.models.config import FULL, GDN, GLA, LIGHTNING, SWA
+from engine.pic.config import PicConfig
 from engine.pic.errors import PicConfigError
 
 from pic_testlib import execute, fla_emulated, make_request, rand_ids
@@ -97,14 +98,15 @@ def test_the_alone_path_is_the_default_and_miss_path_is_validated(model_of, plan
 
 
 @pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
-def test_long_in_context_misses_share_varlen_calls_per_layer_and_match_one_call_each(
+def test_long_in_context_misses_share_varlen_calls_per_delta_layer_and_match_one_call_each(
         layers, model_of, runner_of, planner_of, monkeypatch):
-    """engine.pic.long_ranges: on fla (emulated here by the torch recurrence), a seam-chain
-    layer's long computed ranges run as one call from zero (and for the delta rule one more
-    from their start states; scalar/diagonal decay add the start states in closed form)
-    instead of one call each, with the same logits and caches."""
+    """engine.pic.long_ranges: on fla (emulated here by the torch recurrence), a delta-rule
+    seam-chain layer's long computed ranges run as one call from zero and one more from
+    their start states instead of one call each (PicConfig.batch_long_ranges, the
+    default), with the same logits and caches; scalar/diagonal decay keep one call per
+    range either way."""
     from engine.models.layers import fla_backend
-    from engine.pic import long_ranges, seam_chain_layer
+    from engine.pic import seam_chain_layer
     from test_fused import _caches
 
     calls = []
@@ -115,8 +117,7 @@ def test_long_in_context_misses_share_varlen_calls_per_layer_and_match_one_call_
 
     monkeypatch.setattr(fla_backend, "fla_chunk", counted)
     monkeypatch.setattr(seam_chain_layer, "CHAIN_MAX_TOKENS", 8)  # the misses (15-20 tokens) are long ranges
-    assert long_ranges.BATCH_FAMILIES == ("delta",)  # the default: scalar/diagonal decay not faster on the H200
-    monkeypatch.setattr(long_ranges, "BATCH_FAMILIES", ("delta", "diag", "scalar"))
+    assert PicConfig().batch_long_ranges
     model = model_of(layers)
     docs, question = _docs(7), rand_ids(6, 99)
     new = [rand_ids(n, 600 + n) for n in (20, 15, 17)]
@@ -124,10 +125,10 @@ def test_long_in_context_misses_share_varlen_calls_per_layer_and_match_one_call_
               (question, False)]
     got = {}
     for batch in (True, False):
-        monkeypatch.setattr(long_ranges, "BATCH_LONG_RANGES", batch)
         runner = runner_of(model)
         runner.backend = "fla"
-        planner = planner_of(model, fused=True, seam=4, miss_path="context", seam_chain="on")
+        planner = planner_of(model, fused=True, seam=4, miss_path="context", seam_chain="on",
+                             batch_long_ranges=batch)
         _warm(planner, runner, docs, question)
         calls.clear()
         req = make_request(layout)
@@ -135,10 +136,18 @@ def test_long_in_context_misses_share_varlen_calls_per_layer_and_match_one_call_
         assert planner.take_report(req.request_id).miss_segments == 3
         got[batch] = (run.logits[-1], _caches(runner, run.seq, len(req.prompt_token_ids)), len(calls))
     linear = sum(1 for kind in layers if kind in (GDN, GLA, LIGHTNING))
-    calls_per_layer = 2 if layers[0] == GDN else 1
-    assert got[True][2] == calls_per_layer * linear and got[False][2] == 3 * linear  # 3 long ranges per layer
+    calls_per_layer = 2 if layers[0] == GDN else 3  # 3 long ranges per layer
+    assert got[True][2] == calls_per_layer * linear and got[False][2] == 3 * linear
     torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
     for i, (a, b) in enumerate(zip(got[False][1], got[True][1])):
         for x, y in zip(a, b):
             if x is not None:
                 torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {i}: {m}")
+
+
+def test_the_long_range_and_tail_state_settings_are_validated():
+    assert (PicConfig().batch_long_ranges, PicConfig().tail_states) == (True, "fla")
+    with pytest.raises(PicConfigError, match="batch_long_ranges='yes'"):
+        PicConfig(batch_long_ranges="yes")
+    with pytest.raises(PicConfigError, match="tail_states='sum'"):
+        PicConfig(tail_states="sum")

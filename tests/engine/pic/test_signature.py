@@ -148,11 +148,8 @@ def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(lay
                                                                               monkeypatch):
     """On fla the delta tails' E_tail and T come from ONE call started at [0 | I] with
     values [v | 0], every delta layer's live heads are read once at the end of the pass,
-    and scalar/diagonal tails' E_tail is one sum each (TAIL_STATES="direct") or a second
-    varlen call ("fla"): the signatures equal the torch backend's, packed and single."""
-    from engine.pic import compute
-
-    monkeypatch.setattr(compute, "TAIL_STATES", tail_states)
+    and scalar/diagonal tails' E_tail is one sum each (PicConfig.tail_states="direct") or a
+    second varlen call ("fla"): the signatures equal the torch backend's, packed and single."""
     from engine.models.layers import fla_backend
     from engine.pic.compute import AlonePass, compute_signature, compute_signatures
 
@@ -161,11 +158,11 @@ def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(lay
     want = compute_signatures(model, segs, [256], backend="torch")
     want_one = compute_signature(model, segs[0][0], [256], segs[0][1], backend="torch")
     monkeypatch.setattr(fla_backend, "fla_chunk", fla_emulated)
-    got = compute_signatures(model, segs, [256], backend="fla")
+    got = compute_signatures(model, segs, [256], backend="fla", tail_states=tail_states)
     for g, w in zip(got, want):
         _same_signature(g, w)
     _same_signature(compute_signature(model, segs[0][0], [256], segs[0][1], backend="fla"), want_one)
-    alone = AlonePass(model, segs, [256], backend="fla")
+    alone = AlonePass(model, segs, [256], backend="fla", tail_states=tail_states)
     assert alone.run()
     linear = sum(1 for p in alone.parts[0] if hasattr(p, "live_heads"))
     if layers[0] == GDN:  # one pending operator set per delta layer until signatures() settles them
