@@ -39,6 +39,9 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   (queueing the puts).
 - `captured`: signatures of misses taken from the requests' own passes and stored
   (PicConfig.miss_signatures="context", engine.pic.capture): alone passes not run.
+- `prefix_lookups`, `prefix_hits`, `prefix_puts`, `prefix_load_bytes`: exact-prefix
+  checkpoints (engine.connector.prefix_store): requests that asked the daemon for one,
+  the ones it served, checkpoints queued for storage, and the bytes loaded.
 - `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
   than the engine's (copied device to device; CUDA IPC across GPUs).
 """
@@ -58,6 +61,7 @@ _COUNTERS = (
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
     "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits", "captured",
+    "prefix_lookups", "prefix_hits", "prefix_puts", "prefix_load_bytes",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
            "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total")

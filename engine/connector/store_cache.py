@@ -63,7 +63,7 @@ import torch
 
 from engine.connector.claims import (  # noqa: F401 (re-exported: the claim record and its outcomes)
     CLAIM_BYTES, CLAIM_TAG, COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, claim_key)
-from engine.connector.codec import signature_blob
+from engine.connector.codec import SignatureBlob, signature_blob
 from engine.connector.coldshare import ColdShare
 from engine.connector.config import DEFAULT_DEVICE_CACHE_BYTES, StoreConnectorConfig
 from engine.connector.errors import StoreUnavailable
@@ -394,15 +394,25 @@ class StoreSignatureCache(SignatureCache):
             self.metrics.add_put_failure("unavailable")
             self.drop_claim(claim)
             return False
-        blob = signature_blob(signature, self.fingerprint)
+        return self.store_blob(key, signature_blob(signature, self.fingerprint), signature.device, claim, cost)
+
+    def store_blob(self, key: bytes, blob: SignatureBlob, device: torch.device, claim: Optional[Claim] = None,
+                   cost: float = 0.0) -> bool:
+        """Queue any object blob (a signature's, a prefix checkpoint's: engine.connector.
+        prefix_store) for storage under `key`, as `store` does; `device`: where its
+        tensors are (a CUDA put waits on the compute stream's work so far)."""
+        if not self.link.available:
+            self.metrics.add_put_failure("unavailable")
+            self.drop_claim(claim)
+            return False
         event = None
-        if signature.device.type == "cuda":  # pragma: no cover - GPU only
+        if device.type == "cuda":  # pragma: no cover - GPU only
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(signature.device))
+            event.record(torch.cuda.current_stream(device))
         release = None
         if claim is not None and claim.owned:
             release = lambda c=claim: self.drop_claim(c)  # noqa: E731
-        job = PutJob(key, blob, cost=cost, tier=self.config.put_tier, event=event, device=signature.device,
+        job = PutJob(key, blob, cost=cost, tier=self.config.put_tier, event=event, device=device,
                      release_claim=release)
         return self.putter.submit(job)
 

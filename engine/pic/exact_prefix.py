@@ -66,6 +66,16 @@ class PrefixMatch:
     matched: list[PrefixNode] = field(default_factory=list)
     path: list[PrefixNode] = field(default_factory=list)
     source: str = "engine"
+    tier: Optional[str] = None  # the daemon tier that held it (source "store")
+
+    @property
+    def tree_tip(self) -> Optional[PrefixNode]:
+        """The tree node at the restored boundary, under which the request's further
+        checkpoints go (the root when nothing was restored; None when the boundary has no
+        node in the tree, e.g. a daemon checkpoint that did not fit)."""
+        if not self.path:
+            return None
+        return next((n for n in self.matched if n.checkpoint.end == self.end), None)
 
     @property
     def end(self) -> int:
@@ -128,7 +138,7 @@ class ExactPrefixes:
         stateful = stateful_ends(self.config.prefix_checkpoints, todo, m.matched, m.path)
         logits, cps = fill_with_checkpoints(runner, seq, list(ids), todo, stateful, len(ids), self.config,
                                             all_logits)
-        tip = insert_chain(self.tree, m.path[-1] if m.path else self.tree.root, ids, cps, pinned)
+        tip = insert_chain(self.tree, m.tree_tip if m.path else self.tree.root, ids, cps, pinned)
         return logits, tip
 
     def compute(self, runner, job: PrefixJob) -> list[PrefixNode]:

@@ -346,6 +346,7 @@ class _PrefixState:
     builder: PlanBuilder
     pinned: list[PrefixNode] = field(default_factory=list)
     tip: Optional[PrefixNode] = None  # deepest node of this request's prefix so far
+    store_report: Optional[object] = None  # the store-backed planner's report of this request
 
 
 class PrefixPlanner(ReportingPlanner):
