@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from connector_testlib import new_engine, prompt, run_one
+from connector_testlib import GREEDY, new_engine, prompt, run_one
 from engine.connector.prefix_store import OBJECT_KIND, checkpoint_blob, checkpoint_from_tensors, prefix_key
 from engine.pic.config import PicConfig
 from engine.pic.prefix import merge_path
@@ -20,11 +20,10 @@ from test_cli_store import kvengine_run
 LAYOUT = prompt((0, 1, 2))
 
 
-def _full_text(layout, max_new_tokens: int = 4) -> str:
+def _full_text(layout, params: SamplingParams = GREEDY) -> str:
     engine = new_engine()
     planner = attach_planner(engine, PicConfig(method="full"))
-    out, _, _ = run_one(engine, planner, layout, "full",
-                        SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))  # as kvengine run
+    out, _, _ = run_one(engine, planner, layout, "full", params)
     return out.text
 
 
@@ -92,4 +91,4 @@ def test_kvengine_run_processes_share_exact_prefixes_pic_and_prefix_alike(start_
     assert pre["store_prefix_source"] == "store" and not pre["store_prefix_stored"]
     assert pre["store_prefix_tokens"] == pre["reused_tokens"] > 0
     assert pre["recomputed_tokens"] == pre["prompt_tokens"] - pre["reused_tokens"]
-    assert pre["text"] == _full_text(LAYOUT, max_new_tokens=2)  # kvengine_run's --max-new-tokens
+    assert pre["text"] == _full_text(LAYOUT, SamplingParams(temperature=0.0, max_new_tokens=2))  # as kvengine_run
