@@ -31,7 +31,7 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   (time waited for them), `cold_helped` (segments computed for other engines),
   `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
 - `near_hits`: segments spliced from the engine's own device cache (no daemon round
-  trip; StoreConnectorConfig.device_cache_bytes).
+  trip; StoreConnectorConfig.device_cache_bytes / device_cache_fraction).
 - cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
   computed alone while idle, and stored), `deferred_batches` (idle calls that computed
   some), `deferred_tokens`, `deferred_ms_total` (whole calls) split into

@@ -65,7 +65,7 @@ from engine.connector.claims import (  # noqa: F401 (re-exported: the claim reco
     CLAIM_BYTES, CLAIM_TAG, COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, claim_key)
 from engine.connector.codec import SignatureBlob, signature_blob
 from engine.connector.coldshare import ColdShare
-from engine.connector.config import DEFAULT_DEVICE_CACHE_BYTES, StoreConnectorConfig
+from engine.connector.config import StoreConnectorConfig, device_cache_capacity
 from engine.connector.errors import StoreUnavailable
 from engine.connector.link import StoreLink
 from engine.connector.loader import LoadBatch, LoadedSegment, SegmentLoader
@@ -107,11 +107,9 @@ class StoreSignatureCache(SignatureCache):
         self._claims: dict[bytes, Claim] = {}
         self._closed = False
         self.share: Optional[ColdShare] = ColdShare(self) if self.config.sharing else None
-        near = self.config.device_cache_bytes
-        if near is None:
-            near = DEFAULT_DEVICE_CACHE_BYTES if self.device.type == "cuda" else 0
-        #: the engine's own device-resident signatures (StoreConnectorConfig.device_cache_bytes)
-        self.near = InMemorySignatureCache(near)
+        #: the engine's own device-resident signatures, bounded (StoreConnectorConfig.device_cache_bytes /
+        #: device_cache_fraction): the working set beyond it comes from the daemon's tiers
+        self.near = InMemorySignatureCache(device_cache_capacity(self.config, self.device))
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             self.link.on_connect(self._map_arenas_soon)
         if connect:
