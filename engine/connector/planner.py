@@ -337,7 +337,7 @@ class StorePicPlanner(PicPlanner):
         if self.idle_pass is not None or self.deferred:
             return self._help_deferred(runner, should_stop)
         if self.exact is not None and self.exact.pending:
-            return self._help_prefix(runner)
+            return self._help_prefix(runner, should_stop)
         share = self.store.share
         if share is None:
             return 0
@@ -465,9 +465,11 @@ class StorePicPlanner(PicPlanner):
             end = path[-1].checkpoint.end
             self.checkpoints.put(list(ids[:end]), merge_path([n.checkpoint for n in path]))
 
-    def _help_prefix(self, runner) -> int:
+    def _help_prefix(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """One queued exact prefix: skipped when the daemon holds it already (another
         engine computed it), else computed and stored."""
+        if should_stop is not None and should_stop():  # the pass cannot give way half-way: not now
+            return 0
         job = self.exact.next_job()
         if job is None:
             return 0

@@ -127,6 +127,16 @@ class ExactPrefixes:
             return None
         return self.jobs.popitem(last=True)[1]
 
+    def forget(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> int:
+        """Drop every exact checkpoint on the prefixes of `ids` (the tree's path from its
+        first segment, with all it holds below, and queued jobs of it): a cold start for
+        benchmarks. How many nodes went."""
+        edges = [tuple(ids[lo:hi]) for lo, hi in bounds]
+        for key in [k for k in self.jobs if k[:len(edges[0])] == edges[0]] if edges else []:
+            del self.jobs[key]
+        path = self.tree.walk(edges[:1])
+        return self.tree.remove(path[0]) if path else 0
+
     # ------------------------------------------------------------------ passes
     def fill_request(self, runner, seq, ids: Sequence[int], bounds: Sequence[tuple[int, int]], m: PrefixMatch,
                      pinned: list, all_logits: bool = False):

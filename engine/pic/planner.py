@@ -365,8 +365,10 @@ class PicPlanner(ReportingPlanner):
         store-backed planner keeps the deepest one with states in the daemon)."""
         return None
 
-    def _help_prefix(self, runner) -> int:
+    def _help_prefix(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
         """One queued exact prefix computed (idle work); 1 when a job ran."""
+        if should_stop is not None and should_stop():  # the pass cannot give way half-way: not now
+            return 0
         job = self.exact.next_job()
         if job is None:
             return 0
@@ -583,7 +585,7 @@ class PicPlanner(ReportingPlanner):
         if kept:
             return kept
         if self.idle_pass is None and not self.deferred and self.exact is not None and self.exact.pending:
-            return self._help_prefix(runner)
+            return self._help_prefix(runner, should_stop)
         if self.idle_pass is not None:
             todo, alone = self.idle_pass
         else:

@@ -298,6 +298,22 @@ class PrefixTree:
         node.nbytes += grown
         self.bytes += grown
 
+    def remove(self, node: PrefixNode) -> int:
+        """Drop `node` and everything below it unless one of them is pinned; how many
+        nodes went."""
+        below = [node]
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            below.append(n)
+            stack.extend(n.children.values())
+        if any(n.pins for n in below) or node.parent is None:
+            return 0
+        del node.parent.children[node.edge]
+        self.bytes -= sum(n.nbytes for n in below)
+        self.num_nodes -= len(below)
+        return len(below)
+
     def _evict(self, limit: int) -> None:
         while self.bytes > limit:
             leaves = [n for n in self._nodes() if not n.children and n.pins == 0]

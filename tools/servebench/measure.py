@@ -21,6 +21,11 @@
   requests' twins run alone, untimed, so every segment is cached in another order, the
   TTFT phase's warm state, as in PIC's usual setting of a precomputed corpus; prefix
   caching keeps what the twins' prefixes give it).
+  Per workload, `prefix_reuse` is the share of the warm prompts prefix caching reused
+  (0 where a twin shares no prefix beyond the first document; about 1 on exact repeats).
+  PIC's warm run of a request repeats its cold run exactly: with exact prefixes
+  (PicConfig.exact_prefix) it restores the exact prefix the idle time after the cold run
+  computed, as prefix caching restores its twin's.
 - `hit_breakdown`: where the TTFT of a PIC hit goes, per tier the segments are loaded
   from (NVMe, CPU, GPU where the daemon has a GPU tier), with device-synchronised
   timing marks: lookup, load (latency and the part the engine waited for), compose
@@ -80,6 +85,7 @@ def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest], name: str = "") -> 
         warm.append(h.run_alone(r))
     traced("prefix-warm", lambda: h.run_alone(twin(reqs[-1])))
     out["prefix"] = {"cold": summarize(cold), "warm": summarize(warm)}
+    out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]  # what its twins' prefixes gave it
     h.planner("pic")
     cold = []
     for r in reqs:
