@@ -93,8 +93,10 @@ class Harness:
         if self._timed_planner is None:
             from dataclasses import replace
 
-            # no engine-side device cache: the breakdown measures loads from the daemon's tiers
-            self._timed_planner = attach_store(self.engine, replace(self.pic_config, sync_timing=True),
+            # no engine-side device cache, no exact prefixes: the breakdown measures segment loads
+            # from the daemon's tiers
+            self._timed_planner = attach_store(self.engine, replace(self.pic_config, sync_timing=True,
+                                                                    exact_prefix=False),
                                                replace(self.connector, device_cache_bytes=0))
         self.engine.scheduler.planner = self._timed_planner
         return self._timed_planner

@@ -29,7 +29,8 @@
 - `hit_breakdown`: where the TTFT of a PIC hit goes, per tier the segments are loaded
   from (NVMe, CPU, GPU where the daemon has a GPU tier), with device-synchronised
   timing marks: lookup, load (latency and the part the engine waited for), compose
-  (splice: re-rotation, scatter, state composition), seam, suffix.
+  (splice: re-rotation, scatter, state composition), seam, suffix. Its planners keep no
+  exact prefixes (PicConfig.exact_prefix off): the repeated request loads its segments.
 """
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ def hit_breakdown(h: Harness, req: BenchRequest, tiers: Sequence[str]) -> dict:
     keys = h.keys_of(req)
     if "nvme" in tiers:  # store the request's segments in the NVMe tier: recompute them with puts there
         h.forget(req)
-        to_nvme = attach_store(h.engine, h.pic_config, replace(h.connector, put_tier="nvme", device_cache_bytes=0))
+        to_nvme = attach_store(h.engine, replace(h.pic_config, exact_prefix=False),
+                              replace(h.connector, put_tier="nvme", device_cache_bytes=0))
         h.run_alone(req)
         to_nvme.store.close()
         h.timed_pic_planner()
