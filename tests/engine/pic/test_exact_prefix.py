@@ -147,3 +147,25 @@ def test_exact_prefix_is_validated_and_off_for_naive(planner_of, model_of):
     with pytest.raises(PicConfigError, match="exact_prefix"):
         PicConfig(exact_prefix="yes")
     assert planner_of(model_of(MIXES["gdn"]), method="naive").exact is None
+
+
+def test_forget_drops_a_prompts_exact_prefixes_but_not_pinned_ones(model_of, runner_of, planner_of):
+    from engine.pic.prefix import prefix_bounds
+
+    model = model_of(MIXES["gdn"])
+    runner = runner_of(model, num_slots=8)
+    docs, q = [rand_ids(n, 130 + n) for n in (12, 14)], rand_ids(4, 5)
+    pic = _pic(planner_of, model)
+    req = make_request(_layout(docs, q))
+    execute(pic, runner, req)
+    pic.help_idle(runner)
+    ids, bounds = req.prompt_token_ids, prefix_bounds(req.prefill_segments())
+    node = pic.exact.tree.walk([tuple(ids[lo:hi]) for lo, hi in bounds])[0]
+    node.pins += 1  # in use by a live request: kept
+    assert pic.exact.forget(ids, bounds) == 0 and pic.exact.tree.num_nodes == 2
+    node.pins -= 1
+    assert pic.exact.forget(ids, bounds) == 2
+    assert pic.exact.tree.num_nodes == 0 and pic.exact.tree.bytes == 0
+    again = make_request(_layout(docs, q))
+    execute(pic, runner, again)
+    assert pic.take_report(again.request_id).prefix_tokens == 0  # cold again
