@@ -272,7 +272,8 @@ def test_context_signatures_are_stored_through_the_daemon_and_hit_by_another_eng
     the same option generates."""
     from engine.pic.config import PicConfig
 
-    ctx = PicConfig(miss_path="context", miss_signatures="context")
+    # no exact prefixes: the idle work here is keeping the captured signatures
+    ctx = PicConfig(miss_path="context", miss_signatures="context", exact_prefix=False)
     d = start_daemon()
     prompts = [prompt((0, 1, 2)), prompt((2, 0, 1))]
     ref_engine, ref_planner = memory_engine(pic=ctx)

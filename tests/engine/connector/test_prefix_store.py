@@ -49,6 +49,13 @@ def test_an_exact_repeat_is_restored_from_the_engine_then_from_the_daemon_in_ano
     assert planner2.store.metrics.snapshot()["prefix_hits"] == 1
     full = _full_text(LAYOUT)
     assert out2.text == out3.text == full
+    # a third engine, a partial match: the three documents restored from the daemon, a new
+    # document after them spliced (computed alone here: a miss), then the question
+    engine3, planner3 = store_engine(d)
+    partial = LAYOUT[:3] + [{"text": "## doc 4\nk4aa: v4aa\nk4bb: v4bb\n", "cache": True}] + LAYOUT[3:]
+    _, rep4, sr4 = run_one(engine3, planner3, partial, "d")
+    assert sr4.prefix_source == "store" and rep4.prefix_tokens == rep2.prefix_tokens
+    assert sr4.segments == 1 and sr4.computed == 1 and rep4.miss_segments == 1
     # the object: its own key space, record kind "prefix-checkpoint", token count = prefix end
     with d.client() as kv:
         records = [r for r in kv.list() if r.meta.extra.get("kind") == OBJECT_KIND]
