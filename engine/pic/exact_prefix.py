@@ -128,14 +128,23 @@ class ExactPrefixes:
         return self.jobs.popitem(last=True)[1]
 
     def forget(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> int:
-        """Drop every exact checkpoint on the prefixes of `ids` (the tree's path from its
-        first segment, with all it holds below, and queued jobs of it): a cold start for
-        benchmarks. How many nodes went."""
+        """Make the prefixes of `ids` cold (benchmarks): along its path in the tree, the
+        nodes no other prefix continues from go, the shared ones keep their K/V but lose
+        their states (other prompts' deeper checkpoints stay usable; this one resumes
+        nowhere), and its queued job goes. Nothing changes while a live request pins a
+        node of the path. How many nodes went."""
         edges = [tuple(ids[lo:hi]) for lo, hi in bounds]
-        for key in [k for k in self.jobs if k[:len(edges[0])] == edges[0]] if edges else []:
-            del self.jobs[key]
-        path = self.tree.walk(edges[:1])
-        return self.tree.remove(path[0]) if path else 0
+        self.jobs.pop(tuple(ids[:bounds[-1][1]]) if bounds else (), None)
+        path = self.tree.walk(edges)
+        if any(n.pins for n in path):
+            return 0
+        removed = 0
+        for node in reversed(path):
+            if node.children:
+                self.tree.strip(node)
+            else:
+                removed += self.tree.remove(node)
+        return removed
 
     # ------------------------------------------------------------------ passes
     def fill_request(self, runner, seq, ids: Sequence[int], bounds: Sequence[tuple[int, int]], m: PrefixMatch,

@@ -17,8 +17,8 @@ With `PicConfig.fused` (the default) all of that after the lookup and miss steps
 (engine.pic.fused; same numbers, one pass of per-call overhead instead of one per
 computed range). Without it, the plan alternates compute steps and splice steps.
 
-Every plan starts with two zero-width apply steps: `lookup` (one `get` per distinct
-segment) and `miss` (each missing segment is computed alone, put into the signature
+Every plan with segments to splice starts with two zero-width apply steps: `lookup`
+(one `get` per distinct segment) and `miss` (each missing segment is computed alone, put into the signature
 cache, then spliced exactly as a hit would be: a cold and a warm request take the same
 path; all of a request's alone passes run packed in one pass through the layers,
 `engine.pic.compute.compute_signatures`). Signatures are keyed by `segment_key(fingerprint, content tokens,
@@ -237,8 +237,9 @@ class PicPlanner(ReportingPlanner):
         items = self._layout(ids, request.prefill_segments(), start)
         units = [it[1] for it in items if it[0] == "splice"]
         state = _RequestState(b, units, ids, bounds=bounds, prefix=prefix)
-        b.apply(0, self._lookup, "lookup")
-        b.apply(0, self._compute_misses, "miss")
+        if units:  # nothing to look up after an exact prefix that covers every cached segment
+            b.apply(0, self._lookup, "lookup")
+            b.apply(0, self._compute_misses, "miss")
         if start:  # the exact state at the deepest matched boundary: no seam, no composition
             checkpoints = [n.checkpoint for n in prefix.path]
             b.apply(start, lambda runner, req, _c=checkpoints: restore_checkpoints(runner.cache, req.seq, _c), "load")

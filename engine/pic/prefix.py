@@ -298,6 +298,17 @@ class PrefixTree:
         node.nbytes += grown
         self.bytes += grown
 
+    def strip(self, node: PrefixNode) -> None:
+        """Drop `node`'s states and window rows, keeping its K/V: a path passes through
+        it but can no longer resume there."""
+        cp = node.checkpoint
+        if not cp.with_state:
+            return
+        node.checkpoint = BoundaryCheckpoint(cp.start, cp.end, kv=cp.kv, with_state=False)
+        freed = node.nbytes - node.checkpoint.nbytes()
+        node.nbytes -= freed
+        self.bytes -= freed
+
     def remove(self, node: PrefixNode) -> int:
         """Drop `node` and everything below it unless one of them is pinned; how many
         nodes went."""

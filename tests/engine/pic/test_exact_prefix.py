@@ -169,3 +169,18 @@ def test_forget_drops_a_prompts_exact_prefixes_but_not_pinned_ones(model_of, run
     again = make_request(_layout(docs, q))
     execute(pic, runner, again)
     assert pic.take_report(again.request_id).prefix_tokens == 0  # cold again
+    # a prompt sharing the first document: forgetting it keeps the other's checkpoints usable
+    pic.help_idle(runner)
+    other_docs = [docs[0], rand_ids(11, 150)]
+    other = make_request(_layout(other_docs, q))
+    execute(pic, runner, other)
+    pic.help_idle(runner)  # its own exact pass: the first document's node is a branch point now
+    assert pic.exact.forget(ids, bounds) == 1  # only the second document's node goes
+    first = pic.exact.tree.walk([tuple(ids[lo:hi]) for lo, hi in bounds[:1]])[0]
+    assert not first.checkpoint.with_state and first.children
+    cold = make_request(_layout(docs, q))
+    execute(pic, runner, cold)
+    assert pic.take_report(cold.request_id).prefix_tokens == 0
+    warm_other = make_request(_layout(other_docs, q))
+    execute(pic, runner, warm_other)
+    assert pic.take_report(warm_other.request_id).prefix_tokens == 1 + sum(map(len, other_docs))
