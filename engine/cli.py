@@ -147,6 +147,22 @@ def _fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
+def _fail_field(exc: Exception) -> None:
+    """A config error "name=value must be ..." as "--name: value must be ..."."""
+    text = str(exc)
+    name, sep, rest = text.partition("=")
+    if sep and name.isidentifier():
+        _fail(f"--{name.replace('_', '-')}: {rest}")
+    _fail(text)
+
+
+def _message(exc: Exception) -> str:
+    """An exception's message without the quotes str() puts around a KeyError's."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc)
+
+
 def _note(message: str) -> None:
     """A line on stderr about a choice the user may not know was made."""
     typer.echo(f"kvengine: {message}", err=True)
@@ -172,7 +188,7 @@ def _build(preset: str, cfg):
     except InvalidRequestError as exc:
         _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
-        _fail(str(exc))
+        _fail(_message(exc))
 
 
 @app.command(cls=PlainHelpCommand)
@@ -192,7 +208,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
         params = r.get("parameters")
         table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
                       _layer_pattern(r["layers"]))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: not cut at 80 columns
 
 
 def _runs(layers: list[str]) -> str:
@@ -234,7 +250,7 @@ def generate(
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     except ConfigError as exc:
-        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+        _fail_field(exc)
     engine = _build(preset, _engine_config(device, dtype, 1, 2048, 2048, None, None))
     try:
         (out,) = engine.generate([prompt], params)
@@ -301,7 +317,7 @@ def serve(
         pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
                         miss_path=miss_path, miss_signatures=miss_signatures, exact_prefix=exact_prefix)
     except PicConfigError as exc:
-        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+        _fail_field(exc)
     connector = _store_config(store, share_cold)
     if connector is None:
         _note("no --store: every prompt is computed in full and nothing is cached; pass --store [SOCKET] to reuse "
@@ -469,7 +485,7 @@ def run_cmd(
                            miss_path=miss_path, miss_signatures=miss_signatures,
                            prefix_checkpoints=prefix_checkpoints, exact_prefix=exact_prefix)
     except PicConfigError as exc:
-        _fail(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}")
+        _fail_field(exc)
     try:
         reqs = read_requests(requests)
     except InvalidRequestError as exc:

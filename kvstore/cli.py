@@ -7,7 +7,11 @@ name, type, default and help text. The client commands (put, get, inspect, evict
 show, rm, bench) talk to a running daemon through KVStoreClient, take `--socket`, print
 JSON with `--json` where they print data, and on failure print one line
 "kvstore: error: REASON" to stderr (no traceback) and exit non-zero: 3 when no daemon
-is running (the message says how to start one), 1 otherwise (2: bad usage).
+is running (the message says how to start one), 1 otherwise (2: bad usage); `rm` exits 1
+when a key was not there, `put` when the key holds other bytes (unless --replace).
+`serve` failing on a path it cannot use says so in one line naming the option. `config
+--socket` shows a running daemon's settings (reported in its Stats). Help is click's
+plain layout (kvstore.cli_help); tables printed to a pipe are not cut at 80 columns.
 """
 
 from __future__ import annotations

@@ -118,8 +118,7 @@ class Store:
         self._index: Optional[ObjectIndex] = None
         self._dir_lock = -1
         self._open = False
-        self._writeback = WriteBack(self._place, self._lock, lambda: self._open,
-                                    s.writeback_watermark)  # started by open (CPU + NVMe tiers, < 1)
+        self._writeback = WriteBack(self, s.writeback_watermark)  # started by open (CPU + NVMe tiers, < 1)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:

@@ -24,24 +24,33 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from kvstore.errors import BadObject, KVStoreError
 from kvstore.eviction import Candidate
 from kvstore.placement import Placement, object_name
+from kvstore.tiers.base import Tier
+
+
+class WriteBackHost(Protocol):
+    """What WriteBack reads of the Store that owns it (kvstore.store.Store, which imports
+    this module, so it is not imported here): its tiers, placement, lock and open flag."""
+
+    tiers: dict[str, Tier]
+    _place: Placement
+    _lock: threading.Lock
+    _open: bool
+
 
 log = logging.getLogger(__name__)
 
 
 class WriteBack:
-    """The write-back thread of one Store (module docstring): it works on the store's
-    `place` under the store's `lock`, and only while `is_open()`."""
+    """The write-back thread of one Store (module docstring)."""
 
-    def __init__(self, place: Placement, lock: threading.Lock, is_open: Callable[[], bool],
-                 watermark: float, interval_s: float = 0.5, round_bytes: int = 256 << 20) -> None:
-        self.place = place
-        self.lock = lock
-        self.is_open = is_open
+    def __init__(self, store: WriteBackHost, watermark: float, interval_s: float = 0.5,
+                 round_bytes: int = 256 << 20) -> None:
+        self.store = store
         self.watermark = watermark
         self.interval_s = interval_s
         self.round_bytes = round_bytes
@@ -80,13 +89,13 @@ class WriteBack:
     def run_once(self) -> int:
         """One round: back the coldest unbacked CPU objects until the unbacked bytes are
         at the watermark (at most `round_bytes`). Returns how many objects were backed."""
-        place = self.place
-        tiers = place.tiers
-        with self.lock:
-            if not self.is_open() or "cpu" not in tiers or "nvme" not in tiers:
+        s = self.store
+        place = s._place
+        with s._lock:
+            if not s._open or "cpu" not in s.tiers or "nvme" not in s.tiers:
                 return 0
             unbacked = [o for o in place.objects.values() if o.tier == "cpu" and o.backing is None]  # one scan
-            excess = sum(o.size for o in unbacked) - int(self.watermark * tiers["cpu"].capacity)
+            excess = sum(o.size for o in unbacked) - int(self.watermark * s.tiers["cpu"].capacity)
             if excess <= 0:
                 return 0
             cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits) for o in unbacked if not o.pinned]
@@ -100,13 +109,13 @@ class WriteBack:
                     break
                 o.busy += 1
                 jobs.append((o, slot))
-            cpu, nvme = tiers["cpu"], tiers["nvme"]
+            cpu, nvme = s.tiers["cpu"], s.tiers["nvme"]
         done = [(o, *self._copy(place, cpu, nvme, o, slot)) for o, slot in jobs]  # outside the lock: pinned
         backed = 0
-        with self.lock:
+        with s._lock:
             for o, slot, error in done:
                 o.busy -= 1
-                keep = error is None and self.is_open() and not o.removed and o.tier == "cpu" and o.backing is None
+                keep = error is None and s._open and not o.removed and o.tier == "cpu" and o.backing is None
                 if keep:
                     o.backing = slot
                     try:
@@ -121,7 +130,7 @@ class WriteBack:
                 else:
                     if error is not None:
                         place.counters["writeback_failures"] += 1
-                    if self.is_open():
+                    if s._open:
                         nvme.free(slot)
                 place.release_slot_if_unpinned(o)
         return backed

@@ -13,7 +13,9 @@ an offence here as well. Relative imports are resolved against the importing mod
 ``from pkg import name`` is an edge to the module ``pkg.name`` when that module exists,
 otherwise to ``pkg`` itself; an import of ``a.b.c`` is an edge to ``a.b.c`` only (not to
 the ``a`` and ``a.b`` packages Python also initialises). Imports of anything outside the
-four packages (the standard library, third-party code, ``tests``) are ignored.
+four packages (the standard library, third-party code, ``tests``) are ignored, and so are
+modules loaded by name at run time (``importlib.import_module("...")``): only import
+statements are read.
 
 Run ``python -m tools.check_layering`` from the repository root (or pass ``--root``): it
 prints one line per offence and exits 1, or prints a one-line summary and exits 0.

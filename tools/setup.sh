@@ -9,11 +9,23 @@ cd "$(dirname "$0")/.."
 
 step() { printf 'setup: %s\n' "$*"; }
 
-# pip install, quiet: drops the lines that say nothing about this install; a failing pip
-# still fails the script (pipefail) and keeps its error lines.
+# pip's lines that say nothing about this install: the location warnings of index
+# settings that name absent directories, and setuptools' editable-install banner (a
+# BuildBackendWarning framed by two "!!" lines, then the source line it points at).
+# Everything else, errors included, is passed through.
+filter_pip() {
+  awk '
+    /WARNING: Location .* is ignored: it is neither a file nor a directory/ { next }
+    /BuildBackendWarning: Editable installation/ { skip = 1; bangs = 0; n = 0; next }
+    skip == 1 { if ($0 ~ /^ *!!$/ && ++bangs == 2) skip = 2; else if (++n > 40) skip = 0; next }
+    skip == 2 { skip = 0; if ($0 ~ /with strategy, WheelFile/) next }
+    { print }
+  '
+}
+
+# pip install, quiet and filtered; a failing pip still fails the script (pipefail).
 pip_install() {
-  python -m pip install -q --disable-pip-version-check --no-warn-script-location "$@" 2>&1 \
-    | { grep -vE "^WARNING: Location '.*' is ignored|^ *(Running setup.py develop|Obtaining file:|Installing build dependencies|Checking if build backend|Getting requirements to build|Preparing editable metadata|Building editable for|Created wheel for|Stored in directory|Successfully built|DEPRECATION: )|editable install|^ *(done|error: subprocess)$" || true; }
+  python -m pip install -q --disable-pip-version-check --no-warn-script-location "$@" 2>&1 | filter_pip
 }
 
 if [ ! -x .venv/bin/python ]; then

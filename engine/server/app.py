@@ -65,9 +65,8 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if isinstance(exc, web.HTTPMethodNotAllowed):
             message += f" (allowed: {', '.join(sorted(exc.allowed_methods))})"
         resp = _json_error(exc.status, message, None, "invalid_request_error", codes.get(exc.status))
-        for name in ("Allow",):
-            if name in exc.headers:
-                resp.headers[name] = exc.headers[name]
+        if "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
         return resp
 
 

@@ -207,6 +207,11 @@ def test_errors_carry_the_kvengine_prefix_and_help_is_plain():
     assert res.returncode == 2
     assert res.stderr.strip() == "kvengine: error: --requests: cannot read /nonexistent/reqs.jsonl: " \
                                  "No such file or directory"
+    res = kvengine("generate", "--preset", "no-such-preset", "hi")
+    assert res.returncode == 2 and res.stderr.startswith("kvengine: error: no preset named 'no-such-preset'")
+    res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", "x.jsonl", "--method", "magic")
+    assert res.returncode == 2 and res.stderr.strip() == ("kvengine: error: --method: 'magic' must be one of full, "
+                                                          "prefix, naive, pic")
     helptext = kvengine("run", "--help").stdout
     assert "--seam N" in helptext and "<int>" not in helptext and "<bool>" not in helptext
     assert "\u2502" not in helptext  # no rich boxes cut at 80 columns

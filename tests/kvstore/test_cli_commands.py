@@ -196,6 +196,7 @@ def test_inspect_counts_lookups_so_a_cold_engine_run_is_not_a_100_percent_hit_ra
     assert stats["get_hit_rate"] is not None
     text = _ok(daemon.cli("inspect"))
     assert f"misses {stats['lookup_misses']}" in text and "lookups:" in text and "gets:" in text
+    assert f"kvstore daemon pid {daemon.pid} at unix:{daemon.socket}\n" in text  # the title is not wrapped
 
 
 def test_put_of_an_existing_key_says_what_is_stored_and_replace_overwrites(daemon, tmp_path):
@@ -243,6 +244,17 @@ def test_config_socket_shows_the_running_daemons_settings(daemon):
     assert "cpu_capacity" in table and "32MiB" in table and "daemon configuration at" in table
 
 
+def test_show_prints_bytes_in_a_blob_header_as_hex_not_a_python_repr(daemon, tmp_path):
+    from kvstore.format import encode_tensors
+
+    blob = encode_tensors({"k": torch.zeros(2)}, fingerprint="fp", token_count=1, meta={"anchor": b"\x01\xab"})
+    (tmp_path / "blob").write_bytes(bytes(blob))
+    _ok(daemon.cli("put", "show/bytes-meta", str(tmp_path / "blob")))
+    shown = json.loads(_ok(daemon.cli("show", "show/bytes-meta", "--json")))
+    assert shown["header"]["meta"]["anchor"] == "hex:01ab"
+    assert "b'" not in _ok(daemon.cli("show", "show/bytes-meta"))
+
+
 def test_config_socket_with_no_daemon_is_the_usual_one_line(tmp_path):
     done = _kvstore("config", "--socket", str(tmp_path / "none.sock"))
     assert done.returncode == 3 and "no kvstore daemon is running" in _one_line_failure(done)
@@ -263,7 +275,7 @@ def test_a_second_daemon_on_the_same_dir_fails_fast_naming_the_holder(daemon, tm
                     "--cpu-capacity", "4MiB", "--nvme-capacity", "16MiB")
     err = _one_line_failure(done)
     assert f"pid {daemon.pid}" in err and "in use by another daemon" in err
-    assert time.monotonic() - t0 < 8.0
+    assert time.monotonic() - t0 < 9.0  # it took 10 s (issue 22); a fresh process starts in about 3
 
 
 def test_help_is_plain_and_whole(tmp_path):

@@ -170,6 +170,8 @@ def test_metrics_endpoint_serves_store_gauges_and_request_latency(daemon):
         objects = sum(t["objects"] for t in kv.stats()["tiers"] if t["name"] == "cpu")
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     assert _metric(text, "kvstore_hits_total") == _metric(before, "kvstore_hits_total") + 1
+    # lookups are counted per key too (an engine gets only what its lookup found)
+    assert _metric(text, "kvstore_lookup_misses_total") == _metric(before, "kvstore_lookup_misses_total") + 1
     assert _metric(text, 'kvstore_tier_objects{tier="cpu"}') == objects
     assert _metric(text, 'kvstore_tier_used_bytes{tier="cpu"}') > 0
     assert 'kvstore_request_seconds_bucket{le="5e-05",rpc="Lookup"}' in text
