@@ -32,6 +32,13 @@ is full recompute's, not alone passes + splicing); `help_idle(runner)`, which th
 calls while it has no request, computes queued segments alone (packed, a token budget
 per call) and caches them, so later requests hit them.
 
+Exact prefixes (`PicConfig.exact_prefix`, `pic` only; engine.pic.exact_prefix): before
+the layout, the request's leading cached segments are matched against the planner's
+prefix tree of exact checkpoints; the deepest usable one is restored by a `load` step at
+its boundary and the layout starts there (no seam, no composition before it). After the
+prefill, a prefix that was not exact yet is queued for an idle-time pass (`help_idle`,
+after the queued alone passes); the cold fallback's pass takes the checkpoints itself.
+
 `FullPlanner` computes everything (with the same report); the prefix planner lives in
 engine.pic.prefix. Planners are called from the engine loop's thread only.
 """
