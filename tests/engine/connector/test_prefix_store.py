@@ -99,3 +99,26 @@ def test_kvengine_run_processes_share_exact_prefixes_pic_and_prefix_alike(start_
     assert pre["store_prefix_tokens"] == pre["reused_tokens"] > 0
     assert pre["recomputed_tokens"] == pre["prompt_tokens"] - pre["reused_tokens"]
     assert pre["text"] == _full_text(LAYOUT, SamplingParams(temperature=0.0, max_new_tokens=2))  # as kvengine_run
+
+
+def test_a_foreign_object_under_a_prefix_key_is_never_restored(start_daemon, store_engine):
+    """An object under a prefix key that is not this model's checkpoint (another
+    fingerprint: a forged or damaged one) is refused: the request is planned as if the
+    daemon held nothing (its segments computed alone and spliced)."""
+    import torch
+
+    d = start_daemon()
+    engine, planner = store_engine(d)
+    ids, segs = engine._tokenize(LAYOUT, None)
+    from engine.pic.prefix import prefix_bounds
+
+    end = prefix_bounds(segs)[-1][1]
+    key = planner.checkpoints.key(ids[:end])
+    with d.client() as kv:
+        kv.put_tensors(key, {"L0.k": torch.zeros(end, 2, 8)}, fingerprint="another-model", token_count=end,
+                       meta={"format": "prefix-checkpoint/1", "end": end}, layers={"L0.k": 0},
+                       extra={"kind": OBJECT_KIND})
+    out, rep, sr = run_one(engine, planner, LAYOUT, "a")
+    assert sr.prefix_source is None and rep.prefix_tokens == 0 and rep.miss_segments == 3
+    snap = planner.store.metrics.snapshot()
+    assert snap["prefix_lookups"] == 1 and snap["prefix_hits"] == 0 and snap["store_errors"] >= 1
