@@ -133,6 +133,11 @@ ShareColdOpt = typer.Option(
     help="With --store: offer a request's cold segments to idle engines on the same daemon, and compute "
          "theirs while idle.")
 
+ExactPrefixOpt = typer.Option(
+    True, "--exact-prefix/--no-exact-prefix",
+    help="pic: a request whose leading cached segments match an earlier sequence exactly restores the exact "
+         "state there (no seam) and computes only the rest; exact states come from cold-fallback passes and idle "
+         "time (with --store, also from the daemon).")
 
 # EngineConfig / LoadSpec field -> the option that sets it (for error messages)
 OPTION_OF = {
@@ -335,6 +340,7 @@ def serve(
     cold_full_policy: str = ColdPolicyOpt,
     miss_path: str = _miss_path_opt("context"),  # measured better for serving (BENCHMARKS, session 6)
     miss_signatures: str = _miss_signatures_opt(),
+    exact_prefix: bool = ExactPrefixOpt,
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -349,7 +355,7 @@ def serve(
     _check_miss_signatures(miss_signatures, miss_path)
     try:  # before the (slow) engine build
         pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
-                        miss_path=miss_path, miss_signatures=miss_signatures)
+                        miss_path=miss_path, miss_signatures=miss_signatures, exact_prefix=exact_prefix)
     except PicConfigError as exc:
         _fail_field(exc)
     connector = _store_config(store, share_cold)
@@ -503,6 +509,7 @@ def run_cmd(
     miss_path: str = _miss_path_opt("alone"),
     miss_signatures: str = _miss_signatures_opt(),
     prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
+    exact_prefix: bool = ExactPrefixOpt,
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
     caching or a baseline); print reuse and timing per request. With --store, signatures
@@ -520,7 +527,7 @@ def run_cmd(
                            signature_cache_bytes=cap, prefix_cache_bytes=cap, fused=fused,
                            cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
                            miss_path=miss_path, miss_signatures=miss_signatures,
-                           prefix_checkpoints=prefix_checkpoints)
+                           prefix_checkpoints=prefix_checkpoints, exact_prefix=exact_prefix)
     except PicConfigError as exc:
         _fail_field(exc)
     try:
@@ -528,8 +535,8 @@ def run_cmd(
     except InvalidRequestError as exc:
         _fail(f"--requests: {exc.message}" if exc.field == "requests" else f"--requests: {exc}")
     connector = _store_config(store, share_cold)
-    if connector is not None and method not in ("pic", "naive"):
-        _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic or naive")
+    if connector is not None and method not in ("pic", "naive", "prefix"):
+        _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic, naive or prefix")
     if connector is not None:
         _check_store_answers(connector, start_without_store)
     engine = _build(source, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))
@@ -567,7 +574,8 @@ def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset,
         table = RunTable(title, fused=fused and method in ("pic", "naive", "prefix"))
     progress = _Progress(len(reqs)) if sys.stderr.isatty() else None
     try:
-        for i, rec in enumerate(run_requests(engine, planner, reqs, max_new_tokens, tuple(stop or ()))):
+        for i, rec in enumerate(run_requests(engine, planner, reqs, max_new_tokens, tuple(stop or ()),
+                                             idle_between=True)):
             if with_store:
                 sr = planner.take_store_report(rec["id"])
                 if sr is not None:
@@ -585,7 +593,7 @@ def _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset,
     finally:
         if progress is not None:
             progress.close()
-    while engine.help_idle():  # cold fallback, context signatures: finish the queued work before exiting
+    while engine.help_idle():  # cold fallback, context signatures, exact prefixes: finish the queued work
         pass
     if with_store:
         planner.store.flush()

@@ -129,7 +129,8 @@ def bench_preset(preset: str, args, device) -> dict:
     fp, tok, model = engine.loaded_model.fingerprint, engine.tokenizer, engine.runner.model
     configs = {m: PicConfig(method=m) for m in args.baselines.split(",") if m}
     for src in SOURCES:
-        configs[f"pic-{src}"] = PicConfig(seam=args.seam, miss_path="context", miss_signatures=src)
+        # no exact prefixes: the idle work measured is the misses' signatures alone
+        configs[f"pic-{src}"] = PicConfig(seam=args.seam, miss_path="context", miss_signatures=src, exact_prefix=False)
     out = {"preset": preset, "scale": scale, "methods": {}}
     for name, cfg in configs.items():
         run_stream(engine, make_planner(cfg, model, fp, tok), warm, device)

@@ -8,9 +8,12 @@ One run per configuration; for each preset (default qwen3next-bench, gated Delta
 ring-bench, scalar decay; `--quick`: their tiny versions) on one engine:
 
 1. TTFT p50/p99 per workload (fact, twohop, aggregate, fewshot, rag: tools/workloads at
-   bench scale; rag is the long production-RAG-like one) for full recompute, prefix
-   caching and PIC through the daemon, cold and warm (tools/servebench/measure.py says
-   exactly what cold and warm mean), and the TTFT reduction of PIC over both;
+   bench scale; rag is the long production-RAG-like one; repeat: exact repeats, and
+   chat: multi-turn chat, prefix caching's own cases; mix: all seven interleaved;
+   tools/servebench/requests.py) for full recompute, prefix caching and PIC through the
+   daemon, cold and warm (tools/servebench/measure.py says exactly what cold and warm
+   mean), the TTFT reduction of PIC over both, and the share of the prompt prefix
+   caching reused per workload (`prefix_reuse`);
 2. sustainable QPS at a TTFT SLO (p99 under `--slo-ms`, default `--slo-factor` x the
    full-recompute p99 TTFT of rag on the idle engine, `--slo-of p99`: a bound the
    baseline itself meets without load; a p50-based SLO is exceeded by the idle
@@ -66,7 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, tiny presets and sizes (~1 minute)")
     ap.add_argument("--presets", default=None, help=f"comma-separated (default {GPU_PRESETS}; quick {QUICK_PRESETS})")
-    ap.add_argument("--workloads", default="fact,twohop,aggregate,fewshot,rag")
+    ap.add_argument("--workloads", default="fact,twohop,aggregate,fewshot,rag,repeat,chat,mix",
+                    help="the five document workloads, exact repeats (repeat), multi-turn chat (chat) and all "
+                         "seven interleaved (mix); tools/servebench/requests.py")
     ap.add_argument("--n", type=int, default=None, help="requests per workload (default 5; quick 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (default none; quick 450)")
     ap.add_argument("--docs", default=None, help="documents per request MIN-MAX (default: the workload's; quick 2-3)")
@@ -163,8 +168,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--miss-signatures context takes a miss's signature from the request's own pass, where only "
                  f"--miss-path context computes it (got --miss-path {args.miss_path})")
     args.share_tasks = [t for t in args.share_tasks.split(",") if t]
-    from tools.servebench.requests import TASKS
+    from tools.servebench.requests import ALL_TASKS, TASKS
 
+    unknown = [w for w in args.workloads if w not in ALL_TASKS]
+    if unknown:
+        ap.error(f"--workloads: {unknown}; choose from {', '.join(ALL_TASKS)}")
     bad = [t for t in args.share_tasks if t not in TASKS]
     if bad or not args.share_tasks:
         ap.error(f"--share-tasks: {bad or 'none given'}; choose from {', '.join(TASKS)}")

@@ -1,14 +1,15 @@
 """Demo: an engine attached to a running kvstore daemon reuses cached segments.
 
     python -m kvstore.cli serve &            # the daemon (default socket)
-    python tools/demo.py                     # then this; run it twice: the second run
-                                             # (a new process) hits every segment
+    python tools/demo.py                     # then this; run it twice: the second run (a new
+                                             # process) restores each exact prefix from the daemon
 
 Starts nothing itself. Given a running daemon (`--socket`, default: the daemon's default
 socket), it builds an engine on a tiny preset, attaches it to the daemon
 (engine.connector), sends a few segmented prompts from tools/workloads (documents that
 recur across requests in different orders) and prints, per request: cached segments
-found in the daemon (and the tier they came from), prompt tokens reused, and the
+found in the daemon (and the tier they came from; `prefix:<tier>` for an exact prefix
+restored whole, engine.pic.exact_prefix), prompt tokens reused, and the
 time to first token with PIC through the daemon next to full recomputation of the
 same prompt.
 """
@@ -73,7 +74,12 @@ def main(argv=None) -> int:
             full = h.run_alone(r)
             h.planner("pic")
             pic = h.run_alone(r)
-            tiers = ",".join(f"{t}:{n}" for t, n in pic.store.get("store_hits_by_tier", {}).items() if n) or "-"
+            tiers = ",".join(f"{t}:{n}" for t, n in pic.store.get("store_hits_by_tier", {}).items() if n)
+            src = pic.store.get("store_prefix_source")
+            if src:  # an exact prefix restored (engine.pic.exact_prefix): one hit, from the daemon or the engine
+                where = pic.store.get("store_prefix_tier") if src == "store" else "engine"
+                tiers = ",".join(x for x in (f"prefix:{where}", tiers) if x)
+            tiers = tiers or "-"
             segments = pic.hit_segments + pic.miss_segments
             print(f"{r.id:<18} {segments:>8} {pic.hit_segments:>4} {tiers:<12} "
                   f"{pic.reused_tokens:>6}/{pic.prompt_tokens:<8} {pic.ttft_ms:>7.1f}ms {full.ttft_ms:>7.1f}ms "
@@ -81,9 +87,10 @@ def main(argv=None) -> int:
         m = h.store.metrics.snapshot()
         reach = ("the daemon answered" if m["store_available"]
                  else "the daemon did not answer: segments were recomputed")
-        print(f"\nconnector: {m['hits']} hits, {m['misses']} misses, {m['puts_stored']} signatures stored; {reach}.")
+        print(f"\nconnector: {m['hits']} hits, {m['misses']} misses, {m['puts_stored']} objects stored, "
+              f"{m['prefix_hits']} exact prefixes loaded; {reach}.")
         if not args.last:
-            print("Run again: a new engine process finds every segment in the daemon.")
+            print("Run again: a new engine process finds every prompt's exact prefix (and segments) in the daemon.")
     finally:
         h.close()
     return 0

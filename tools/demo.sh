@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install (tools/setup.sh), start the kvstore daemon on
 # its embedded defaults, show it working (inspect), run the demo twice (the second run is
-# a new engine process that finds every segment the first one cached), then stop the
+# a new engine process that finds what the first one cached: exact prefixes, segments), then stop the
 # daemon with SIGTERM (a graceful shutdown that flushes the LMDB index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,6 @@ done
 $PY -m kvstore.cli inspect
 echo "== demo, first engine process (cold: segments computed and stored in the daemon)"
 $PY tools/demo.py "$@"
-echo "== demo, second engine process (warm: segments loaded from the daemon)"
+echo "== demo, second engine process (warm: exact prefixes and segments loaded from the daemon)"
 $PY tools/demo.py --last "$@"
 $PY -m kvstore.cli inspect

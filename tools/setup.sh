@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv in the repository root and installs the project into it (idempotent).
-# torch is pinned first to the local CPU build (2.13.0); the GPU box brings its own 2.11.
+# torch is pinned first to the CPU test build (2.13.0); on a GPU machine install a CUDA build
+# by hand instead (README.md, "Running on a GPU").
 # Prints a line per step; pip's noise (location warnings from index settings, the
 # editable-install banner, script-location hints) is filtered out, its errors are not.
 set -euo pipefail

@@ -6,8 +6,9 @@
     ...
     planner.store.close()      # finishes queued puts, releases leases, disconnects
 
-Only the `pic` and `naive` methods keep signatures, so only they use the store; `full`
-computes everything and `prefix` keeps its radix tree in the engine's process.
+`pic` and `naive` keep signatures in the store, `pic` also its exact-prefix checkpoints;
+`prefix` keeps its checkpoints there (engine.connector.prefix_planner: the same objects
+as pic's exact prefixes); `full` computes everything and keeps nothing.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from typing import Optional
 
 from engine.connector.config import StoreConnectorConfig
 from engine.connector.errors import ConnectorConfigError
-from engine.connector.planner import StorePicPlanner
+from engine.connector.planner import StorePicPlanner, prefix_variant
+from engine.connector.prefix_planner import StorePrefixPlanner
+from engine.connector.prefix_store import PrefixCheckpointStore
 from engine.connector.store_cache import StoreSignatureCache
 from engine.pic.config import PicConfig
 from engine.pic.planner import anchor_for
+from engine.pic.prefix import PrefixTree
 
-STORE_METHODS = ("pic", "naive")
+STORE_METHODS = ("pic", "naive", "prefix")
 
 
 def store_config(value: Optional[str], **overrides) -> Optional[StoreConnectorConfig]:
@@ -32,15 +36,22 @@ def store_config(value: Optional[str], **overrides) -> Optional[StoreConnectorCo
     return StoreConnectorConfig(socket=value or None, **overrides)
 
 
-def attach_store(engine, pic_config: PicConfig, connector: StoreConnectorConfig) -> StorePicPlanner:
-    """Install a `StorePicPlanner` over a new `StoreSignatureCache` in `engine` (an
-    LLMEngine built by engine.builder). Never fails for a missing daemon: the engine
-    then serves by recomputation and connects when the daemon appears."""
+def attach_store(engine, pic_config: PicConfig, connector: StoreConnectorConfig):
+    """Install a `StorePicPlanner` (pic, naive) or a `StorePrefixPlanner` (prefix) over a
+    new `StoreSignatureCache` in `engine` (an LLMEngine built by engine.builder). Never
+    fails for a missing daemon: the engine then serves by recomputation and connects
+    when the daemon appears."""
     if pic_config.method not in STORE_METHODS:
         raise ConnectorConfigError(
             f"method={pic_config.method!r} keeps nothing in the store; --store serves methods {', '.join(STORE_METHODS)}")
     fingerprint = engine.loaded_model.fingerprint
     cache = StoreSignatureCache(fingerprint, engine.device, connector)
+    if pic_config.method == "prefix":
+        planner = StorePrefixPlanner(pic_config, PrefixTree(pic_config.prefix_cache_bytes), engine.device, cache,
+                                     PrefixCheckpointStore(cache, fingerprint, prefix_variant(engine.runner.model.dtype)))
+        engine.scheduler.planner = planner
+        engine.sync_timings = pic_config.sync_timing
+        return planner
     planner = StorePicPlanner(pic_config, engine.runner.model.config, fingerprint,
                               anchor_for(pic_config, engine.tokenizer), cache, engine.device,
                               prefetch_queued=connector.prefetch_queued, model_dtype=engine.runner.model.dtype)

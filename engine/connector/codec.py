@@ -42,6 +42,7 @@ class SignatureBlob:
     layers: dict[str, int]
     fingerprint: str
     token_count: int
+    kind: str = OBJECT_KIND  # the daemon record's `extra` kind
 
     @property
     def nbytes(self) -> int:

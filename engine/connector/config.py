@@ -41,19 +41,31 @@ bounded wait before it is served by recomputation:
 - `device_cache_bytes`: capacity of the engine's own LRU of signatures it holds in its
   device memory (computed here, or copied here from a host tier), so a segment used
   again is spliced without a daemon round trip (the L1 of HiCache-style tiering; the
-  daemon stays the shared tier every engine reads). None: DEFAULT_DEVICE_CACHE_BYTES when
-  the engine runs on CUDA, 0 (off) on the CPU.
+  daemon stays the shared tier every engine reads). None: bounded by
+  `device_cache_fraction` instead.
+- `device_cache_fraction` (when `device_cache_bytes` is None): the device cache holds at
+  most this fraction of the device memory free when the connector is attached (after
+  the engine allocated its weights and its KV pool: what a serving engine can spare next
+  to its running requests), so the working set beyond it is served by the daemon's
+  tiers. None: DEFAULT_DEVICE_CACHE_FRACTION (0.05) on CUDA, off (0 bytes) on the CPU;
+  given on the CPU, a fraction of the host memory available (`device_cache_capacity`).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 from engine.connector.errors import ConnectorConfigError
 
 TIERS = ("gpu", "cpu", "nvme")
-DEFAULT_DEVICE_CACHE_BYTES = 8 << 30
+#: share of the free device memory the engine's private signature cache may hold (CUDA):
+#: on an H200 with a 4 GB model and its KV pool, a few GB (a few hundred bench-size
+#: signatures); the rest of a working set comes from the store's tiers
+DEFAULT_DEVICE_CACHE_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class StoreConnectorConfig:
     share_pack_tokens: int = 8192
     share_keep: float = 0.5
     device_cache_bytes: Optional[int] = None
+    device_cache_fraction: Optional[float] = None
 
     @property
     def sharing(self) -> bool:
@@ -100,6 +113,9 @@ class StoreConnectorConfig:
         d = self.device_cache_bytes
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
             raise ConnectorConfigError(f"device_cache_bytes={d!r} must be None or an int >= 0")
+        f = self.device_cache_fraction
+        if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not 0.0 <= f <= 1.0):
+            raise ConnectorConfigError(f"device_cache_fraction={f!r} must be None or a number in [0, 1]")
         for name in ("put_queue_depth", "prefetch_queued", "share_min_segments", "share_pack_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -108,3 +124,24 @@ class StoreConnectorConfig:
             raise ConnectorConfigError(f"put_tier={self.put_tier!r} must be one of {', '.join(TIERS)} or None")
         if self.socket is not None and not str(self.socket):
             raise ConnectorConfigError("socket='' is not a path; pass None for the default socket")
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for new allocations: on CUDA the device's (torch.cuda.mem_get_info),
+    else the host's available physical memory."""
+    if device.type == "cuda":  # pragma: no cover - GPU only
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def device_cache_capacity(config: StoreConnectorConfig, device: torch.device) -> int:
+    """Bytes of the engine's private signature cache on `device` (module docstring:
+    `device_cache_bytes`, else `device_cache_fraction` of the free memory now)."""
+    if config.device_cache_bytes is not None:
+        return config.device_cache_bytes
+    f = config.device_cache_fraction
+    if f is None:
+        if device.type != "cuda":
+            return 0
+        f = DEFAULT_DEVICE_CACHE_FRACTION
+    return int(f * free_memory_bytes(device))

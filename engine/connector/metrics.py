@@ -31,7 +31,7 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   (time waited for them), `cold_helped` (segments computed for other engines),
   `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
 - `near_hits`: segments spliced from the engine's own device cache (no daemon round
-  trip; StoreConnectorConfig.device_cache_bytes).
+  trip; StoreConnectorConfig.device_cache_bytes / device_cache_fraction).
 - cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
   computed alone while idle, and stored), `deferred_batches` (idle calls that computed
   some), `deferred_tokens`, `deferred_ms_total` (whole calls) split into
@@ -39,6 +39,9 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   (queueing the puts).
 - `captured`: signatures of misses taken from the requests' own passes and stored
   (PicConfig.miss_signatures="context", engine.pic.capture): alone passes not run.
+- `prefix_lookups`, `prefix_hits`, `prefix_puts`, `prefix_load_bytes`: exact-prefix
+  checkpoints (engine.connector.prefix_store): requests that asked the daemon for one,
+  the ones it served, checkpoints queued for storage, and the bytes loaded.
 - `peer_loads`, `peer_load_bytes`: GPU-tier loads whose bytes sat on another device
   than the engine's (copied device to device; CUDA IPC across GPUs).
 """
@@ -58,6 +61,7 @@ _COUNTERS = (
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
     "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits", "captured",
+    "prefix_lookups", "prefix_hits", "prefix_puts", "prefix_load_bytes",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
            "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total")

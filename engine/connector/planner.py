@@ -48,11 +48,14 @@ import torch
 from engine.connector.coldshare import ColdSegment, ColdShare, own_share
 from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
+from engine.connector.prefix_store import PrefixCheckpointStore
 from engine.connector.store_cache import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, StoreSignatureCache
 from engine.models.config import ModelConfig
 from engine.pic.config import PicConfig
 from engine.pic.errors import AlonePassStopped
+from engine.pic.exact_prefix import PrefixMatch
 from engine.pic.planner import PicPlanner, SpliceUnit, _RequestState
+from engine.pic.prefix import PrefixNode, PrefixTree, insert_chain, merge_path, path_to, split_checkpoint, usable_path
 from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import Request
 
@@ -87,6 +90,9 @@ class StoreReport:
     late_misses: int = 0  # hits at lookup that could not be loaded (evicted, corrupt): computed at splice
     near: dict[bytes, object] = field(default_factory=dict, repr=False)  # key -> signature from the device cache
     near_hits: int = 0  # segments spliced from the engine's device cache (no daemon round trip)
+    prefix_source: Optional[str] = None  # exact prefix restored from: "engine" (its tree), "store" (the daemon)
+    prefix_tier: Optional[str] = None  # the daemon tier that held it (source "store")
+    prefix_tokens: int = 0  # positions restored from it
 
     @property
     def load_ms(self) -> float:
@@ -105,7 +111,8 @@ class StoreReport:
             "store_take_wait_ms": round(self.take_wait_ms, 3), "store_device_wait_ms": round(self.device_wait_ms, 3),
             "store_copies_pending_at_use": self.copies_pending_at_use,
             "store_late_misses": self.late_misses, "store_fallback": self.fallback,
-            "store_near_hits": self.near_hits,
+            "store_near_hits": self.near_hits, "store_prefix_source": self.prefix_source,
+            "store_prefix_tier": self.prefix_tier, "store_prefix_tokens": self.prefix_tokens,
         }
 
 
@@ -114,9 +121,11 @@ class StorePicPlanner(PicPlanner):
 
     def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str, anchor_ids: Sequence[int],
                  cache: StoreSignatureCache, device: torch.device, prefetch_queued: int = 4,
-                 model_dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__(config, model_config, fingerprint, anchor_ids, cache, device, model_dtype)
+                 model_dtype: Optional[torch.dtype] = None, prefix_tree: Optional[PrefixTree] = None) -> None:
+        super().__init__(config, model_config, fingerprint, anchor_ids, cache, device, model_dtype, prefix_tree)
         self.store = cache
+        #: exact-prefix checkpoints in the daemon (engine.connector.prefix_store)
+        self.checkpoints = PrefixCheckpointStore(cache, fingerprint, prefix_variant(model_dtype))
         self.prefetch_queued = prefetch_queued
         self._waiting: Optional[Sequence[Request]] = None
         self._store_reports: OrderedDict[str, StoreReport] = OrderedDict()
@@ -141,6 +150,9 @@ class StorePicPlanner(PicPlanner):
         state: _RequestState = request.planner_state[_PIC_KEY]
         keys = list(dict.fromkeys(u.key for u in state.units))
         report = StoreReport(request.request_id, segments=len(keys))
+        if state.prefix is not None:
+            report.prefix_source, report.prefix_tokens = state.prefix.source, state.prefix.end
+            report.prefix_tier = state.prefix.tier
         for k in keys:  # the engine's own device cache first: no daemon round trip for those
             sig = self.store.near_get(k)
             if sig is not None:
@@ -324,6 +336,8 @@ class StorePicPlanner(PicPlanner):
             return kept
         if self.idle_pass is not None or self.deferred:
             return self._help_deferred(runner, should_stop)
+        if self.exact is not None and self.exact.pending:
+            return self._help_prefix(runner, should_stop)
         share = self.store.share
         if share is None:
             return 0
@@ -422,6 +436,54 @@ class StorePicPlanner(PicPlanner):
                 mine.append((t, claim))
         return mine
 
+    # ------------------------------------------------------------ exact prefixes
+    def _match_prefix(self, request: Request, ids: list[int], bounds: list[tuple[int, int]]) -> Optional[PrefixMatch]:
+        """The engine's own tree first; when it does not reach the request's deepest
+        boundary, the daemon (one Lookup over the deeper boundaries): a deeper checkpoint
+        found there is restored (and kept in the tree for the next request)."""
+        local = super()._match_prefix(request, ids, bounds)
+        have = 0 if local is None else local.end
+        deeper = [hi for _, hi in bounds if hi > have]
+        found = self.checkpoints.find(ids, deeper) if deeper else None
+        if found is None:
+            return local
+        cp, tier = found
+        if local is not None:  # the daemon's is deeper: release the engine's
+            for n in local.path:
+                n.pins -= 1
+        cut = [b for b in bounds if b[1] <= cp.end]
+        insert_chain(self.exact.tree, self.exact.tree.root, ids, split_checkpoint(cp, cut))
+        node = PrefixNode((), None, cp)  # restored from the merged object itself, whatever fit in the tree
+        node.pins += 1
+        return PrefixMatch(self.exact.tree.walk([tuple(ids[lo:hi]) for lo, hi in bounds]), [node], "store", tier)
+
+    def _prefix_computed(self, ids, tip: Optional[PrefixNode]) -> None:
+        """Keep the deepest exact checkpoint with states the engine just computed in the
+        daemon too (one merged object: module engine.connector.prefix_store)."""
+        path = usable_path(path_to(tip))
+        if path:
+            end = path[-1].checkpoint.end
+            self.checkpoints.put(list(ids[:end]), merge_path([n.checkpoint for n in path]))
+
+    def _help_prefix(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
+        """One queued exact prefix: skipped when the daemon holds it already (another
+        engine computed it), else computed and stored."""
+        if should_stop is not None and should_stop():  # the pass cannot give way half-way: not now
+            return 0
+        job = self.exact.next_job()
+        if job is None:
+            return 0
+        try:
+            held = self.checkpoints.has(job.ids)
+        except Exception:  # the daemon is away: compute it for this engine anyway
+            held = False
+        if held:
+            return 1
+        path = self.exact.compute(runner, job)
+        if path:
+            self._prefix_computed(job.ids, path[-1])
+        return 1
+
     def _compute(self, runner, state: _RequestState, sr: StoreReport, u: SpliceUnit, claim: Claim) -> None:
         self._compute_batch(runner, state, sr, [(u, claim)])
 
@@ -518,3 +580,8 @@ class StorePicPlanner(PicPlanner):
             self._store_reports[request.request_id] = sr
             while len(self._store_reports) > 4096:
                 self._store_reports.popitem(last=False)
+
+
+def prefix_variant(model_dtype: Optional[torch.dtype]) -> str:
+    """The variant of prefix checkpoint keys: the dtype the model's caches hold."""
+    return "" if model_dtype is None else f"dtype={str(model_dtype).removeprefix('torch.')}"

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.connector.codec import OBJECT_KIND, SignatureBlob
+from engine.connector.codec import SignatureBlob
 from engine.connector.errors import StoreUnavailable
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
@@ -157,7 +157,7 @@ class SignaturePutter:
         def put(kv) -> str:
             res = kv.put_tensors(job.key, b.tensors, fingerprint=b.fingerprint, token_count=b.token_count,
                                  tier=job.tier, cost=job.cost, meta=b.meta, layers=b.layers,
-                                 extra={"kind": OBJECT_KIND})
+                                 extra={"kind": b.kind})
             return res.status
 
         if job.event is None:

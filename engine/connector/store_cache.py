@@ -63,9 +63,9 @@ import torch
 
 from engine.connector.claims import (  # noqa: F401 (re-exported: the claim record and its outcomes)
     CLAIM_BYTES, CLAIM_TAG, COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim, claim_key)
-from engine.connector.codec import signature_blob
+from engine.connector.codec import SignatureBlob, signature_blob
 from engine.connector.coldshare import ColdShare
-from engine.connector.config import DEFAULT_DEVICE_CACHE_BYTES, StoreConnectorConfig
+from engine.connector.config import StoreConnectorConfig, device_cache_capacity
 from engine.connector.errors import StoreUnavailable
 from engine.connector.link import StoreLink
 from engine.connector.loader import LoadBatch, LoadedSegment, SegmentLoader
@@ -107,11 +107,9 @@ class StoreSignatureCache(SignatureCache):
         self._claims: dict[bytes, Claim] = {}
         self._closed = False
         self.share: Optional[ColdShare] = ColdShare(self) if self.config.sharing else None
-        near = self.config.device_cache_bytes
-        if near is None:
-            near = DEFAULT_DEVICE_CACHE_BYTES if self.device.type == "cuda" else 0
-        #: the engine's own device-resident signatures (StoreConnectorConfig.device_cache_bytes)
-        self.near = InMemorySignatureCache(near)
+        #: the engine's own device-resident signatures, bounded (StoreConnectorConfig.device_cache_bytes /
+        #: device_cache_fraction): the working set beyond it comes from the daemon's tiers
+        self.near = InMemorySignatureCache(device_cache_capacity(self.config, self.device))
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             self.link.on_connect(self._map_arenas_soon)
         if connect:
@@ -394,15 +392,25 @@ class StoreSignatureCache(SignatureCache):
             self.metrics.add_put_failure("unavailable")
             self.drop_claim(claim)
             return False
-        blob = signature_blob(signature, self.fingerprint)
+        return self.store_blob(key, signature_blob(signature, self.fingerprint), signature.device, claim, cost)
+
+    def store_blob(self, key: bytes, blob: SignatureBlob, device: torch.device, claim: Optional[Claim] = None,
+                   cost: float = 0.0) -> bool:
+        """Queue any object blob (a signature's, a prefix checkpoint's: engine.connector.
+        prefix_store) for storage under `key`, as `store` does; `device`: where its
+        tensors are (a CUDA put waits on the compute stream's work so far)."""
+        if not self.link.available:
+            self.metrics.add_put_failure("unavailable")
+            self.drop_claim(claim)
+            return False
         event = None
-        if signature.device.type == "cuda":  # pragma: no cover - GPU only
+        if device.type == "cuda":  # pragma: no cover - GPU only
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(signature.device))
+            event.record(torch.cuda.current_stream(device))
         release = None
         if claim is not None and claim.owned:
             release = lambda c=claim: self.drop_claim(c)  # noqa: E731
-        job = PutJob(key, blob, cost=cost, tier=self.config.put_tier, event=event, device=signature.device,
+        job = PutJob(key, blob, cost=cost, tier=self.config.put_tier, event=event, device=device,
                      release_claim=release)
         return self.putter.submit(job)
 

@@ -106,6 +106,12 @@ class PicConfig:
     full recomputation costs. `"every"`: at every cacheable boundary (any segment prefix
     reusable, one recurrence split per segment: on the GPU this kept prefix caching
     1.0-2.7x slower than full recomputation in a GPU serving run).
+    exact_prefix (`pic`): reuse exact prefix states (engine.pic.exact_prefix): a request
+    whose leading cached segments match an earlier sequence exactly restores the state at
+    the deepest such boundary (no seam, no composition) and plans only the rest; exact
+    checkpoints come from cold-fallback passes and from idle-time passes over the
+    cacheable prefixes of earlier requests, kept in a prefix tree of
+    `prefix_cache_bytes` (True, default). False: every cached segment is spliced.
     batch_long_ranges (fused, fla): a delta-rule layer with two or more long computed
     ranges (misses computed in context) runs them in two shared varlen calls
     (engine.pic.long_ranges; True, default) instead of one fla call per range (False).
@@ -135,6 +141,7 @@ class PicConfig:
     idle_resume: bool = True
     prefix_checkpoints: str = "branch"
     batch_long_ranges: bool = True
+    exact_prefix: bool = True
     tail_states: str = "fla"
 
     def __post_init__(self) -> None:
@@ -163,6 +170,8 @@ class PicConfig:
                                  f"{', '.join(COLD_FULL_POLICIES)}")
         if not isinstance(self.idle_resume, bool):
             raise PicConfigError(f"idle_resume={self.idle_resume!r} must be True or False")
+        if not isinstance(self.exact_prefix, bool):
+            raise PicConfigError(f"exact_prefix={self.exact_prefix!r} must be True or False")
         if not isinstance(self.batch_long_ranges, bool):
             raise PicConfigError(f"batch_long_ranges={self.batch_long_ranges!r} must be True or False")
         if self.tail_states not in TAIL_STATE_MODES:

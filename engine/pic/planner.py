@@ -17,8 +17,8 @@ With `PicConfig.fused` (the default) all of that after the lookup and miss steps
 (engine.pic.fused; same numbers, one pass of per-call overhead instead of one per
 computed range). Without it, the plan alternates compute steps and splice steps.
 
-Every plan starts with two zero-width apply steps: `lookup` (one `get` per distinct
-segment) and `miss` (each missing segment is computed alone, put into the signature
+Every plan with segments to splice starts with two zero-width apply steps: `lookup`
+(one `get` per distinct segment) and `miss` (each missing segment is computed alone, put into the signature
 cache, then spliced exactly as a hit would be: a cold and a warm request take the same
 path; all of a request's alone passes run packed in one pass through the layers,
 `engine.pic.compute.compute_signatures`). Signatures are keyed by `segment_key(fingerprint, content tokens,
@@ -32,11 +32,19 @@ is full recompute's, not alone passes + splicing); `help_idle(runner)`, which th
 calls while it has no request, computes queued segments alone (packed, a token budget
 per call) and caches them, so later requests hit them.
 
+Exact prefixes (`PicConfig.exact_prefix`, `pic` only; engine.pic.exact_prefix): before
+the layout, the request's leading cached segments are matched against the planner's
+prefix tree of exact checkpoints; the deepest usable one is restored by a `load` step at
+its boundary and the layout starts there (no seam, no composition before it). After the
+prefill, a prefix that was not exact yet is queued for an idle-time pass (`help_idle`,
+after the queued alone passes); the cold fallback's pass takes the checkpoints itself.
+
 `FullPlanner` computes everything (with the same report); the prefix planner lives in
 engine.pic.prefix. Planners are called from the engine loop's thread only.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -49,8 +57,10 @@ from engine.pic.compute import AlonePass
 from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
 from engine.pic.errors import AlonePassStopped, PicConfigError
+from engine.pic.exact_prefix import ExactPrefixes, PrefixMatch, unpin
 from engine.pic.fused import FusedItem, fused_prefill
 from engine.pic.full import FullPlanner, full_pass
+from engine.pic.prefix import PrefixNode, PrefixTree, prefix_bounds, restore_checkpoints
 from engine.pic.report import STATE_KEY, PlanBuilder, ReportingPlanner
 from engine.pic.signature import SegmentSignature
 from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, segment_key, signature_variant
@@ -109,6 +119,10 @@ class _RequestState:
     in_context: set[bytes] = field(default_factory=set)  # misses the fused step computes (miss_path)
     to_capture: list[SpliceUnit] = field(default_factory=list)  # misses whose signatures the pass takes
     captured: Optional[CaptureSet] = None  # filled by the fused step, kept after the first token
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # prefix boundaries (exact_prefix)
+    prefix: Optional[PrefixMatch] = None  # the exact prefix restored (exact_prefix)
+    prefix_done: bool = False  # the request's own pass took its exact checkpoints (cold fallback)
+    prefix_pinned: list[PrefixNode] = field(default_factory=list)  # nodes that pass inserted
 
 
 def _add_compute(items: list[FusedItem], start: int, end: int, sealed: bool = False) -> None:
@@ -131,7 +145,7 @@ class PicPlanner(ReportingPlanner):
 
     def __init__(self, config: PicConfig, model_config: ModelConfig, fingerprint: str,
                  anchor_ids: Sequence[int], cache: SignatureCache, device: torch.device,
-                 model_dtype: Optional[torch.dtype] = None) -> None:
+                 model_dtype: Optional[torch.dtype] = None, prefix_tree: Optional[PrefixTree] = None) -> None:
         super().__init__(config, device)
         if config.method not in ("pic", "naive"):
             raise PicConfigError(f"PicPlanner serves methods pic and naive, not {config.method!r}")
@@ -154,6 +168,11 @@ class PicPlanner(ReportingPlanner):
         self.idle_stopped = 0
         #: the idle pass that gave way, with its batch, resumed by the next `help_idle`
         self.idle_pass: Optional[tuple[list, AlonePass]] = None
+        #: exact-prefix reuse (PicConfig.exact_prefix; `pic` only): its prefix tree and idle jobs
+        self.exact: Optional[ExactPrefixes] = None
+        if config.exact_prefix and config.method == "pic":
+            self.exact = ExactPrefixes(prefix_tree if prefix_tree is not None else PrefixTree(
+                config.prefix_cache_bytes), config)
 
     # ------------------------------------------------------------------ planning
     def key(self, content: Sequence[int], split: int) -> bytes:
@@ -166,17 +185,19 @@ class PicPlanner(ReportingPlanner):
             variant += ";ctx=1"
         return segment_key(self.fingerprint, content, variant)
 
-    def _layout(self, ids: list[int], segments: list[PromptSegment]) -> list[tuple]:
-        """("compute", end, kind) and ("splice", SpliceUnit) items in prompt order.
+    def _layout(self, ids: list[int], segments: list[PromptSegment], start: int = 0) -> list[tuple]:
+        """("compute", end, kind) and ("splice", SpliceUnit) items in prompt order, from
+        position `start` (the end of a restored exact prefix, a segment boundary: the
+        segments before it are left out).
 
         Positions no segment covers (the BOS the engine puts before the first segment)
         are computed, except the anchor in front of a first placement, which the splice
         covers."""
         a = len(self.anchor_ids)
-        anchored = ids[:a] == self.anchor_ids
+        anchored = ids[:a] == self.anchor_ids and start == 0
         segments = [s for s in segments if s.num_tokens > 0]
         items: list[tuple] = []
-        pos = 0  # end of the items so far
+        pos = start  # end of the items so far
 
         def compute(end: int, kind: str) -> None:
             nonlocal pos
@@ -185,6 +206,8 @@ class PicPlanner(ReportingPlanner):
                 pos = end
 
         for i, s in enumerate(segments):
+            if s.token_end <= start:  # inside the restored prefix
+                continue
             # a segment that starts the prompt and holds the anchor itself: content after it
             offset = a if (s.token_start == 0 and anchored) else s.token_start
             n = s.token_end - offset
@@ -210,12 +233,27 @@ class PicPlanner(ReportingPlanner):
     def plan(self, request: Request) -> PrefillPlan:
         self.keep_captured()  # earlier requests' context signatures, before this one looks up
         ids = list(request.prefill_token_ids())
-        items = self._layout(ids, request.prefill_segments())
         b = self._new_builder(request)
+        bounds = prefix_bounds(request.prefill_segments()) if self.exact is not None else []
+        prefix = None
+        if bounds:
+            t0 = time.perf_counter()
+            prefix = self._match_prefix(request, ids, bounds)
+            b.report.lookup_ms += (time.perf_counter() - t0) * 1e3
+        start = 0 if prefix is None else prefix.end
+        items = self._layout(ids, request.prefill_segments(), start)
         units = [it[1] for it in items if it[0] == "splice"]
-        state = _RequestState(b, units, ids)
-        b.apply(0, self._lookup, "lookup")
-        b.apply(0, self._compute_misses, "miss")
+        state = _RequestState(b, units, ids, bounds=bounds, prefix=prefix)
+        if units:  # nothing to look up after an exact prefix that covers every cached segment
+            b.apply(0, self._lookup, "lookup")
+            b.apply(0, self._compute_misses, "miss")
+        if start:  # the exact state at the deepest matched boundary: no seam, no composition
+            checkpoints = [n.checkpoint for n in prefix.path]
+            b.apply(start, lambda runner, req, _c=checkpoints: restore_checkpoints(runner.cache, req.seq, _c), "load")
+            for cp in checkpoints:
+                b.report.add_hit(cp.end - cp.start)
+            b.report.prefix_tokens = start
+            self.exact.restored += 1
         if self.config.fused:
             self._plan_fused(b, items)
             request.planner_state[STATE_KEY] = state
@@ -252,6 +290,14 @@ class PicPlanner(ReportingPlanner):
         captures = self._captures(state)
         if state.full:  # cold fallback: plain full recompute of the fused step's range
             with self.costs.measure("full", len(state.token_ids) - start):
+                if self.exact is not None and captures is None and state.bounds and state.bounds[-1][1] > start:
+                    # the exact checkpoints of its prefix come with the pass (engine.pic.exact_prefix)
+                    logits, tip = self.exact.fill_request(runner, request.seq, state.token_ids, state.bounds,
+                                                          state.prefix or PrefixMatch(), state.prefix_pinned,
+                                                          all_logits)
+                    state.prefix_done = True
+                    self._prefix_computed(state.token_ids, tip)
+                    return logits
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
         self._ready(runner, request, [s[1] for s in spec if s[0] == "s" and s[1].key not in state.in_context])
         sealed = self._seal_tails(runner, state, spec)
@@ -311,7 +357,33 @@ class PicPlanner(ReportingPlanner):
         if state is not None and state.captured is not None:  # kept after its first token is out
             self.captured.append(state.captured)
             state.captured = None
+        if state is not None and self.exact is not None and state.bounds and not state.prefix_done:
+            self.exact.queue(state.token_ids, state.bounds)  # its exact checkpoints, computed while idle
         super().on_prefill_done(request)
+
+    # ------------------------------------------------------------ exact prefixes
+    def _match_prefix(self, request: Request, ids: list[int], bounds: list[tuple[int, int]]) -> Optional[PrefixMatch]:
+        """The exact prefix this request restores (engine.pic.exact_prefix), its path
+        pinned; None when none is usable. The store-backed planner also asks the daemon."""
+        m = self.exact.match(ids, bounds)
+        return m if m.path else None
+
+    def _prefix_computed(self, ids: Sequence[int], tip: Optional[PrefixNode]) -> None:
+        """Hook: exact checkpoints of `ids`' prefix down to `tip` are in the tree (the
+        store-backed planner keeps the deepest one with states in the daemon)."""
+        return None
+
+    def _help_prefix(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
+        """One queued exact prefix computed (idle work); 1 when a job ran."""
+        if should_stop is not None and should_stop():  # the pass cannot give way half-way: not now
+            return 0
+        job = self.exact.next_job()
+        if job is None:
+            return 0
+        path = self.exact.compute(runner, job)
+        if path:
+            self._prefix_computed(job.ids, path[-1])
+        return 1
 
     def keep_captured(self) -> int:
         """Turn the captures of finished prefills into signatures and cache them (the
@@ -386,6 +458,10 @@ class PicPlanner(ReportingPlanner):
                 self._defer(u.key, tuple(state.token_ids[u.offset:u.end]), u.split)
             self._trim_deferred()
             state.builder.report.set_cold_full(len(state.missing))
+        if state.prefix is not None:  # the restored exact prefix stays reused; the rest is computed
+            r = state.builder.report
+            r.reused_tokens, r.hit_segments = state.prefix.end, len(state.prefix.path)
+            r.suffix_tokens = r.recomputed_tokens = r.prompt_tokens - state.prefix.end
         state.missing = []
         state.full = True
         return True
@@ -503,6 +579,8 @@ class PicPlanner(ReportingPlanner):
         queues = self.config.cold_full_fraction is not None or self.config.miss_path == "context"
         if self.config.miss_signatures == "context":  # misses' signatures come from their requests
             queues = bool(self.captured)
+        if self.exact is not None and self.exact.pending:
+            queues = True
         return IDLE_POLL_S if queues else None
 
     def help_idle(self, runner, should_stop: Optional[Callable[[], bool]] = None) -> int:
@@ -514,6 +592,8 @@ class PicPlanner(ReportingPlanner):
         kept = self.keep_captured()
         if kept:
             return kept
+        if self.idle_pass is None and not self.deferred and self.exact is not None and self.exact.pending:
+            return self._help_prefix(runner, should_stop)
         if self.idle_pass is not None:
             todo, alone = self.idle_pass
         else:
@@ -547,6 +627,11 @@ class PicPlanner(ReportingPlanner):
         for key in state.held:
             self.cache.release(key)
         state.held.clear()
+        if state.prefix is not None:
+            unpin(state.prefix.path)
+            state.prefix = None
+        unpin(state.prefix_pinned)
+        state.prefix_pinned.clear()
 
 
 def anchor_for(config: PicConfig, tokenizer) -> list[int]:
@@ -560,7 +645,8 @@ def make_planner(config: PicConfig, model, fingerprint: str, tokenizer,
                  signature_cache: Optional[SignatureCache] = None, prefix_tree=None):
     """The planner of `config.method` for `model` (a HybridDecoder). `signature_cache`
     (pic, naive) defaults to an in-process LRU of `config.signature_cache_bytes`;
-    `prefix_tree` (prefix) to a new `PrefixTree` of `config.prefix_cache_bytes`."""
+    `prefix_tree` (prefix; pic's exact prefixes) to a new `PrefixTree` of
+    `config.prefix_cache_bytes`."""
     device = model.device
     if config.method == "full":
         return FullPlanner(config, device)
@@ -570,4 +656,5 @@ def make_planner(config: PicConfig, model, fingerprint: str, tokenizer,
         tree = prefix_tree if prefix_tree is not None else PrefixTree(config.prefix_cache_bytes)
         return PrefixPlanner(config, tree, device)
     cache = signature_cache if signature_cache is not None else InMemorySignatureCache(config.signature_cache_bytes)
-    return PicPlanner(config, model.config, fingerprint, anchor_for(config, tokenizer), cache, device, model.dtype)
+    return PicPlanner(config, model.config, fingerprint, anchor_for(config, tokenizer), cache, device, model.dtype,
+                      prefix_tree=prefix_tree)

@@ -112,6 +112,99 @@ def restore_checkpoints(manager, seq, path: list[BoundaryCheckpoint]) -> None:
     seq.num_computed_tokens = end
 
 
+def merge_path(path: list[BoundaryCheckpoint]) -> BoundaryCheckpoint:
+    """One checkpoint for positions [0, end) out of a path of checkpoints (root side first,
+    the last one with states): the whole prefix's K/V and the last one's states (what a
+    store object of the prefix holds)."""
+    if not path or path[0].start != 0 or not path[-1].with_state:
+        raise SplicePlacementError("a merged checkpoint needs a path from position 0 ending with states")
+    last = path[-1]
+    cp = BoundaryCheckpoint(0, last.end, ring=dict(last.ring), states=dict(last.states))
+    for i in path[0].kv:
+        cp.kv[i] = (torch.cat([c.kv[i][0] for c in path]), torch.cat([c.kv[i][1] for c in path]))
+    return cp
+
+
+def split_checkpoint(cp: BoundaryCheckpoint, bounds: list[tuple[int, int]]) -> list[BoundaryCheckpoint]:
+    """A merged checkpoint [0, end) cut at `bounds` (consecutive (lo, hi) from 0 to end)
+    into a path of tree checkpoints: K/V of each bound, the states on the last one only."""
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != cp.end:
+        raise SplicePlacementError(f"bounds {bounds[:1]}..{bounds[-1:]} do not tile the checkpoint [0, {cp.end})")
+    out = []
+    for j, (lo, hi) in enumerate(bounds):
+        last = j == len(bounds) - 1
+        part = BoundaryCheckpoint(lo, hi, with_state=last)
+        part.kv = {i: (k[lo:hi], v[lo:hi]) for i, (k, v) in cp.kv.items()}
+        if last:
+            part.ring, part.states = dict(cp.ring), dict(cp.states)
+        out.append(part)
+    return out
+
+
+def prefix_bounds(segments) -> list[tuple[int, int]]:
+    """The prefix boundaries of a prompt: (start, end) after each leading cached segment
+    (never the last segment, whose last token must be computed); an edge is everything
+    since the previous boundary (so the BOS before the first segment belongs to the
+    first edge). `segments`: the request's PromptSegments."""
+    segments = [s for s in segments if s.num_tokens > 0]
+    bounds: list[tuple[int, int]] = []
+    for s in segments[:-1]:
+        if not s.cache:
+            break
+        bounds.append((bounds[-1][1] if bounds else 0, s.token_end))
+    return bounds
+
+
+def stateful_ends(policy: str, todo: list[tuple[int, int]], matched: list["PrefixNode"],
+                  path: list["PrefixNode"]) -> set[int]:
+    """The boundaries (ends) among `todo` whose checkpoints keep states
+    (PicConfig.prefix_checkpoints `policy`; module docstring)."""
+    if not todo:
+        return set()
+    if policy == "every":
+        return {hi for _, hi in todo}
+    ends = {todo[-1][1]}  # the end of the cacheable prefix
+    if len(matched) > len(path):  # the request leaves a cached path there: a branch point
+        ends.add(matched[-1].checkpoint.end)
+    return ends
+
+
+def fill_with_checkpoints(runner, seq, ids, todo, stateful, end: int, config: PicConfig,
+                          all_logits: bool = False):
+    """Compute positions [seq.num_computed_tokens, end) of `ids` in context as one fused
+    pass (engine.pic.fused), split inside the linear recurrences only at the boundaries in
+    `stateful`, with a checkpoint of every boundary of `todo` inside the fill taken on the
+    way; returns (logits, checkpoints in order)."""
+    from engine.pic.fused import FusedItem, fused_prefill
+
+    start = seq.num_computed_tokens
+    cuts = [hi for _, hi in todo if start < hi < end and hi in stateful]
+    edges = [start, *cuts, end]
+    items = [FusedItem(a, b) for a, b in zip(edges, edges[1:])]
+    cps = [BoundaryCheckpoint(lo, hi, with_state=hi in stateful) for lo, hi in todo if start < hi <= end
+           and (hi < end or hi in stateful)]
+    logits = fused_prefill(runner.model, runner.cache, seq, ids, items, backend=runner.backend,
+                           kernel=config.kernel, chain=config.seam_chain, checkpoints=cps,
+                           all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
+                           batch_long_ranges=config.batch_long_ranges)
+    return logits, cps
+
+
+def insert_chain(tree: "PrefixTree", tip: Optional["PrefixNode"], ids, cps: list[BoundaryCheckpoint],
+                 pinned: Optional[list] = None) -> Optional["PrefixNode"]:
+    """Insert checkpoints one after the other below `tip` (each the child of the one
+    before); the new tip (None once one did not fit). Each node inserted is pinned and
+    appended to `pinned` when given."""
+    for cp in cps:
+        if tip is None:  # an earlier checkpoint did not fit
+            break
+        tip = tree.insert(tip, tuple(ids[cp.start:cp.end]), cp)
+        if tip is not None and pinned is not None:
+            tip.pins += 1
+            pinned.append(tip)
+    return tip
+
+
 class PrefixNode:
     """One segment edge of the radix tree."""
 
@@ -144,17 +237,23 @@ class PrefixTree:
         or not they hold states (`usable_path` cuts it to what can be restored); the
         hit counters count the usable part."""
         self.lookups += 1
+        path = self.walk(edges)
+        for child in path:
+            child.last_used = next(self._clock)
+        usable = usable_path(path)
+        self.hit_segments += len(usable)
+        self.hit_tokens += usable[-1].checkpoint.end if usable else 0
+        return path
+
+    def walk(self, edges: list[tuple[int, ...]]) -> list[PrefixNode]:
+        """The chain of nodes along `edges` (as `match`), counting and touching nothing."""
         node, path = self.root, []
         for edge in edges:
             child = node.children.get(edge)
             if child is None:
                 break
-            child.last_used = next(self._clock)
             path.append(child)
             node = child
-        usable = usable_path(path)
-        self.hit_segments += len(usable)
-        self.hit_tokens += usable[-1].checkpoint.end if usable else 0
         return path
 
     def insert(self, parent: PrefixNode, edge: tuple[int, ...], checkpoint: BoundaryCheckpoint) -> Optional[PrefixNode]:
@@ -199,6 +298,33 @@ class PrefixTree:
         node.nbytes += grown
         self.bytes += grown
 
+    def strip(self, node: PrefixNode) -> None:
+        """Drop `node`'s states and window rows, keeping its K/V: a path passes through
+        it but can no longer resume there."""
+        cp = node.checkpoint
+        if not cp.with_state:
+            return
+        node.checkpoint = BoundaryCheckpoint(cp.start, cp.end, kv=cp.kv, with_state=False)
+        freed = node.nbytes - node.checkpoint.nbytes()
+        node.nbytes -= freed
+        self.bytes -= freed
+
+    def remove(self, node: PrefixNode) -> int:
+        """Drop `node` and everything below it unless one of them is pinned; how many
+        nodes went."""
+        below = [node]
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            below.append(n)
+            stack.extend(n.children.values())
+        if any(n.pins for n in below) or node.parent is None:
+            return 0
+        del node.parent.children[node.edge]
+        self.bytes -= sum(n.nbytes for n in below)
+        self.num_nodes -= len(below)
+        return len(below)
+
     def _evict(self, limit: int) -> None:
         while self.bytes > limit:
             leaves = [n for n in self._nodes() if not n.children and n.pins == 0]
@@ -232,11 +358,22 @@ def usable_path(path: list[PrefixNode]) -> list[PrefixNode]:
     return []
 
 
+def path_to(node: Optional[PrefixNode]) -> list[PrefixNode]:
+    """The nodes from the root's child down to `node` (root side first; [] for the root
+    or None)."""
+    out: list[PrefixNode] = []
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
+
+
 @dataclass
 class _PrefixState:
     builder: PlanBuilder
     pinned: list[PrefixNode] = field(default_factory=list)
     tip: Optional[PrefixNode] = None  # deepest node of this request's prefix so far
+    store_report: Optional[object] = None  # the store-backed planner's report of this request
 
 
 class PrefixPlanner(ReportingPlanner):
@@ -250,19 +387,10 @@ class PrefixPlanner(ReportingPlanner):
 
     def plan(self, request: Request) -> PrefillPlan:
         ids = list(request.prefill_token_ids())
-        segments = [s for s in request.prefill_segments() if s.num_tokens > 0]
-        # boundaries after each leading cached segment (never the last segment); an edge
-        # is everything since the previous boundary (so the BOS before the first segment
-        # belongs to the first edge)
-        bounds: list[tuple[int, int]] = []
-        for s in segments[:-1]:
-            if not s.cache:
-                break
-            bounds.append((bounds[-1][1] if bounds else 0, s.token_end))
+        bounds = prefix_bounds(request.prefill_segments())
         b = self._new_builder(request)
         t0 = time.perf_counter()
-        matched = self.tree.match([tuple(ids[lo:hi]) for lo, hi in bounds])
-        path = usable_path(matched)
+        matched, path = self._match(ids, bounds)
         b.report.lookup_ms += (time.perf_counter() - t0) * 1e3
         state = _PrefixState(b, list(path), path[-1] if path else self.tree.root)
         for node in path:
@@ -289,45 +417,34 @@ class PrefixPlanner(ReportingPlanner):
         b.compute(len(ids), "suffix")
         return b.build()
 
+    def _match(self, ids: list[int], bounds: list[tuple[int, int]]) -> tuple[list[PrefixNode], list[PrefixNode]]:
+        """The tree's nodes along the request's boundaries and their usable part (the
+        store-backed planner also asks the daemon)."""
+        matched = self.tree.match([tuple(ids[lo:hi]) for lo, hi in bounds])
+        return matched, usable_path(matched)
+
     def _stateful_ends(self, todo: list[tuple[int, int]], matched: list[PrefixNode],
                        path: list[PrefixNode]) -> set[int]:
         """The boundaries (ends) among `todo` whose checkpoints keep states
         (PicConfig.prefix_checkpoints)."""
-        if not todo:
-            return set()
-        if self.config.prefix_checkpoints == "every":
-            return {hi for _, hi in todo}
-        ends = {todo[-1][1]}  # the end of the cacheable prefix
-        if len(matched) > len(path):  # the request leaves a cached path there: a branch point
-            ends.add(matched[-1].checkpoint.end)
-        return ends
+        return stateful_ends(self.config.prefix_checkpoints, todo, matched, path)
+
+    def _inserted(self, ids: list[int], state: "_PrefixState") -> None:
+        """Hook: the request's checkpoints are in the tree (the store-backed planner
+        stores the deepest one with states through the daemon)."""
+        return None
 
     def _run_fused(self, runner, request: Request, todo: tuple[tuple[int, int], ...], stateful: frozenset,
                    all_logits: bool = False):
         """Everything after the restored prefix in one pass (engine.pic.fused), split inside
         the linear recurrences only at the boundaries that keep states, with each
         boundary's checkpoint taken inside the pass; then inserted into the tree in order."""
-        from engine.pic.fused import FusedItem, fused_prefill
-
         ids = request.prefill_token_ids()
-        start, n = request.seq.num_computed_tokens, len(ids)
-        cuts = [hi for _, hi in todo if start < hi < n and hi in stateful]
-        edges = [start, *cuts, n]
-        items = [FusedItem(a, b) for a, b in zip(edges, edges[1:])]
-        cps = [BoundaryCheckpoint(lo, hi, with_state=hi in stateful) for lo, hi in todo if start < hi < n]
-        logits = fused_prefill(runner.model, runner.cache, request.seq, ids, items, backend=runner.backend,
-                               kernel=self.config.kernel, chain=self.config.seam_chain, checkpoints=cps,
-                               all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                               batch_long_ranges=self.config.batch_long_ranges)
+        logits, cps = fill_with_checkpoints(runner, request.seq, ids, list(todo), stateful, len(ids), self.config,
+                                            all_logits)
         state: _PrefixState = request.planner_state[STATE_KEY]
-        for cp in cps:
-            if state.tip is None:  # an earlier checkpoint of this request did not fit
-                break
-            node = self.tree.insert(state.tip, tuple(ids[cp.start:cp.end]), cp)
-            state.tip = node
-            if node is not None:
-                node.pins += 1
-                state.pinned.append(node)
+        state.tip = insert_chain(self.tree, state.tip, ids, cps, state.pinned)
+        self._inserted(list(ids), state)
         return logits
 
     def _checkpoint(self, runner, request: Request, start: int, end: int, with_state: bool = True) -> None:
@@ -340,6 +457,8 @@ class PrefixPlanner(ReportingPlanner):
         if node is not None:
             node.pins += 1
             state.pinned.append(node)
+            if with_state:
+                self._inserted(list(request.prefill_token_ids()), state)
 
     def _release(self, state: _PrefixState) -> None:
         for node in state.pinned:

@@ -57,6 +57,7 @@ class PrefillReport:
     miss_tokens: int = 0
     hit_segments: int = 0
     miss_segments: int = 0
+    prefix_tokens: int = 0  # of reused_tokens: restored from an exact prefix checkpoint (no seam)
     lookup_ms: float = 0.0
     miss_ms: float = 0.0
     load_compose_ms: float = 0.0

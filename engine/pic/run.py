@@ -88,10 +88,16 @@ def attach_planner(engine, config: PicConfig, signature_cache=None, prefix_tree=
 
 
 def run_requests(engine, planner, requests: Iterable[RunRequest], max_new_tokens: int,
-                 stop_strings: tuple[str, ...] = ()) -> Iterator[dict]:
-    """Run each request alone to completion (greedy); yield its record."""
+                 stop_strings: tuple[str, ...] = (), idle_between: bool = False) -> Iterator[dict]:
+    """Run each request alone to completion (greedy); yield its record. `idle_between`:
+    the engine does its idle work (`LLMEngine.help_idle`: queued alone passes, exact
+    prefixes) before each request after the first, as a serving engine does between
+    requests."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_strings=stop_strings)
-    for r in requests:
+    for i, r in enumerate(requests):
+        if idle_between and i:
+            while engine.help_idle():
+                pass
         engine.add_request(r.segments, params, request_id=r.id)
         final = None
         while final is None:

@@ -29,10 +29,21 @@ def test_quick_run_writes_the_summary_and_prints_the_table_last(tmp_path):
     assert summary["ttft_reduction_vs_prefix_avg"] > 0 and summary["ttft_reduction_vs_full_avg"] > 0
     assert set(run["presets"]) == {"qwen3next-tiny", "ring-tiny"}
     first = run["presets"]["qwen3next-tiny"]
-    assert set(first["workloads"]) == {"fact", "twohop", "aggregate", "fewshot", "rag"}
+    assert set(first["workloads"]) == {"fact", "twohop", "aggregate", "fewshot", "rag", "repeat", "chat", "mix"}
     for w in first["workloads"].values():
         assert w["pic"]["warm"]["hit_segments"] > 0 and w["pic"]["warm"]["miss_segments"] == 0
         assert w["pic"]["cold"]["hit_segments"] == 0
+    # prefix caching's reuse per workload: nothing past the rotated documents, all of an exact
+    # repeat's cacheable prefix, a chat turn's history
+    reuse = summary["prefix_reuse_by_workload"]
+    assert reuse["qwen3next-tiny/fact"] == first["workloads"]["fact"]["prefix_reuse"] == 0.0
+    assert reuse["qwen3next-tiny/repeat"] > 0.5 and reuse["qwen3next-tiny/chat"] > 0.5
+    assert 0.0 < reuse["qwen3next-tiny/mix"] < reuse["qwen3next-tiny/repeat"]
+    for key in ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft"):
+        assert summary[key] is not None and summary[key] > 0
+    # PIC on exact repeats and chat turns restores the exact prefix, as prefix caching does
+    for task in ("repeat", "chat"):
+        assert first["workloads"][task]["pic"]["warm"]["reuse_fraction"] >= reuse[f"qwen3next-tiny/{task}"]
     assert first["sharing"]["shared"]["hit_rate"] > first["sharing"]["private"]["hit_rate"]
     for part in (first["sharing"]["shared"], first["sharing"]["private"], first["cold_parallel"]):
         assert [set(w) for w in part["startup"]] == [{"build_s", "warm_s"}] * 2  # where worker starts went

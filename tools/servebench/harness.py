@@ -27,6 +27,7 @@ from engine.connector.attach import attach_store
 from engine.connector.config import StoreConnectorConfig
 from engine.pic.config import PicConfig
 from engine.pic.planner import make_planner
+from engine.pic.prefix import prefix_bounds
 from engine.runtime.sampling import SamplingParams
 from tools.servebench.requests import BenchRequest
 
@@ -92,8 +93,10 @@ class Harness:
         if self._timed_planner is None:
             from dataclasses import replace
 
-            # no engine-side device cache: the breakdown measures loads from the daemon's tiers
-            self._timed_planner = attach_store(self.engine, replace(self.pic_config, sync_timing=True),
+            # no engine-side device cache, no exact prefixes: the breakdown measures segment loads
+            # from the daemon's tiers
+            self._timed_planner = attach_store(self.engine, replace(self.pic_config, sync_timing=True,
+                                                                    exact_prefix=False),
                                                replace(self.connector, device_cache_bytes=0))
         self.engine.scheduler.planner = self._timed_planner
         return self._timed_planner
@@ -109,16 +112,23 @@ class Harness:
         return [it[1].key for it in planner._layout(ids, segs) if it[0] == "splice"]
 
     def forget(self, req: BenchRequest) -> None:
-        """Delete `req`'s segments from the daemon and from every PIC planner's device
-        cache in this harness (a cold start for PIC); without a daemon, from the engine's
-        in-process signature cache."""
+        """Delete `req`'s segments and exact-prefix checkpoints from the daemon and from
+        every PIC planner's device cache and prefix tree in this harness (a cold start
+        for PIC); without a daemon, from the engine's in-process caches."""
         keys = self.keys_of(req)
+        ids, segs = self.engine._tokenize(req.as_prompt(), None)
+        bounds = prefix_bounds(segs)
+        for p in (self._planners.get("pic"), self._store_planner, self._timed_planner):
+            if p is not None and p.exact is not None and bounds:  # its exact prefixes too
+                p.exact.forget(ids, bounds)
         if self.connector is None:  # PIC over the engine's in-process cache
             self.planner("pic").cache.discard(keys)
             return
         for p in (self._store_planner, self._timed_planner):
             if p is not None:
                 p.store.near.discard(keys)
+        if bounds:  # engine.connector.prefix_store's keys of its prefixes
+            keys += [self.planner("pic").checkpoints.key(ids[:hi]) for _, hi in bounds]
         if keys:
             self.store.flush()
             self.store.link.call("delete", lambda kv: kv.delete(keys))

@@ -21,10 +21,16 @@
   requests' twins run alone, untimed, so every segment is cached in another order, the
   TTFT phase's warm state, as in PIC's usual setting of a precomputed corpus; prefix
   caching keeps what the twins' prefixes give it).
+  Per workload, `prefix_reuse` is the share of the warm prompts prefix caching reused
+  (0 where a twin shares no prefix beyond the first document; about 1 on exact repeats).
+  PIC's warm run of a request repeats its cold run exactly: with exact prefixes
+  (PicConfig.exact_prefix) it restores the exact prefix the idle time after the cold run
+  computed, as prefix caching restores its twin's.
 - `hit_breakdown`: where the TTFT of a PIC hit goes, per tier the segments are loaded
   from (NVMe, CPU, GPU where the daemon has a GPU tier), with device-synchronised
   timing marks: lookup, load (latency and the part the engine waited for), compose
-  (splice: re-rotation, scatter, state composition), seam, suffix.
+  (splice: re-rotation, scatter, state composition), seam, suffix. Its planners keep no
+  exact prefixes (PicConfig.exact_prefix off): the repeated request loads its segments.
 """
 from __future__ import annotations
 
@@ -80,6 +86,7 @@ def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest], name: str = "") -> 
         warm.append(h.run_alone(r))
     traced("prefix-warm", lambda: h.run_alone(twin(reqs[-1])))
     out["prefix"] = {"cold": summarize(cold), "warm": summarize(warm)}
+    out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]  # what its twins' prefixes gave it
     h.planner("pic")
     cold = []
     for r in reqs:
@@ -165,7 +172,8 @@ def hit_breakdown(h: Harness, req: BenchRequest, tiers: Sequence[str]) -> dict:
     keys = h.keys_of(req)
     if "nvme" in tiers:  # store the request's segments in the NVMe tier: recompute them with puts there
         h.forget(req)
-        to_nvme = attach_store(h.engine, h.pic_config, replace(h.connector, put_tier="nvme", device_cache_bytes=0))
+        to_nvme = attach_store(h.engine, replace(h.pic_config, exact_prefix=False),
+                              replace(h.connector, put_tier="nvme", device_cache_bytes=0))
         h.run_alone(req)
         to_nvme.store.close()
         h.timed_pic_planner()

@@ -38,12 +38,13 @@ def kvengine_run(requests: Path, store_args: list[str], env_extra: dict[str, str
 def test_a_second_kvengine_run_process_reuses_segments_the_first_computed(start_daemon, tmp_path):
     d = start_daemon()
     requests = write_requests(tmp_path / "requests.jsonl")
-    first = kvengine_run(requests, ["--store", str(d.socket)], {})
+    # segments only: exact prefixes (test_prefix_store.py) would restore request a whole
+    first = kvengine_run(requests, ["--store", str(d.socket), "--no-exact-prefix"], {})
     assert [r["id"] for r in first] == ["a", "b"]
     assert first[0]["reused_tokens"] == 0 and first[0]["store_computed"] == 2
     assert first[1]["store_hits"] == 1  # doc 1 was computed by request a
     # bare --store: the daemon's default socket, here named by KVSTORE_SOCKET
-    second = kvengine_run(requests, ["--store"], {"KVSTORE_SOCKET": str(d.socket)})
+    second = kvengine_run(requests, ["--store", "--no-exact-prefix"], {"KVSTORE_SOCKET": str(d.socket)})
     assert all(r["reused_tokens"] > 0 and r["store_computed"] == 0 for r in second)
     assert [r["store_hits_by_tier"]["cpu"] for r in second] == [2, 2]
     assert [r["text"] for r in second] == [r["text"] for r in first]
@@ -58,6 +59,6 @@ def test_bare_store_becomes_the_default_socket_and_a_value_is_kept():
 def test_store_refuses_methods_that_keep_nothing_in_the_store(tmp_path):
     requests = write_requests(tmp_path / "requests.jsonl")
     res = CliRunner().invoke(app, ["run", "--preset", "qwen3next-tiny", "--requests", str(requests),
-                                   "--method", "prefix", "--store", "/nonexistent.sock"])
+                                   "--method", "full", "--store", "/nonexistent.sock"])
     assert res.exit_code == 2
-    assert "--store" in res.output and "prefix" in res.output
+    assert "--store" in res.output and "full" in res.output

@@ -272,7 +272,8 @@ def test_context_signatures_are_stored_through_the_daemon_and_hit_by_another_eng
     the same option generates."""
     from engine.pic.config import PicConfig
 
-    ctx = PicConfig(miss_path="context", miss_signatures="context")
+    # no exact prefixes: the idle work here is keeping the captured signatures
+    ctx = PicConfig(miss_path="context", miss_signatures="context", exact_prefix=False)
     d = start_daemon()
     prompts = [prompt((0, 1, 2)), prompt((2, 0, 1))]
     ref_engine, ref_planner = memory_engine(pic=ctx)
@@ -289,3 +290,40 @@ def test_context_signatures_are_stored_through_the_daemon_and_hit_by_another_eng
     assert [out1.token_ids, out2.token_ids] == want
     with d.client() as kv:
         assert kv.stats()["leases"] == 0
+
+
+def test_a_bounded_device_cache_leaves_the_rest_of_the_working_set_to_the_daemon(start_daemon, store_engine):
+    """StoreConnectorConfig.device_cache_bytes / device_cache_fraction: the engine's private
+    cache holds what fits its bound; every other hit is served by the daemon's tiers."""
+    import pytest
+    import torch
+
+    from engine.connector.config import StoreConnectorConfig, device_cache_capacity, free_memory_bytes
+    from engine.connector.errors import ConnectorConfigError
+    from engine.pic.config import PicConfig
+
+    no_prefix = PicConfig(exact_prefix=False)
+    roomy_engine, roomy = store_engine(start_daemon("roomy"), pic=no_prefix, device_cache_bytes=64 << 20)
+    run_one(roomy_engine, roomy, prompt((0, 1, 2)), "r1")
+    sizes = sorted(sig.nbytes() for sig, _ in roomy.store.near._entries.values())
+    assert len(sizes) == 3
+    _, _, st = run_one(roomy_engine, roomy, prompt((2, 0, 1)), "r2")
+    assert (st.near_hits, sum(st.hits_by_tier.values())) == (3, 0)  # everything fits: all private
+    # room for one signature (each computed here, kept privately as far as the bound allows):
+    # the daemon serves the other two hits
+    engine, planner = store_engine(start_daemon("bounded"), pic=no_prefix,
+                                   device_cache_bytes=sizes[-1] + sizes[0] // 2)
+    _, _, st1 = run_one(engine, planner, prompt((0, 1, 2)), "b1")
+    assert st1.computed == 3 and len(planner.store.near._entries) == 1
+    assert planner.store.flush()
+    _, _, st2 = run_one(engine, planner, prompt((2, 0, 1)), "b2")
+    assert st2.near_hits == 1 and st2.hits_by_tier["cpu"] == 2
+    snap = planner.store.metrics.snapshot()
+    assert snap["near_hits"] == 1 and snap["loads"]["cpu"] == 2
+    # a fraction of the free memory (the default on CUDA; given here on the CPU)
+    f = 1e-4
+    cap = device_cache_capacity(StoreConnectorConfig(device_cache_fraction=f), torch.device("cpu"))
+    assert 0 < cap and abs(cap - f * free_memory_bytes(torch.device("cpu"))) < 0.2 * cap
+    assert device_cache_capacity(StoreConnectorConfig(), torch.device("cpu")) == 0
+    with pytest.raises(ConnectorConfigError, match="device_cache_fraction"):
+        StoreConnectorConfig(device_cache_fraction=1.5)
