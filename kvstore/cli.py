@@ -124,6 +124,10 @@ def _serve_impl(config_file: Optional[Path], **flags: Any) -> None:
         run_daemon(config)
     except OSError as exc:  # an unusable --dir, --socket or shm directory: one line, naming it
         raise KVStoreError(_start_error(exc, config)) from None
+    except KVStoreError as exc:  # the store's own error for a directory it cannot use
+        if isinstance(exc.__cause__, OSError):
+            raise KVStoreError(_start_error(exc.__cause__, config)) from None
+        raise
 
 
 def _start_error(exc: OSError, config: Config) -> str:

@@ -76,7 +76,7 @@ def test_many_waiters_on_one_key_leave_every_other_request_prompt(start_daemon):
         data = bytes(range(256)) * 16
         write_region(codec.region_from_pb(res.region), data)
         t_commit = time.monotonic()
-        stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, checksum=host_checksum(data)), timeout=10,
+        stub.Commit(pb.CommitRequest(reservation_id=res.reservation_id, checksum=host_checksum(data), client_id="writer"), timeout=10,
                     metadata=MD)
         for t in threads:
             t.join(30)
@@ -105,7 +105,7 @@ def test_waiters_return_false_when_the_writer_aborts_and_time_out_on_their_own(s
         results: list = [None] * WAITERS
         threads = _start_waiters(d, key, results)
         _until_waiting(kv, WAITERS)
-        stub.Abort(pb.AbortRequest(reservation_id=res.reservation_id), timeout=10, metadata=MD)
+        stub.Abort(pb.AbortRequest(reservation_id=res.reservation_id, client_id="writer"), timeout=10, metadata=MD)
         for t in threads:
             t.join(30)
         assert all(r is not None and r[0] is False and r[1] < 30 for r in results), results
