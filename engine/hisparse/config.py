@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from engine.hisparse.errors import HiSparseConfigError
 
@@ -53,3 +54,12 @@ class HiSparseConfig:
         """Device rows per sequence for selected blocks the hot buffer cannot keep (a step
         that attends to more blocks than `hot_blocks` reads the rest into these rows)."""
         return max(0, self.max_selected - self.hot_blocks)
+
+
+@dataclass(frozen=True)
+class HiSparseSettings:
+    """What the CLI's `--hisparse*` options set: the config, and the kvstore daemon socket
+    for the blocks (`store`: "" the default socket; None: this process's memory)."""
+
+    config: HiSparseConfig
+    store: Optional[str] = None
