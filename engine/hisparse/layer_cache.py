@@ -107,6 +107,10 @@ class HiSparseLayerCache(ExternalKVCache):
         """Blocks of the sequence in `slot` now in its hot buffer (ascending)."""
         return sorted(self._state(slot).rows)
 
+    def key_of(self, slot: int, block: int) -> bytes:
+        """The block-store key of block `block` of the sequence in `slot`."""
+        return self._key(self._state(slot), block)
+
     def _state(self, slot: int) -> SlotBlocks:
         st = self._slots.get(slot)
         if st is None:
