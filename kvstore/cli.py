@@ -314,6 +314,17 @@ def _object_json(o: Any) -> dict[str, Any]:
     }
 
 
+def _objects_by_kind(kv: Any) -> dict[str, int]:
+    """Object counts by record `extra["kind"]` (e.g. "pic-signature", "hisparse-block";
+    "other" without one), so engines' object families show apart."""
+    counts: dict[str, int] = {}
+    for o in kv.list():
+        kind = o.meta.extra.get("kind") if isinstance(o.meta.extra, dict) else None
+        name = kind if isinstance(kind, str) else "other"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 @app.command("inspect")
 @reports_errors
 def inspect_cmd(
@@ -327,8 +338,10 @@ def inspect_cmd(
         stats = kv.stats()
         objs = kv.list(limit=top) if top > 0 else []
         info = kv.info
+        kinds = _objects_by_kind(kv)
     lookups = stats.get("hits", 0) + stats.get("misses", 0)
     stats["hit_rate"] = (stats.get("hits", 0) / lookups) if lookups else None
+    stats["objects_by_kind"] = kinds
     if as_json:
         stats["top_objects"] = [_object_json(o) for o in objs]
         stats["daemon"] = {"pid": info.pid, "version": info.daemon_version, "socket": kv.target} if info else {}
@@ -349,6 +362,8 @@ def inspect_cmd(
     con.print(f"hits {stats.get('hits', 0)}  misses {stats.get('misses', 0)}  hit rate {rate}  "
               f"evictions {stats.get('evictions', 0)}  demotions {stats.get('demotions', 0)}  "
               f"write-backs {stats.get('writebacks', 0)}  leases {stats.get('leases', 0)}")
+    if kinds:
+        con.print("objects by kind: " + "  ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
     if objs:
         o_t = Table(title=f"top {len(objs)} objects by hits", title_justify="left")
         for col in ("key", "tier", "size", "hits", "tokens", "fingerprint"):
