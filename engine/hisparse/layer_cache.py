@@ -86,6 +86,8 @@ class HiSparseLayerCache(ExternalKVCache):
         self.counts_steps = counts_steps
         self._slots: dict[int, SlotBlocks] = {}
         self._clock = 0
+        #: the blocks each sequence of the last decode step attended to (ascending)
+        self.last_selection: list[list[int]] = []
 
     # ------------------------------------------------------------------ sizes
     def device_bytes_per_slot(self) -> int:
@@ -185,18 +187,32 @@ class HiSparseLayerCache(ExternalKVCache):
             k_ctx, v_ctx = torch.cat([past_k, k_new]), torch.cat([past_v, v_new])
         else:
             k_ctx, v_ctx = k_new, v_new
-        bs = self.block
-        for j in range(s // bs, math.ceil(e / bs)):
-            a, b = max(s, j * bs), min(e, (j + 1) * bs)
-            g = self._global(slot, st.rows[j]) if j in st.rows else self._place(slot, st, j)
-            self.k_pool[g, a - j * bs:b - j * bs] = k_new[a - s:b - s]
-            self.v_pool[g, a - j * bs:b - j * bs] = v_new[a - s:b - s]
-            st.num_tokens = b
-            if b == (j + 1) * bs:
-                self._seal(slot, st, j)
+        self.append(slot, k_new, v_new)
         o = causal_attention(q[None], k_ctx[None].to(q.dtype), v_ctx[None].to(q.dtype), ctx.positions,
                              torch.arange(e, device=q.device), None, scale, s, 0)
         return o[0]
+
+    def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V `[n, Hkv, D]` at the sequence's next n positions, sealing (summary, store)
+        each block that fills; no attention (prefill uses it, and benchmarks fill contexts
+        with it)."""
+        st = self._state(slot)
+        s, bs = st.num_tokens, self.block
+        e = s + k.shape[0]
+        for j in range(s // bs, math.ceil(e / bs)):
+            a, b = max(s, j * bs), min(e, (j + 1) * bs)
+            g = self._global(slot, st.rows[j]) if j in st.rows else self._place(slot, st, j)
+            self.k_pool[g, a - j * bs:b - j * bs] = k[a - s:b - s]
+            self.v_pool[g, a - j * bs:b - j * bs] = v[a - s:b - s]
+            st.num_tokens = b
+            if b == (j + 1) * bs:
+                self._seal(slot, st, j)
+
+    def context_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[num_tokens, Hkv, D]` of every position of the sequence in `slot` (resident
+        blocks from the device, the rest read from the store): for fidelity measurements."""
+        st = self._state(slot)
+        return self._past(slot, st, st.num_tokens)
 
     def _past(self, slot: int, st: SlotBlocks, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of positions 0..s-1: resident blocks from their rows, the rest from the store."""
@@ -245,6 +261,7 @@ class HiSparseLayerCache(ExternalKVCache):
             if (p + 1) % bs == 0:
                 self._seal(slot, st, p // bs)
         selected = self._select(q, slots, positions)
+        self.last_selection = selected
         tables, lens = self._gather(slots, positions, selected)
         if self.counts_steps:
             self.metrics.decode_steps += 1

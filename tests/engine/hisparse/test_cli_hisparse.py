@@ -1,0 +1,42 @@
+"""The CLI contract `kvengine generate --preset P --hisparse --hisparse-block N --hisparse-topk K
+--hisparse-hot H "PROMPT" --json`: the same text as without --hisparse when top-k covers
+every block, HiSparse metrics in the JSON; bad settings exit 2 naming the option; `run`
+refuses --hisparse with a clear message."""
+import json
+
+from typer.testing import CliRunner
+
+from engine.cli import app
+
+PROMPT = "Q: what is the capital of the country where the river flows?\nA:"
+
+
+def _generate(*extra):
+    res = CliRunner().invoke(app, ["generate", "--preset", "gla-tiny", "--device", "cpu", "--max-new-tokens", "12",
+                                   *extra, PROMPT, "--json"])
+    return res
+
+
+def test_generate_with_hisparse_prints_the_dense_text_and_hisparse_metrics():
+    dense = _generate()
+    assert dense.exit_code == 0, dense.output
+    hs = _generate("--hisparse", "--hisparse-block", "8", "--hisparse-topk", "64", "--hisparse-hot", "2",
+                   "--hisparse-min-context", "0")
+    assert hs.exit_code == 0, hs.output
+    want, got = json.loads(dense.output), json.loads(hs.output.strip().splitlines()[-1])
+    assert got["text"] == want["text"] and "hisparse" not in want
+    m = got["hisparse"]
+    assert m["blocks_fetched"] > 0 and m["blocks_fetched_per_step"] > 0 and 0 <= m["hot_hit_rate"] < 1
+    assert m["read_bytes_per_s"]["process"] > 0 and m["store"] == "MemoryBlockStore"
+
+
+def test_bad_hisparse_settings_exit_2_naming_the_option():
+    res = _generate("--hisparse", "--hisparse-hot", "1")
+    assert res.exit_code == 2 and "--hisparse-hot" in res.output
+
+
+def test_run_refuses_hisparse_with_a_clear_message(tmp_path):
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps({"id": "a", "segments": [{"text": "hello", "cache": False}]}) + "\n")
+    res = CliRunner().invoke(app, ["run", "--preset", "gla-tiny", "--requests", str(reqs), "--hisparse"])
+    assert res.exit_code == 2 and "--hisparse" in res.output and "generate, bench and serve" in res.output
