@@ -40,3 +40,20 @@ def test_run_refuses_hisparse_with_a_clear_message(tmp_path):
     reqs.write_text(json.dumps({"id": "a", "segments": [{"text": "hello", "cache": False}]}) + "\n")
     res = CliRunner().invoke(app, ["run", "--preset", "gla-tiny", "--requests", str(reqs), "--hisparse"])
     assert res.exit_code == 2 and "--hisparse" in res.output and "generate, bench and serve" in res.output
+
+
+def test_prometheus_metrics_carry_the_hisparse_figures():
+    from engine.hisparse.metrics import HiSparseMetrics
+    from engine.server.metrics import ServerMetrics
+
+    m = HiSparseMetrics(decode_steps=4, blocks_attended=10, hot_hits=6, blocks_fetched=4)
+    m.add_read("cpu", 4096, 0.5)
+    m.add_write("nvme", 1000, 2.0)
+    metrics = ServerMetrics("tiny")
+    metrics.observe_hisparse(m.snapshot())
+    text = metrics.render().decode()
+    assert "kvengine_hisparse_blocks_fetched_total 4.0" in text
+    assert "kvengine_hisparse_blocks_fetched_per_step 1.0" in text
+    assert "kvengine_hisparse_hot_hit_ratio 0.6" in text
+    assert 'kvengine_hisparse_read_bytes_per_second{tier="cpu"} 8192.0' in text
+    assert 'kvengine_hisparse_write_bytes_per_second{tier="nvme"} 500.0' in text
