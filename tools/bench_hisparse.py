@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-n", type=int, help="requests per task (default 8; quick 2)")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
+    p.add_argument("--host-budget-gib", type=float, default=64.0,
+                   help="host memory the offloaded blocks of one decode point may take (caps the HiSparse batch)")
     p.add_argument("--store", help="kvstore daemon socket for the blocks (default: this process's memory)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present; quick: cpu)")
     p.add_argument("--json-path", help="output file (default docs/results/hisparse-<date>.json)")
@@ -120,6 +122,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_n": args.quality_n or (1 if q else 8),
         "phases": args.phases.split(","),
         "memory_budget_gib": args.memory_budget_gib,
+        "host_budget_gib": args.host_budget_gib,
         "store": args.store,
         "quick": q,
     }
@@ -251,6 +254,14 @@ def _decode_rate(runner: ModelRunner, seqs: list[Sequence], steps: int) -> float
     return len(seqs) * steps / (time.perf_counter() - t0)
 
 
+def _offloaded_bytes_per_seq(model, s: dict[str, Any], length: int) -> int:
+    """Bytes of one sequence's sealed blocks in the block store (every full layer)."""
+    esz = torch.empty((), dtype=model.dtype).element_size()
+    per_block = sum(2 * s["block"] * spec.num_kv_heads * spec.head_dim * esz
+                    for spec in cache_specs(model) if spec.kind == PAGED)
+    return (length // s["block"]) * per_block
+
+
 def _decode_point(model, s: dict[str, Any], kind: str, batch: int, length: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(batch * 7 + length)
     off = None
@@ -283,7 +294,9 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
         for length in s["lengths"]:
             m = mem.get(preset, {}).get("lengths", {}).get(str(length))
             dense_max = min(s["max_batch"], m["dense_seqs_fit"]) if m else 1
-            hs_max = min(s["max_batch"], m["hisparse_seqs_fit"]) if m else 1
+            host_per_seq = _offloaded_bytes_per_seq(model, s, length)
+            host_cap = max(1, int(s["host_budget_gib"] * (1 << 30) // max(1, host_per_seq)))
+            hs_max = min(s["max_batch"], m["hisparse_seqs_fit"], host_cap) if m else 1
             row: dict[str, Any] = {"dense": {}, "hisparse": {}}
             for kind, batches in (("dense", {1, dense_max}), ("hisparse", {1, dense_max, hs_max})):
                 for batch in sorted(b for b in batches if b >= 1):
@@ -294,6 +307,7 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             row["dense_max_batch"], row["hisparse_max_batch"] = dense_max, hs_max
+            row["offloaded_bytes_per_seq"], row["hisparse_host_cap"] = host_per_seq, host_cap
             res[str(length)] = row
             out.setdefault("decode", {})[preset] = res
             save()

@@ -35,6 +35,8 @@ from kvstore.errors import KVStoreError
 
 log = logging.getLogger("engine.hisparse")
 _STOP = object()
+#: keys per Get request (the daemon refuses batches over its max_batch, 4096 by default)
+GET_BATCH = 1024
 
 
 class DaemonBlockStore(BlockStore):
@@ -146,9 +148,14 @@ class DaemonBlockStore(BlockStore):
 
     def _get(self, keys: list[bytes]) -> list:
         t0 = time.perf_counter()
+        views: list = []
         try:
-            views = self._client.get_many(keys)
+            for a in range(0, len(keys), GET_BATCH):
+                views.extend(self._client.get_many(keys[a:a + GET_BATCH]))
         except KVStoreError as exc:
+            for view in views:
+                if view is not None:
+                    view.release()
             self.metrics.blocks_lost += len(keys)
             raise BlocksLost(keys, f"the kvstore daemon did not answer ({type(exc).__name__}: {exc})") from exc
         missing = [key for key, view in zip(keys, views) if view is None]
