@@ -107,3 +107,28 @@ def test_decoding_through_the_daemon_equals_dense_and_survives_a_daemon_restart(
     assert any("recomputing request(s)" in r.getMessage() and "could not be read" in r.getMessage()
                for r in caplog.records)
     engine.kv_offload.close()
+
+
+def test_blocks_spill_to_nvme_when_the_cpu_tier_is_full_and_read_back_exactly(tmp_path):
+    d = DaemonProcess(tmp_path / "small", entry="kvstore.server", cpu_capacity="1MiB")
+    d.start()
+    try:
+        store = DaemonBlockStore(d.socket)
+        gen = torch.Generator().manual_seed(3)
+        blocks = [(torch.randn(64, 4, 64, generator=gen), torch.randn(64, 4, 64, generator=gen)) for _ in range(12)]
+        keys = [KEY_PREFIX + i.to_bytes(4, "little") for i in range(12)]  # 12 x 128 KiB: over the 1 MiB CPU tier
+        for key, (k, v) in zip(keys, blocks):
+            store.put(key, k, v, BlockMeta(layer=0, block=0, tokens=64))
+        store.flush()
+        with d.client() as kv:
+            objs = kv.list(prefix=KEY_PREFIX)
+        assert len(objs) == 12 and "nvme" in {o.tier for o in objs}
+        dk, dv = torch.zeros(12, 64, 4, 64), torch.zeros(12, 64, 4, 64)
+        store.read_into(keys, list(dk), list(dv))
+        for i, (k, v) in enumerate(blocks):
+            assert torch.equal(dk[i], k) and torch.equal(dv[i], v)
+        snap = store.metrics.snapshot()
+        assert snap["read_bytes"].get("nvme", 0) > 0 and snap["put_failures"] == 0
+        store.close()
+    finally:
+        d.cleanup()
