@@ -8,10 +8,11 @@ place into the daemon's shared arena -> commit), record `extra` `{"kind":
 copy. A put that fails (daemon away, no capacity) keeps the host copy in this process
 (logged once per failure streak, counted as `put_failures`): the block stays readable.
 
-Reads: one `get_many` for every block of the call; each leased object is decoded in
-place (`decode_view`: tensor views over the arena or the NVMe file's mapping) and copied
-straight into its device row (on CUDA on a side stream, which the current stream then
-waits for; leases are released once the copies are done). A block the daemon does not
+Reads: `get_many` for every block of the call (batches of GET_BATCH keys); each leased
+object is decoded in place (`decode_view`: tensor views over the arena or the NVMe
+file's mapping, no copy by the client), and the blocks go to their device rows in one
+batch (`scatter_rows`: one host copy into a pinned staging buffer, one transfer, one
+scatter); leases are released once the host copy is done. A block the daemon does not
 have (it restarted without it) or a daemon that cannot be reached raises `BlocksLost`.
 Discards (a freed sequence's blocks) are deletes on the put thread.
 """
@@ -28,7 +29,7 @@ import torch
 
 from engine.hisparse.errors import BlocksLost
 from engine.hisparse.metrics import HiSparseMetrics
-from engine.hisparse.store import OBJECT_KIND, BlockMeta, BlockStore, HostBlock, copy_rows, host_copy
+from engine.hisparse.store import OBJECT_KIND, BlockMeta, BlockStore, HostBlock, host_copy, scatter_rows
 from kvstore.client import KVStoreClient
 from kvstore.client.views import decode_view
 from kvstore.errors import KVStoreError
@@ -120,7 +121,7 @@ class DaemonBlockStore(BlockStore):
             log.debug("hisparse: delete of %d blocks failed: %s", len(keys), exc)
 
     # ------------------------------------------------------------------ reads
-    def read_into(self, keys: Sequence[bytes], k_dst: Sequence[torch.Tensor], v_dst: Sequence[torch.Tensor]) -> None:
+    def read_into(self, keys: Sequence[bytes], k_dst: torch.Tensor, v_dst: torch.Tensor, rows: Sequence[int]) -> None:
         local: list[int] = []
         remote: list[int] = []
         hosts: dict[int, HostBlock] = {}
@@ -136,12 +137,12 @@ class DaemonBlockStore(BlockStore):
         views = self._get([keys[i] for i in remote]) if remote else []
         try:
             t0 = time.perf_counter()
-            copy_rows([hosts[i].k for i in local], [hosts[i].v for i in local],
-                      [k_dst[i] for i in local], [v_dst[i] for i in local])
             if local:
+                scatter_rows([hosts[i].k for i in local], [hosts[i].v for i in local], k_dst, v_dst,
+                             [rows[i] for i in local])
                 self.metrics.add_read(self.LOCAL_TIER, sum(hosts[i].nbytes for i in local), time.perf_counter() - t0)
             if views:
-                self._copy_views(views, [k_dst[i] for i in remote], [v_dst[i] for i in remote])
+                self._copy_views(views, k_dst, v_dst, [rows[i] for i in remote])
         finally:
             for view in views:
                 view.release()
@@ -168,24 +169,16 @@ class DaemonBlockStore(BlockStore):
         self._rpc_s = time.perf_counter() - t0
         return views
 
-    def _copy_views(self, views: list, k_dst: list[torch.Tensor], v_dst: list[torch.Tensor]) -> None:
-        share = self._rpc_s / len(views)
-        cuda = k_dst[0].device.type == "cuda"
-        stream = torch.cuda.Stream(k_dst[0].device) if cuda else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(k_dst[0].device))
-        for view, dk, dv in zip(views, k_dst, v_dst):
-            t0 = time.perf_counter()
-            _header, tensors = decode_view(view)
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    copy_rows([tensors["k"]], [tensors["v"]], [dk], [dv])
-            else:
-                copy_rows([tensors["k"]], [tensors["v"]], [dk], [dv])
-            self.metrics.add_read(view.tier, view.size, time.perf_counter() - t0 + share)
-        if stream is not None:
-            stream.synchronize()  # the leases must outlive the copies
-            torch.cuda.current_stream(k_dst[0].device).wait_stream(stream)
+    def _copy_views(self, views: list, k_dst: torch.Tensor, v_dst: torch.Tensor, rows: list[int]) -> None:
+        """Decode each leased blob in place and send them all in one batch (the host copy
+        into the staging buffer finishes before this returns, so the leases may go)."""
+        t0 = time.perf_counter()
+        parts = [decode_view(view).tensors for view in views]
+        scatter_rows([p["k"] for p in parts], [p["v"] for p in parts], k_dst, v_dst, rows)
+        seconds = time.perf_counter() - t0 + self._rpc_s
+        total = sum(view.size for view in views)
+        for view in views:  # the batch's time is shared by bytes among the tiers it came from
+            self.metrics.add_read(view.tier, view.size, seconds * view.size / total)
 
     # ------------------------------------------------------------------ lifecycle
     def discard(self, keys: Sequence[bytes]) -> None:

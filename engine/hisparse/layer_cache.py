@@ -220,17 +220,21 @@ class HiSparseLayerCache(ExternalKVCache):
         shape = (nb, self.block, self.num_kv_heads, self.head_dim)
         past_k = torch.empty(shape, device=self.device, dtype=self.k_pool.dtype)
         past_v = torch.empty(shape, device=self.device, dtype=self.v_pool.dtype)
-        keys, dst = [], []
+        keys, dst, res_at, res_rows = [], [], [], []
         for j in range(nb):
             if j in st.rows:
-                g = self._global(slot, st.rows[j])
-                past_k[j].copy_(self.k_pool[g])
-                past_v[j].copy_(self.v_pool[g])
+                res_at.append(j)
+                res_rows.append(self._global(slot, st.rows[j]))
             else:
                 keys.append(self._key(st, j))
                 dst.append(j)
+        if res_at:
+            at = torch.tensor(res_at, dtype=torch.long).to(self.device)
+            src = torch.tensor(res_rows, dtype=torch.long).to(self.device)
+            past_k.index_copy_(0, at, self.k_pool.index_select(0, src))
+            past_v.index_copy_(0, at, self.v_pool.index_select(0, src))
         if keys:
-            self.store.read_into(keys, [past_k[j] for j in dst], [past_v[j] for j in dst])
+            self.store.read_into(keys, past_k, past_v, dst)
         return past_k.flatten(0, 1)[:s], past_v.flatten(0, 1)[:s]
 
     # ------------------------------------------------------------------ decode
@@ -308,7 +312,7 @@ class HiSparseLayerCache(ExternalKVCache):
         tables `[B, max selected]` (global rows) and lengths `[B]` for the paged kernel."""
         bs = self.block
         hot = self.config.hot_blocks
-        keys, rows_k, rows_v = [], [], []
+        keys, fetch_rows = [], []
         tables, lens = [], []
         for slot, p, sel in zip(slots, positions, selected):
             st = self._slots[slot]
@@ -330,10 +334,8 @@ class HiSparseLayerCache(ExternalKVCache):
                                                 f"{self.rows_per_slot} rows per sequence")
                     else:
                         st.rows[j], st.row_block[row] = row, j
-                    g = self._global(slot, row)
                     keys.append(self._key(st, j))
-                    rows_k.append(self.k_pool[g])
-                    rows_v.append(self.v_pool[g])
+                    fetch_rows.append(self._global(slot, row))
                 if row < hot:
                     st.last_use[row] = self._clock
                 rows.append(self._global(slot, row))
@@ -342,7 +344,7 @@ class HiSparseLayerCache(ExternalKVCache):
             self.metrics.blocks_attended += len(sel)
         if keys:
             self.metrics.blocks_fetched += len(keys)
-            self.store.read_into(keys, rows_k, rows_v)
+            self.store.read_into(keys, self.k_pool, self.v_pool, fetch_rows)
         width = max(len(r) for r in tables)
         table = torch.tensor([r + [0] * (width - len(r)) for r in tables], dtype=torch.int32).to(self.device)
         return table, torch.tensor(lens, dtype=torch.int32).to(self.device)

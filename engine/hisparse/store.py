@@ -8,10 +8,11 @@ Contract of a `BlockStore` (all calls from the engine thread unless stated):
   pinned memory), so the caller may overwrite the device rows right after. From the
   moment `put` returns the block is readable (a block still queued for its write is
   served from its host copy).
-- `read_into(keys, k_dst, v_dst)` copies block `keys[i]` into the device rows `k_dst[i]`,
-  `v_dst[i]`, all of them or none: a block it cannot read raises `BlocksLost` naming
-  every missing key, and then the destination rows hold nothing the caller may use.
-  On CUDA the copies are ordered before any later work on the current stream.
+- `read_into(keys, k_dst, v_dst, rows)` copies block `keys[i]` into the rows
+  `k_dst[rows[i]]`, `v_dst[rows[i]]` of device tensors `[N, block, Hkv, D]`, all of them
+  or none: a block it cannot read raises `BlocksLost` naming every missing key, and then
+  the destination rows hold nothing the caller may use. On CUDA the copies are ordered
+  before any later work on the current stream.
 - `discard(keys)` forgets blocks (a freed sequence's); `flush()` waits for queued puts;
   `close()` flushes and stops. Both are idempotent.
 - `tier_of_last_read` is not offered: bytes and seconds per tier go to the metrics.
@@ -81,12 +82,27 @@ def host_copy(k: torch.Tensor, v: torch.Tensor) -> HostBlock:
     return HostBlock(hk, hv, event)
 
 
-def copy_rows(src_k: Sequence[torch.Tensor], src_v: Sequence[torch.Tensor], k_dst: Sequence[torch.Tensor],
-              v_dst: Sequence[torch.Tensor]) -> None:
-    """Copy host blocks into device rows (non-blocking from pinned memory on CUDA)."""
-    for sk, sv, dk, dv in zip(src_k, src_v, k_dst, v_dst):
-        dk.copy_(sk.view(dk.shape), non_blocking=True)
-        dv.copy_(sv.view(dv.shape), non_blocking=True)
+def scatter_rows(src_k: Sequence[torch.Tensor], src_v: Sequence[torch.Tensor], k_dst: torch.Tensor,
+                 v_dst: torch.Tensor, rows: Sequence[int]) -> None:
+    """Copy host blocks `src_k[i]`/`src_v[i]` into `k_dst[rows[i]]`/`v_dst[rows[i]]` in one
+    batch: on CUDA the blocks are gathered into one pinned staging buffer (a host copy),
+    sent in one non-blocking transfer on the current stream and scattered with one
+    `index_copy_`; on the CPU one `index_copy_`."""
+    if not rows:
+        return
+    idx = torch.tensor(list(rows), dtype=torch.long)
+    cuda = k_dst.device.type == "cuda"
+    if cuda:
+        idx = idx.pin_memory().to(k_dst.device, non_blocking=True)
+    for srcs, dst in ((src_k, k_dst), (src_v, v_dst)):
+        shape = (len(srcs), *dst.shape[1:])
+        parts = [t.view(dst.shape[1:]) for t in srcs]
+        if cuda:
+            stage = torch.empty(shape, dtype=dst.dtype, pin_memory=True)
+            torch.stack(parts, out=stage)
+            dst.index_copy_(0, idx, stage.to(dst.device, non_blocking=True))
+        else:
+            dst.index_copy_(0, idx, torch.stack(parts).to(dst.dtype))
 
 
 class BlockStore(ABC):
@@ -100,8 +116,8 @@ class BlockStore(ABC):
         """Queue block `key` (module docstring)."""
 
     @abstractmethod
-    def read_into(self, keys: Sequence[bytes], k_dst: Sequence[torch.Tensor], v_dst: Sequence[torch.Tensor]) -> None:
-        """Copy blocks into device rows, all or none (module docstring)."""
+    def read_into(self, keys: Sequence[bytes], k_dst: torch.Tensor, v_dst: torch.Tensor, rows: Sequence[int]) -> None:
+        """Copy blocks into rows of device tensors, all or none (module docstring)."""
 
     @abstractmethod
     def discard(self, keys: Sequence[bytes]) -> None:
@@ -137,14 +153,14 @@ class MemoryBlockStore(BlockStore):
         self._blocks[key] = hb
         self.metrics.add_write(self.TIER, hb.nbytes, time.perf_counter() - t0)
 
-    def read_into(self, keys: Sequence[bytes], k_dst: Sequence[torch.Tensor], v_dst: Sequence[torch.Tensor]) -> None:
+    def read_into(self, keys: Sequence[bytes], k_dst: torch.Tensor, v_dst: torch.Tensor, rows: Sequence[int]) -> None:
         missing = [key for key in keys if key not in self._blocks]
         if missing:
             self.metrics.blocks_lost += len(missing)
             raise BlocksLost(missing, "not in this process's block store")
         t0 = time.perf_counter()
         blocks = [self._blocks[key] for key in keys]
-        copy_rows([b.k for b in blocks], [b.v for b in blocks], k_dst, v_dst)
+        scatter_rows([b.k for b in blocks], [b.v for b in blocks], k_dst, v_dst, rows)
         self.metrics.add_read(self.TIER, sum(b.nbytes for b in blocks), time.perf_counter() - t0)
 
     def discard(self, keys: Sequence[bytes]) -> None:

@@ -39,10 +39,10 @@ def test_blocks_round_trip_through_the_daemon_and_show_apart_in_inspect(daemon):
     for key, (k, v) in zip(keys, blocks.values()):
         store.put(key, k, v, BlockMeta(layer=3, block=0, tokens=8))
     dk, dv = torch.zeros(5, 8, 2, 16), torch.zeros(5, 8, 2, 16)
-    store.read_into(keys, list(dk), list(dv))  # some may still be queued: served from their host copies
+    store.read_into(keys, dk, dv, range(5))  # some may still be queued: served from their host copies
     store.flush()
     dk2, dv2 = torch.zeros(5, 8, 2, 16), torch.zeros(5, 8, 2, 16)
-    store.read_into(keys, list(dk2), list(dv2))  # from the daemon's CPU tier
+    store.read_into(keys, dk2, dv2, range(5))  # from the daemon's CPU tier
     for i, (k, v) in enumerate(blocks.values()):
         assert torch.equal(dk[i], k) and torch.equal(dv[i], v)
         assert torch.equal(dk2[i], k) and torch.equal(dv2[i], v)
@@ -124,7 +124,7 @@ def test_blocks_spill_to_nvme_when_the_cpu_tier_is_full_and_read_back_exactly(tm
             objs = kv.list(prefix=KEY_PREFIX)
         assert len(objs) == 12 and "nvme" in {o.tier for o in objs}
         dk, dv = torch.zeros(12, 64, 4, 64), torch.zeros(12, 64, 4, 64)
-        store.read_into(keys, list(dk), list(dv))
+        store.read_into(keys, dk, dv, range(12))
         for i, (k, v) in enumerate(blocks):
             assert torch.equal(dk[i], k) and torch.equal(dv[i], v)
         snap = store.metrics.snapshot()
