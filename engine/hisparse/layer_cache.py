@@ -21,8 +21,9 @@ attended to (least recently used rows are evicted first).
 - Decode step: with a context of at least `min_context` tokens and more candidate
   blocks than `topk`, the unpinned blocks are scored against the query and the `topk`
   best kept (kernels/hisparse_select.py); else every block is attended to. Selected
-  blocks missing from the hot buffer are read from the store in one batch (into hot rows
-  when some can be evicted, else into staging rows), and the query attends to the
+  blocks missing from the hot buffer are read from the store in one batch, on CUDA on a
+  side stream (into hot rows when some can be evicted, else into staging rows), and the
+  query attends to the
   selected blocks in position order through the paged decode kernel.
 With every block selected, decoding is dense attention over the same K/V.
 """
@@ -86,6 +87,7 @@ class HiSparseLayerCache(ExternalKVCache):
         self.counts_steps = counts_steps
         self._slots: dict[int, SlotBlocks] = {}
         self._clock = 0
+        self._fetch_stream = None  # CUDA side stream of block reads
         #: the blocks each sequence of the last decode step attended to (ascending)
         self.last_selection: list[list[int]] = []
 
@@ -234,8 +236,23 @@ class HiSparseLayerCache(ExternalKVCache):
             past_k.index_copy_(0, at, self.k_pool.index_select(0, src))
             past_v.index_copy_(0, at, self.v_pool.index_select(0, src))
         if keys:
-            self.store.read_into(keys, past_k, past_v, dst)
+            self._fetch(keys, past_k, past_v, dst)
         return past_k.flatten(0, 1)[:s], past_v.flatten(0, 1)[:s]
+
+    def _fetch(self, keys: list[bytes], k_dst: torch.Tensor, v_dst: torch.Tensor, rows: list[int]) -> None:
+        """Read blocks from the store into rows of `k_dst`/`v_dst`: on CUDA on a side stream
+        (after the compute stream's work so far, which may still read the rows being
+        replaced), which the compute stream then waits for."""
+        if self.device.type != "cuda":
+            self.store.read_into(keys, k_dst, v_dst, rows)
+            return
+        if self._fetch_stream is None:
+            self._fetch_stream = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        self._fetch_stream.wait_stream(compute)
+        with torch.cuda.stream(self._fetch_stream):
+            self.store.read_into(keys, k_dst, v_dst, rows)
+        compute.wait_stream(self._fetch_stream)
 
     # ------------------------------------------------------------------ decode
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DecodeContext,
@@ -344,7 +361,7 @@ class HiSparseLayerCache(ExternalKVCache):
             self.metrics.blocks_attended += len(sel)
         if keys:
             self.metrics.blocks_fetched += len(keys)
-            self.store.read_into(keys, self.k_pool, self.v_pool, fetch_rows)
+            self._fetch(keys, self.k_pool, self.v_pool, fetch_rows)
         width = max(len(r) for r in tables)
         table = torch.tensor([r + [0] * (width - len(r)) for r in tables], dtype=torch.int32).to(self.device)
         return table, torch.tensor(lens, dtype=torch.int32).to(self.device)
