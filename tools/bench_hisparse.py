@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mass-steps", type=int, default=4, help="decode steps of the attention-mass phase")
     p.add_argument("--quality-presets", help="trained tiny models (default: those under models/)")
     p.add_argument("--quality-tasks", default="fact,twohop", help="workload tasks of the quality phase")
-    p.add_argument("--quality-n", type=int, help="requests per task (default 8; quick 2)")
+    p.add_argument("--quality-n", type=int, help="requests per task (default 8; quick 1)")
+    p.add_argument("--quality-block", type=int, default=16, help="HiSparse block size of the quality phase")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
     p.add_argument("--host-budget-gib", type=float, default=64.0,
@@ -120,6 +121,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             ("qwen3next-tiny",) if q else [p for p in QUALITY_PRESETS if (ROOT / "models" / p).is_dir()])).split(","),
         "quality_tasks": args.quality_tasks.split(",") if not q else ["fact"],
         "quality_n": args.quality_n or (1 if q else 8),
+        "quality_block": args.quality_block,
         "phases": args.phases.split(","),
         "memory_budget_gib": args.memory_budget_gib,
         "host_budget_gib": args.host_budget_gib,
@@ -430,7 +432,7 @@ def phase_quality(s: dict[str, Any], out: dict[str, Any]) -> None:
         per_task = {}
         for task in s["quality_tasks"]:
             overrides = dict(docs="2-3", facts_per_doc=4) if s["quick"] else {}
-            rows = [_quality_one(loaded.model, tok, r, 16)
+            rows = [_quality_one(loaded.model, tok, r, s["quality_block"])
                     for r in iter_requests(task, s["quality_n"], seed=20, **overrides)]
             kls = [k for r in rows for k in r["kl"]]
             steps = sum(r["steps"] for r in rows)
