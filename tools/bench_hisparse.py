@@ -216,6 +216,14 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
         del model
 
 
+def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random K/V for a context fill, drawn on the device (host draws of 128k-token
+    contexts would dominate the run); seeded from `gen` so runs repeat."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
+
+
 def _fill_dense(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
     cache = runner.cache
     for seq in seqs:
@@ -226,8 +234,8 @@ def _fill_dense(runner: ModelRunner, seqs: list[Sequence], length: int, gen: tor
             for spec, layer in zip(cache.specs, cache.layers):
                 if spec.kind == PAGED:
                     shape = (b - a, spec.num_kv_heads, spec.head_dim)
-                    layer.write(slots, torch.randn(shape, generator=gen).to(cache.device, cache.dtype),
-                                torch.randn(shape, generator=gen).to(cache.device, cache.dtype))
+                    layer.write(slots, _randn(shape, cache.device, cache.dtype, gen),
+                                _randn(shape, cache.device, cache.dtype, gen))
         seq.num_computed_tokens = length
 
 
@@ -239,8 +247,8 @@ def _fill_hisparse(runner: ModelRunner, seqs: list[Sequence], length: int, gen: 
             for layer in cache.layers:
                 if isinstance(layer, HiSparseLayerCache):
                     shape = (b - a, layer.num_kv_heads, layer.head_dim)
-                    layer.append(seq.slot, torch.randn(shape, generator=gen).to(layer.device, cache.dtype),
-                                 torch.randn(shape, generator=gen).to(layer.device, cache.dtype))
+                    layer.append(seq.slot, _randn(shape, layer.device, cache.dtype, gen),
+                                 _randn(shape, layer.device, cache.dtype, gen))
         seq.num_computed_tokens = length
 
 
