@@ -134,3 +134,20 @@ def test_bad_settings_are_refused_naming_the_setting(kwargs, field):
 def test_staging_rows_cover_a_step_wider_than_the_hot_buffer():
     cfg = HiSparseConfig(enabled=True, block_size=64, topk=8, hot_blocks=4, min_context=1024)
     assert cfg.max_selected == 16 and cfg.staging_blocks == 12  # 1023 tokens: 16 blocks before selection
+
+
+def test_block_keys_are_unguessable_per_engine_and_per_sequence():
+    from engine.cache.manager import LayerCacheSpec
+    from engine.hisparse import KEY_PREFIX, HiSparseOffload
+
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=4)
+    spec = LayerCacheSpec("paged", HKV, D)
+    a = HiSparseOffload(cfg, None, 2, 64, torch.device("cpu"), torch.float32).layer_cache(3, spec)
+    b = HiSparseOffload(cfg, None, 2, 64, torch.device("cpu"), torch.float32).layer_cache(3, spec)
+    a.reset(0)
+    b.reset(0)
+    first = a.key_of(0, 0)
+    assert first.startswith(KEY_PREFIX) and first != b.key_of(0, 0)  # same slot, layer, block; other engine
+    a.release(0)
+    a.reset(0)
+    assert a.key_of(0, 0) != first  # the slot's next sequence never names the previous one's blocks
