@@ -25,7 +25,8 @@ each one, `complete` false until the end):
    tokens prefilled for real): per decode step, full layer and head, the share of the
    exact softmax attention mass that falls on the blocks HiSparse selected.
 4. quality (trained tiny models under models/, `--quality-tasks`): per request a budget
-   of 25% of its blocks resident (`topk = ceil(0.25 * blocks) - sink - recent`):
+   of 25% of its blocks resident (`--quality-budget`; `topk = ceil(0.25 * blocks) - sink
+   - recent`):
    next-token KL(dense || HiSparse) over the dense greedy answer (teacher forced; prefill
    is exact either way, so only decode steps count), top-1 agreement, and the task score
    of free greedy generation, HiSparse minus dense, in points.
@@ -92,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-tasks", default="fact,twohop", help="workload tasks of the quality phase")
     p.add_argument("--quality-n", type=int, help="requests per task (default 8; quick 1)")
     p.add_argument("--quality-block", type=int, default=16, help="HiSparse block size of the quality phase")
+    p.add_argument("--quality-budget", type=float, default=0.25,
+                   help="share of a request's blocks resident in the quality phase (the issue's 25%%)")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
     p.add_argument("--host-budget-gib", type=float, default=64.0,
@@ -122,6 +125,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_tasks": args.quality_tasks.split(",") if not q else ["fact"],
         "quality_n": args.quality_n or (1 if q else 8),
         "quality_block": args.quality_block,
+        "quality_budget": args.quality_budget,
         "phases": args.phases.split(","),
         "memory_budget_gib": args.memory_budget_gib,
         "host_budget_gib": args.host_budget_gib,
@@ -383,12 +387,12 @@ def phase_mass(s: dict[str, Any], out: dict[str, Any]) -> None:
         del model, runner, manager
 
 
-def _quality_one(model, tok, request, block: int) -> dict[str, Any]:
+def _quality_one(model, tok, request, block: int, share: float = 0.25) -> dict[str, Any]:
     from tools.workloads.scoring import score
 
     ids = tok.encode(request.prompt, add_bos=True)
     blocks = math.ceil(len(ids) / block)
-    budget = max(2, math.ceil(0.25 * blocks))
+    budget = max(2, math.ceil(share * blocks))
     cfg = HiSparseConfig(enabled=True, block_size=block, topk=max(1, budget - 2), hot_blocks=budget, min_context=0)
     max_new = max(8, len(tok.encode(request.answer)) + 4)
     newline = tok.encode("\n")[0]
@@ -440,7 +444,7 @@ def phase_quality(s: dict[str, Any], out: dict[str, Any]) -> None:
         per_task = {}
         for task in s["quality_tasks"]:
             overrides = dict(docs="2-3", facts_per_doc=4) if s["quick"] else {}
-            rows = [_quality_one(loaded.model, tok, r, s["quality_block"])
+            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"])
                     for r in iter_requests(task, s["quality_n"], seed=20, **overrides)]
             kls = [k for r in rows for k in r["kl"]]
             steps = sum(r["steps"] for r in rows)
