@@ -4,6 +4,8 @@ fidelity, HiSparse against dense paged attention, in one process.
     python tools/bench_hisparse.py                 # GPU box: bench presets at 32k/128k/256k
     python tools/bench_hisparse.py --presets qwen3next-bench --lengths 131072
     python tools/bench_hisparse.py --quick         # CPU, a tiny preset, under a minute
+    python tools/bench_hisparse.py --phases memory,decode --lengths 32768,131072
+    python tools/bench_hisparse.py --phases decode --lengths 262144 --merge   # one file, several commands
 
 Phases (the JSON, docs/results/hisparse-<date>.json or --json-path, is rewritten after
 each one, `complete` false until the end):
@@ -102,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="kvstore daemon socket for the blocks (default: this process's memory)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present; quick: cpu)")
     p.add_argument("--json-path", help="output file (default docs/results/hisparse-<date>.json)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the results of phases not run now from an existing --json-path file (split a long "
+                        "run into several commands)")
     return p
 
 
@@ -216,7 +221,9 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
                 del manager
             row["reduction"] = row["dense_bytes_per_seq"] / row["hisparse_bytes_per_seq"]
             rows[str(length)] = row
-        out.setdefault("memory", {})[preset] = {"budget_bytes": budget, "budget": how, "lengths": rows}
+        entry = out.setdefault("memory", {}).setdefault(preset, {"lengths": {}})
+        entry.update(budget_bytes=budget, budget=how)
+        entry["lengths"].update(rows)  # --merge keeps lengths measured by an earlier command
         del model
 
 
@@ -304,7 +311,7 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
     mem = out.get("memory", {})
     for preset in s["presets"]:
         model = _model(preset, device, dtype, max(s["lengths"]) + s["decode_steps"] + 64)
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = out.setdefault("decode", {}).setdefault(preset, {})
         for length in s["lengths"]:
             m = mem.get(preset, {}).get("lengths", {}).get(str(length))
             dense_max = min(s["max_batch"], m["dense_seqs_fit"]) if m else 1
@@ -323,7 +330,6 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
             row["dense_max_batch"], row["hisparse_max_batch"] = dense_max, hs_max
             row["offloaded_bytes_per_seq"], row["hisparse_host_cap"] = host_per_seq, host_cap
             res[str(length)] = row
-            out.setdefault("decode", {})[preset] = res
             save()
         del model
 
@@ -503,6 +509,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         tmp.write_text(json.dumps(doc, indent=1, default=str))
         os.replace(tmp, path)
 
+    if args.merge and path.exists():
+        old = json.loads(path.read_text())
+        doc["results"] = {k: v for k, v in old.get("results", {}).items()}
+        doc["runs"] = old.get("runs", []) + [{"command": old.get("command"), "settings": old.get("settings")}]
     res = doc["results"]
     t0 = time.perf_counter()
     doc["phase_seconds"] = {}

@@ -41,3 +41,12 @@ def test_quick_run_writes_every_phase_and_the_summary_fields(tmp_path, capsys):
     assert doc["summary"]["kv_memory_reduction_128k"] is None  # no 128k point in --quick
     assert doc["summary"]["quality_delta_points"] == task["delta_points"]
     assert "summary" in capsys.readouterr().out
+
+
+def test_merge_keeps_the_phases_and_lengths_of_an_earlier_command(tmp_path):
+    out = tmp_path / "split.json"
+    assert main(["--quick", "--phases", "memory", "--lengths", "256", "--json-path", str(out)]) == 0
+    assert main(["--quick", "--phases", "memory", "--lengths", "512", "--merge", "--json-path", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]["memory"]["qwen3next-tiny"]["lengths"]) == {"256", "512"}
+    assert len(doc["runs"]) == 1 and "--lengths 256" in doc["runs"][0]["command"]
