@@ -94,8 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-presets", help="trained tiny models (default: those under models/)")
     p.add_argument("--quality-tasks", default="fact,twohop", help="workload tasks of the quality phase")
     p.add_argument("--quality-n", type=int, help="requests per task (default 8; quick 1)")
-    p.add_argument("--quality-block", type=int, default=8,
-                   help="HiSparse block size of the quality phase (8 beat 16 at a 25%% budget, docs/hisparse.md)")
+    p.add_argument("--quality-block", type=int, default=4,
+                   help="HiSparse block size of the quality phase (4 beat 8 and 16 at a 25%% budget, docs/hisparse.md)")
     p.add_argument("--quality-budget", type=float, default=0.25,
                    help="share of a request's blocks resident in the quality phase (the issue's 25%%)")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
