@@ -22,6 +22,7 @@ import torch
 from engine.cache.manager import CacheConfig, CacheManager, cache_specs
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.hisparse.config import HiSparseConfig
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import PrefillPlanner
 from engine.runtime.scheduler import SchedulerConfig
@@ -55,6 +56,11 @@ class EngineConfig:
     #: threads or other engines on the host: H200 serving traces, 2026-11-30, showed
     #: 5-13 ms per tiny CPU op that goes parallel), unchanged on the CPU
     host_threads: Optional[int] = None
+    #: HiSparse offload of full-attention KV (engine/hisparse/, docs/hisparse.md); off by default
+    hisparse: HiSparseConfig = HiSparseConfig()
+    #: kvstore daemon socket for HiSparse blocks ("" the default socket); None: this
+    #: process's memory
+    hisparse_store: Optional[str] = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -148,10 +154,24 @@ def build_engine(
         raise InvalidRequestError(
             "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings {mcfg.max_position_embeddings}"
         )
-    tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)
-    cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
-    manager = CacheManager.for_model(model, cache_cfg)
-    runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
+    offload = None
+    if config.hisparse.enabled:
+        if planner is not None:
+            raise InvalidRequestError("hisparse", "HiSparse runs with the engine's own chunked prefill, not with "
+                                      f"{type(planner).__name__}")
+        offload = build_hisparse(config, max_model_len, device, dtype, loaded.fingerprint)
+        cache_cfg = CacheConfig(block_size=config.block_size, num_blocks=0, num_slots=config.max_num_seqs)
+        manager = CacheManager(cache_specs(model), cache_cfg, device, dtype, external_kv=offload.layer_cache)
+        runner = ModelRunner(model, manager, cuda_graphs=False)  # selection and fetches are host-driven
+        hs = config.hisparse
+        log.info("hisparse on: blocks of %d, top-%d, hot buffer %d, from %d tokens; %s; %.1f MiB per sequence on %s",
+                 hs.block_size, hs.topk, hs.hot_blocks, hs.min_context, offload.store.name,
+                 offload.device_bytes_per_slot() / 2**20, device)
+    else:
+        tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)
+        cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
+        manager = CacheManager.for_model(model, cache_cfg)
+        runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
     if runner.prefill_stages is not None:
         from engine.pic.fused import capture_prefill_stages
 
@@ -173,4 +193,22 @@ def build_engine(
         model_name=mcfg.name,
         loaded_model=loaded,
         max_model_len=max_model_len,
+        kv_offload=offload,
     )
+
+
+def build_hisparse(config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
+                   fingerprint: str = ""):
+    """The engine's HiSparseOffload: blocks in the kvstore daemon at `hisparse_store`, or
+    in this process's memory when it is None."""
+    from engine.hisparse.daemon_store import DaemonBlockStore
+    from engine.hisparse.offload import HiSparseOffload
+    from kvstore.errors import KVStoreError
+
+    store = None
+    if config.hisparse_store is not None:
+        try:
+            store = DaemonBlockStore(config.hisparse_store or None)
+        except KVStoreError as exc:
+            raise InvalidRequestError("hisparse_store", f"cannot reach the kvstore daemon: {exc}") from None
+    return HiSparseOffload(config.hisparse, store, config.max_num_seqs, max_model_len, device, dtype, fingerprint)

@@ -139,6 +139,40 @@ ExactPrefixOpt = typer.Option(
          "state there (no seam) and computes only the rest; exact states come from cold-fallback passes and idle "
          "time (with --store, also from the daemon).")
 
+# ---- HiSparse offload (engine/hisparse/, docs/hisparse.md): one block of options, one settings object
+HiSparseOpt = typer.Option(False, "--hisparse/--no-hisparse",
+                           help="Offload full-attention KV in blocks (HiSparse): summaries and a hot buffer on the "
+                                "device, top-k blocks per decode step read back from the block store.")
+HiSparseBlockOpt = typer.Option(64, "--hisparse-block", min=1, help="HiSparse block size in tokens.")
+HiSparseTopkOpt = typer.Option(32, "--hisparse-topk", min=1, help="HiSparse: blocks selected per step and layer "
+                               "besides the sink and recent blocks.")
+HiSparseHotOpt = typer.Option(64, "--hisparse-hot", min=2, help="HiSparse: hot-buffer blocks per sequence and layer "
+                              "on the device (sink and recent blocks included).")
+HiSparseMinOpt = typer.Option(4096, "--hisparse-min-context", min=0,
+                              help="HiSparse selects blocks from this context length on (below: every block).")
+HiSparseStoreOpt = typer.Option(None, "--hisparse-store", metavar="SOCKET",
+                                help="HiSparse blocks go to the kvstore daemon at SOCKET ('default': the default "
+                                     "socket); without it they stay in this process's memory.")
+
+
+def _hisparse(on: bool, block: int, topk: int, hot: int, min_context: int, store: Optional[str]) -> Any:
+    """The HiSparse settings of the `--hisparse*` options (None when off)."""
+    if not on:
+        return None
+    from engine.hisparse.config import HiSparseConfig, HiSparseSettings
+    from engine.hisparse.errors import HiSparseConfigError
+
+    try:
+        cfg = HiSparseConfig(enabled=True, block_size=block, topk=topk, hot_blocks=hot, min_context=min_context)
+    except HiSparseConfigError as exc:
+        _fail(f"--hisparse-hot: {exc}")
+    return HiSparseSettings(cfg, None if store is None else ("" if store == "default" else store))
+
+
+def _hisparse_report(engine) -> Optional[dict]:
+    return None if engine.kv_offload is None else engine.kv_offload.snapshot()
+
+
 # EngineConfig / LoadSpec field -> the option that sets it (for error messages)
 OPTION_OF = {
     "max_num_seqs": "--max-batch",
@@ -180,13 +214,14 @@ def _note(message: str) -> None:
 
 def _engine_config(device: str, dtype: str, max_batch: int, max_batched_tokens: int, chunk_size: int,
                    kv_cache_tokens: Optional[int], max_model_len: Optional[int], cuda_graphs: bool = True,
-                   host_threads: Optional[int] = None):
+                   host_threads: Optional[int] = None, hisparse: Any = None):
     from engine.builder import EngineConfig
 
+    extra = {} if hisparse is None else {"hisparse": hisparse.config, "hisparse_store": hisparse.store}
     return EngineConfig(
         device=device, dtype=dtype, max_num_seqs=max_batch, max_num_batched_tokens=max_batched_tokens,
         prefill_chunk_size=chunk_size, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-        cuda_graphs=cuda_graphs, host_threads=host_threads,
+        cuda_graphs=cuda_graphs, host_threads=host_threads, **extra,
     )
 
 
@@ -271,6 +306,12 @@ def generate(
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    hisparse: bool = HiSparseOpt,
+    hisparse_block: int = HiSparseBlockOpt,
+    hisparse_topk: int = HiSparseTopkOpt,
+    hisparse_hot: int = HiSparseHotOpt,
+    hisparse_min_context: int = HiSparseMinOpt,
+    hisparse_store: Optional[str] = HiSparseStoreOpt,
 ) -> None:
     """Generate from one prompt; print the text and its timings."""
     from engine.runtime.sampling import SamplingParams
@@ -284,7 +325,8 @@ def generate(
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     except ConfigError as exc:
         _fail_field(exc)
-    engine = _build(source, _engine_config(device, dtype, 1, 2048, 2048, None, None))
+    hs = _hisparse(hisparse, hisparse_block, hisparse_topk, hisparse_hot, hisparse_min_context, hisparse_store)
+    engine = _build(source, _engine_config(device, dtype, 1, 2048, 2048, None, None, hisparse=hs))
     if chat:
         try:
             prompt = engine.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
@@ -296,6 +338,9 @@ def generate(
         _fail(f"{_option(exc.field)}: {exc.message}")
     except EngineError as exc:
         _fail(str(exc))
+    finally:
+        if engine.kv_offload is not None:
+            engine.kv_offload.close()
     tl = out.timeline
     timings = {
         "prompt_tokens": out.num_prompt_tokens,
@@ -305,6 +350,8 @@ def generate(
         "total_ms": round(tl.e2e * 1e3, 3),
         "finish_reason": out.finish_reason,
     }
+    if engine.kv_offload is not None:
+        timings["hisparse"] = _hisparse_report(engine)
     if as_json:
         typer.echo(json.dumps({"text": out.text, "token_ids": list(out.token_ids), **timings}))
         return
@@ -341,6 +388,12 @@ def serve(
     miss_path: str = _miss_path_opt("context"),  # measured better for serving (BENCHMARKS, session 6)
     miss_signatures: str = _miss_signatures_opt(),
     exact_prefix: bool = ExactPrefixOpt,
+    hisparse: bool = HiSparseOpt,
+    hisparse_block: int = HiSparseBlockOpt,
+    hisparse_topk: int = HiSparseTopkOpt,
+    hisparse_hot: int = HiSparseHotOpt,
+    hisparse_min_context: int = HiSparseMinOpt,
+    hisparse_store: Optional[str] = HiSparseStoreOpt,
 ) -> None:
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
@@ -359,13 +412,17 @@ def serve(
     except PicConfigError as exc:
         _fail_field(exc)
     connector = _store_config(store, share_cold)
+    hs = _hisparse(hisparse, hisparse_block, hisparse_topk, hisparse_hot, hisparse_min_context, hisparse_store)
+    if hs is not None and connector is not None:
+        _fail("--hisparse: HiSparse runs with the engine's own prefill; --store attaches position-independent "
+              "caching, which fills the paged cache directly (use --hisparse-store for the blocks' daemon)")
     if connector is None:
         _note("no --store: every prompt is computed in full and nothing is cached; pass --store [SOCKET] to reuse "
               "prompt segments through a kvstore daemon")
     else:
         _check_store_answers(connector, start_without_store)
     engine = _build(source, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, max_model_len, cuda_graphs, host_threads))
+                                           kv_cache_tokens, max_model_len, cuda_graphs, host_threads, hs))
     _note_cache_size(kv_cache_tokens, max_batch)
     planner = _attach_store(engine, pic, connector) if connector is not None else None
     try:
@@ -375,6 +432,8 @@ def serve(
     finally:
         if planner is not None:
             planner.store.close()
+        if engine.kv_offload is not None:
+            engine.kv_offload.close()
 
 
 def _check_store_answers(connector, start_without_store: bool) -> None:
@@ -452,6 +511,12 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     cuda_graphs: bool = GraphsOpt,
     host_threads: Optional[int] = HostThreadsOpt,
+    hisparse: bool = HiSparseOpt,
+    hisparse_block: int = HiSparseBlockOpt,
+    hisparse_topk: int = HiSparseTopkOpt,
+    hisparse_hot: int = HiSparseHotOpt,
+    hisparse_min_context: int = HiSparseMinOpt,
+    hisparse_store: Optional[str] = HiSparseStoreOpt,
 ) -> None:
     """Synthetic load: N requests of a given prompt length; TTFT p50/p99 and throughput."""
     from engine.bench import LoadSpec, run_load
@@ -463,14 +528,20 @@ def bench(
         spec.validate()
     except InvalidRequestError as exc:
         _fail(f"{_option(exc.field)}: {exc.message}")
+    hs = _hisparse(hisparse, hisparse_block, hisparse_topk, hisparse_hot, hisparse_min_context, hisparse_store)
     engine = _build(source, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, None, cuda_graphs, host_threads))
+                                           kv_cache_tokens, None, cuda_graphs, host_threads, hs))
     _note_cache_size(kv_cache_tokens, max_batch)
     try:
         report = run_load(engine, spec)
     except EngineError as exc:
         _fail(str(exc), 1)
+    finally:
+        if engine.kv_offload is not None:
+            engine.kv_offload.close()
     result = {"preset": source, "device": str(engine.device), **spec.__dict__, **report.as_dict()}
+    if engine.kv_offload is not None:
+        result["hisparse"] = _hisparse_report(engine)
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -510,6 +581,12 @@ def run_cmd(
     miss_signatures: str = _miss_signatures_opt(),
     prefix_checkpoints: str = typer.Option("branch", "--prefix-checkpoints", help="prefix: where linear states are kept: branch (the end of each request's cacheable prefix and where it leaves a cached path) or every (every cacheable segment boundary)."),
     exact_prefix: bool = ExactPrefixOpt,
+    hisparse: bool = HiSparseOpt,
+    hisparse_block: int = HiSparseBlockOpt,
+    hisparse_topk: int = HiSparseTopkOpt,
+    hisparse_hot: int = HiSparseHotOpt,
+    hisparse_min_context: int = HiSparseMinOpt,
+    hisparse_store: Optional[str] = HiSparseStoreOpt,
 ) -> None:
     """Run segmented requests in file order with one prefill method (position-independent
     caching or a baseline); print reuse and timing per request. With --store, signatures
@@ -521,6 +598,10 @@ def run_cmd(
 
     source = _model_source(preset, model)
     _check_miss_signatures(miss_signatures, miss_path)
+    if _hisparse(hisparse, hisparse_block, hisparse_topk, hisparse_hot, hisparse_min_context,
+                 hisparse_store) is not None:
+        _fail("--hisparse: run's prefill methods (full, prefix, naive, pic) fill the paged KV cache directly; "
+              "HiSparse offload runs with generate, bench and serve")
     try:
         cap = int(cache_gib * (1 << 30))
         config = PicConfig(method=method, seam=seam, swa_seam=swa_seam, state_dtype=state_dtype,

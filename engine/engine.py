@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from engine.errors import InvalidRequestError, PlanError, RequestNotFoundError
+from engine.hisparse.errors import BlocksLost
 from engine.runtime.detokenizer import OutputText
 from engine.runtime.planner import ApplyStep, ComputeStep, FusedStep, PrefillPlanner
 from engine.runtime.request import FinishReason, PromptSegment, Request, RequestTimeline
@@ -89,8 +90,12 @@ class LLMEngine:
         model_name: str = "model",
         loaded_model: Any = None,
         max_model_len: Optional[int] = None,
+        kv_offload: Any = None,
     ) -> None:
         self.runner = runner
+        # engine.hisparse.HiSparseOffload when full-attention KV is offloaded (HiSparse):
+        # its metrics go to --json output and /metrics; lost blocks fail over to recompute
+        self.kv_offload = kv_offload
         # engine.models.weights.LoadedModel when built from a preset or directory:
         # its `fingerprint` keys cached segments, its `source` says where weights came from.
         self.loaded_model = loaded_model
@@ -123,6 +128,9 @@ class LLMEngine:
         model fingerprint). Only while no request is in the engine."""
         if self.has_unfinished():
             raise InvalidRequestError("planner", "cannot be replaced while requests are in the engine")
+        if self.kv_offload is not None and type(planner) is not PrefillPlanner:
+            raise InvalidRequestError(
+                "hisparse", f"HiSparse runs with the engine's own chunked prefill, not with {type(planner).__name__}")
         self.scheduler.planner = planner
 
     @property
@@ -295,14 +303,23 @@ class LLMEngine:
         if sched.decodes:
             seqs = [r.seq for r in sched.decodes]
             last = [r.output_token_ids[-1] for r in sched.decodes]
-            logits = self.runner.decode(seqs, last)
-            tokens = self._sample(logits, sched.decodes)
-            for req, tok in zip(sched.decodes, tokens):
-                outputs.append(self._append_token(req, tok))
+            try:
+                logits = self.runner.decode(seqs, last)
+            except BlocksLost as exc:
+                self._recompute(list(sched.decodes), exc)
+            else:
+                tokens = self._sample(logits, sched.decodes)
+                for req, tok in zip(sched.decodes, tokens):
+                    outputs.append(self._append_token(req, tok))
         for chunk in sched.prefills:
             req = chunk.request
+            if req.seq is None:  # requeued by a failed decode of this step
+                continue
             try:
                 logits = self._run_prefill(req, chunk.num_tokens)
+            except BlocksLost as exc:
+                self._recompute([req], exc)
+                continue
             except Exception as exc:  # one request's prefill (or its planner's apply step) failed
                 log.exception("prefill of request %s failed", req.request_id)
                 req.error = f"prefill failed: {type(exc).__name__}: {exc}"
@@ -321,6 +338,18 @@ class LLMEngine:
                 tok = self._sample(logits.reshape(1, -1), [req])[0]
                 outputs.append(self._append_token(req, tok))
         return outputs
+
+    def _recompute(self, reqs: list[Request], exc: BlocksLost) -> None:
+        """Offloaded KV blocks of a step could not be read back (HiSparse; the kvstore daemon
+        restarted or went away): the step's caches are incomplete, so its requests go back
+        to the head of the queue and are recomputed from their tokens (prompt + output so
+        far), never served from a block that is missing."""
+        log.warning("hisparse: %s; recomputing request(s) %s from their tokens", exc,
+                    ", ".join(r.request_id for r in reqs))
+        for req in reversed(reqs):
+            self.scheduler.requeue(req)
+        if self.kv_offload is not None:
+            self.kv_offload.metrics.recomputes += len(reqs)
 
     def _run_prefill(self, req: Request, grant: int) -> Optional[torch.Tensor]:
         """Advance `req`'s plan by up to `grant` compute tokens (apply steps run as they

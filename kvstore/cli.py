@@ -478,6 +478,17 @@ def _object_json(o: Any) -> dict[str, Any]:
     }
 
 
+def _objects_by_kind(kv: Any) -> dict[str, int]:
+    """Object counts by record `extra["kind"]` (e.g. "pic-signature", "hisparse-block";
+    "other" without one), so engines' object families show apart."""
+    counts: dict[str, int] = {}
+    for o in kv.list():
+        kind = o.meta.extra.get("kind") if isinstance(o.meta.extra, dict) else None
+        name = kind if isinstance(kind, str) else "other"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 @app.command("inspect", cls=PlainHelpCommand)
 @reports_errors
 def inspect_cmd(
@@ -493,7 +504,9 @@ def inspect_cmd(
         stats = kv.stats()
         objs = kv.list(limit=top) if top > 0 else []
         info = kv.info
+        kinds = _objects_by_kind(kv)
     _add_rates(stats)
+    stats["objects_by_kind"] = kinds
     if as_json:
         stats["top_objects"] = [_object_json(o) for o in objs]
         stats["daemon"] = {"pid": info.pid, "version": info.daemon_version, "socket": kv.target} if info else {}
@@ -524,6 +537,8 @@ def inspect_cmd(
                   f"corrupt {remote['corrupt_dropped']}  written {remote['objects_written']} objects "
                   f"({format_size(remote['bytes_written'])})  get p50 {1e3 * remote['get_latency']['p50_s']:.1f} ms",
                   markup=False)
+    if kinds:
+        con.print("objects by kind: " + "  ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
     if objs:
         con.print(f"top {len(objs)} objects by hits")
         o_t = Table()

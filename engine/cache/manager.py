@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from engine.cache.allocators import BlockAllocator, SlotAllocator
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.errors import CacheError
+from engine.models.layers.base import ExternalKVCache
 from engine.runtime.sequence import Sequence
 
 PAGED, WINDOW, STATE = "paged", "window", "state"
@@ -72,19 +74,25 @@ def cache_specs(model) -> list[LayerCacheSpec]:
 
 class CacheManager:
     def __init__(self, specs: list[LayerCacheSpec], config: CacheConfig,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 external_kv: Callable[[int, LayerCacheSpec], ExternalKVCache] | None = None) -> None:
+        """`external_kv(layer, spec)`: build full-attention layers' caches outside the paged
+        pool (HiSparse offload); the manager then holds no paged blocks and calls each such
+        cache's `reset(slot)` / `release(slot)` on allocate / free."""
         self.config = config
         self.specs = specs
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = config.block_size
-        self.has_paged = any(s.kind == PAGED for s in specs)
+        self.has_paged = external_kv is None and any(s.kind == PAGED for s in specs)
         self.blocks = BlockAllocator(config.num_blocks if self.has_paged else 0)
         self.slots = SlotAllocator(config.num_slots)
         self.layers: list = []
         n, bs = config.num_slots, config.block_size
-        for s in specs:
-            if s.kind == PAGED:
+        for idx, s in enumerate(specs):
+            if s.kind == PAGED and external_kv is not None:
+                self.layers.append(external_kv(idx, s))
+            elif s.kind == PAGED:
                 shape = (self.blocks.num_blocks, bs, s.num_kv_heads, s.head_dim)
                 self.layers.append(PagedKVCache(torch.zeros(shape, device=self.device, dtype=dtype),
                                                 torch.zeros(shape, device=self.device, dtype=dtype)))
@@ -122,6 +130,8 @@ class CacheManager:
         return self.slots.num_free > 0 and self.blocks.num_free >= need
 
     def bytes_per_block(self) -> int:
+        if not self.has_paged:
+            return 0
         esz = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * self.block_size * s.num_kv_heads * s.head_dim * esz for s in self.specs if s.kind == PAGED)
 
@@ -144,7 +154,7 @@ class CacheManager:
             raise CacheError(f"sequence {seq.seq_id!r} already holds slot {seq.slot}")
         slot = self.slots.allocate()
         for cache in self.layers:
-            if isinstance(cache, StateSlotCache):
+            if isinstance(cache, (StateSlotCache, ExternalKVCache)):
                 cache.reset(slot)
         seq.slot, seq.block_table, seq.num_computed_tokens = slot, [], 0
         return seq
@@ -169,6 +179,9 @@ class CacheManager:
         self._check_owned(seq)
         if seq.block_table:
             self.blocks.free(seq.block_table)
+        for cache in self.layers:
+            if isinstance(cache, ExternalKVCache):
+                cache.release(seq.slot)
         self.slots.free(seq.slot)
         seq.slot, seq.block_table, seq.num_computed_tokens = -1, [], 0
 

@@ -134,6 +134,7 @@ class ModelRunner:
                          self.device)
         ids = rows[:, COL_TOKEN] if device_ids is None else device_ids
         ctx = decode_context(rows, self.cache.has_paged, self.backend, self.decode_attention == "paged")
+        ctx.host_positions, ctx.host_slots = positions, [s.slot for s in seqs]
         if not ctx.paged_attention and self.cache.has_paged:
             lengths = [p + 1 for p in positions]
             ctx.context_slots = self.cache.batch_context_slots(list(seqs), lengths, ctx.block_tables)

@@ -271,6 +271,15 @@ class Scheduler:
             req.timeline.scheduled = time.perf_counter()
         self.running.append(req)
 
+    def requeue(self, req: Request) -> None:
+        """Free a running request's caches and put it back at the head of the queue: it is
+        planned and recomputed from its tokens (prompt + output so far) when admitted
+        again (the engine's failover when offloaded KV is lost)."""
+        self.running.remove(req)
+        self._free(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self._free(req)

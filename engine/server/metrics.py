@@ -59,6 +59,20 @@ class ServerMetrics:
         self.cache_usage = Gauge("kvengine_cache_usage_ratio", "Fraction of the limiting cache in use.", registry=r)
         self.preemptions = Counter("kvengine_preemptions", "Requests preempted for lack of cache.", registry=r)
         self.steps = Counter("kvengine_engine_steps", "Scheduler steps run.", registry=r)
+        # HiSparse offload (engine/hisparse/): set from its metrics snapshot after each step
+        self.hs_fetched = Counter("kvengine_hisparse_blocks_fetched", "HiSparse blocks read back to the device.",
+                                  registry=r)
+        self.hs_fetched_per_step = Gauge("kvengine_hisparse_blocks_fetched_per_step",
+                                         "HiSparse blocks read back per decode step (mean since start).", registry=r)
+        self.hs_hit_rate = Gauge("kvengine_hisparse_hot_hit_ratio",
+                                 "Share of attended HiSparse blocks found in the hot buffer.", registry=r)
+        self.hs_read_rate = Gauge("kvengine_hisparse_read_bytes_per_second",
+                                  "HiSparse block reads: bytes per second of reading, by tier.", ["tier"], registry=r)
+        self.hs_write_rate = Gauge("kvengine_hisparse_write_bytes_per_second",
+                                   "HiSparse block writes: bytes per second of writing, by tier.", ["tier"], registry=r)
+        self.hs_recomputes = Counter("kvengine_hisparse_recomputes",
+                                     "Requests recomputed because HiSparse blocks were lost.", registry=r)
+        self._hs_last = {"fetched": 0, "recomputes": 0}
         info = Gauge("kvengine_model_info", "The served model.", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
@@ -91,6 +105,22 @@ class ServerMetrics:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.cache_usage.set(engine.cache_usage())
+        offload = getattr(engine, "kv_offload", None)
+        if offload is not None:
+            self.observe_hisparse(offload.snapshot())
+
+    def observe_hisparse(self, snap: dict) -> None:
+        """HiSparse metrics from `HiSparseOffload.snapshot()`."""
+        self.hs_fetched.inc(snap["blocks_fetched"] - self._hs_last["fetched"])
+        self.hs_recomputes.inc(snap["recomputes"] - self._hs_last["recomputes"])
+        self._hs_last = {"fetched": snap["blocks_fetched"], "recomputes": snap["recomputes"]}
+        self.hs_fetched_per_step.set(snap["blocks_fetched_per_step"])
+        if snap["hot_hit_rate"] is not None:
+            self.hs_hit_rate.set(snap["hot_hit_rate"])
+        for tier, rate in snap["read_bytes_per_s"].items():
+            self.hs_read_rate.labels(tier=tier).set(rate)
+        for tier, rate in snap["write_bytes_per_s"].items():
+            self.hs_write_rate.labels(tier=tier).set(rate)
 
     def observe_finished(self, out: "RequestOutput") -> None:
         self.requests.labels(finish_reason=out.finish_reason or "abort").inc()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import SWA, ModelConfig
-from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
+from engine.models.layers.base import DecodeContext, ExternalKVCache, PrefillContext, TokenMixer
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.rope import apply_rope, apply_rope_cos_sin, rope_cos_sin, rope_inv_freq
 
@@ -305,6 +305,8 @@ class Attention(TokenMixer):
                         cache: PagedKVCache | WindowRingCache) -> torch.Tensor:
         pos = ctx.positions
         q, k, v, gate = self.project(x, pos)
+        if isinstance(cache, ExternalKVCache):
+            return self.output(cache.attend_prefill(q, k, v, ctx, self.scale), gate)
         k_start = ctx.start_pos
         if self.window is None:
             cache.write(ctx.write_slots, k, v)
@@ -333,6 +335,8 @@ class Attention(TokenMixer):
         pos = ctx.positions
         q, k, v, gate = self.project(x[:, None], pos[:, None])  # [B, 1, H, hd]
         k, v = k[:, 0], v[:, 0]
+        if isinstance(cache, ExternalKVCache):
+            return self.output(cache.attend_decode(q[:, 0], k, v, ctx, self.scale)[:, None], gate)[:, 0]
         if self.window is None:
             cache.write(ctx.write_slots, k, v)
         else:

@@ -12,6 +12,7 @@ Three entry points, all on hidden states in the model dtype:
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,43 @@ class DecodeContext:
     #: slots (sliding window) with the paged decode kernel: no host-side shapes, so a step can
     #: be captured in a CUDA graph. False: gather `context_slots` (the reference path).
     paged_attention: bool = False
+    #: host copies of `positions` and `slots` (set by the eager decode step; caches that
+    #: keep host-side bookkeeping, `ExternalKVCache`, need them without a device read)
+    host_positions: list[int] | None = None
+    host_slots: list[int] | None = None
 
     @property
     def context_lens(self) -> torch.Tensor:
         return self.positions + 1
+
+
+class ExternalKVCache(ABC):
+    """A full-attention layer's K/V kept outside the engine's paged pool (HiSparse offload,
+    engine/hisparse/). The attention layer projects q/k/v (K after RoPE at its absolute
+    position) and hands them over; the cache stores K/V at the call's positions and returns
+    the attention output. Per slot, calls come in this order: `reset(slot)` when a
+    sequence takes the slot, prefill chunks and decode steps at contiguous increasing
+    positions, `release(slot)` when it gives the slot back."""
+
+    @abstractmethod
+    def attend_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PrefillContext,
+                       scale: float) -> torch.Tensor:
+        """q `[n, H, D]`, k/v `[n, Hkv, D]` of one chunk at `ctx.start_pos..` -> `[n, H, D]`
+        (causal attention over the sequence's positions 0..end-1)."""
+
+    @abstractmethod
+    def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DecodeContext,
+                      scale: float) -> torch.Tensor:
+        """q `[B, H, D]`, k/v `[B, Hkv, D]` of one token per sequence (`ctx.host_positions`,
+        `ctx.host_slots`) -> `[B, H, D]`."""
+
+    @abstractmethod
+    def reset(self, slot: int) -> None:
+        """A new sequence takes `slot`: it holds no positions."""
+
+    @abstractmethod
+    def release(self, slot: int) -> None:
+        """The sequence in `slot` is done: drop what it held."""
 
 
 class TokenMixer(nn.Module):

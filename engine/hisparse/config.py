@@ -1,0 +1,65 @@
+"""`HiSparseConfig`: the settings of HiSparse offload (the CLI's `--hisparse*` options map
+one to one onto its fields; docs/hisparse.md)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from engine.hisparse.errors import HiSparseConfigError
+
+SUMMARIES = ("minmax", "mean")
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """Per sequence and full-attention layer: KV in blocks of `block_size` tokens, a summary
+    per block, a hot buffer of `hot_blocks` blocks on the device holding the `sink_blocks`
+    first blocks and the `recent_blocks` last ones (always) plus recently used ones; each
+    decode step attends to the sink, the recent blocks and the `topk` best-scoring other
+    blocks once the context holds `min_context` tokens (below that, to every block)."""
+
+    enabled: bool = False
+    block_size: int = 64
+    topk: int = 32
+    hot_blocks: int = 64
+    min_context: int = 4096
+    sink_blocks: int = 1
+    recent_blocks: int = 1
+    #: block summary: "minmax" (per-channel key min/max, Quest) or "mean" (mean key)
+    summary: str = "minmax"
+
+    def __post_init__(self) -> None:
+        checks = (("block_size", self.block_size, 1), ("topk", self.topk, 1), ("min_context", self.min_context, 0),
+                  ("sink_blocks", self.sink_blocks, 0), ("recent_blocks", self.recent_blocks, 1))
+        for name, value, low in checks:
+            if not isinstance(value, int) or value < low:
+                raise HiSparseConfigError(f"hisparse {name} must be an int >= {low}, got {value!r}")
+        if self.hot_blocks < self.sink_blocks + self.recent_blocks:
+            raise HiSparseConfigError(
+                f"hisparse hot_blocks={self.hot_blocks} must hold the sink and recent blocks "
+                f"({self.sink_blocks} + {self.recent_blocks})")
+        if self.summary not in SUMMARIES:
+            raise HiSparseConfigError(f"hisparse summary must be one of {SUMMARIES}, got {self.summary!r}")
+
+    @property
+    def max_selected(self) -> int:
+        """The most blocks one decode step attends to: sink + recent + topk once selecting;
+        every block of a context shorter than `min_context` before."""
+        dense = math.ceil(max(0, self.min_context - 1) / self.block_size)
+        return max(self.sink_blocks + self.recent_blocks + self.topk, dense)
+
+    @property
+    def staging_blocks(self) -> int:
+        """Device rows per sequence for selected blocks the hot buffer cannot keep (a step
+        that attends to more blocks than `hot_blocks` reads the rest into these rows)."""
+        return max(0, self.max_selected - self.hot_blocks)
+
+
+@dataclass(frozen=True)
+class HiSparseSettings:
+    """What the CLI's `--hisparse*` options set: the config, and the kvstore daemon socket
+    for the blocks (`store`: "" the default socket; None: this process's memory)."""
+
+    config: HiSparseConfig
+    store: Optional[str] = None

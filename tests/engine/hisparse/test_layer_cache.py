@@ -1,0 +1,153 @@
+"""Unit tests of engine.hisparse.layer_cache on random K/V (no model): top-k selection picks
+the blocks the scoring reference ranks first and attends exactly to them; prefill streams
+sealed blocks to the store while the hot buffer stays bounded; a freed sequence's blocks
+leave the store; a block missing from the store raises BlocksLost; bad settings are
+refused naming the setting."""
+import math
+
+import pytest
+import torch
+
+from engine.errors import RuntimeStateError
+from engine.hisparse import BlocksLost, HiSparseConfig, HiSparseConfigError, MemoryBlockStore
+from engine.hisparse.layer_cache import HiSparseLayerCache
+from engine.hisparse.metrics import HiSparseMetrics
+from engine.models.layers.base import DecodeContext, PrefillContext
+from kernels.hisparse_select import block_scores_reference, topk_blocks_reference
+
+HKV, H, D = 2, 4, 16
+
+
+def make_cache(config, num_slots=2, max_len=256):
+    metrics = HiSparseMetrics()
+    store = MemoryBlockStore(metrics)
+    cache = HiSparseLayerCache(3, HKV, D, config, num_slots, math.ceil(max_len / config.block_size),
+                               torch.device("cpu"), torch.float32, store, metrics, b"e" * 16, counts_steps=True)
+    return cache, store
+
+
+def prefill(cache, slot, k, v, start=0):
+    n = k.shape[0]
+    ctx = PrefillContext(start_pos=start, positions=torch.arange(start, start + n), slot=slot)
+    return cache.attend_prefill(torch.randn(n, H, D), k, v, ctx, D ** -0.5)
+
+
+def decode(cache, slots, positions, q, k, v):
+    ctx = DecodeContext(positions=torch.tensor(positions), slots=torch.tensor(slots), host_positions=positions,
+                        host_slots=slots)
+    return cache.attend_decode(q, k, v, ctx, D ** -0.5)
+
+
+def attention(q, k, v):
+    """q [H, D] over k/v [L, Hkv, D] (GQA), float64."""
+    k = k.double().repeat_interleave(H // HKV, dim=1)
+    v = v.double().repeat_interleave(H // HKV, dim=1)
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q.double(), k) * D ** -0.5, dim=-1)
+    return torch.einsum("hl,lhd->hd", p, v)
+
+
+@pytest.mark.parametrize("summary", ["minmax", "mean"])
+def test_decode_attends_to_sink_recent_and_the_reference_top_k_blocks(summary):
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=4, min_context=8, summary=summary)
+    cache, _ = make_cache(cfg)
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(41, HKV, D, generator=gen), torch.randn(41, HKV, D, generator=gen)
+    q = torch.randn(1, H, D, generator=gen)
+    k[20:24] = 3 * q[0].view(HKV, H // HKV, D).mean(1)  # block 5 matches the query strongly
+    cache.reset(0)
+    prefill(cache, 0, k[:40], v[:40])
+    out = decode(cache, [0], [40], q, k[40:41], v[40:41])
+    blocks = k[:40].view(10, 4, HKV, D)
+    summ = torch.zeros(1, 11, 2, HKV, D)
+    summ[0, :10, 0] = blocks.amin(1) if summary == "minmax" else blocks.mean(1)
+    summ[0, :10, 1] = blocks.amax(1) if summary == "minmax" else 0
+    ref = block_scores_reference(q, summ, torch.tensor([0]), torch.tensor([1]), torch.tensor([10]), 10, summary)
+    chosen = topk_blocks_reference(ref, 2)[0].tolist()
+    assert 5 in chosen
+    want_blocks = sorted({0, 10, *chosen})
+    pos = torch.cat([torch.arange(j * 4, min(41, j * 4 + 4)) for j in want_blocks])
+    want = attention(q[0], k[pos], v[pos])
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-5)
+    snap = cache.metrics.snapshot()
+    assert snap["blocks_attended"] == 4 and snap["decode_steps"] == 1
+
+
+def test_prefill_streams_sealed_blocks_out_and_keeps_the_hot_buffer_bounded():
+    cfg = HiSparseConfig(enabled=True, block_size=8, topk=4, hot_blocks=3, min_context=0)
+    cache, store = make_cache(cfg)
+    cache.reset(1)
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(100, HKV, D, generator=gen), torch.randn(100, HKV, D, generator=gen)
+    for a in range(0, 100, 30):  # chunks of 30 cross block boundaries
+        prefill(cache, 1, k[a:a + 30], v[a:a + 30], start=a)
+    assert len(store) == 12  # blocks 0..11 are full and stored; block 12 holds 4 tokens
+    resident = cache.resident_blocks(1)
+    assert len(resident) <= 3 and 0 in resident and 12 in resident
+    cache.release(1)
+    assert len(store) == 0
+
+
+def test_prefill_after_eviction_reads_earlier_blocks_back_and_equals_dense_causal_attention():
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=4, hot_blocks=2, min_context=0)
+    cache, _ = make_cache(cfg)
+    cache.reset(0)
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(30, HKV, D, generator=gen), torch.randn(30, HKV, D, generator=gen)
+    prefill(cache, 0, k[:22], v[:22])
+    q = torch.randn(8, H, D, generator=gen)
+    ctx = PrefillContext(start_pos=22, positions=torch.arange(22, 30), slot=0)
+    out = cache.attend_prefill(q, k[22:], v[22:], ctx, D ** -0.5)
+    for i in range(8):
+        p = 22 + i
+        torch.testing.assert_close(out[i].double(), attention(q[i], k[:p + 1], v[:p + 1]), rtol=1e-5, atol=1e-5)
+    assert cache.metrics.snapshot()["read_bytes"]["process"] > 0
+
+
+def test_a_block_missing_from_the_store_raises_blocks_lost():
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=8, hot_blocks=2, min_context=0)
+    cache, store = make_cache(cfg)
+    cache.reset(0)
+    k = torch.randn(13, HKV, D)
+    prefill(cache, 0, k[:12], k[:12])
+    store.discard([cache.key_of(0, 1)])  # a store that lost block 1
+    with pytest.raises(BlocksLost, match="1 HiSparse block"):
+        decode(cache, [0], [12], torch.randn(1, H, D), k[12:], k[12:])
+
+
+def test_positions_must_continue_the_sequence():
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=8, hot_blocks=2, min_context=0)
+    cache, _ = make_cache(cfg)
+    cache.reset(0)
+    prefill(cache, 0, torch.randn(5, HKV, D), torch.randn(5, HKV, D))
+    with pytest.raises(RuntimeStateError, match="holds 5 tokens"):
+        decode(cache, [0], [7], torch.randn(1, H, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_size=0), "block_size"), (dict(topk=0), "topk"), (dict(hot_blocks=1), "hot_blocks"),
+    (dict(summary="max"), "summary"), (dict(min_context=-1), "min_context")])
+def test_bad_settings_are_refused_naming_the_setting(kwargs, field):
+    with pytest.raises(HiSparseConfigError, match=field):
+        HiSparseConfig(enabled=True, **kwargs)
+
+
+def test_staging_rows_cover_a_step_wider_than_the_hot_buffer():
+    cfg = HiSparseConfig(enabled=True, block_size=64, topk=8, hot_blocks=4, min_context=1024)
+    assert cfg.max_selected == 16 and cfg.staging_blocks == 12  # 1023 tokens: 16 blocks before selection
+
+
+def test_block_keys_are_unguessable_per_engine_and_per_sequence():
+    from engine.cache.manager import LayerCacheSpec
+    from engine.hisparse import KEY_PREFIX, HiSparseOffload
+
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=4)
+    spec = LayerCacheSpec("paged", HKV, D)
+    a = HiSparseOffload(cfg, None, 2, 64, torch.device("cpu"), torch.float32).layer_cache(3, spec)
+    b = HiSparseOffload(cfg, None, 2, 64, torch.device("cpu"), torch.float32).layer_cache(3, spec)
+    a.reset(0)
+    b.reset(0)
+    first = a.key_of(0, 0)
+    assert first.startswith(KEY_PREFIX) and first != b.key_of(0, 0)  # same slot, layer, block; other engine
+    a.release(0)
+    a.reset(0)
+    assert a.key_of(0, 0) != first  # the slot's next sequence never names the previous one's blocks

@@ -1,0 +1,536 @@
+"""HiSparse offload benchmark (issue 20): device memory per sequence, decode throughput and
+fidelity, HiSparse against dense paged attention, in one process.
+
+    python tools/bench_hisparse.py                 # GPU box: bench presets at 32k/128k/256k
+    python tools/bench_hisparse.py --presets qwen3next-bench --lengths 131072
+    python tools/bench_hisparse.py --quick         # CPU, a tiny preset, under a minute
+    python tools/bench_hisparse.py --phases memory,decode --lengths 32768,131072
+    python tools/bench_hisparse.py --phases decode --lengths 262144 --merge   # one file, several commands
+
+Phases (the JSON, docs/results/hisparse-<date>.json or --json-path, is rewritten after
+each one, `complete` false until the end):
+1. memory: per preset and context length, the cache bytes one sequence holds on the
+   device, dense (paged KV of full layers, window rings, linear states) and HiSparse (hot
+   buffer + staging rows + block summaries of full layers, the same rings and states),
+   measured as the bytes of the cache tensors allocated for one sequence (on CUDA also
+   the allocator's delta); sequences that fit = the device budget (free memory after the
+   model, times 0.9, less a 4 GiB activation reserve, as the engine sizes its cache; on
+   the CPU `--memory-budget-gib`) over those bytes.
+2. decode: tokens/s of `ModelRunner.decode` at batch 1, at the largest dense batch that
+   fits and at the largest HiSparse batch that fits (both capped by `--max-batch`),
+   HiSparse vs dense at equal batch. Contexts are filled with random K/V (dense: written
+   into the paged pool; HiSparse: appended through the layer caches, so blocks are sealed
+   and stored as in a prefill); linear states stay zero. Timing: `--decode-steps` steps
+   after two untimed ones, device synchronised. The model's max positions are raised to
+   the longest length measured (RoPE has no limit; the bench presets say 128k).
+3. attention mass (bench presets, random weights, a random prompt of `--mass-length`
+   tokens prefilled for real): per decode step, full layer and head, the share of the
+   exact softmax attention mass that falls on the blocks HiSparse selected.
+4. quality (trained tiny models under models/, `--quality-tasks`): per request a budget
+   of 25% of its blocks resident (`--quality-budget`; `topk = ceil(0.25 * blocks) - sink
+   - recent`):
+   next-token KL(dense || HiSparse) over the dense greedy answer (teacher forced; prefill
+   is exact either way, so only decode steps count), top-1 agreement, and the task score
+   of free greedy generation, HiSparse minus dense, in points.
+
+`summary`: `kv_memory_reduction_128k` (dense / HiSparse bytes per sequence at 131072),
+`decode_throughput_ratio_equal_batch_128k` (HiSparse / dense tokens/s at the largest
+dense batch), `total_throughput_gain_128k` (HiSparse tokens/s at its largest batch /
+dense tokens/s at its largest batch), `quality_delta_points` (mean task score delta);
+null where not measured (e.g. `--quick` measures no 128k point). Figures are only ever
+measured, never estimated. Blocks go to this process's pinned memory unless `--store
+SOCKET` names a kvstore daemon.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.cache.manager import PAGED, CacheConfig, CacheManager, cache_specs  # noqa: E402
+from engine.hisparse import HiSparseConfig, HiSparseOffload  # noqa: E402
+from engine.hisparse.layer_cache import HiSparseLayerCache  # noqa: E402
+from engine.models.layers.base import ExternalKVCache  # noqa: E402
+from engine.models.presets import get_preset  # noqa: E402
+from engine.models.weights import build_model, load_model  # noqa: E402
+from engine.runtime.runner import ModelRunner  # noqa: E402
+from engine.runtime.sequence import Sequence  # noqa: E402
+
+FULL_LENGTHS = (32768, 131072, 262144)
+FULL_PRESETS = ("qwen3next-bench",)
+QUICK_LENGTHS = (256, 512)
+QUICK_PRESETS = ("qwen3next-tiny",)
+QUALITY_PRESETS = ("qwen3next-tiny", "ring-tiny", "gemma3-tiny", "nemotronh-tiny")
+ACTIVATION_RESERVE_BYTES = 4 << 30
+LENGTH_128K = 131072
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="CPU, a tiny preset, short contexts (CI)")
+    p.add_argument("--presets", help="comma list (default: qwen3next-bench; quick: qwen3next-tiny)")
+    p.add_argument("--lengths", help="comma list of context lengths (default 32768,131072,262144)")
+    p.add_argument("--block", type=int, help="HiSparse block size (default 64; quick 16)")
+    p.add_argument("--topk", type=int, help="HiSparse top-k blocks (default 32; quick 4)")
+    p.add_argument("--hot", type=int, help="HiSparse hot-buffer blocks (default 64; quick 8)")
+    p.add_argument("--max-batch", type=int, help="largest decode batch tried (default 64; quick 4)")
+    p.add_argument("--decode-steps", type=int, help="timed decode steps (default 16; quick 2)")
+    p.add_argument("--mass-length", type=int, help="prompt tokens of the attention-mass phase (default 8192)")
+    p.add_argument("--mass-steps", type=int, default=4, help="decode steps of the attention-mass phase")
+    p.add_argument("--quality-presets", help="trained tiny models (default: those under models/)")
+    p.add_argument("--quality-tasks", default="fact,twohop", help="workload tasks of the quality phase")
+    p.add_argument("--quality-n", type=int, help="requests per task (default 8; quick 1)")
+    p.add_argument("--quality-block", type=int, default=4,
+                   help="HiSparse block size of the quality phase (4 beat 8 and 16 at a 25%% budget, docs/hisparse.md)")
+    p.add_argument("--quality-budget", type=float, default=0.25,
+                   help="share of a request's blocks resident in the quality phase (the issue's 25%%)")
+    p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
+    p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
+    p.add_argument("--host-budget-gib", type=float, default=64.0,
+                   help="host memory the offloaded blocks of one decode point may take (caps the HiSparse batch)")
+    p.add_argument("--store", help="kvstore daemon socket for the blocks (default: this process's memory)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when present; quick: cpu)")
+    p.add_argument("--json-path", help="output file (default docs/results/hisparse-<date>.json)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the results of phases not run now from an existing --json-path file (split a long "
+                        "run into several commands)")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    q = args.quick
+    device = args.device or ("cpu" if q or not torch.cuda.is_available() else "cuda")
+    return {
+        "device": device,
+        "dtype": "float32" if device == "cpu" else "bfloat16",
+        "presets": (args.presets or ",".join(QUICK_PRESETS if q else FULL_PRESETS)).split(","),
+        "lengths": [int(x) for x in (args.lengths or ",".join(map(str, QUICK_LENGTHS if q else FULL_LENGTHS))).split(",")],
+        "block": args.block or (16 if q else 64),
+        "topk": args.topk or (4 if q else 32),
+        "hot": args.hot or (8 if q else 64),
+        "max_batch": args.max_batch or (2 if q else 64),
+        "decode_steps": args.decode_steps or (2 if q else 16),
+        "mass_length": args.mass_length or (128 if q else 8192),
+        "mass_steps": args.mass_steps if not q else 2,
+        "quality_presets": (args.quality_presets or ",".join(
+            ("qwen3next-tiny",) if q else [p for p in QUALITY_PRESETS if (ROOT / "models" / p).is_dir()])).split(","),
+        "quality_tasks": args.quality_tasks.split(",") if not q else ["fact"],
+        "quality_n": args.quality_n or (1 if q else 8),
+        "quality_block": args.quality_block,
+        "quality_budget": args.quality_budget,
+        "phases": args.phases.split(","),
+        "memory_budget_gib": args.memory_budget_gib,
+        "host_budget_gib": args.host_budget_gib,
+        "store": args.store,
+        "quick": q,
+    }
+
+
+# --------------------------------------------------------------------------- helpers
+def _model(preset: str, device: torch.device, dtype: torch.dtype, max_len: int):
+    """The preset's model (random weights for bench presets) with max positions >= max_len."""
+    cfg = get_preset(preset)
+    if cfg.max_position_embeddings < max_len:
+        cfg = replace(cfg, max_position_embeddings=max_len)
+    return build_model(cfg, device=device, dtype=dtype)
+
+
+def _hs_config(s: dict[str, Any], **kw: Any) -> HiSparseConfig:
+    base = dict(enabled=True, block_size=s["block"], topk=s["topk"], hot_blocks=s["hot"], min_context=0)
+    base.update(kw)
+    return HiSparseConfig(**base)
+
+
+def _store(s: dict[str, Any]):
+    if not s["store"]:
+        return None
+    from engine.hisparse.daemon_store import DaemonBlockStore
+
+    return DaemonBlockStore(s["store"])
+
+
+def _cache_tensor_bytes(manager: CacheManager) -> int:
+    total = 0
+    for layer in manager.layers:
+        if isinstance(layer, HiSparseLayerCache):
+            tensors = (layer.k_pool, layer.v_pool, layer.summaries)
+        else:
+            tensors = [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def _dense_manager(model, slots: int, length: int) -> CacheManager:
+    return CacheManager.for_model(model, CacheConfig.for_tokens(length * slots, num_slots=slots, block_size=16))
+
+
+def _hs_manager(model, cfg: HiSparseConfig, slots: int, length: int, store=None):
+    off = HiSparseOffload(cfg, store, slots, length, model.device, model.dtype)
+    manager = CacheManager(cache_specs(model), CacheConfig(block_size=16, num_blocks=0, num_slots=slots),
+                           model.device, model.dtype, external_kv=off.layer_cache)
+    return manager, off
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _budget(s: dict[str, Any], device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9 - ACTIVATION_RESERVE_BYTES), "0.9 x free CUDA memory after the model - 4 GiB"
+    return int(s["memory_budget_gib"] * (1 << 30)), f"--memory-budget-gib {s['memory_budget_gib']}"
+
+
+# --------------------------------------------------------------------------- phases
+def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
+    device = torch.device(s["device"])
+    dtype = getattr(torch, s["dtype"])
+    for preset in s["presets"]:
+        model = _model(preset, device, dtype, max(s["lengths"]) + 64)
+        budget, how = _budget(s, device)
+        rows = {}
+        for length in s["lengths"]:
+            row: dict[str, Any] = {}
+            for name in ("dense", "hisparse"):
+                _sync(device)
+                before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                if name == "dense":
+                    manager = _dense_manager(model, 1, length)
+                else:
+                    manager, _off = _hs_manager(model, _hs_config(s), 1, length)
+                nbytes = _cache_tensor_bytes(manager)
+                row[f"{name}_bytes_per_seq"] = nbytes
+                if device.type == "cuda":
+                    row[f"{name}_allocator_delta"] = torch.cuda.memory_allocated(device) - before
+                row[f"{name}_seqs_fit"] = max(0, budget // nbytes)
+                del manager
+            row["reduction"] = row["dense_bytes_per_seq"] / row["hisparse_bytes_per_seq"]
+            rows[str(length)] = row
+        entry = out.setdefault("memory", {}).setdefault(preset, {"lengths": {}})
+        entry.update(budget_bytes=budget, budget=how)
+        entry["lengths"].update(rows)  # --merge keeps lengths measured by an earlier command
+        del model
+
+
+def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random K/V for a context fill, drawn on the device (host draws of 128k-token
+    contexts would dominate the run); seeded from `gen` so runs repeat."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
+
+
+def _fill_dense(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
+    cache = runner.cache
+    for seq in seqs:
+        cache.ensure_capacity(seq, length)
+        for a in range(0, length, 8192):
+            b = min(length, a + 8192)
+            slots = cache.flat_slots(seq, a, b)
+            for spec, layer in zip(cache.specs, cache.layers):
+                if spec.kind == PAGED:
+                    shape = (b - a, spec.num_kv_heads, spec.head_dim)
+                    layer.write(slots, _randn(shape, cache.device, cache.dtype, gen),
+                                _randn(shape, cache.device, cache.dtype, gen))
+        seq.num_computed_tokens = length
+
+
+def _fill_hisparse(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
+    cache = runner.cache
+    for seq in seqs:
+        for a in range(0, length, 8192):
+            b = min(length, a + 8192)
+            for layer in cache.layers:
+                if isinstance(layer, HiSparseLayerCache):
+                    shape = (b - a, layer.num_kv_heads, layer.head_dim)
+                    layer.append(seq.slot, _randn(shape, layer.device, cache.dtype, gen),
+                                 _randn(shape, layer.device, cache.dtype, gen))
+        seq.num_computed_tokens = length
+
+
+def _decode_rate(runner: ModelRunner, seqs: list[Sequence], steps: int) -> float:
+    tokens = [1] * len(seqs)
+    for _ in range(2):
+        runner.decode(seqs, tokens)
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.decode(seqs, tokens)
+    _sync(runner.device)
+    return len(seqs) * steps / (time.perf_counter() - t0)
+
+
+def _offloaded_bytes_per_seq(model, s: dict[str, Any], length: int) -> int:
+    """Bytes of one sequence's sealed blocks in the block store (every full layer)."""
+    esz = torch.empty((), dtype=model.dtype).element_size()
+    per_block = sum(2 * s["block"] * spec.num_kv_heads * spec.head_dim * esz
+                    for spec in cache_specs(model) if spec.kind == PAGED)
+    return (length // s["block"]) * per_block
+
+
+def _decode_point(model, s: dict[str, Any], kind: str, batch: int, length: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(batch * 7 + length)
+    off = None
+    if kind == "dense":
+        manager = _dense_manager(model, batch, length + s["decode_steps"] + 2)
+    else:
+        manager, off = _hs_manager(model, _hs_config(s), batch, length + s["decode_steps"] + 2, _store(s))
+    runner = ModelRunner(model, manager, cuda_graphs=None if kind == "dense" else False)
+    seqs = [manager.allocate(Sequence(f"{kind}{i}")) for i in range(batch)]
+    (_fill_dense if kind == "dense" else _fill_hisparse)(runner, seqs, length, gen)
+    rate = _decode_rate(runner, seqs, s["decode_steps"])
+    point: dict[str, Any] = {"batch": batch, "tokens_per_s": rate}
+    if off is not None:
+        snap = off.snapshot()
+        point.update(hot_hit_rate=snap["hot_hit_rate"], blocks_fetched_per_step=snap["blocks_fetched_per_step"],
+                     read_bytes_per_s=snap["read_bytes_per_s"])
+        off.close()
+    for seq in seqs:
+        manager.free(seq)
+    return point
+
+
+def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
+    device = torch.device(s["device"])
+    dtype = getattr(torch, s["dtype"])
+    mem = out.get("memory", {})
+    for preset in s["presets"]:
+        model = _model(preset, device, dtype, max(s["lengths"]) + s["decode_steps"] + 64)
+        res: dict[str, Any] = out.setdefault("decode", {}).setdefault(preset, {})
+        for length in s["lengths"]:
+            m = mem.get(preset, {}).get("lengths", {}).get(str(length))
+            dense_max = min(s["max_batch"], m["dense_seqs_fit"]) if m else 1
+            host_per_seq = _offloaded_bytes_per_seq(model, s, length)
+            host_cap = max(1, int(s["host_budget_gib"] * (1 << 30) // max(1, host_per_seq)))
+            hs_max = min(s["max_batch"], m["hisparse_seqs_fit"], host_cap) if m else 1
+            row: dict[str, Any] = {"dense": {}, "hisparse": {}}
+            for kind, batches in (("dense", {1, dense_max}), ("hisparse", {1, dense_max, hs_max})):
+                for batch in sorted(b for b in batches if b >= 1):
+                    try:
+                        row[kind][str(batch)] = _decode_point(model, s, kind, batch, length)
+                    except torch.cuda.OutOfMemoryError as exc:  # recorded, never guessed
+                        row[kind][str(batch)] = {"batch": batch, "error": f"out of memory: {exc}"[:200]}
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            row["dense_max_batch"], row["hisparse_max_batch"] = dense_max, hs_max
+            row["offloaded_bytes_per_seq"], row["hisparse_host_cap"] = host_per_seq, host_cap
+            res[str(length)] = row
+            save()
+        del model
+
+
+class _MassProbe(ExternalKVCache):
+    """Wraps a HiSparse layer cache: after each decode step, the share of the exact softmax
+    attention mass (all positions) on the blocks the layer selected, per head."""
+
+    def __init__(self, inner: HiSparseLayerCache, shares: list[float]) -> None:
+        self.inner, self.shares = inner, shares
+
+    def attend_prefill(self, q, k, v, ctx, scale):
+        return self.inner.attend_prefill(q, k, v, ctx, scale)
+
+    def attend_decode(self, q, k, v, ctx, scale):
+        out = self.inner.attend_decode(q, k, v, ctx, scale)
+        bs = self.inner.block
+        for b, slot in enumerate(ctx.host_slots):
+            kk, _ = self.inner.context_kv(slot)
+            group = q.shape[1] // kk.shape[1]
+            scores = torch.einsum("hd,lhd->hl", q[b].float(), kk.float().repeat_interleave(group, dim=1)) * scale
+            probs = torch.softmax(scores, dim=-1)
+            sel = torch.zeros(kk.shape[0], dtype=torch.bool, device=kk.device)
+            for j in self.inner.last_selection[b]:
+                sel[j * bs:(j + 1) * bs] = True
+            self.shares.extend((probs * sel).sum(-1).tolist())
+        return out
+
+    def reset(self, slot):
+        self.inner.reset(slot)
+
+    def release(self, slot):
+        self.inner.release(slot)
+
+
+def phase_mass(s: dict[str, Any], out: dict[str, Any]) -> None:
+    device = torch.device(s["device"])
+    dtype = getattr(torch, s["dtype"])
+    length = s["mass_length"]
+    for preset in s["presets"]:
+        model = _model(preset, device, dtype, length + s["mass_steps"] + 64)
+        cfg = _hs_config(s)
+        off = HiSparseOffload(cfg, None, 1, length + s["mass_steps"] + 8, device, dtype)
+        shares: list[float] = []
+        manager = CacheManager(cache_specs(model), CacheConfig(block_size=16, num_blocks=0, num_slots=1), device,
+                               dtype, external_kv=lambda i, spec: _MassProbe(off.layer_cache(i, spec), shares))
+        runner = ModelRunner(model, manager, cuda_graphs=False)
+        seq = manager.allocate(Sequence("mass"))
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, model.config.vocab_size - 8, (length,), generator=gen).tolist()
+        for a in range(0, length, 4096):
+            logits = runner.prefill(seq, prompt[a:a + 4096])
+        tok = int(logits.argmax())
+        for _ in range(s["mass_steps"]):
+            tok = int(runner.decode([seq], [tok])[0].argmax())
+        blocks = math.ceil(length / cfg.block_size)
+        out.setdefault("attention_mass", {})[preset] = {
+            "length": length, "blocks": blocks, "selected_blocks": min(blocks, cfg.topk + cfg.sink_blocks + cfg.recent_blocks),
+            "mean_share": sum(shares) / len(shares), "min_share": min(shares), "samples": len(shares)}
+        manager.free(seq)
+        del model, runner, manager
+
+
+def _quality_one(model, tok, request, block: int, share: float = 0.25) -> dict[str, Any]:
+    from tools.workloads.scoring import score
+
+    ids = tok.encode(request.prompt, add_bos=True)
+    blocks = math.ceil(len(ids) / block)
+    budget = max(2, math.ceil(share * blocks))
+    cfg = HiSparseConfig(enabled=True, block_size=block, topk=max(1, budget - 2), hot_blocks=budget, min_context=0)
+    max_new = max(8, len(tok.encode(request.answer)) + 4)
+    newline = tok.encode("\n")[0]
+
+    def runner(kind):
+        if kind == "dense":
+            return ModelRunner(model, _dense_manager(model, 1, len(ids) + max_new + 1), cuda_graphs=False), None
+        manager, off = _hs_manager(model, cfg, 1, len(ids) + max_new + 1)
+        return ModelRunner(model, manager, cuda_graphs=False), off
+
+    def generate(kind, forced=None):
+        r, _ = runner(kind)
+        seq = r.cache.allocate(Sequence(kind))
+        logits = [r.prefill(seq, ids)]
+        out = []
+        for i in range(max_new):
+            nxt = forced[i] if forced is not None else int(logits[-1].argmax())
+            out.append(nxt)
+            if forced is None and nxt == newline:
+                break
+            if forced is not None and i + 1 >= len(forced):
+                break
+            logits.append(r.decode([seq], [nxt])[0])
+        return out, logits
+
+    dense_tokens, dense_logits = generate("dense")
+    _, hs_logits = generate("hisparse", dense_tokens)
+    kls, agree = [], 0
+    for d, h in zip(dense_logits[1:len(dense_tokens)], hs_logits[1:len(dense_tokens)]):  # decode steps only
+        lp, lq = torch.log_softmax(d.double(), -1), torch.log_softmax(h.double(), -1)
+        kls.append(float((lp.exp() * (lp - lq)).sum()))
+        agree += int(d.argmax() == h.argmax())
+    hs_free, _ = generate("hisparse")
+    return {"blocks": blocks, "resident_budget": budget, "kl": kls, "top1_agree": agree, "steps": len(kls),
+            "dense_score": score(request, tok.decode(dense_tokens)), "hisparse_score": score(request, tok.decode(hs_free))}
+
+
+def phase_quality(s: dict[str, Any], out: dict[str, Any]) -> None:
+    from engine.tokenizer import load_tokenizer
+    from tools.workloads.generate import iter_requests
+
+    tok = load_tokenizer("byte")
+    res = {}
+    for preset in s["quality_presets"]:
+        loaded = load_model(preset, device="cpu" if s["quick"] else s["device"], dtype=torch.float32)
+        if not str(loaded.source).startswith("weights") and not s["quick"]:
+            res[preset] = {"skipped": f"no trained weights under models/{preset} (source {loaded.source})"}
+            continue
+        per_task = {}
+        for task in s["quality_tasks"]:
+            overrides = dict(docs="2-3", facts_per_doc=4) if s["quick"] else {}
+            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"])
+                    for r in iter_requests(task, s["quality_n"], seed=20, **overrides)]
+            kls = [k for r in rows for k in r["kl"]]
+            steps = sum(r["steps"] for r in rows)
+            per_task[task] = {
+                "requests": len(rows), "mean_blocks": sum(r["blocks"] for r in rows) / len(rows),
+                "mean_kl": sum(kls) / len(kls) if kls else None,
+                "top1_agreement": sum(r["top1_agree"] for r in rows) / steps if steps else None,
+                "dense_score": sum(r["dense_score"] for r in rows) / len(rows),
+                "hisparse_score": sum(r["hisparse_score"] for r in rows) / len(rows)}
+            per_task[task]["delta_points"] = per_task[task]["hisparse_score"] - per_task[task]["dense_score"]
+        res[preset] = {"source": loaded.source, "tasks": per_task}
+    out["quality"] = res
+
+
+# --------------------------------------------------------------------------- report
+def summarize(out: dict[str, Any]) -> dict[str, Optional[float]]:
+    key = str(LENGTH_128K)
+    summary: dict[str, Optional[float]] = {"kv_memory_reduction_128k": None,
+                                           "decode_throughput_ratio_equal_batch_128k": None,
+                                           "total_throughput_gain_128k": None, "quality_delta_points": None}
+    for preset, m in out.get("memory", {}).items():
+        if key in m["lengths"]:
+            summary["kv_memory_reduction_128k"] = m["lengths"][key]["reduction"]
+            d = out.get("decode", {}).get(preset, {}).get(key)
+            if d:
+                eq = str(d["dense_max_batch"])
+                dense_eq, hs_eq = d["dense"].get(eq, {}), d["hisparse"].get(eq, {})
+                hs_max = d["hisparse"].get(str(d["hisparse_max_batch"]), {})
+                if "tokens_per_s" in dense_eq and "tokens_per_s" in hs_eq:
+                    summary["decode_throughput_ratio_equal_batch_128k"] = hs_eq["tokens_per_s"] / dense_eq["tokens_per_s"]
+                if "tokens_per_s" in dense_eq and "tokens_per_s" in hs_max:
+                    summary["total_throughput_gain_128k"] = hs_max["tokens_per_s"] / dense_eq["tokens_per_s"]
+            break
+    deltas = [t["delta_points"] for q in out.get("quality", {}).values() for t in q.get("tasks", {}).values()]
+    if deltas:
+        summary["quality_delta_points"] = sum(deltas) / len(deltas)
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    s = _settings(args)
+    date = _dt.date.today().isoformat()
+    path = Path(args.json_path) if args.json_path else ROOT / "docs" / "results" / f"hisparse-{date}.json"
+    device = torch.device(s["device"])
+    doc: dict[str, Any] = {"tool": "tools/bench_hisparse.py", "command": " ".join(["python", "tools/bench_hisparse.py",
+                                                                                   *(argv if argv is not None else sys.argv[1:])]),
+                           "date": date, "device": s["device"], "host": platform.node(), "settings": s,
+                           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                           "results": {}, "summary": summarize({}), "complete": False}
+
+    def save() -> None:
+        doc["summary"] = summarize(doc["results"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, path)
+
+    if args.merge and path.exists():
+        old = json.loads(path.read_text())
+        doc["results"] = {k: v for k, v in old.get("results", {}).items()}
+        doc["runs"] = old.get("runs", []) + [{"command": old.get("command"), "settings": old.get("settings")}]
+    res = doc["results"]
+    t0 = time.perf_counter()
+    doc["phase_seconds"] = {}
+    phases = {"memory": lambda: phase_memory(s, res), "decode": lambda: phase_decode(s, res, save),
+              "mass": lambda: phase_mass(s, res), "quality": lambda: phase_quality(s, res)}
+    for name, run in phases.items():
+        if name in s["phases"]:
+            t1 = time.perf_counter()
+            run()
+            doc["phase_seconds"][name] = round(time.perf_counter() - t1, 2)
+            save()
+    doc["complete"] = True
+    doc["seconds"] = time.perf_counter() - t0
+    save()
+    print(json.dumps({"json": str(path), "summary": doc["summary"], "seconds": round(doc["seconds"], 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
