@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -373,3 +374,14 @@ class Placement:
             return
         o.tier, o.slot, o.backing = "cpu", dst, o.slot  # the NVMe file stays as a backing copy
         self.counters["promotions"] += 1
+
+
+class StoreInternals(Protocol):
+    """What the Store's helpers (kvstore.writeback's WriteBack, kvstore.remote's
+    RemoteTier) read of the Store that owns them: its tiers, placement, lock and open flag.
+    kvstore.store imports those helpers, so they name this protocol instead of the Store."""
+
+    tiers: dict[str, Tier]
+    _place: Placement
+    _lock: threading.Lock
+    _open: bool

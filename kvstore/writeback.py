@@ -29,22 +29,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 from kvstore.errors import BadObject, KVStoreError
 from kvstore.eviction import Candidate
-from kvstore.placement import Placement, object_name
-from kvstore.tiers.base import Tier
+from kvstore.placement import StoreInternals, object_name
 
-
-class WriteBackHost(Protocol):
-    """What WriteBack reads of the Store that owns it (kvstore.store.Store, which imports
-    this module, so it is not imported here): its tiers, placement, lock and open flag."""
-
-    tiers: dict[str, Tier]
-    _place: Placement
-    _lock: threading.Lock
-    _open: bool
 
 
 log = logging.getLogger(__name__)
@@ -55,7 +45,7 @@ MAX_ATTEMPTS = 3  # failed write-backs of one object before the thread stops try
 class WriteBack:
     """The write-back thread of one Store (module docstring)."""
 
-    def __init__(self, store: WriteBackHost, watermark: float, interval_s: float = 0.5,
+    def __init__(self, store: StoreInternals, watermark: float, interval_s: float = 0.5,
                  round_bytes: int = 256 << 20) -> None:
         self.store = store
         self.watermark = watermark

@@ -33,28 +33,18 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from kvstore.errors import BadObject, KVStoreError
-from kvstore.placement import Placement, StoredObject, object_name
+from kvstore.placement import StoredObject, StoreInternals, object_name
 from kvstore.records import ObjectMeta
-from kvstore.tiers.base import Tier
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
 from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, header_fits, remote_name
 from kvstore.remote.policy import RemotePolicy, parse_policy
 
 
-
-class RemoteHost(Protocol):
-    """What RemoteTier reads of the Store that owns it (kvstore.store.Store, which imports
-    this module, so it is not imported here): its tiers, placement, lock and open flag."""
-
-    tiers: dict[str, Tier]
-    _place: Placement
-    _lock: threading.Lock
-    _open: bool
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +114,7 @@ class _Fill:
 class RemoteTier:
     """The remote tier of `store` over `adapter` (module docstring). Thread-safe."""
 
-    def __init__(self, store: RemoteHost, settings: RemoteSettings, adapter: RemoteAdapter) -> None:
+    def __init__(self, store: StoreInternals, settings: RemoteSettings, adapter: RemoteAdapter) -> None:
         if not settings.timeout_s > 0:
             raise RemoteConfigError(f"remote_timeout must be > 0 seconds, got {settings.timeout_s!r}")
         self.store = store
