@@ -115,16 +115,28 @@ def _kv_cache_tokens(model: torch.nn.Module, cfg: EngineConfig, max_model_len: i
     return min(blocks * cfg.block_size, cfg.max_num_seqs * max_model_len)
 
 
+def model_tokenizer(preset_or_dir: str):
+    """The tokenizer of a model source: a Hugging Face checkpoint's own (engine/models/hf/
+    tokenizer.py), else the byte tokenizer of the presets and the models trained here."""
+    from engine.models.hf import is_hf_checkpoint
+    from engine.tokenizer import load_tokenizer
+
+    if is_hf_checkpoint(preset_or_dir):
+        from engine.models.hf.tokenizer import CheckpointTokenizer
+
+        return CheckpointTokenizer(preset_or_dir)
+    return load_tokenizer("byte")
+
+
 def build_engine(
     preset_or_dir: str,
     config: EngineConfig = EngineConfig(),
     planner: Optional[PrefillPlanner] = None,
 ) -> LLMEngine:
-    """Load the model named by a preset (or a saved weights directory) and return an
-    idle engine serving it."""
+    """Load the model named by a preset (or a saved weights directory, or a Hugging Face
+    checkpoint directory, with its own tokenizer) and return an idle engine serving it."""
     from engine.models.weights import load_model
     from engine.runtime.runner import ModelRunner
-    from engine.tokenizer import load_tokenizer
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -154,7 +166,7 @@ def build_engine(
     )
     return LLMEngine(
         runner,
-        load_tokenizer("byte"),
+        model_tokenizer(preset_or_dir),
         pool,
         scheduler_config=config.scheduler_config(),
         planner=planner,

@@ -3,11 +3,19 @@
 
     kvengine serve --preset NAME [--host H --port P --device D --dtype T --max-batch N ...]
     kvengine generate --preset NAME "PROMPT" [--max-new-tokens N --temperature T --top-p P --seed S]
+    kvengine generate --model DIR "PROMPT" [--chat] --max-new-tokens N --json
     kvengine presets [--json]
     kvengine bench --preset NAME [--num-requests N --prompt-len L --max-new-tokens M --request-rate R --json]
     kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json] [--store [SOCKET]]
     kvengine serve ... [--store [SOCKET]] [--share-cold/--no-share-cold]
     kvengine run|serve ... [--miss-path alone|context] [--miss-signatures alone|context]
+
+`--model DIR` (serve, generate, run, bench) runs a Hugging Face checkpoint directory
+(engine/models/hf/) with its own tokenizer instead of a `--preset`; exactly one of the two.
+`generate --model DIR "PROMPT" --json` takes PROMPT as raw text (tokenized as the
+tokenizer does by default; `--chat` renders it through the chat template as one user
+message), decodes greedily by default and prints `text`, `token_ids` (the generated ids),
+`prompt_tokens` and timings.
 
 `--store [SOCKET]` keeps segment signatures in a kvstore daemon (engine.connector) instead
 of the engine's process: given without a value it uses the daemon's default socket
@@ -61,7 +69,9 @@ app = typer.Typer(
 EXIT_USAGE = 2
 EXIT_NO_DAEMON = 3  # as kvstore's commands
 
-PresetOpt = typer.Option(..., "--preset", help="Preset name (see `kvengine presets`) or a saved model directory.")
+PresetOpt = typer.Option(None, "--preset", help="Preset name (see `kvengine presets`) or a saved model directory.")
+ModelOpt = typer.Option(None, "--model", help="A Hugging Face model directory (config.json, *.safetensors, "
+                        "tokenizer.json, ...), run with its own tokenizer; instead of --preset.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
 MaxBatchOpt = typer.Option(32, "--max-batch", help="Requests holding caches at once (decode batch limit).")
@@ -175,6 +185,23 @@ def _engine_config(device: str, dtype: str, max_batch: int, max_batched_tokens: 
     )
 
 
+def _model_source(preset: Optional[str], model: Optional[str]) -> str:
+    """The model a command runs: `--preset NAME` or `--model DIR` (exactly one of them)."""
+    if (preset is None) == (model is None):
+        _fail("--preset/--model: give exactly one of --preset NAME or --model DIR")
+    if preset is not None:
+        return preset
+    from pathlib import Path
+
+    from engine.models.hf import is_hf_checkpoint
+
+    if not Path(model).is_dir():
+        _fail(f"--model: {model} is not a directory")
+    if not is_hf_checkpoint(model):
+        _fail(f"--model: {model} has no Hugging Face config.json (with a model_type)")
+    return model
+
+
 def _build(preset: str, cfg):
     from engine.builder import build_engine
 
@@ -228,7 +255,10 @@ def _layer_pattern(layers: list[str]) -> str:
 @app.command(cls=PlainHelpCommand)
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
-    preset: str = PresetOpt,
+    preset: Optional[str] = PresetOpt,
+    model: Optional[str] = ModelOpt,
+    chat: bool = typer.Option(False, "--chat", help="--model: render PROMPT as one user message through the "
+                              "checkpoint's chat template (default: PROMPT is raw text)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -240,13 +270,21 @@ def generate(
     """Generate from one prompt; print the text and its timings."""
     from engine.runtime.sampling import SamplingParams
 
+    source = _model_source(preset, model)
     if not prompt:
         _fail("PROMPT: must not be empty")
+    if chat and model is None:
+        _fail("--chat: needs --model (presets have no chat template)")
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     except ConfigError as exc:
         _fail_field(exc)
-    engine = _build(preset, _engine_config(device, dtype, 1, 2048, 2048, None, None))
+    engine = _build(source, _engine_config(device, dtype, 1, 2048, 2048, None, None))
+    if chat:
+        try:
+            prompt = engine.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
+        except EngineError as exc:
+            _fail(f"--chat: {exc}")
     try:
         (out,) = engine.generate([prompt], params)
     except InvalidRequestError as exc:
@@ -263,7 +301,7 @@ def generate(
         "finish_reason": out.finish_reason,
     }
     if as_json:
-        typer.echo(json.dumps({"text": out.text, **timings}))
+        typer.echo(json.dumps({"text": out.text, "token_ids": list(out.token_ids), **timings}))
         return
     typer.echo(out.text)
     dtps = "n/a" if timings["decode_tokens_per_s"] is None else f"{timings['decode_tokens_per_s']:.1f}"
@@ -276,7 +314,8 @@ def generate(
 
 @app.command(cls=PlainHelpCommand)
 def serve(
-    preset: str = PresetOpt,
+    preset: Optional[str] = PresetOpt,
+    model: Optional[str] = ModelOpt,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="0 picks a free port (printed)."),
     device: str = DeviceOpt,
@@ -300,6 +339,7 @@ def serve(
     """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
     the kvstore daemon (shared with every engine attached to it)."""
+    source = _model_source(preset, model)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.server.app import serve as run_server
 
@@ -318,7 +358,7 @@ def serve(
               "prompt segments through a kvstore daemon")
     else:
         _check_store_answers(connector, start_without_store)
-    engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
+    engine = _build(source, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, max_model_len, cuda_graphs, host_threads))
     _note_cache_size(kv_cache_tokens, max_batch)
     planner = _attach_store(engine, pic, connector) if connector is not None else None
@@ -390,7 +430,8 @@ def _attach_store(engine, pic_config, connector):
 
 @app.command(cls=PlainHelpCommand)
 def bench(
-    preset: str = PresetOpt,
+    preset: Optional[str] = PresetOpt,
+    model: Optional[str] = ModelOpt,
     num_requests: int = typer.Option(16, "--num-requests", min=1),
     prompt_len: int = typer.Option(256, "--prompt-len", min=1),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1),
@@ -409,25 +450,26 @@ def bench(
     """Synthetic load: N requests of a given prompt length; TTFT p50/p99 and throughput."""
     from engine.bench import LoadSpec, run_load
 
+    source = _model_source(preset, model)
     spec = LoadSpec(num_requests=num_requests, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                     request_rate=request_rate, seed=seed)
     try:
         spec.validate()
     except InvalidRequestError as exc:
         _fail(f"{_option(exc.field)}: {exc.message}")
-    engine = _build(preset, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
+    engine = _build(source, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
                                            kv_cache_tokens, None, cuda_graphs, host_threads))
     _note_cache_size(kv_cache_tokens, max_batch)
     try:
         report = run_load(engine, spec)
     except EngineError as exc:
         _fail(str(exc), 1)
-    result = {"preset": preset, "device": str(engine.device), **spec.__dict__, **report.as_dict()}
+    result = {"preset": source, "device": str(engine.device), **spec.__dict__, **report.as_dict()}
     if as_json:
         typer.echo(json.dumps(result))
         return
     typer.echo(
-        f"{preset}: {report.num_requests} requests x {prompt_len} prompt tokens -> {max_new_tokens} new tokens "
+        f"{source}: {report.num_requests} requests x {prompt_len} prompt tokens -> {max_new_tokens} new tokens "
         f"in {report.duration_s:.2f} s on {engine.device}\n"
         f"  TTFT ms   p50 {report.ttft_ms_p50:.1f}  p99 {report.ttft_ms_p99:.1f}  mean {report.ttft_ms_mean:.1f}\n"
         f"  TPOT ms   p50 {report.tpot_ms_p50:.2f}   e2e ms p50 {report.e2e_ms_p50:.1f}  p99 {report.e2e_ms_p99:.1f}\n"
@@ -438,7 +480,8 @@ def bench(
 
 @app.command("run", cls=PlainHelpCommand)
 def run_cmd(
-    preset: str = PresetOpt,
+    preset: Optional[str] = PresetOpt,
+    model: Optional[str] = ModelOpt,
     requests: str = typer.Option(..., "--requests", help="JSONL file, one {id, segments: [{text, cache}]} per line."),
     method: str = typer.Option("pic", "--method", help="full, prefix, naive or pic."),
     seam: int = typer.Option(16, "--seam", min=0, help="pic: tokens recomputed in context at the head of each spliced segment after the first."),
@@ -469,6 +512,7 @@ def run_cmd(
     from engine.pic.errors import PicConfigError
     from engine.pic.run import attach_planner, read_requests
 
+    source = _model_source(preset, model)
     _check_miss_signatures(miss_signatures, miss_path)
     try:
         cap = int(cache_gib * (1 << 30))
@@ -488,11 +532,11 @@ def run_cmd(
         _fail(f"--store: method {method!r} keeps nothing in the store; use --method pic or naive")
     if connector is not None:
         _check_store_answers(connector, start_without_store)
-    engine = _build(preset, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))
+    engine = _build(source, _engine_config(device, dtype, 1, max(2048, chunk_size), chunk_size, None, None))
     _check_requests(engine, reqs, max_new_tokens, stop)  # every request, before any runs
     planner = attach_planner(engine, config) if connector is None else _attach_store(engine, config, connector)
     try:
-        _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, preset, method, connector is not None,
+        _run_and_print(engine, planner, reqs, max_new_tokens, stop, as_json, source, method, connector is not None,
                        fused)
     finally:
         if connector is not None:

@@ -107,6 +107,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._ids = itertools.count()
         self.eos_token_id: Optional[int] = tokenizer.eos_id
+        # every id that ends generation like EOS (a checkpoint's generation_config may list several)
+        self.eos_token_ids: tuple[int, ...] = tuple(getattr(tokenizer, "stop_ids", ()) or
+                                                    (() if tokenizer.eos_id is None else (tokenizer.eos_id,)))
         # Synchronize the device after each prefill-plan step so `prefill_split` times are
         # exact on CUDA (costs a little overlap; off by default).
         self.sync_timings = False
@@ -372,7 +375,7 @@ class LLMEngine:
         text = self._texts[req.request_id]
         # EOS / stop ids / max_new_tokens by the sampling module's rule; stop strings by
         # the incremental text (they may span tokens); a stop string beats the length limit.
-        verdict = check_stop(req.sampling, token, req.num_output_tokens, self.eos_token_id)
+        verdict = check_stop(req.sampling, token, req.num_output_tokens, self.eos_token_ids)
         reason: Optional[FinishReason] = None
         if verdict == FINISH_STOP:
             reason = FinishReason.STOP

@@ -74,3 +74,8 @@ class PlanError(EngineError):
 
 class EngineStoppedError(EngineError):
     """The engine loop has stopped (shutdown or a fatal error) and takes no requests."""
+
+
+class UnsupportedConfigError(ConfigError):
+    """A checkpoint's config asks for a feature the engine does not implement (the message
+    names the field)."""

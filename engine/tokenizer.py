@@ -7,7 +7,9 @@ Decoding skips special tokens by default and replaces invalid UTF-8 with U+FFFD.
 
 A real tokenizer plugs in by implementing `Tokenizer` (encode/decode/special ids/vocab
 size); `load_tokenizer("byte")` or `load_tokenizer("<path>/tokenizer.json")` (the latter
-needs the optional `tokenizers` package; nothing is ever downloaded).
+needs the optional `tokenizers` package; nothing is ever downloaded). A Hugging Face
+checkpoint directory's own tokenizer (special tokens, chat template, stop tokens) is
+`engine.models.hf.tokenizer.CheckpointTokenizer`.
 """
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ class Tokenizer(abc.ABC):
     def sep_id(self) -> int | None:
         """Segment separator id, or None when the tokenizer has none."""
         return None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end generation (unless a request ignores EOS): the EOS by default; a
+        checkpoint's tokenizer gives its generation_config's list."""
+        return () if self.eos_id is None else (self.eos_id,)
 
     @abc.abstractmethod
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...

@@ -14,6 +14,15 @@ block (one entry per layer, in order):
 | `mamba2`    | Mamba2 SSD, data-dependent scalar decay            | `scalar`          |
 
 All linear kinds in one model share one `LinearConfig`.
+
+The feed-forward half of each block is a gated MLP (`hidden_act`: SiLU or tanh-GELU) or,
+for the layers `mlp_layers` marks `moe`, a top-k mixture of experts (`MoEConfig`, with an
+optional gated shared expert). Block variants that checkpoints need (Gemma-3's norms after
+the mixer and the MLP, its scaled embedding, soft-capped logits) are fields too.
+
+Canonical form: fields added after format version 1 (`EXTENDED_FIELDS`) enter the
+canonical JSON only when they differ from their defaults, so every config written before
+they existed keeps its fingerprint.
 """
 from __future__ import annotations
 
@@ -42,6 +51,13 @@ RECURRENCE_FAMILY = {GDN: "delta", GLA: "diag", LIGHTNING: "scalar", MAMBA2: "sc
 CONFIG_FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
 
+DENSE = "dense"
+MOE = "moe"
+NO_MLP = "none"
+MLP_KINDS = (DENSE, MOE, NO_MLP)
+HIDDEN_ACTS = ("silu", "gelu_tanh", "relu2")
+MAMBA_NORMS = ("head", "group")
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -61,6 +77,10 @@ class AttentionConfig:
     output_gate: bool = False
     #: per-head RMSNorm of q and k before RoPE (Qwen3 / Gemma-3).
     qk_norm: bool = False
+    #: softmax scale is `query_scale ** -0.5` (Gemma-3's query_pre_attn_scalar); None: head_dim.
+    query_scale: float | None = None
+    #: linear RoPE scaling of full-attention layers (positions divided by this factor).
+    rope_linear_factor: float = 1.0
 
     def validate(self, needs_window: bool) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -73,6 +93,42 @@ class AttentionConfig:
                 f"rotary_dim={self.rotary_dim} must be even and within [0, head_dim={self.head_dim}]")
         if needs_window and (self.sliding_window is None or self.sliding_window < 1):
             raise ConfigError(f"swa layers need sliding_window >= 1, got {self.sliding_window}")
+        if self.query_scale is not None and self.query_scale <= 0:
+            raise ConfigError(f"query_scale={self.query_scale} must be positive")
+        if self.rope_linear_factor <= 0:
+            raise ConfigError(f"rope_linear_factor={self.rope_linear_factor} must be positive")
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.query_scale if self.query_scale is not None else self.head_dim) ** -0.5
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLP of the layers `ModelConfig.mlp_layers` marks `moe`.
+
+    Router: `softmax` over all experts, the top `top_k` kept (renormalised to sum 1 when
+    `norm_topk_prob`), as Qwen3-Next / Qwen3.5-MoE route. Each expert is a gated MLP of
+    width `intermediate_size`; a shared expert of width `shared_intermediate_size` (0: none)
+    is added to every token, scaled by `sigmoid(shared_gate(x))` when `shared_expert_gate`.
+    """
+
+    num_experts: int = 0
+    top_k: int = 1
+    intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    norm_topk_prob: bool = True
+
+    def validate(self) -> None:
+        if self.num_experts < 1 or self.intermediate_size < 1:
+            raise ConfigError(
+                f"moe layers need num_experts >= 1 and intermediate_size >= 1, got {self.num_experts}, "
+                f"{self.intermediate_size}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"moe top_k={self.top_k} must lie in [1, num_experts={self.num_experts}]")
+        if self.shared_intermediate_size < 0:
+            raise ConfigError(f"moe shared_intermediate_size={self.shared_intermediate_size} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -99,6 +155,12 @@ class LinearConfig:
     #: GLA: rank of the gate projection and the gate logit normaliser.
     gla_gate_rank: int = 16
     gla_gate_normalizer: float = 16.0
+    #: mamba2 output norm: `head` (rmsnorm per head, then * silu(z)) or `group` (Nemotron-H:
+    #: y * silu(z) first, then rmsnorm over each of the `num_heads` B/C groups' channels,
+    #: weight over all `num_v_heads * value_dim` channels).
+    mamba_norm: str = "head"
+    #: mamba2: dt = max(softplus(dt_raw + dt_bias), mamba_dt_min) (Nemotron-H's time_step_min).
+    mamba_dt_min: float = 0.0
 
     def validate(self) -> None:
         if min(self.num_heads, self.num_v_heads, self.key_dim, self.value_dim) <= 0:
@@ -113,6 +175,10 @@ class LinearConfig:
         for kind in self.conv_kinds:
             if kind not in LINEAR_KINDS:
                 raise ConfigError(f"conv_kinds names {kind!r}, not a linear layer kind")
+        if self.mamba_norm not in MAMBA_NORMS:
+            raise ConfigError(f"mamba_norm={self.mamba_norm!r} must be one of {MAMBA_NORMS}")
+        if self.mamba_dt_min < 0:
+            raise ConfigError(f"mamba_dt_min={self.mamba_dt_min} must be >= 0")
 
     def conv_width(self, kind: str) -> int:
         """Conv width used by layers of `kind` (0 when that kind has no conv)."""
@@ -141,10 +207,28 @@ class ModelConfig:
     #: dtype the model runs in by default ("float32" on CPU tests, "bfloat16" for bench).
     dtype: str = "float32"
     format_version: int = CONFIG_FORMAT_VERSION
+    #: MLP of each layer, `dense`, `moe` or `none` (a block that is only its mixer,
+    #: Nemotron-H's consecutive mixer layers); empty: all dense.
+    mlp_layers: tuple[str, ...] = ()
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    #: activation of the MLPs: `silu` (SwiGLU) or `gelu_tanh` (GeGLU, Gemma); `relu2`
+    #: (squared ReLU, Nemotron-H) with `gated_mlp=False`.
+    hidden_act: str = "silu"
+    #: gated MLP `down(act(gate(x)) * up(x))`; False: `down(act(up(x)))`.
+    gated_mlp: bool = True
+    #: Gemma-3 blocks: RMSNorm on the mixer's and the MLP's outputs before their residuals.
+    post_norms: bool = False
+    #: the embedding's output is multiplied by this (Gemma: sqrt(hidden_size)); the tied LM
+    #: head uses the unscaled table.
+    embed_scale: float = 1.0
+    #: logits -> cap * tanh(logits / cap) (Gemma's final_logit_softcapping); None: off.
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple):
             object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.mlp_layers, tuple):
+            object.__setattr__(self, "mlp_layers", tuple(self.mlp_layers))
         if not isinstance(self.linear.conv_kinds, tuple):
             object.__setattr__(self.linear, "conv_kinds", tuple(self.linear.conv_kinds))
         self.validate()
@@ -153,6 +237,10 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def mlp_kind(self, layer_idx: int) -> str:
+        """`dense`, `moe` or `none`: the MLP of layer `layer_idx`."""
+        return self.mlp_layers[layer_idx] if self.mlp_layers else DENSE
 
     def layer_indices(self, *kinds: str) -> list[int]:
         """Indices of the layers whose kind is one of `kinds`."""
@@ -187,12 +275,37 @@ class ModelConfig:
             self.attention.validate(needs_window=SWA in self.layers)
         if self.has_linear:
             self.linear.validate()
+        if self.mlp_layers:
+            if len(self.mlp_layers) != len(self.layers):
+                raise ConfigError(
+                    f"mlp_layers has {len(self.mlp_layers)} entries for {len(self.layers)} layers")
+            for i, kind in enumerate(self.mlp_layers):
+                if kind not in MLP_KINDS:
+                    raise ConfigError(f"mlp_layers[{i}]={kind!r} is not one of {MLP_KINDS}")
+            if MOE in self.mlp_layers:
+                self.moe.validate()
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act={self.hidden_act!r} must be one of {HIDDEN_ACTS}")
+        if self.embed_scale <= 0:
+            raise ConfigError(f"embed_scale={self.embed_scale} must be positive")
+        if self.final_logit_softcap is not None and self.final_logit_softcap <= 0:
+            raise ConfigError(f"final_logit_softcap={self.final_logit_softcap} must be positive")
 
     # ------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layers"] = list(self.layers)
+        d["mlp_layers"] = list(self.mlp_layers)
         d["linear"]["conv_kinds"] = list(self.linear.conv_kinds)
+        for key, default in EXTENDED_FIELDS.items():
+            if d.get(key) == default:
+                del d[key]
+        for key, default in EXTENDED_ATTENTION_FIELDS.items():
+            if d["attention"].get(key) == default:
+                del d["attention"][key]
+        for key, default in EXTENDED_LINEAR_FIELDS.items():
+            if d["linear"].get(key) == default:
+                del d["linear"][key]
         return d
 
     def to_json(self) -> str:
@@ -216,7 +329,9 @@ class ModelConfig:
             if "conv_kinds" in lin:
                 lin = {**lin, "conv_kinds": tuple(lin["conv_kinds"])}
             linear = LinearConfig(**lin)
-            return cls(attention=attn, linear=linear, **{**d, "layers": tuple(d.get("layers", ()))})
+            moe = MoEConfig(**d.pop("moe", {}))
+            return cls(attention=attn, linear=linear, moe=moe,
+                       **{**d, "layers": tuple(d.get("layers", ())), "mlp_layers": tuple(d.get("mlp_layers", ()))})
         except TypeError as e:  # unknown or missing field
             raise ConfigError(f"bad model config field: {e}") from e
 
@@ -230,3 +345,14 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (nested configs replaced whole)."""
         return dataclasses.replace(self, **changes)
+
+
+#: ModelConfig fields added after format version 1, with their defaults: left out of the
+#: canonical form while at the default (so older configs keep their fingerprints).
+EXTENDED_FIELDS: dict[str, Any] = {
+    "mlp_layers": [], "moe": dataclasses.asdict(MoEConfig()), "hidden_act": "silu", "gated_mlp": True,
+    "post_norms": False,
+    "embed_scale": 1.0, "final_logit_softcap": None,
+}
+EXTENDED_ATTENTION_FIELDS: dict[str, Any] = {"query_scale": None, "rope_linear_factor": 1.0}
+EXTENDED_LINEAR_FIELDS: dict[str, Any] = {"mamba_norm": "head", "mamba_dt_min": 0.0}

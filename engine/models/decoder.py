@@ -1,6 +1,8 @@
 """The hybrid decoder: token embedding, one pre-norm block per entry of
-`ModelConfig.layers` (mixer chosen by kind, then a SwiGLU MLP, each with a residual), a final
-RMSNorm and a tied or untied LM head.
+`ModelConfig.layers` (mixer chosen by kind, then a gated MLP or a mixture of experts, each
+with a residual; with `post_norms` each output is normalised again before its residual, as
+Gemma-3), a final RMSNorm and a tied or untied LM head (logits soft-capped when the config
+says so). The embedding scales its output by `embed_scale` (Gemma).
 
 Three forwards, mirroring the mixers' (engine/models/layers/base.py):
 - `forward(input_ids [B, T])`: whole sequences, no cache (training and references);
@@ -19,13 +21,14 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA, ModelConfig
+from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, MOE, NO_MLP, SWA, ModelConfig
 from engine.models.layers.attention import Attention
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.gated_deltanet import GatedDeltaNet
 from engine.models.layers.gla import GatedLinearAttention
 from engine.models.layers.linear_base import LinearMixer
-from engine.models.layers.mlp import SwiGLU
+from engine.models.layers.mlp import PlainMLP, SwiGLU
+from engine.models.layers.moe import SparseMoE
 from engine.models.layers.norm import RMSNorm
 from engine.models.layers.scalar_decay import LightningAttention, Mamba2Mixer
 
@@ -46,6 +49,21 @@ def build_mixer(cfg: ModelConfig, kind: str, layer_idx: int) -> TokenMixer:
     raise ValueError(f"layer kind {kind!r} has no mixer")
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding whose output is multiplied by `scale` (cast to the table's dtype,
+    as Gemma's scaled embedding does); scale 1 is a plain lookup."""
+
+    def __init__(self, num: int, dim: int, scale: float = 1.0) -> None:
+        super().__init__(num, dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        if self.scale != 1.0:
+            x = x * torch.tensor(self.scale, dtype=self.weight.dtype, device=x.device)
+        return x
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int) -> None:
         super().__init__()
@@ -53,19 +71,36 @@ class DecoderBlock(nn.Module):
         self.layer_idx = layer_idx
         self.mixer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer = build_mixer(cfg, kind, layer_idx)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        mlp_kind = cfg.mlp_kind(layer_idx)
+        self.mlp_norm = None if mlp_kind == NO_MLP else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if mlp_kind == NO_MLP:
+            self.mlp = None
+        elif mlp_kind == MOE:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+        elif cfg.gated_mlp:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        else:
+            self.mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.post_mixer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.post_norms else None
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.post_norms else None
 
     def _finish(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        if self.post_mixer_norm is not None:
+            mixed = self.post_mixer_norm(mixed)
         x = x + mixed
-        return x + self.mlp(self.mlp_norm(x))
+        if self.mlp is None:
+            return x
+        y = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            y = self.post_mlp_norm(y)
+        return x + y
 
 
 class HybridDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale)
         self.blocks = nn.ModuleList(DecoderBlock(cfg, kind, i) for i, kind in enumerate(cfg.layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -84,7 +119,9 @@ class HybridDecoder(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return h @ weight.t()
+        out = h @ weight.t()
+        cap = self.config.final_logit_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         """Range-check host token ids. Ids already on an accelerator are not read back (that

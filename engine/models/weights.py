@@ -203,12 +203,17 @@ class LoadedModel:
 def load_model(preset_or_dir: str | os.PathLike, device: torch.device | str = "cpu",
                dtype: torch.dtype | str | None = None, models_root: str | os.PathLike | None = None,
                seed: int | None = None) -> LoadedModel:
-    """A directory with config.json -> its weights. A preset name -> its trained weights under
+    """A Hugging Face checkpoint directory -> the model it holds (engine/models/hf/). A
+    directory with our config.json -> its weights. A preset name -> its trained weights under
     `<models_root>/<name>/` when they exist, else the preset initialised from its seed.
     `LoadedModel.source` says which happened."""
     from engine.models.presets import get_preset
 
+    from engine.models.hf import is_hf_checkpoint, load_hf_model
+
     path = Path(preset_or_dir)
+    if is_hf_checkpoint(path):
+        return load_hf_model(path, device, dtype)
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         model, fp = load_weights(path, device, dtype)
         return LoadedModel(model, model.config, f"weights:{path}", fp)

@@ -100,13 +100,14 @@ def find_stop_string(text: str, stop_strings: Sequence[str], search_from: int = 
     return min(hits) if hits else None
 
 
-def check_stop(params: SamplingParams, token_id: int, num_generated: int, eos_id: int | None,
+def check_stop(params: SamplingParams, token_id: int, num_generated: int, eos_id: int | tuple[int, ...] | None,
                text: str | None = None, total_tokens: int | None = None,
                max_total_tokens: int | None = None) -> str | None:
     """Finish reason after appending `token_id` (the `num_generated`-th new token), or None.
-    "stop": EOS (unless ignore_eos), a stop token id, or a stop string in `text`;
+    "stop": EOS (`eos_id`: one id or the tokenizer's stop ids; unless ignore_eos), a stop token id, or a stop string in `text`;
     "length": max_new_tokens reached, or the context limit `max_total_tokens`."""
-    if (eos_id is not None and token_id == eos_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+    eos_ids = (eos_id,) if isinstance(eos_id, int) else (eos_id or ())
+    if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
         return FINISH_STOP
     if text is not None and params.stop_strings and find_stop_string(text, params.stop_strings) is not None:
         return FINISH_STOP

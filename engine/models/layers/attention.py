@@ -220,7 +220,7 @@ class Attention(TokenMixer):
         self.head_dim = a.head_dim
         self.window = a.sliding_window if kind == SWA else None
         self.output_gate = a.output_gate
-        self.scale = a.head_dim ** -0.5
+        self.scale = a.softmax_scale
         q_out = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
         kv_out = a.num_kv_heads * a.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
@@ -231,6 +231,7 @@ class Attention(TokenMixer):
         self.k_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
         self.rotary_dim = a.rotary_dim
         self.rope_theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
+        self.rope_linear_factor = a.rope_linear_factor
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     @property
@@ -239,7 +240,8 @@ class Attention(TokenMixer):
         model to bf16 never degrades the angles."""
         device = self.q_proj.weight.device
         if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
+            inv = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
+            self._inv_freq[device] = inv if self.window is not None else inv / self.rope_linear_factor
         return self._inv_freq[device]
 
     # ------------------------------------------------------------ pieces (PIC hooks)

@@ -43,6 +43,26 @@ class GatedRMSNorm(nn.Module):
         return (xf * g).to(x.dtype)
 
 
+class GroupGatedRMSNorm(nn.Module):
+    """Gate first, then RMSNorm over groups of `group_size` channels (Nemotron-H's Mamba2
+    output norm): `rmsnorm_group(x * silu(gate)) * weight`, weight over all channels."""
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if group_size < 1 or dim % group_size:
+            raise ValueError(f"GroupGatedRMSNorm group_size={group_size} must divide dim={dim}")
+        self.eps = eps
+        self.group_size = group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32) * F.silu(gate.to(torch.float32))
+        lead = xf.shape[:-1]
+        g = xf.reshape(*lead, -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * g.reshape(*lead, -1).to(x.dtype)).to(x.dtype)
+
+
 _L2_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 

@@ -7,7 +7,9 @@
 - `Mamba2Mixer` (Nemotron-H / Jamba style SSD): in_proj -> [z, xBC, dt]; short conv (SiLU,
   with bias) over xBC; `dt = softplus(dt_raw + dt_bias)`, `g = -exp(A_log) * dt`;
   q = C, k = B (B/C shared by a group of heads), v = dt * x, scale 1; y = o + D * x;
-  gated RMSNorm `rmsnorm(y) * silu(z)` per head; out_proj.
+  gated RMSNorm `rmsnorm(y) * silu(z)` per head (or, `mamba_norm="group"` as Nemotron-H,
+  `rmsnorm(y * silu(z))` over each B/C group's channels); out_proj. dt may be clamped
+  from below (`mamba_dt_min`).
 
 Pieces and PIC hooks: see linear_base.py.
 """
@@ -22,7 +24,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.layers.linear_base import LinearMixer
 from engine.models.layers.linear_ops import RecurrenceInputs
-from engine.models.layers.norm import GatedRMSNorm
+from engine.models.layers.norm import GatedRMSNorm, GroupGatedRMSNorm
 
 
 def alibi_slopes(n: int) -> list[float]:
@@ -92,7 +94,11 @@ class Mamba2Mixer(LinearMixer):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.dt_bias = nn.Parameter(torch.zeros(hv))
         self.D = nn.Parameter(torch.ones(hv))
-        self.norm = GatedRMSNorm(lin.value_dim, cfg.rms_norm_eps, activation="silu")
+        self.dt_min = lin.mamba_dt_min
+        if lin.mamba_norm == "group":
+            self.norm = GroupGatedRMSNorm(self.d_inner, self.d_inner // lin.num_heads, cfg.rms_norm_eps)
+        else:
+            self.norm = GatedRMSNorm(lin.value_dim, cfg.rms_norm_eps, activation="silu")
         self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -107,6 +113,8 @@ class Mamba2Mixer(LinearMixer):
         b = self.repeat_heads(b.reshape(bsz, t, self.num_heads, self.key_dim))
         c = self.repeat_heads(c.reshape(bsz, t, self.num_heads, self.key_dim))
         dt = F.softplus(extras["dt"].float() + self.dt_bias.float())  # [B, T, Hv]
+        if self.dt_min:
+            dt = dt.clamp(min=self.dt_min)
         g = -torch.exp(self.A_log.float()) * dt
         extras["x"] = x
         v = (x.float() * dt[..., None]).to(x.dtype)
@@ -115,5 +123,7 @@ class Mamba2Mixer(LinearMixer):
     def output(self, o: torch.Tensor, extras: dict) -> torch.Tensor:
         x = extras["x"]
         y = o + x * self.D.to(x.dtype)[:, None]
+        if isinstance(self.norm, GroupGatedRMSNorm):
+            return self.out_proj(self.norm(y.flatten(-2), extras["z"]))
         z = extras["z"].reshape(*o.shape)
         return self.out_proj(self.norm(y, z).flatten(-2))
