@@ -294,3 +294,14 @@ def build_multimodal(arch: str, directory: Path, seed: int = 0):
     ids = train_tokenizer(directory, with_bos=arch == "gemma3")
     save_checkpoint(model.float().eval(), directory, [ids["<|im_end|>"]])
     return model.float().eval()
+
+
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"]
+
+
+def new_engine(directory):
+    """An engine on a checkpoint directory (CPU, fp32)."""
+    from engine.builder import EngineConfig, build_engine
+
+    return build_engine(str(directory), EngineConfig(device="cpu", dtype="float32", max_num_seqs=2,
+                                                     kv_cache_tokens=2048))
