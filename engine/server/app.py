@@ -218,6 +218,19 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     )
 
 
+def _chat_prompt(engine: LLMEngine, req: chat.ChatRequest) -> tuple[list[dict[str, Any]], int]:
+    """The conversation's segments and max_tokens (when not given: OpenAI's default, up to
+    the end of the context or of what the cache holds for one sequence)."""
+    segments = chat.render_segments(engine.tokenizer, req.messages)
+    max_tokens = req.sampling.max_tokens
+    if max_tokens is None:
+        token_ids, _ = engine.check_prompt(segments, SamplingParams(max_new_tokens=1))
+        max_tokens = engine.max_new_tokens_for(len(token_ids))
+        if max_tokens < 1:
+            raise InvalidRequestError("messages", f"{len(token_ids)} prompt tokens leave no room for an answer")
+    return segments, max_tokens
+
+
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions: the conversation rendered through the chat template
     into segments (engine.server.chat), then generated as a completion is."""
@@ -231,13 +244,10 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
         if fields.model is not None and fields.model != model:
             metrics.observe_rejected("invalid")
             return web.json_response(protocol.model_error(fields.model, model), status=404)
-        segments = chat.render_segments(engine.tokenizer, req.messages)
-        max_tokens = fields.max_tokens
-        if max_tokens is None:  # OpenAI's default: up to the end of the context
-            token_ids, _ = engine.check_prompt(segments, SamplingParams(max_new_tokens=1))
-            max_tokens = engine.max_new_tokens_for(len(token_ids))
-            if max_tokens < 1:
-                raise InvalidRequestError("messages", f"{len(token_ids)} prompt tokens leave no room for an answer")
+        # rendering and (for the default max_tokens) tokenizing a long conversation take
+        # a while: off the event loop
+        segments, max_tokens = await asyncio.get_running_loop().run_in_executor(
+            None, _chat_prompt, engine, req)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                                 stop_strings=fields.stop, seed=fields.seed)
     except InvalidRequestError as exc:

@@ -30,6 +30,7 @@ openai = pytest.importorskip("openai")
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KVSTORE_CONFIG": os.devnull}
 NAME = "tiny-chat"
+CONTEXT = 160  # --max-model-len: small, so a default max_tokens ends soon
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def served(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", "--preset", "qwen3next-tiny", "--port", "0", "--device", "cpu",
          "--dtype", "float32", "--max-batch", "2", "--kv-cache-tokens", "2048", "--store", str(daemon.socket),
-         "--served-model-name", NAME],
+         "--served-model-name", NAME, "--max-model-len", str(CONTEXT)],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -148,3 +149,18 @@ def test_bad_chat_requests_get_openai_shaped_errors(served):
     assert http.value.code == 405 and http.value.headers["Allow"] == "POST"
     body = json.loads(http.value.read())
     assert body["error"]["code"] == "method_not_allowed" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_without_max_tokens_the_answer_may_run_to_the_end_of_the_context(served):
+    _, client = served
+    resp = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Q: k3aa?"}],
+                                          temperature=0)
+    usage, finish = resp.usage, resp.choices[0].finish_reason
+    assert usage.prompt_tokens + usage.completion_tokens <= CONTEXT
+    assert finish == "stop" or usage.prompt_tokens + usage.completion_tokens == CONTEXT
+    with pytest.raises(openai.BadRequestError) as err:  # asked for more than the context holds
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=CONTEXT)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x" * CONTEXT}])
+    assert err.value.body["param"] == "messages"
