@@ -77,3 +77,12 @@ def test_without_cacheable_parts_the_conversation_is_one_uncached_segment():
     req = parse_chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}]})
     assert render_segments(ByteTokenizer(), req.messages) == [{"text": "user: ab\nassistant: ", "cache": False}]
+
+
+def test_an_empty_served_model_name_is_refused_before_loading_anything():
+    from typer.testing import CliRunner
+
+    from engine.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--preset", "qwen3next-tiny", "--served-model-name", " "])
+    assert res.exit_code == 2 and "--served-model-name: must not be empty" in res.stderr
