@@ -252,7 +252,7 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
                                 stop_strings=fields.stop, seed=fields.seed)
     except InvalidRequestError as exc:
         metrics.observe_rejected("invalid")
-        field = {"prompt": "messages", "segments": "messages"}.get(exc.field, exc.field)
+        field = {"prompt": "messages", "segments": "messages", "max_new_tokens": "max_tokens"}.get(exc.field, exc.field)
         return _json_error(400, f"{field}: {exc.message}", field)
 
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -11,9 +11,9 @@ Accepted body (besides the sampling fields of engine.server.protocol: `temperatu
 | field | type | notes |
 |---|---|---|
 | `messages` | non-empty list of `{"role": str, "content": str or list of parts}` | |
-| content part | `{"type": "text", "text": str, "cache": bool}` | `cache` is our extension (default false); other part types are a 400 |
+| content part | `{"type": "text", "text": str, "cache": bool}` | `cache`: extension (default false); other types: 400 |
 | message `cache` | bool | extension: `true` marks a string `content` as one cacheable part |
-| `max_tokens` / `max_completion_tokens` | int >= 1 | default: up to the end of the model's context (or of what the cache holds for one sequence) |
+| `max_tokens` / `max_completion_tokens` | int >= 1 | default: to the end of the context (or the cache's room) |
 | `logprobs` | false/null only | `top_logprobs`, `tools`, `tool_choice`, `functions`: not supported, refused when set |
 | `response_format` | `{"type": "text"}` or null | another format is a 400 |
 

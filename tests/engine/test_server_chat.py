@@ -18,7 +18,8 @@ def test_string_and_part_contents_parse_with_cache_flags():
         ChatMessage("system", (ChatPart("be brief", True),)),
         ChatMessage("user", (ChatPart("doc", True), ChatPart("q?", False))),
     )
-    assert (req.sampling.max_tokens, req.sampling.temperature, req.max_tokens_field) == (5, 0.0, "max_completion_tokens")
+    assert (req.sampling.max_tokens, req.sampling.temperature) == (5, 0.0)
+    assert req.max_tokens_field == "max_completion_tokens"
     assert parse_chat_request({"messages": [{"role": "user", "content": "x"}]}).sampling.max_tokens is None
 
 
@@ -32,7 +33,8 @@ def test_string_and_part_contents_parse_with_cache_flags():
         ({"messages": [{"content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "a", "cache": "yes"}]}, "messages[0].cache"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}], "cache": True}]}, "messages[0].cache"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}], "cache": True}]},
+         "messages[0].cache"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
