@@ -221,7 +221,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
 def _chat_prompt(engine: LLMEngine, req: chat.ChatRequest) -> tuple[list[dict[str, Any]], int]:
     """The conversation's segments and max_tokens (when not given: OpenAI's default, up to
     the end of the context or of what the cache holds for one sequence)."""
-    segments = chat.render_segments(engine.tokenizer, req.messages)
+    segments = chat.render_segments(engine.tokenizer, req.messages, req.template_kwargs)
     max_tokens = req.sampling.max_tokens
     if max_tokens is None:
         token_ids, _ = engine.check_prompt(segments, SamplingParams(max_new_tokens=1))

@@ -16,6 +16,7 @@ Accepted body (besides the sampling fields of engine.server.protocol: `temperatu
 | `max_tokens` / `max_completion_tokens` | int >= 1 | default: to the end of the context (or the cache's room) |
 | `logprobs` | false/null only | `top_logprobs`, `tools`, `tool_choice`, `functions`: not supported, refused when set |
 | `response_format` | `{"type": "text"}` or null | another format is a 400 |
+| `chat_template_kwargs` | object | extension (as vLLM's): extra variables for the template, e.g. `{"enable_thinking": false}` |
 
 Rendering rule (how a conversation becomes segments):
 1. Each message's content parts are joined, with nothing between them, into one string;
@@ -40,12 +41,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from engine.errors import InvalidRequestError, TokenizerError
 from engine.server.protocol import SamplingFields, parse_sampling_fields
 from engine.tokenizer import Tokenizer
+
+#: variables the server sets itself; `chat_template_kwargs` may not override them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                                         "pad_token", "unk_token"})
 
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -74,6 +79,7 @@ class ChatRequest:
     messages: tuple[ChatMessage, ...]
     sampling: SamplingFields
     max_tokens_field: str  # where max_tokens came from, for messages naming it
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 def _parse_part(raw: Any, where: str) -> ChatPart:
@@ -122,8 +128,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = tuple(_parse_message(m, f"messages[{i}]") for i, m in enumerate(raw))
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise InvalidRequestError("max_tokens", "give at most one of max_tokens or max_completion_tokens")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sampling = parse_sampling_fields(body, field)
+    where = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling = parse_sampling_fields(body, where)
     if body.get("logprobs") not in (None, False):
         raise InvalidRequestError("logprobs", "is not supported")
     for name in ("top_logprobs", "tools", "tool_choice", "functions", "function_call"):
@@ -132,12 +138,22 @@ def parse_chat_request(body: Any) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise InvalidRequestError("response_format", f'only {{"type": "text"}} is supported, got {fmt!r}')
-    return ChatRequest(messages, sampling, field)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs", f"must be an object, got {kwargs!r}")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]}", "is set by the server")
+    return ChatRequest(messages, sampling, where, dict(kwargs))
 
 
-def render_segments(tokenizer: Tokenizer, messages: tuple[ChatMessage, ...]) -> list[dict[str, Any]]:
+def render_segments(tokenizer: Tokenizer, messages: tuple[ChatMessage, ...],
+                    template_kwargs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """The conversation as prompt segments `[{"text", "cache"}, ...]` by the rendering rule
-    of the module docstring; `InvalidRequestError` when the template refuses it."""
+    of the module docstring (`template_kwargs`: extra template variables);
+    `InvalidRequestError` when the template refuses it."""
     from engine.models.hf.tokenizer import CheckpointTokenizer, compile_chat_template
 
     nonce = uuid.uuid4().hex
@@ -157,10 +173,12 @@ def render_segments(tokenizer: Tokenizer, messages: tuple[ChatMessage, ...]) -> 
         if isinstance(tokenizer, CheckpointTokenizer):
             if tokenizer.chat_template_source is None:
                 raise InvalidRequestError("messages", "this model defines no chat template; use /v1/completions")
-            text = tokenizer.chat_prompt(rendered_messages, add_generation_prompt=True)
+            text = _without_bos_text(tokenizer, tokenizer.render_chat(rendered_messages, add_generation_prompt=True,
+                                                                      **(template_kwargs or {})))
         else:
             text = compile_chat_template(FALLBACK_TEMPLATE).render(messages=rendered_messages,
-                                                                   add_generation_prompt=True)
+                                                                   add_generation_prompt=True,
+                                                                   **(template_kwargs or {}))
     except TokenizerError as exc:
         raise InvalidRequestError("messages", str(exc)) from exc
     segments: list[dict[str, Any]] = []
@@ -177,6 +195,15 @@ def render_segments(tokenizer: Tokenizer, messages: tuple[ChatMessage, ...]) -> 
     if rest:
         segments.append({"text": rest, "cache": False})
     return segments
+
+
+def _without_bos_text(tokenizer, text: str) -> str:
+    """The rendered text without the BOS text a template writes at its front (the engine
+    adds the BOS token itself), as `CheckpointTokenizer.chat_prompt` returns it."""
+    bos = tokenizer.special_text.get("bos_token")
+    if tokenizer.bos_id is not None and bos and text.startswith(bos) and tokenizer.encode(bos) == [tokenizer.bos_id]:
+        return text[len(bos):]
+    return text
 
 
 def chat_body(

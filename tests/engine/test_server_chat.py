@@ -50,6 +50,9 @@ def test_string_and_part_contents_parse_with_cache_flags():
          "response_format"),
         ({"messages": [{"role": "user", "content": "a"}], "n": 3}, "n"),
         ({"messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"messages": []}},
+         "chat_template_kwargs.messages"),
     ],
 )
 def test_bad_chat_body_is_refused_naming_the_field(body, field):

@@ -181,3 +181,19 @@ def test_chat_answers_the_openai_client_on_every_architecture(arch, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+
+
+def test_template_kwargs_reach_the_template_and_plain_rendering_is_chat_prompts(checkpoint, tmp_path):
+    thinking = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    tok = _with_template(checkpoint[1], tmp_path, thinking)
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": DOC, "cache": True},
+                                                      {"type": "text", "text": " Q?"}]}]}
+    plain = render_segments(tok, parse_chat_request(body).messages)
+    assert plain == [{"text": "user: ", "cache": False}, {"text": DOC, "cache": True},
+                     {"text": " Q?\n", "cache": False}]  # <bos> dropped from the front: the engine adds it
+    off = parse_chat_request({**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert render_segments(tok, off.messages, off.template_kwargs)[-1]["text"] == " Q?\n<think></think>"
+    whole = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})
+    assert [s["text"] for s in render_segments(tok, whole.messages)] == [
+        tok.chat_prompt([{"role": "user", "content": "hi"}])]
