@@ -394,11 +394,17 @@ def serve(
     hisparse_hot: int = HiSparseHotOpt,
     hisparse_min_context: int = HiSparseMinOpt,
     hisparse_store: Optional[str] = HiSparseStoreOpt,
+    served_model_name: Optional[str] = typer.Option(
+        None, "--served-model-name", help="The model's name in /v1/models and the `model` field requests must "
+        "match (default: the preset's name or the --model directory's name)."),
 ) -> None:
-    """Serve the OpenAI-style HTTP API (/v1/completions, /health, /metrics). With
+    """Serve the OpenAI-style HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics). With
     --store, prompts' cached segments are reused by position-independent caching through
     the kvstore daemon (shared with every engine attached to it)."""
     source = _model_source(preset, model)
+    if served_model_name is not None and not served_model_name.strip():
+        _fail("--served-model-name: must not be empty")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.server.app import serve as run_server
 
@@ -426,7 +432,7 @@ def serve(
     _note_cache_size(kv_cache_tokens, max_batch)
     planner = _attach_store(engine, pic, connector) if connector is not None else None
     try:
-        run_server(engine, host, port)
+        run_server(engine, host, port, served_model_name)
     except OSError as exc:
         _fail(f"--host/--port: cannot listen on {host}:{port} ({exc})", 1)
     finally:

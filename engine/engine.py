@@ -171,6 +171,15 @@ class LLMEngine:
             self._generators[request_id] = gen
         return request_id
 
+    def max_new_tokens_for(self, num_prompt_tokens: int) -> int:
+        """The most new tokens a request of `num_prompt_tokens` prompt tokens may ask for:
+        up to the model's context and what the cache holds for one sequence alone (0: the
+        prompt leaves no room)."""
+        limits = [n for n in (self.max_model_len, self.scheduler.pool.max_tokens_per_sequence()) if n is not None]
+        if not limits:
+            raise InvalidRequestError("max_new_tokens", "no context limit is known; give max_new_tokens")
+        return max(0, min(limits) - num_prompt_tokens)
+
     def check_prompt(
         self,
         prompt: Optional[PromptInput],

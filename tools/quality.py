@@ -2,7 +2,7 @@
 recomputation, per model and workload (issue 5). See docs/quality.md.
 
     python -m tools.quality [--quick] [--json] [--json-path FILE] [--markdown]
-        [--presets a,b] [--tasks fact,twohop,aggregate,fewshot,rag] [--methods full,prefix,naive,pic]
+        [--presets a,b] [--model DIR ...] [--no-chat] [--tasks fact,twohop,aggregate,fewshot,rag] [--methods full,prefix,naive,pic]
         [--seams 0,8,16,32,64] [--swa-seam window,seam] [--state-dtypes float32,bfloat16] [--miss-signatures alone,context]
         [--n N] [--seed S] [--device cpu|cuda]
         [--batch-size B] [--threads T] [--jobs J] [--tolerance POINTS] [--docs MIN-MAX]
@@ -23,6 +23,14 @@ measured milliseconds per request (prefill + batched decode share). Then, per mo
 best PIC seam: the one that recomputes the fewest tokens among those whose average delta
 is no worse than `--tolerance` points (default 1.0); when none is, the one closest to full.
 `--json` also writes the rows and that summary to docs/results/quality-<date>.json.
+
+`--model DIR` (repeatable) measures a Hugging Face checkpoint directory the engine loads
+(kvengine --model, docs/models.md) with its own tokenizer; instead of the default presets
+(with `--presets`, beside them). Its requests go through its chat template, as the chat
+endpoint renders them (engine.server.chat): the request's segments become the content
+parts of one user message, documents cacheable, and the template's text around them
+uncached segments; the last segment (question plus the template's generation prompt)
+is where fidelity is measured. `--no-chat`: the raw segments, as for the presets.
 
 `--quick`: qwen3next-tiny, tasks fact and twohop, 3 requests each over short prompts (2-3
 documents of 4 facts), methods full, naive and pic with seam 16, on the CPU (under a
@@ -91,6 +99,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--json-path", default=None, help="default docs/results/quality-<date>.json")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown (for docs/BENCHMARKS.md)")
     p.add_argument("--presets", help=f"models (preset names or weight dirs); default {DEFAULTS['presets']}")
+    p.add_argument("--model", action="append", default=[], metavar="DIR",
+                   help="a Hugging Face checkpoint directory (repeatable); replaces the default presets")
+    p.add_argument("--no-chat", action="store_true",
+                   help="--model: the workloads' raw segments, not rendered through the checkpoint's chat template")
     p.add_argument("--tasks", help=f"workloads; default {DEFAULTS['tasks']}")
     p.add_argument("--methods", help=f"default {DEFAULTS['methods']} (full always runs: it is the reference)")
     p.add_argument("--seams", help=f"PIC seams; default {DEFAULTS['seams']}")
@@ -120,6 +132,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     base = dict(DEFAULTS, **QUICK) if a.quick else DEFAULTS
+    if a.model and a.presets is None:
+        a.presets = ""  # --model alone: only the checkpoints
     for key, value in base.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -135,14 +149,46 @@ def resolve_device(name: str) -> str:
 
 
 def model_config_of(preset: str):
-    """The ModelConfig of a preset name or a saved weights directory (no weights loaded)."""
+    """The ModelConfig of a preset name or a saved weights directory (no weights loaded);
+    None for a Hugging Face checkpoint (its config is known once it is loaded)."""
+    from engine.models.hf import is_hf_checkpoint
     from engine.models.presets import get_preset
     from engine.models.weights import read_config
 
     path = Path(preset)
+    if is_hf_checkpoint(path):
+        return None
     if path.is_dir():
         return read_config(path)
     return get_preset(preset)
+
+
+def chat_requests(tokenizer, requests: Sequence) -> tuple:
+    """`requests` rendered through the tokenizer's chat template as the chat endpoint
+    renders a conversation (engine.server.chat): the segments are the content parts of one
+    user message; the template's text becomes uncached segments around the cached ones."""
+    from dataclasses import replace
+
+    from engine.server.chat import ChatMessage, ChatPart, render_segments
+    from tools.workloads.common import Segment
+
+    out = []
+    for r in requests:
+        message = ChatMessage("user", tuple(ChatPart(s.text, s.cache) for s in r.segments))
+        try:
+            segs = render_segments(tokenizer, (message,))
+        except EngineError as exc:
+            raise QualityError(f"{r.id}: {exc}") from exc
+        if segs[-1]["cache"]:
+            raise QualityError(f"{r.id}: the chat template renders nothing after the last document")
+        out.append(replace(r, segments=tuple(Segment(s["text"], s["cache"]) for s in segs)))
+    return tuple(out)
+
+
+def prompt_tokens(tokenizer, request) -> int:
+    """Positions of `request`'s prompt as the engine tokenizes it (BOS, each segment alone)."""
+    bos = 0 if tokenizer.bos_id is None else 1
+    return bos + sum(len(tokenizer.encode(s.text)) for s in request.segments)
 
 
 # ------------------------------------------------------------------------ aggregation
@@ -374,6 +420,9 @@ class ModelJob:
     batch_size: int
     threads: int
     init_seed: Optional[int]
+    #: expand_specs options, to expand `specs` again once the model's config is loaded
+    #: (a Hugging Face checkpoint: a sliding window is known only then); None: `specs` as is
+    spec_options: Optional[tuple] = None
 
 
 def measure_model(job: ModelJob, reporter: Reporter) -> list[dict]:
@@ -381,9 +430,10 @@ def measure_model(job: ModelJob, reporter: Reporter) -> list[dict]:
     torch.set_num_threads(job.threads)
     session = open_session(job.preset, job.device, job.max_tokens, job.batch_size, init_seed=job.init_seed)
     weights = session.loaded.source
+    specs = job.specs if job.spec_options is None else expand_specs(session.loaded.config, *job.spec_options)
     ref = None
     rows = []
-    for spec in job.specs:
+    for spec in specs:
         reporter.describe(f"{job.preset} {spec.label}")
         advance = lambda k, task: reporter.advance(k)  # noqa: E731
         if spec.method == "full":
@@ -406,7 +456,13 @@ def _worker(job: ModelJob, queue) -> list[dict]:
 
 def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
     """Validate the options; one job per model, and the run's config record."""
-    presets, tasks = _csv(args.presets, "presets"), _csv(args.tasks, "tasks")
+    presets, tasks = (_csv(args.presets, "presets") if args.presets else []), _csv(args.tasks, "tasks")
+    from engine.models.hf import is_hf_checkpoint
+
+    for d in args.model:
+        if not is_hf_checkpoint(d):
+            raise QualityError(f"--model {d}: not a Hugging Face checkpoint directory (no config.json with a "
+                               "model_type)")
     methods, seams = _csv(args.methods, "methods"), _ints(args.seams, "seams")
     policies = _csv(args.swa_seam, "swa-seam")
     state_dtypes = _csv(args.state_dtypes, "state-dtypes")
@@ -420,17 +476,36 @@ def plan_jobs(args: argparse.Namespace) -> tuple[list[ModelJob], dict]:
     device = resolve_device(args.device)
     overrides = {"docs": args.docs, "facts_per_doc": args.facts_per_doc}
     requests = tuple(r for t in tasks for r in iter_requests(t, args.n, args.seed, scale="tiny", **overrides))
-    max_tokens = max(r.prompt_tokens + 1 + max_new_tokens(r.metric) for r in requests)
-    jobs = [ModelJob(p, tuple(expand_specs(model_config_of(p), methods, seams, policies, state_dtypes,
-                                                      sources)), requests, tuple(tasks),
-                     device, max_tokens, args.batch_size, args.threads, args.init_seed) for p in presets]
-    config = {"presets": presets, "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
+    options = (methods, seams, policies, state_dtypes, sources)
+    jobs = []
+    for p in presets + args.model:
+        cfg = model_config_of(p)
+        reqs, tok = requests, _tokenizer_of(p)
+        if cfg is None and not args.no_chat and getattr(tok, "chat_template_source", None):
+            reqs = chat_requests(tok, requests)
+        max_tokens = max(prompt_tokens(tok, r) + 1 + max_new_tokens(r.metric) for r in reqs)
+        jobs.append(ModelJob(p, tuple(expand_specs(cfg, *options)), reqs, tuple(tasks), device, max_tokens,
+                             args.batch_size, args.threads, args.init_seed,
+                             spec_options=options if cfg is None else None))
+    if not jobs:
+        raise QualityError("no model to measure: give --presets or --model")
+    config = {"presets": presets, "models": list(args.model), "chat": not args.no_chat,
+              "tasks": tasks, "methods": methods, "seams": seams, "swa_seam": policies,
               "state_dtypes": state_dtypes, "miss_signatures": sources,
               "n": args.n, "seed": args.seed, "scale": "tiny",
               "workload_overrides": {k: v for k, v in overrides.items() if v is not None},
               "device": device, "threads": args.threads, "jobs": args.jobs, "batch_size": args.batch_size,
               "tolerance": args.tolerance, "init_seed": args.init_seed, "quick": args.quick}
     return jobs, config
+
+
+def _tokenizer_of(model: str):
+    from engine.builder import model_tokenizer
+
+    try:
+        return model_tokenizer(model)
+    except EngineError as exc:
+        raise QualityError(f"{model}: {exc}") from exc
 
 
 def run_jobs(jobs: list[ModelJob], reporter: Reporter, parallel: int,

@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from engine.builder import model_tokenizer
 from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import SWA
 from engine.models.weights import LoadedModel, load_model
@@ -41,7 +42,6 @@ from engine.pic.config import MISS_SIGNATURE_SOURCES, STATE_DTYPES as PIC_STATE_
 from engine.pic.offline import build_request, prefill_with_plan, release
 from engine.pic.planner import make_planner
 from engine.runtime.runner import ModelRunner
-from engine.tokenizer import load_tokenizer
 from tools.train.evaluate import max_new_tokens
 from tools.workloads import Request, score
 
@@ -98,7 +98,9 @@ def expand_specs(model_config, methods: Sequence[str], seams: Sequence[int],
     max(seam, window) on a model with sliding-window layers, docs/pic.md); rows that end
     up identical are measured once. Each pic and naive row is repeated per cached-state
     dtype in `state_dtypes` (float32 rows first), and each pic row per source of miss
-    signatures in `miss_signatures` (PicConfig.miss_signatures; "alone" rows first)."""
+    signatures in `miss_signatures` (PicConfig.miss_signatures; "alone" rows first).
+    `model_config` None: a model not loaded yet, taken as one without sliding-window
+    layers (the options are checked; the rows are expanded again once it is loaded)."""
     for src in miss_signatures:
         if src not in MISS_SIGNATURE_SOURCES:
             raise QualityError(f"miss signature source {src!r} must be one of {', '.join(MISS_SIGNATURE_SOURCES)}")
@@ -129,7 +131,8 @@ def expand_specs(model_config, methods: Sequence[str], seams: Sequence[int],
     for p in swa_policies:
         if p not in SWA_SEAM_POLICIES:
             raise QualityError(f"SWA seam policy {p!r} must be one of {', '.join(SWA_SEAM_POLICIES)}")
-    window = model_config.attention.sliding_window if SWA in model_config.layers else None
+    window = (model_config.attention.sliding_window
+              if model_config is not None and SWA in model_config.layers else None)
     specs = [MethodSpec("full")]
     for m in methods:
         if m == "full":
@@ -175,12 +178,13 @@ class ModelSession:
 def open_session(preset: str, device: str = "cpu", max_tokens: int = 1024, batch_size: int = 16,
                  init_seed: Optional[int] = None, chunk_size: Optional[int] = DEFAULT_CHUNK) -> ModelSession:
     """Load `preset` (trained weights under models/<preset>/ when present, else its seeded
-    init; `init_seed` forces an init from that seed) with caches for `batch_size` requests
+    init; `init_seed` forces an init from that seed; or a Hugging Face checkpoint
+    directory, with its own tokenizer) with caches for `batch_size` requests
     of up to `max_tokens` positions each (prompt plus generated tokens)."""
     if batch_size < 1:
         raise QualityError(f"batch size {batch_size!r} must be >= 1")
     loaded = load_model(preset, device=device, seed=init_seed)
-    tokenizer = load_tokenizer("byte")
+    tokenizer = model_tokenizer(preset)  # a checkpoint's own, else the byte tokenizer
     limit = loaded.config.max_position_embeddings
     if max_tokens > limit:
         raise QualityError(f"requests need {max_tokens} positions, more than {preset}'s "

@@ -1,4 +1,4 @@
-"""The HTTP API (aiohttp): OpenAI-style completions over an engine loop thread.
+"""The HTTP API (aiohttp): OpenAI-style completions and chat over an engine loop thread.
 
 Routes:
 - POST /v1/completions: see engine.server.protocol for the body; `stream: true`
@@ -9,7 +9,14 @@ Routes:
   A `model` other than the served one: 404, `error.code` "model_not_found".
   `usage.prompt_tokens_details.cached_tokens`: prompt tokens reused from the cache (what
   the segment lookups found; also `timings.reused_prompt_tokens`).
-- GET /v1/models: the one served model (`created`: when this server started).
+- POST /v1/chat/completions: OpenAI chat (streamed or not); the messages are rendered
+  through the model's chat template into prompt segments, content parts marked
+  `"cache": true` staying whole cacheable segments (engine.server.chat has the body and
+  the rendering rule); errors, `usage` and `timings` as for /v1/completions. Streamed:
+  a first chunk with the assistant role, `delta.content` pieces, a chunk with
+  `finish_reason`, the optional usage chunk, `data: [DONE]`.
+- GET /v1/models: the one served model (its name: `--served-model-name`, else the
+  preset's name or the checkpoint directory's name; `created`: when this server started).
 - GET /health: 200 `{"status": "ok"}` while the engine loop runs, else 503.
 - GET /metrics: Prometheus text format (engine.server.metrics).
 
@@ -34,7 +41,7 @@ from aiohttp import web
 from engine.engine import LLMEngine, RequestOutput
 from engine.errors import CapacityError, EngineStoppedError, InvalidRequestError
 from engine.runtime.sampling import SamplingParams
-from engine.server import protocol
+from engine.server import chat, protocol
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.worker import AsyncEngineClient, EngineLoop
 
@@ -96,17 +103,87 @@ def _sampling_params(req: protocol.CompletionRequest) -> SamplingParams:
     )
 
 
+async def _read_json(request: web.Request) -> Any:
+    """The decoded body, or `InvalidRequestError` naming the body."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError("body", f"not valid JSON ({exc})") from exc
+
+
+class _StreamChunks:
+    """What one route's stream chunks look like (completions or chat)."""
+
+    def __init__(self, completion_id: str, model: str, created: int) -> None:
+        self.id, self.model, self.created = completion_id, model, created
+
+    def head(self) -> Optional[dict[str, Any]]:
+        return None
+
+    def piece(self, text: str, finish_reason: Optional[str]) -> dict[str, Any]:
+        return protocol.completion_body(self.id, self.model, text, finish_reason, created=self.created)
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        body = protocol.completion_body(self.id, self.model, "", None, created=self.created)
+        body["choices"] = []
+        body["usage"] = usage
+        return body
+
+
+class _ChatStreamChunks(_StreamChunks):
+    def head(self) -> Optional[dict[str, Any]]:
+        return chat.chat_chunk(self.id, self.model, self.created, {"role": "assistant", "content": ""})
+
+    def piece(self, text: str, finish_reason: Optional[str]) -> dict[str, Any]:
+        return chat.chat_chunk(self.id, self.model, self.created, {"content": text} if text else {}, finish_reason)
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        body = chat.chat_chunk(self.id, self.model, self.created, None)
+        body["usage"] = usage
+        return body
+
+
+async def _start(app: web.Application, request_id: str, params: SamplingParams, prompt: Any,
+                 token_ids: Optional[list[int]], field_names: dict[str, str]) -> tuple[Any, Any]:
+    """Submit a request; returns (its output stream, its first output) or an error
+    response as (None, response). `field_names` maps the engine's argument names to the
+    route's fields in a 400."""
+    metrics = app[METRICS_KEY]
+    client = AsyncEngineClient(app[ENGINE_LOOP_KEY])
+    outputs = client.stream(request_id, params, prompt=prompt, prompt_token_ids=token_ids)
+    try:
+        return outputs, await outputs.__anext__()
+    except InvalidRequestError as exc:
+        metrics.observe_rejected("invalid")
+        field = field_names.get(exc.field, exc.field)
+        return None, _json_error(400, f"{field}: {exc.message}", field)
+    except CapacityError as exc:
+        metrics.observe_rejected("capacity")
+        return None, _json_error(503, str(exc), None, "capacity_error")
+    except EngineStoppedError as exc:
+        return None, _json_error(503, str(exc), None, "engine_stopped")
+
+
+async def _last_output(outputs: Any, first: RequestOutput) -> RequestOutput:
+    last = first
+    try:
+        async for out in outputs:
+            last = out
+    finally:
+        await outputs.aclose()
+    return last
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return protocol.usage_body(out.num_prompt_tokens, len(out.token_ids), out.num_reused_tokens)
+
+
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     app = request.app
     metrics = app[METRICS_KEY]
     model = app[MODEL_NAME_KEY]
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        metrics.observe_rejected("invalid")
-        return _json_error(400, f"body: not valid JSON ({exc})", "body")
-    try:
-        creq = protocol.parse_completion_request(body)
+        creq = protocol.parse_completion_request(await _read_json(request))
     except InvalidRequestError as exc:
         metrics.observe_rejected("invalid")
         return _json_error(400, str(exc), exc.field)
@@ -115,7 +192,6 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         metrics.observe_rejected("invalid")
         return web.json_response(protocol.model_error(creq.model, model), status=404)
 
-    client = AsyncEngineClient(app[ENGINE_LOOP_KEY])
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if creq.segments is not None:
@@ -124,52 +200,83 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         prompt, token_ids = creq.prompt, None
     else:
         prompt, token_ids = None, creq.prompt
-    outputs = client.stream(completion_id, _sampling_params(creq), prompt=prompt, prompt_token_ids=token_ids)
-
-    try:
-        first = await outputs.__anext__()
-    except InvalidRequestError as exc:
-        metrics.observe_rejected("invalid")
-        # the engine names its own arguments; map them to this API's fields
-        field = {"prompt_token_ids": "prompt", "max_new_tokens": "max_tokens"}.get(exc.field, exc.field)
-        return _json_error(400, f"{field}: {exc.message}", field)
-    except CapacityError as exc:
-        metrics.observe_rejected("capacity")
-        return _json_error(503, str(exc), None, "capacity_error")
-    except EngineStoppedError as exc:
-        return _json_error(503, str(exc), None, "engine_stopped")
+    # the engine names its own arguments; map them to this API's fields
+    outputs, first = await _start(app, completion_id, _sampling_params(creq), prompt, token_ids,
+                                  {"prompt_token_ids": "prompt", "max_new_tokens": "max_tokens"})
+    if outputs is None:
+        return first
 
     if creq.stream:
-        return await _stream_response(request, outputs, first, completion_id, created, model, creq.include_usage)
-
-    last = first
-    try:
-        async for out in outputs:
-            last = out
-    finally:
-        await outputs.aclose()
+        return await _stream_response(request, outputs, first, _StreamChunks(completion_id, model, created),
+                                      creq.include_usage)
+    last = await _last_output(outputs, first)
     if last.error is not None:
         return _json_error(500, last.error, None, "engine_error")
     return web.json_response(
-        protocol.completion_body(
-            completion_id,
-            model,
-            last.text,
-            last.finish_reason,
-            usage=protocol.usage_body(last.num_prompt_tokens, len(last.token_ids), last.num_reused_tokens),
-            timings=_timings(last),
-            created=created,
-        )
+        protocol.completion_body(completion_id, model, last.text, last.finish_reason, usage=_usage(last),
+                                 timings=_timings(last), created=created)
     )
+
+
+def _chat_prompt(engine: LLMEngine, req: chat.ChatRequest) -> tuple[list[dict[str, Any]], int]:
+    """The conversation's segments and max_tokens (when not given: OpenAI's default, up to
+    the end of the context or of what the cache holds for one sequence)."""
+    segments = chat.render_segments(engine.tokenizer, req.messages, req.template_kwargs)
+    max_tokens = req.sampling.max_tokens
+    if max_tokens is None:
+        token_ids, _ = engine.check_prompt(segments, SamplingParams(max_new_tokens=1))
+        max_tokens = engine.max_new_tokens_for(len(token_ids))
+        if max_tokens < 1:
+            raise InvalidRequestError("messages", f"{len(token_ids)} prompt tokens leave no room for an answer")
+    return segments, max_tokens
+
+
+async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions: the conversation rendered through the chat template
+    into segments (engine.server.chat), then generated as a completion is."""
+    app = request.app
+    metrics = app[METRICS_KEY]
+    model = app[MODEL_NAME_KEY]
+    engine = app[ENGINE_LOOP_KEY].engine
+    try:
+        req = chat.parse_chat_request(await _read_json(request))
+        fields = req.sampling
+        if fields.model is not None and fields.model != model:
+            metrics.observe_rejected("invalid")
+            return web.json_response(protocol.model_error(fields.model, model), status=404)
+        # rendering and (for the default max_tokens) tokenizing a long conversation take
+        # a while: off the event loop
+        segments, max_tokens = await asyncio.get_running_loop().run_in_executor(
+            None, _chat_prompt, engine, req)
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+                                stop_strings=fields.stop, seed=fields.seed)
+    except InvalidRequestError as exc:
+        metrics.observe_rejected("invalid")
+        field = {"prompt": "messages", "segments": "messages", "max_new_tokens": "max_tokens"}.get(exc.field, exc.field)
+        return _json_error(400, f"{field}: {exc.message}", field)
+
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs, first = await _start(app, completion_id, params, segments, None,
+                                  {"prompt": "messages", "segments": "messages",
+                                   "max_new_tokens": req.max_tokens_field})
+    if outputs is None:
+        return first
+    if fields.stream:
+        return await _stream_response(request, outputs, first, _ChatStreamChunks(completion_id, model, created),
+                                      fields.include_usage)
+    last = await _last_output(outputs, first)
+    if last.error is not None:
+        return _json_error(500, last.error, None, "engine_error")
+    return web.json_response(chat.chat_body(completion_id, model, last.text, last.finish_reason, _usage(last),
+                                            timings=_timings(last), created=created))
 
 
 async def _stream_response(
     request: web.Request,
     outputs: Any,
     first: RequestOutput,
-    completion_id: str,
-    created: int,
-    model: str,
+    chunks: _StreamChunks,
     include_usage: bool,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -180,30 +287,27 @@ async def _stream_response(
         await resp.write(f"data: {data}\n\n".encode())
 
     try:
+        head = chunks.head()
+        if head is not None:
+            await send(head)
         out: Optional[RequestOutput] = first
         while out is not None:
             if out.error is not None:
                 await send(protocol.error_body(out.error, None, "engine_error"))
                 break
             if out.new_text or out.finished:
-                chunk = protocol.completion_body(
-                    completion_id, model, out.new_text, out.finish_reason if out.finished else None, created=created
-                )
+                chunk = chunks.piece(out.new_text, out.finish_reason if out.finished else None)
                 if out.finished:
                     chunk["timings"] = _timings(out)
                 await send(chunk)
             if out.finished:
                 if include_usage:
-                    usage = protocol.completion_body(completion_id, model, "", None, created=created)
-                    usage["choices"] = []
-                    usage["usage"] = protocol.usage_body(out.num_prompt_tokens, len(out.token_ids),
-                                                         out.num_reused_tokens)
-                    await send(usage)
+                    await send(chunks.usage(_usage(out)))
                 break
             out = await outputs.__anext__()
         await send("[DONE]")
     except (ConnectionResetError, asyncio.CancelledError):
-        log.info("client of %s went away; aborting it", completion_id)
+        log.info("client of %s went away; aborting it", chunks.id)
         raise
     finally:
         await outputs.aclose()  # aborts the request unless it finished
@@ -231,18 +335,21 @@ async def handle_models(request: web.Request) -> web.Response:
     )
 
 
-def build_app(engine: LLMEngine) -> web.Application:
-    """An application serving `engine`; its loop thread starts and stops with the app."""
+def build_app(engine: LLMEngine, model_name: Optional[str] = None) -> web.Application:
+    """An application serving `engine` under `model_name` (default: the engine's own
+    name); its loop thread starts and stops with the app."""
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[json_errors])
     app[STARTED_KEY] = int(time.time())
-    metrics = ServerMetrics(engine.model_name)
+    name = model_name or engine.model_name
+    metrics = ServerMetrics(name)
     app[METRICS_KEY] = metrics
-    app[MODEL_NAME_KEY] = engine.model_name
+    app[MODEL_NAME_KEY] = name
     app[ENGINE_LOOP_KEY] = EngineLoop(engine, metrics)
     register = getattr(engine.planner, "register_metrics", None)
     if callable(register):  # e.g. the store connector's planner (kvstore metrics, store_available)
         register(metrics.registry)
     app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat_completions)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
@@ -258,10 +365,11 @@ def build_app(engine: LLMEngine) -> web.Application:
     return app
 
 
-async def start_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000) -> tuple[web.AppRunner, int]:
+async def start_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
+                       model_name: Optional[str] = None) -> tuple[web.AppRunner, int]:
     """Start serving on the running event loop; returns the runner and the bound port
     (pass port 0 for a free one). Stop with `await runner.cleanup()`."""
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(engine, model_name), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -273,12 +381,13 @@ async def start_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8
     return runner, bound
 
 
-def serve(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until SIGINT/SIGTERM. Prints the bound address once listening."""
+def serve(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, model_name: Optional[str] = None) -> None:
+    """Serve until SIGINT/SIGTERM under `model_name` (default: the engine's own name).
+    Prints the bound address once listening."""
 
     async def main() -> None:
-        runner, bound = await start_server(engine, host, port)
-        print(f"kvengine serving {engine.model_name} on http://{host}:{bound}", flush=True)
+        runner, bound = await start_server(engine, host, port, model_name)
+        print(f"kvengine serving {model_name or engine.model_name} on http://{host}:{bound}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -103,22 +103,29 @@ def _parse_prompt(raw: Any) -> Union[str, list[int]]:
     raise InvalidRequestError("prompt", "must be a non-empty string or a non-empty list of token ids")
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a decoded JSON body; raise `InvalidRequestError` naming the bad field."""
-    if not isinstance(body, dict):
-        raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    has_prompt = body.get("prompt") is not None
-    has_segments = body.get("segments") is not None
-    if has_prompt == has_segments:
-        raise InvalidRequestError("prompt", "give exactly one of prompt or segments")
-    prompt = _parse_prompt(body["prompt"]) if has_prompt else None
-    segments = _parse_segments(body["segments"]) if has_segments else None
+@dataclass(frozen=True)
+class SamplingFields:
+    """The body fields shared by /v1/completions and /v1/chat/completions: how to sample
+    and how to answer. `max_tokens` None: the route's own default applies."""
 
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+    model: Optional[str]
+    max_tokens: Optional[int]
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: Optional[int]
+    stream: bool
+    include_usage: bool
+
+
+def parse_sampling_fields(body: dict[str, Any], max_tokens_field: str = "max_tokens") -> SamplingFields:
+    """Validate the fields every generation route shares (see the table above; `n`, the
+    penalties and `logit_bias` only at their defaults); raise `InvalidRequestError`
+    naming the bad field. `max_tokens_field` names where `max_tokens` was read (the chat
+    route also takes `max_completion_tokens`)."""
+    max_tokens = body.get(max_tokens_field)
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise InvalidRequestError(max_tokens_field, f"must be an integer >= 1, got {max_tokens!r}")
 
     temperature = body.get("temperature", 1.0)
     temperature = 1.0 if temperature is None else temperature
@@ -157,15 +164,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             raise InvalidRequestError("stream_options", 'must be {"include_usage": true|false}')
         include_usage = opts.get("include_usage", False)
 
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if value is not None and value != 1:
-            raise InvalidRequestError(name, f"only 1 is supported, got {value!r}")
-    if body.get("echo") not in (None, False):
-        raise InvalidRequestError("echo", "is not supported")
-    for name in ("logprobs", "suffix"):
-        if body.get(name) is not None:
-            raise InvalidRequestError(name, "is not supported")
+    value = body.get("n")
+    if value is not None and value != 1:
+        raise InvalidRequestError("n", f"only 1 is supported, got {value!r}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value is not None and (not _is_number(value) or value != 0):
@@ -175,18 +176,42 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidRequestError(name, f"must be a string, got {body[name]!r}")
+    return SamplingFields(model=body.get("model"), max_tokens=max_tokens, temperature=float(temperature),
+                          top_p=float(top_p), stop=stops, seed=seed, stream=stream, include_usage=include_usage)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a decoded JSON body; raise `InvalidRequestError` naming the bad field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
+    has_prompt = body.get("prompt") is not None
+    has_segments = body.get("segments") is not None
+    if has_prompt == has_segments:
+        raise InvalidRequestError("prompt", "give exactly one of prompt or segments")
+    prompt = _parse_prompt(body["prompt"]) if has_prompt else None
+    segments = _parse_segments(body["segments"]) if has_segments else None
+    fields = parse_sampling_fields(body)
+
+    value = body.get("best_of")
+    if value is not None and value != 1:
+        raise InvalidRequestError("best_of", f"only 1 is supported, got {value!r}")
+    if body.get("echo") not in (None, False):
+        raise InvalidRequestError("echo", "is not supported")
+    for name in ("logprobs", "suffix"):
+        if body.get(name) is not None:
+            raise InvalidRequestError(name, "is not supported")
 
     return CompletionRequest(
-        model=body.get("model"),
+        model=fields.model,
         prompt=prompt,
         segments=segments,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        stop=stops,
-        seed=seed,
-        stream=stream,
-        include_usage=include_usage,
+        max_tokens=DEFAULT_MAX_TOKENS if fields.max_tokens is None else fields.max_tokens,
+        temperature=fields.temperature,
+        top_p=fields.top_p,
+        stop=fields.stop,
+        seed=fields.seed,
+        stream=fields.stream,
+        include_usage=fields.include_usage,
     )
 
 
