@@ -63,16 +63,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _parent_death_signal() -> Optional[Callable[[], None]]:
-    """A preexec_fn making the child get SIGTERM when its parent dies (Linux), so a test
-    run that is killed does not leave daemons behind; None where prctl is unavailable."""
+# Run as `python -c _PDEATHSIG_EXEC PARENT_PID CMD...`: the child asks for SIGTERM when its
+# parent dies (Linux prctl; kept across execve), then becomes CMD. Done in the child's own
+# interpreter rather than as Popen's preexec_fn, which runs Python between fork and exec of
+# a multi-threaded parent and can deadlock there (a lock another thread held at fork).
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(%d, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('kvstore.testing: the test process died before the daemon started')\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n" % PR_SET_PDEATHSIG)
+
+
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """`cmd` (a `python -m ...` command) wrapped so the child gets SIGTERM when its parent
+    dies (Linux), so a test run that is killed does not leave daemons behind; `cmd`
+    unchanged where prctl is unavailable."""
     try:
         import ctypes
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now, not in the forked child
+        ctypes.CDLL(None, use_errno=True).prctl  # noqa: B018  (present?)
     except (OSError, AttributeError):
-        return None
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        return cmd
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd[1:]]
 
 
 class DaemonProcess:
@@ -112,8 +125,8 @@ class DaemonProcess:
         self.root.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", self.entry, *(["serve"] if self.entry == "kvstore.cli" else []), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=str(REPO_ROOT), preexec_fn=_parent_death_signal())
+        self.proc = subprocess.Popen(_with_parent_death_signal(cmd), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=str(REPO_ROOT))
         self.wait_healthy(timeout)
         return self
 
