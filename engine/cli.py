@@ -385,7 +385,7 @@ def serve(
     host_threads: Optional[int] = HostThreadsOpt,
     cold_full_fraction: float = _cold_opt(0.5),
     cold_full_policy: str = ColdPolicyOpt,
-    miss_path: str = _miss_path_opt("context"),  # measured better for serving (BENCHMARKS, session 6)
+    miss_path: str = _miss_path_opt("context"),  # serving default: misses computed in the request, alone when idle (docs/pic.md)
     miss_signatures: str = _miss_signatures_opt(),
     exact_prefix: bool = ExactPrefixOpt,
     hisparse: bool = HiSparseOpt,

@@ -4,7 +4,7 @@ Making room in a full memory tier demotes victims one tier down (kvstore.placeme
 demoting an object from the CPU arena to NVMe writes and fsyncs its bytes while the
 store's lock is held: every RPC waits behind it (lookups included), and a put or a
 promoting get into a full CPU tier pays for the demotions it causes (a 12k-token rag
-request's NVMe-tier hit took 2-4 s on the H200 box in session 6, ~0.2 GB/s end to end).
+request's NVMe-tier hit took 2-4 s on an H200 machine, ~0.2 GB/s end to end).
 
 `WriteBack` keeps the CPU tier's *unbacked* bytes (objects with no NVMe copy) at or below
 `watermark` x its capacity: a daemon thread gives the coldest unbacked objects (the

@@ -49,6 +49,20 @@ def rope_settings(params: dict, head_dim: int, where: str, allow_linear: bool = 
     return Rope(theta, rotary, factor)
 
 
+def layer_kinds(fields: ConfigFields, types: list, num_layers: int, kinds: dict[str, str]) -> list[str]:
+    """The engine's layer kind of each entry of a config's `layer_types` (via `kinds`),
+    refusing a list of the wrong length or an unsupported type by name."""
+    if len(types) != num_layers:
+        raise UnsupportedConfigError(f"{fields.where}: layer_types has {len(types)} entries, "
+                                     f"num_hidden_layers={num_layers}")
+    out = []
+    for i, t in enumerate(types):
+        if t not in kinds:
+            raise UnsupportedConfigError(f"{fields.where}: layer_types[{i}]={t!r} is not supported")
+        out.append(kinds[t])
+    return out
+
+
 def legacy_rope_parameters(fields: ConfigFields) -> dict:
     """`rope_parameters`, or the pre-5 spelling (rope_theta, partial_rotary_factor,
     rope_scaling) folded into that form."""

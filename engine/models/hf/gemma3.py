@@ -23,7 +23,7 @@ import torch
 from engine.errors import UnsupportedConfigError
 from engine.models.config import FULL, SWA, AttentionConfig, ModelConfig
 from engine.models.hf.checkpoint import CheckpointTensors
-from engine.models.hf.common import Conversion, centred, dense_mlp, rope_settings
+from engine.models.hf.common import Conversion, centred, dense_mlp, layer_kinds, rope_settings
 from engine.models.hf.fields import ConfigFields
 
 MODEL_TYPES = ("gemma3_text",)
@@ -62,13 +62,7 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
     f.ignore(("_sliding_window_pattern", "sliding_window_pattern", "cache_implementation"))
     n_layers = int(f.get("num_hidden_layers"))
     types = f.get("layer_types")
-    if len(types) != n_layers:
-        raise UnsupportedConfigError(f"{f.where}: layer_types has {len(types)} entries, num_hidden_layers={n_layers}")
-    layers = []
-    for i, t in enumerate(types):
-        if t not in LAYER_KIND:
-            raise UnsupportedConfigError(f"{f.where}: layer_types[{i}]={t!r} is not supported")
-        layers.append(LAYER_KIND[t])
+    layers = layer_kinds(f, types, n_layers, LAYER_KIND)
     hidden = int(f.get("hidden_size"))
     heads = int(f.get("num_attention_heads"))
     head_dim = int(f.get("head_dim", hidden // heads))

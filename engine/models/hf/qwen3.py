@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import UnsupportedConfigError
 from engine.models.config import DENSE, FULL, GDN, MOE, AttentionConfig, LinearConfig, ModelConfig, MoEConfig
 from engine.models.hf.checkpoint import CheckpointTensors
-from engine.models.hf.common import Conversion, centred, dense_mlp, legacy_rope_parameters, moe_experts, rope_settings
+from engine.models.hf.common import (Conversion, centred, dense_mlp, layer_kinds, legacy_rope_parameters, moe_experts,
+                                      rope_settings)
 from engine.models.hf.fields import ConfigFields
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -43,13 +43,7 @@ def model_config(f: ConfigFields, model_type: str, name: str) -> ModelConfig:
     else:  # older configs: every `full_attention_interval`-th layer is full attention
         interval = int(f.get("full_attention_interval", 4))
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
-    if len(types) != n_layers:
-        raise UnsupportedConfigError(f"{f.where}: layer_types has {len(types)} entries, num_hidden_layers={n_layers}")
-    layers = []
-    for i, t in enumerate(types):
-        if t not in LAYER_KIND:
-            raise UnsupportedConfigError(f"{f.where}: layer_types[{i}]={t!r} is not supported")
-        layers.append(LAYER_KIND[t])
+    layers = layer_kinds(f, types, n_layers, LAYER_KIND)
     hidden = int(f.get("hidden_size"))
     heads = int(f.get("num_attention_heads"))
     head_dim = int(f.get("head_dim", hidden // heads))
