@@ -16,12 +16,11 @@ from typing import Optional
 
 from engine.connector.config import StoreConnectorConfig
 from engine.connector.errors import ConnectorConfigError
-from engine.connector.planner import StorePicPlanner, prefix_variant
+from engine.connector.daemon_store import prefix_variant, store_pic_planner
 from engine.connector.prefix_planner import StorePrefixPlanner
 from engine.connector.prefix_store import PrefixCheckpointStore
 from engine.connector.store_cache import StoreSignatureCache
 from engine.pic.config import PicConfig
-from engine.pic.planner import anchor_for
 from engine.pic.prefix import PrefixTree
 
 STORE_METHODS = ("pic", "naive", "prefix")
@@ -37,8 +36,8 @@ def store_config(value: Optional[str], **overrides) -> Optional[StoreConnectorCo
 
 
 def attach_store(engine, pic_config: PicConfig, connector: StoreConnectorConfig):
-    """Install a `StorePicPlanner` (pic, naive) or a `StorePrefixPlanner` (prefix) over a
-    new `StoreSignatureCache` in `engine` (an LLMEngine built by engine.builder). Never
+    """Install a `PicPlanner` over a `DaemonSegmentStore` (pic, naive) or a
+    `StorePrefixPlanner` (prefix) over a new `StoreSignatureCache` in `engine` (an LLMEngine built by engine.builder). Never
     fails for a missing daemon: the engine then serves by recomputation and connects
     when the daemon appears."""
     if pic_config.method not in STORE_METHODS:
@@ -52,9 +51,8 @@ def attach_store(engine, pic_config: PicConfig, connector: StoreConnectorConfig)
         engine.scheduler.planner = planner
         engine.sync_timings = pic_config.sync_timing
         return planner
-    planner = StorePicPlanner(pic_config, engine.runner.model.config, fingerprint,
-                              anchor_for(pic_config, engine.tokenizer), cache, engine.device,
-                              prefetch_queued=connector.prefetch_queued, model_dtype=engine.runner.model.dtype)
+    planner = store_pic_planner(pic_config, engine.runner.model, fingerprint, engine.tokenizer, cache,
+                                prefetch_queued=connector.prefetch_queued)
     planner.attach_queue(engine.scheduler.waiting)
     engine.scheduler.planner = planner
     return planner

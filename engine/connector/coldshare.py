@@ -19,7 +19,7 @@ is needed; the daemon's objects, key prefixes, List and the in-flight claims car
    the lowest), and claims the segment through the ordinary in-flight claim. A claim
    that is not won (the requester or another helper holds it; it landed already) moves
    on to the next record. A won claim: the record's token ids are read, the record is
-   deleted, and the caller (engine.connector.planner) checks that the key it derives
+   deleted, and the caller (engine.pic.planner's idle work) checks that the key it derives
    from them equals the segment key, computes the signature and stores it under the
    claim (waiters wake once it is stored). `take_many(max_tokens)` goes on claiming
    while the taken segments' tokens stay within the budget, for one packed alone pass.

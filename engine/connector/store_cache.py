@@ -15,7 +15,7 @@ The plain interface works as engine.pic documents it:
                                 is released once no request uses the segment
     stats()
 
-and the planner that drives it (engine.connector.planner) uses its capabilities:
+and the segment store over it (engine.connector.daemon_store) uses its capabilities:
 
     prefetch(request_id, keys)  at admission: one batch load on the loader thread
     acquire(key, request_id, wait_device=False) -> LoadedSegment | None

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 from engine.errors import CacheError
 from engine.pic.config import PicConfig
 from engine.pic.prefix import (PrefixNode, PrefixTree, fill_with_checkpoints, insert_chain, path_to,
-                               restore_checkpoints, stateful_ends, usable_path)
+                               restore_checkpoints, split_checkpoint, stateful_ends, usable_path)
 from engine.runtime.sequence import Sequence as CacheSequence
 
 log = logging.getLogger("engine.pic")
@@ -101,6 +101,27 @@ class ExactPrefixes:
         pin(m.path)
         return m
 
+    def find(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]], store) -> Optional[PrefixMatch]:
+        """The exact prefix a request restores, its path pinned; None when none is usable.
+        This tree first; when it does not reach the request's deepest boundary, the
+        `store`'s `find_prefix` (engine.pic.segment_store): a deeper checkpoint found there
+        is restored (and kept in the tree for the next request)."""
+        local = self.match(ids, bounds)
+        local = local if local.path else None
+        have = 0 if local is None else local.end
+        deeper = [hi for _, hi in bounds if hi > have]
+        found = store.find_prefix(ids, deeper) if deeper else None
+        if found is None:
+            return local
+        cp, tier = found
+        if local is not None:  # the store's is deeper: release this tree's
+            unpin(local.path)
+        cut = [b for b in bounds if b[1] <= cp.end]
+        insert_chain(self.tree, self.tree.root, ids, split_checkpoint(cp, cut))
+        node = PrefixNode((), None, cp)  # restored from the merged object itself, whatever fit in the tree
+        node.pins += 1
+        return PrefixMatch(self.tree.walk([tuple(ids[lo:hi]) for lo, hi in bounds]), [node], "store", tier)
+
     def queue(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> bool:
         """Queue the prefix ending at `bounds[-1]` for an idle-time exact pass, unless the
         tree holds it already; True when queued."""
@@ -147,6 +168,23 @@ class ExactPrefixes:
         return removed
 
     # ------------------------------------------------------------------ passes
+    def help(self, runner, store, should_stop=None) -> int:
+        """Idle work: the newest queued prefix, skipped when the `store` holds it already
+        (another engine computed it), else computed and given to the store's `put_prefix`;
+        1 when a job was taken. It cannot give way half-way: when `should_stop()` says a
+        request waits, nothing is started."""
+        if should_stop is not None and should_stop():
+            return 0
+        job = self.next_job()
+        if job is None:
+            return 0
+        if store.has_prefix(job.ids):
+            return 1
+        path = self.compute(runner, job)
+        if path:
+            store.put_prefix(job.ids, path[-1])
+        return 1
+
     def fill_request(self, runner, seq, ids: Sequence[int], bounds: Sequence[tuple[int, int]], m: PrefixMatch,
                      pinned: list, all_logits: bool = False):
         """A request's cold-fallback pass: positions [seq.num_computed_tokens, len(ids))

@@ -47,8 +47,9 @@ from engine.models.decoder import HybridDecoder
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
 from engine.pic.config import SEAM_CHAIN_MODES
 from engine.pic.errors import SplicePlacementError
+from engine.pic.fused_events import Computed, Event, Placed
 from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
-from engine.pic.splice import SplicePiece, _linear_part, _part, force_triton_for
+from engine.pic.splice import SplicePiece, attention_part, force_triton_for, linear_part
 from engine.pic.tokenwise import TokenWise
 from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
@@ -136,18 +137,18 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     ids, pos = ids_host.to(device), pos_host.to(device)
     ctx_slots = manager.prefill_slots(seq, 0, end, with_context=False)[0]  # expanded on the device
     write_slots = None if ctx_slots is None else ctx_slots[pos]
-    # events in prompt order: ("c", lo, hi, absolute end) with lo/hi local offsets into
-    # C, or ("p", piece, None, index of the piece among the pieces)
-    events: list[tuple] = []
-    off = 0
+    # events in prompt order (engine.pic.fused_events)
+    events: list[Event] = []
+    off = placed = 0
     for it in items:
         if it.piece is not None:
-            events.append(("p", it.piece, None, sum(e[0] == "p" for e in events)))
+            events.append(Placed(it.piece, placed))
+            placed += 1
         elif it.end > it.start:
             n = it.end - it.start
-            events.append(("c", off, off + n, it.end))
+            events.append(Computed(off, off + n, it.end))
             off += n
-    ends = {e[3] for e in events if e[0] == "c"}
+    ends = {e.end for e in events if isinstance(e, Computed)}
     for cp in checkpoints:
         if not start <= cp.start < cp.end <= end or (cp.with_state and cp.end not in ends):
             raise SplicePlacementError(f"checkpoint [{cp.start}, {cp.end}) does not end a computed item")
@@ -241,7 +242,7 @@ class _FullRows:
 def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
     take, poss, deltas = [], [], []
     for p in pieces:
-        part = _part(p, layer, "full")
+        part = attention_part(p, layer, "full")
         lo = max(p.first_row - part.first_pos, 0)
         take.append(lo)
         if lo >= part.num_rows:
@@ -251,7 +252,7 @@ def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
     if not poss:
         return None
     d = torch.cat(deltas)
-    uniq = {p.delta for p, lo in zip(pieces, take) if lo < _part(p, layer, "full").num_rows}
+    uniq = {p.delta for p, lo in zip(pieces, take) if lo < attention_part(p, layer, "full").num_rows}
     return _FullRows(take, ctx_slots[torch.cat(poss).to(ctx_slots.device)], d.to(device),
                      next(iter(uniq)) if len(uniq) == 1 else None)
 
@@ -259,7 +260,7 @@ def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
 def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces, force) -> None:
     ks, vs = [], []
     for p, lo in zip(pieces, rows.take):
-        part = _part(p, layer, "full")
+        part = attention_part(p, layer, "full")
         if lo < part.num_rows:
             ks.append(part.k[lo:])
             vs.append(part.v[lo:])
@@ -295,7 +296,7 @@ def _present(state: dict, lo: int, start: int, pieces, layer: int, ranges, devic
     the request's shared dict)."""
     spans = [(lo, start)] if start > lo else []
     for p in pieces:
-        part = _part(p, layer, "swa")
+        part = attention_part(p, layer, "swa")
         first = max(p.first_row - part.first_pos, 0)
         if first < part.num_rows:
             spans.append((max(lo, part.first_pos + first + p.delta), part.first_pos + part.num_rows + p.delta))
@@ -325,7 +326,7 @@ def _window_attend(state: dict, seq, cache: WindowRingCache, mixer, layer, piece
         kp, vp = cache.read(seq.slot, past)
         kbuf[: start - lo], vbuf[: start - lo] = kp.to(k.dtype), vp.to(k.dtype)
     for p in pieces:
-        part = _part(p, layer, "swa")
+        part = attention_part(p, layer, "swa")
         first = max(p.first_row - part.first_pos, 0)
         if first >= part.num_rows:
             continue
@@ -418,8 +419,8 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
     if tail is None or mixer.conv is None:
         if tails_at is not None:
             for ev in events:
-                if ev[0] == "c":
-                    tails_at[ev[3]] = None
+                if isinstance(ev, Computed):
+                    tails_at[ev.end] = None
         return conv_in  # no conv: C's ranges tile conv_in in prompt order
     width1 = tail.shape[-1]
     xin = conv_in[0].transpose(0, 1)  # [C, T] pre-conv inputs of C, prompt order
@@ -428,10 +429,10 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
     at = 0
     cur = tail
     for ev in events:
-        if ev[0] == "p":
-            cur = _conv_tail_after(_linear_part(ev[1], layer), ev[1], cur, width1, layer)
+        if isinstance(ev, Placed):
+            cur = _conv_tail_after(linear_part(ev.piece, layer), ev.piece, cur, width1, layer)
             continue
-        lo, hi = ev[1], ev[2]
+        lo, hi = ev.lo, ev.hi
         seg = xin[:, lo:hi]
         parts += [cur.to(xin.dtype), seg]
         take.append(torch.arange(at, at + hi - lo))
@@ -439,7 +440,7 @@ def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tail
         both = seg if hi - lo >= width1 else torch.cat([cur.to(xin.dtype), seg], dim=1)
         cur = both[:, both.shape[1] - width1:].to(cache.conv_tail.dtype)
         if tails_at is not None:
-            tails_at[ev[3]] = cur
+            tails_at[ev.end] = cur
     y = mixer.conv.valid(torch.cat(parts, dim=1))  # [C, at - width1]
     cache.conv_tail[seq.slot] = cur  # after the conv: the first part may be a view of this slot
     if len(take) == 1:
@@ -469,20 +470,20 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, pre
         tap(inp)
     outs: list[torch.Tensor] = []
     for ev in events:
-        if ev[0] == "p":
-            piece = ev[1]
-            part = _linear_part(piece, layer)
+        if isinstance(ev, Placed):
+            piece = ev.piece
+            part = linear_part(piece, layer)
             if piece.first:
                 state = part.state.to(device=state.device, dtype=torch.float32)
             else:
-                state = _compose(part, piece, state, live.get((ev[3], layer)))
+                state = _compose(part, piece, state, live.get((ev.index, layer)))
             continue
-        o, st = _recurrence(mixer, inp.slice_time(ev[1], ev[2]), state[None], backend)
+        o, st = _recurrence(mixer, inp.slice_time(ev.lo, ev.hi), state[None], backend)
         state = st[0]
         outs.append(o)
         for cp in checkpoints:
-            if cp.end == ev[3]:
-                t = tails_at.get(ev[3])
+            if cp.end == ev.end:
+                t = tails_at.get(ev.end)
                 cp.states[layer] = (state.clone(), None if t is None else t.clone())
     cache.state[seq.slot] = state
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

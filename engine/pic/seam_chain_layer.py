@@ -20,7 +20,8 @@ from engine.models.decoder import HybridDecoder
 from engine.models.layers.linear_ops import RecurrenceInputs
 from engine.pic import long_ranges
 from engine.pic.errors import SplicePlacementError
-from engine.pic.splice import _linear_part
+from engine.pic.fused_events import Computed
+from engine.pic.splice import linear_part
 from kernels.backend import HAS_TRITON
 from kernels.seam_chain import ADD, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents, seam_chain
 
@@ -65,12 +66,12 @@ def _chain_layer_rows(events, layer: int, family: str, num_heads: int):
     n_t = 0
     none = [-1] * num_heads
     for ev in events:
-        if ev[0] == "c":
-            table.append((COMPUTE, ev[1], ev[2]))
+        if isinstance(ev, Computed):
+            table.append((COMPUTE, ev.lo, ev.hi))
             rows.append(none)
             continue
-        piece = ev[1]
-        part = _linear_part(piece, layer)
+        piece = ev.piece
+        part = linear_part(piece, layer)
         r = none
         if piece.first:
             kind, e = SET, part.state
@@ -128,7 +129,7 @@ def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
     (b - a == 1, a compute event longer than `long_at` tokens) between them."""
     groups, a = [], 0
     for j, ev in enumerate(events):
-        if long_at is not None and ev[0] == "c" and ev[2] - ev[1] > long_at:
+        if long_at is not None and isinstance(ev, Computed) and ev.num_tokens > long_at:
             if j > a:
                 groups.append((a, j))
             groups.append((j, j + 1))
@@ -136,6 +137,12 @@ def _chain_groups(events, long_at: Optional[int]) -> list[tuple[int, int]]:
     if a < len(events):
         groups.append((a, len(events)))
     return groups
+
+
+def _long(events, a: int, b: int, backend: str) -> bool:
+    """Group [a, b) is one computed range that fla's chunk kernel runs between chain calls."""
+    ev = events[a]
+    return b - a == 1 and isinstance(ev, Computed) and backend == "fla" and ev.num_tokens > CHAIN_MAX_TOKENS
 
 
 def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: RecurrenceInputs, cl: ChainLayer,
@@ -152,8 +159,7 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
     T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
     groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
-    longs = [(events[a][1], events[a][2]) for a, b in groups
-             if b - a == 1 and events[a][0] == "c" and backend == "fla" and events[a][2] - events[a][1] > CHAIN_MAX_TOKENS]
+    longs = [(events[a].lo, events[a].hi) for a, b in groups if _long(events, a, b, backend)]
     batched = long_ranges.batches(mixer.family, len(longs), batch_long_ranges)
     run = long_ranges.run_from_zero(mixer.family, inp, longs) if batched else None
     if run is not None and ops_out is not None:
@@ -161,13 +167,13 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
     starts: list[torch.Tensor] = []
     for a, b in groups:
         ev = events[a]
-        if b - a == 1 and ev[0] == "c" and backend == "fla" and ev[2] - ev[1] > CHAIN_MAX_TOKENS:
+        if _long(events, a, b, backend):
             if run is not None:  # its outputs come with every long range's, below
                 starts.append(state.clone())
                 state = long_ranges.step_over(mixer.family, run.ops[len(starts) - 1], state)
                 continue
-            o_r, st = mixer.run_recurrence(inp.slice_time(ev[1], ev[2]), state.float()[None], backend)
-            o[:, ev[1]:ev[2]] = o_r
+            o_r, st = mixer.run_recurrence(inp.slice_time(ev.lo, ev.hi), state.float()[None], backend)
+            o[:, ev.lo:ev.hi] = o_r
             state = st[0]
             continue
         sub = ChainEvents(cl.table[a:b], cl.t_row[a:b], E, T)

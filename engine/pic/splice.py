@@ -129,7 +129,8 @@ def splice(manager: CacheManager, model: HybridDecoder, seq: CacheSequence, piec
 
 
 # ----------------------------------------------------------------------- attention layers
-def _part(piece: SplicePiece, layer: int, kind: str) -> AttentionPart:
+def attention_part(piece: SplicePiece, layer: int, kind: str) -> AttentionPart:
+    """The attention part of `piece` at `layer`, of `kind` (SplicePlacementError otherwise)."""
     part = piece.signature.layers[layer]
     if not isinstance(part, AttentionPart) or part.kind != kind:
         raise SplicePlacementError(f"layer {layer}: signature holds {type(part).__name__}, the model {kind} attention")
@@ -140,7 +141,7 @@ def _rows(pieces, layer, kind):
     """Rows of every piece that this splice writes: (k, v, absolute positions, deltas)."""
     ks, vs, poss, deltas = [], [], [], []
     for p in pieces:
-        part = _part(p, layer, kind)
+        part = attention_part(p, layer, kind)
         lo = max(p.first_row - part.first_pos, 0)
         if lo >= part.num_rows:
             continue
@@ -189,7 +190,8 @@ def _splice_window(seq, cache: WindowRingCache, mixer, layer, pieces, force) -> 
 
 
 # -------------------------------------------------------------------------- linear layers
-def _linear_part(piece: SplicePiece, layer: int) -> LinearPart:
+def linear_part(piece: SplicePiece, layer: int) -> LinearPart:
+    """The linear part of `piece` at `layer` (SplicePlacementError when it holds another kind)."""
     part = piece.signature.layers[layer]
     if not isinstance(part, LinearPart):
         raise SplicePlacementError(f"layer {layer}: signature holds {type(part).__name__}, the model a linear layer")
@@ -202,7 +204,7 @@ def _splice_conv(seq, cache: StateSlotCache, layer, pieces) -> None:
     width1 = cache.conv_tail.shape[-1]
     cur = cache.conv_tail[seq.slot]
     for p in pieces:
-        tail = _linear_part(p, layer).conv_tail
+        tail = linear_part(p, layer).conv_tail
         if tail is None:
             raise SplicePlacementError(f"layer {layer}: signature has no conv tail, the model's layer has a conv")
         tail = tail.to(cur.dtype)
@@ -219,17 +221,17 @@ def _splice_states(manager, seq, layer_ids: list[int], pieces, force) -> None:
     rest = list(pieces)
     if rest[0].first:
         for i, c in zip(layer_ids, caches):
-            c.state[seq.slot] = _linear_part(rest[0], i).state.to(torch.float32)
+            c.state[seq.slot] = linear_part(rest[0], i).state.to(torch.float32)
         rest = rest[1:]
     if not rest:
         return
     naive = [p.linear == "add" for p in rest]
     if any(naive) and not all(naive):
         raise SplicePlacementError("one splice run mixes composed and naively added pieces")
-    E = torch.stack([torch.stack([_linear_part(p, i).tail_state.float() for i in layer_ids]) for p in rest])
+    E = torch.stack([torch.stack([linear_part(p, i).tail_state.float() for i in layer_ids]) for p in rest])
     T = None
     if not naive[0]:
-        T = torch.stack([torch.stack([_linear_part(p, i).transition_f32() for i in layer_ids]) for p in rest])
+        T = torch.stack([torch.stack([linear_part(p, i).transition_f32() for i in layer_ids]) for p in rest])
     S0 = torch.stack([c.state[seq.slot] for c in caches])
     E, S0 = E.to(S0.device), S0.contiguous()
     out = state_compose(E, None if T is None else T.to(S0.device), S0, force_triton=force)

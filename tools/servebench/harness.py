@@ -109,7 +109,7 @@ class Harness:
         """The segment keys PIC uses for `req` (same tokenisation as the engine)."""
         planner = self._store_planner or self.planner("pic")
         ids, segs = self.engine._tokenize(req.as_prompt(), None)
-        return [it[1].key for it in planner._layout(ids, segs) if it[0] == "splice"]
+        return planner.segment_keys(ids, segs)
 
     def forget(self, req: BenchRequest) -> None:
         """Delete `req`'s segments and exact-prefix checkpoints from the daemon and from

@@ -24,6 +24,7 @@ from connector_testlib import prompt, run_one, wait_until
 from engine.connector.codec import signature_blob
 from engine.connector.coldshare import WANTED_TAG, decode_tokens, encode_tokens, own_share
 from engine.pic.compute import compute_signature
+from engine.pic.layout import splice_units
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -113,10 +114,10 @@ def test_an_idle_engine_process_computes_part_of_a_requests_cold_segments_with_i
     # the signatures the helper stored are what this engine computes alone (to float
     # rounding: a helper computes what it took in one packed pass, whose batched
     # projections may round differently from a one-segment pass)
-    state_keys = [u for u in planner._layout(*_ids_and_segments(engine, segments)) if u[0] == "splice"]
+    units = splice_units(planner._layout(*_ids_and_segments(engine, segments)))
     fp = engine.loaded_model.fingerprint
     with d.client() as kv:
-        for _, u in state_keys:
+        for u in units:
             ids, _ = _ids_and_segments(engine, segments)
             mine = signature_blob(compute_signature(engine.runner.model, ids[u.offset:u.end], planner.anchor_ids,
                                                     u.split, backend=engine.runner.backend), fp)

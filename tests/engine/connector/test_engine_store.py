@@ -190,7 +190,7 @@ def test_cold_fallback_serves_by_full_recompute_then_idle_help_stores_the_segmen
     asked = []
     assert engine.help_idle(should_stop=lambda: asked.append(1) or True) == 0 and asked
     assert planner.idle_pass is not None and not planner.deferred and planner.idle_stopped == 1
-    assert [key for (key, _, _), _ in planner.idle_pass[0]] == keys
+    assert [c.job.key for c in planner.idle_pass[0]] == keys
     assert planner.store.metrics.snapshot()["idle_stopped"] == 1
     with d.client() as kv:  # nothing stored, and no claim left behind: another client may claim each key
         assert not any(e.hit for e in kv.lookup(keys))

@@ -165,16 +165,16 @@ def test_an_idle_pass_gives_way_between_layers_and_resumes_where_it_stopped(mode
     assert len(calls) == 2  # asked between layers (never before the first), stopped at the second ask
     assert planner.idle_stopped == 1 and planner.idle_pass is not None
     items, alone = planner.idle_pass
-    assert [key for key, _, _ in items] == queued and alone.layer == 2 and not planner.deferred
+    assert [c.job.key for c in items] == queued and alone.layer == 2 and not planner.deferred
     assert planner.cache.stats().entries == 0  # nothing half-computed is stored
     calls.clear()  # resumed: runs at least one layer before it is asked again
     assert planner.help_idle(runner, should_stop=lambda: calls.append(1) or True) == 0
     assert calls == [1] and alone.layer == 3 and planner.idle_stopped == 2
     assert planner.help_idle(runner, should_stop=lambda: False) == 3 and planner.idle_pass is None
-    want = compute_signatures(model, [(ids, split) for _, ids, split in items], planner.anchor_ids,
+    want = compute_signatures(model, [(c.job.token_ids, c.job.split) for c in items], planner.anchor_ids,
                               state_dtype=planner.state_dtype)
-    for (key, _, _), w in zip(items, want):  # the resumed pass stored what one uninterrupted pass computes
-        got = planner.cache.get(key)
+    for c, w in zip(items, want):  # the resumed pass stored what one uninterrupted pass computes
+        got = planner.cache.get(c.job.key)
         for pg, pw in zip(got.layers, w.layers):
             for name, x in vars(pw).items():
                 if isinstance(x, torch.Tensor):
