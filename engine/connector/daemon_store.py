@@ -208,6 +208,9 @@ class DaemonSegmentStore(SegmentStore):
                 log.warning("lookup for request %s not answered after %.1f s; recomputing its segments",
                             request_id, self.cache.config.load_timeout_s)
             sr.fallback = batch.unavailable
+        extra = [k for k in keys if k not in sr.near and (batch is None or k not in batch.keys)]
+        if extra:  # keys the admission did not load (a lookup without admit): one Lookup now
+            hits = set(hits) | {k for k, present in zip(extra, self.cache.lookup(extra)) if present}
         out: dict[bytes, Optional[SegmentSignature]] = {}
         for key in keys:
             if key in sr.near:

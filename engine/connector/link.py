@@ -15,9 +15,7 @@ in a fresh client once it answers, counting daemon restarts (a new daemon pid).
 a call that fails for transport reasons marks the link unavailable and wakes the
 reconnect thread. Thread-safe.
 
-`ConnectorClient` adds to the client library the two reservation calls the in-flight
-dedup needs (reserve a key without writing it yet; abort a reservation), built on the
-client's own request path so errors translate the same way.
+Claims use the client's public `reserve` / `abort` (a reservation never committed).
 """
 from __future__ import annotations
 
@@ -31,30 +29,9 @@ from engine.connector.metrics import ConnectorMetrics
 from kvstore.client import KVStoreClient
 from kvstore.client.common import CONNECT_TIMEOUT_S
 from kvstore.errors import DaemonNotRunning, KVStoreError
-from kvstore.records import Reservation
-from kvstore.rpc import codec
-from kvstore.rpc import kvstore_pb2 as pb
 
 log = logging.getLogger("engine.connector")
 T = TypeVar("T")
-
-
-class ConnectorClient(KVStoreClient):
-    """A KVStoreClient with explicit reservations (for in-flight claims)."""
-
-    def reserve(self, key: bytes, size: int, tier: Optional[str] = None, *, fingerprint: str = "",
-                token_count: int = 0) -> Reservation:
-        """Reserve `size` bytes for `key`: status "reserved" (ours: Commit or Abort it),
-        "in_flight" (another client is writing it) or "exists"."""
-        meta = self._core.meta_pb(fingerprint, token_count, 0.0, None)
-        res = self._call("Reserve", self._core.reserve_request(key, size, tier, meta))
-        region = codec.region_from_pb(res.region) if res.status == "reserved" else None
-        return Reservation(res.reservation_id, res.key, res.tier, region, res.status)
-
-    def abort(self, reservation_id: int) -> None:
-        """Free a reservation (idempotent on the daemon side); waiters on its key wake."""
-        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id, client_id=self.client_id),
-                   timeout=CONNECT_TIMEOUT_S)
 
 
 def is_transport_error(exc: BaseException) -> bool:
@@ -67,11 +44,11 @@ class StoreLink:
     """One connection to the daemon with reconnect (module docstring)."""
 
     def __init__(self, config: StoreConnectorConfig, metrics: ConnectorMetrics,
-                 client_factory: Optional[Callable[[], ConnectorClient]] = None) -> None:
+                 client_factory: Optional[Callable[[], KVStoreClient]] = None) -> None:
         self.config = config
         self.metrics = metrics
         self._factory = client_factory or self._new_client
-        self._client: Optional[ConnectorClient] = None
+        self._client: Optional[KVStoreClient] = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -81,8 +58,8 @@ class StoreLink:
         self._on_connect: list[Callable[[], None]] = []
         self._generation = 0  # bumps on every new client
 
-    def _new_client(self) -> ConnectorClient:
-        return ConnectorClient(self.config.socket, self.config.tcp, timeout=self.config.rpc_timeout_s)
+    def _new_client(self) -> KVStoreClient:
+        return KVStoreClient(self.config.socket, self.config.tcp, timeout=self.config.rpc_timeout_s)
 
     # ------------------------------------------------------------------ state
     @property
@@ -135,14 +112,14 @@ class StoreLink:
             self._thread.join(timeout=5.0)
 
     # ------------------------------------------------------------------ calls
-    def client(self) -> ConnectorClient:
+    def client(self) -> KVStoreClient:
         """The live client; StoreUnavailable when the daemon is away."""
         client = self._client
         if client is None:
             raise StoreUnavailable(f"kvstore daemon at {self.target} is unavailable")
         return client
 
-    def call(self, what: str, fn: Callable[[ConnectorClient], T]) -> T:
+    def call(self, what: str, fn: Callable[[KVStoreClient], T]) -> T:
         """Run `fn(client)`. Transport failures mark the daemon unavailable and raise
         StoreUnavailable; logical kvstore errors propagate unchanged."""
         client = self.client()
@@ -154,7 +131,7 @@ class StoreLink:
                 raise StoreUnavailable(f"kvstore daemon at {self.target} failed {what}: {exc}") from exc
             raise
 
-    def lost(self, client: ConnectorClient, why: str) -> None:
+    def lost(self, client: KVStoreClient, why: str) -> None:
         """`client` failed for transport reasons: drop it and let the reconnect loop work."""
         with self._lock:
             if self._client is not client:

@@ -30,13 +30,15 @@ ONE pass over the layers:
   recurrent kernel on the GPU, long ones its chunk kernel.
 
 `FusedItem`s tile [seq.num_computed_tokens, end); the last one computes (its last token's
-logits are returned).
+logits are returned). Each layer kind's part of the pass is one function, found by the
+cache the kind keeps in `FUSED_LAYERS` (the one dispatch on layer kind); the events the
+linear layers walk are engine.pic.fused_events records.
 """
 from __future__ import annotations
 
 import functools
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -155,53 +157,98 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     # K/V-only checkpoints (prefix caching's nodes without states) need no split of the
     # linear recurrences and no window rows: only the boundaries that keep states do
     stateful = [cp for cp in checkpoints if cp.with_state]
-    shared: dict = {}  # per-request layouts reused by every layer of a kind
     tw = TokenWise(model, stages, ids.shape[0], pos)
+    p = _Pass(model, manager, seq, pieces, ranges, events, pos, start, end, write_slots, ctx_slots, force, backend,
+              chain, device, captures, checkpoints, stateful, batch_long_ranges, tw)
     x, proj = tw.first(ids)
     for i, block in enumerate(model.blocks):
         cache = manager.layers[i]
-        mixer = block.mixer
-        if isinstance(cache, PagedKVCache):
-            o = _full_attend(shared, cache, mixer, i, pieces, proj, ranges, write_slots, ctx_slots, force)
-            if captures:
-                capture_attention(captures, mixer, proj[1], proj[2])
-            for cp in checkpoints:
-                k, v = cache.gather(ctx_slots[cp.start:cp.end])
-                cp.kv[i] = (k.clone(), v.clone())
-            aux = proj[3]
-        elif isinstance(cache, WindowRingCache):
-            o = _window_attend(shared, seq, cache, mixer, i, pieces, proj, pos, ranges, start, end, stateful)
-            if captures:
-                capture_attention(captures, mixer, proj[1], proj[2])
-            aux = proj[3]
-        elif isinstance(cache, StateSlotCache):
-            conv_in, aux = proj
-            prepare = tw.prepare_of(i, aux)
-            tap = None
-            if captures:
-                tap = functools.partial(capture_linear, captures, mixer, conv_in=conv_in, backend=backend)
-            if not stateful and chain_on(chain, mixer, device):
-                if "chain" not in shared:
-                    shared["chain"] = chain_tables(model, manager, events, device)
-                inp = prepare(_conv_ranges(seq, cache, mixer, i, events, conv_in, shared=shared))
-                ops: dict = {}
-                o = linear_layer_chain(seq, cache, mixer, i, events, inp, shared["chain"][i], force, backend,
-                                       ops_out=ops if tap is not None else None,
-                                       batch_long_ranges=batch_long_ranges)
-                if tap is not None:  # after the chain: its long ranges run from zero may be the tails
-                    tap(inp, ops=ops)
-            else:
-                if "live" not in shared:
-                    shared["live"] = _live_index(pieces, model, device)
-                o = _linear_layer(seq, cache, mixer, i, events, conv_in, prepare, backend, shared["live"], stateful,
-                                  shared, tap)
-        else:  # pragma: no cover - every cache is one of the three
+        layer = FUSED_LAYERS.get(type(cache))
+        if layer is None:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
+        o, aux = layer(p, i, cache, block.mixer, proj)
         x, proj = tw.next(i, x, o, aux)
     seq.num_computed_tokens = end
     if all_logits:
         return model.logits(x[x.shape[0] - (items[-1].end - items[-1].start):])
     return model.logits(x[-1])
+
+
+@dataclass
+class _Pass:
+    """What every layer of one fused pass shares; `shared` holds per-request layouts that
+    every layer of a kind reuses (worked out by the first one)."""
+
+    model: HybridDecoder
+    manager: CacheManager
+    seq: CacheSequence
+    pieces: list
+    ranges: list
+    events: list
+    pos: torch.Tensor
+    start: int
+    end: int
+    write_slots: Optional[torch.Tensor]
+    ctx_slots: Optional[torch.Tensor]
+    force: bool
+    backend: str
+    chain: str
+    device: torch.device
+    captures: Optional[CaptureSet]
+    checkpoints: Sequence
+    stateful: list
+    batch_long_ranges: bool
+    tw: TokenWise
+    shared: dict = field(default_factory=dict)
+
+
+def _full_layer(p: _Pass, i: int, cache: PagedKVCache, mixer, proj):
+    """A full-attention layer: pieces' rows into the pool, then C attends over [0, end)."""
+    o = _full_attend(p.shared, cache, mixer, i, p.pieces, proj, p.ranges, p.write_slots, p.ctx_slots, p.force)
+    if p.captures:
+        capture_attention(p.captures, mixer, proj[1], proj[2])
+    for cp in p.checkpoints:
+        k, v = cache.gather(p.ctx_slots[cp.start:cp.end])
+        cp.kv[i] = (k.clone(), v.clone())
+    return o, proj[3]
+
+
+def _window_layer(p: _Pass, i: int, cache: WindowRingCache, mixer, proj):
+    """A sliding-window layer: a dense buffer of the rows present, then the ring."""
+    o = _window_attend(p.shared, p.seq, cache, mixer, i, p.pieces, proj, p.pos, p.ranges, p.start, p.end, p.stateful)
+    if p.captures:
+        capture_attention(p.captures, mixer, proj[1], proj[2])
+    return o, proj[3]
+
+
+def _linear_pass(p: _Pass, i: int, cache: StateSlotCache, mixer, proj):
+    """A linear layer: ranges and compositions in prompt order, through the seam chain
+    when it is on (and no checkpoint needs the state between events)."""
+    conv_in, aux = proj
+    prepare = p.tw.prepare_of(i, aux)
+    tap = None
+    if p.captures:
+        tap = functools.partial(capture_linear, p.captures, mixer, conv_in=conv_in, backend=p.backend)
+    if not p.stateful and chain_on(p.chain, mixer, p.device):
+        if "chain" not in p.shared:
+            p.shared["chain"] = chain_tables(p.model, p.manager, p.events, p.device)
+        inp = prepare(_conv_ranges(p.seq, cache, mixer, i, p.events, conv_in, shared=p.shared))
+        ops: dict = {}
+        o = linear_layer_chain(p.seq, cache, mixer, i, p.events, inp, p.shared["chain"][i], p.force, p.backend,
+                               ops_out=ops if tap is not None else None, batch_long_ranges=p.batch_long_ranges)
+        if tap is not None:  # after the chain: its long ranges run from zero may be the tails
+            tap(inp, ops=ops)
+        return o, aux
+    if "live" not in p.shared:
+        p.shared["live"] = _live_index(p.pieces, p.model, p.device)
+    o = _linear_layer(p.seq, cache, mixer, i, p.events, conv_in, prepare, p.backend, p.shared["live"], p.stateful,
+                      p.shared, tap)
+    return o, aux
+
+
+#: each layer kind's part of the fused pass, by the cache the kind keeps: the one place the
+#: fused pass dispatches on layer kind (a new family adds its entry here)
+FUSED_LAYERS = {PagedKVCache: _full_layer, WindowRingCache: _window_layer, StateSlotCache: _linear_pass}
 
 
 @torch.inference_mode()

@@ -70,7 +70,8 @@ Idle work (`PicPlanner.help_idle`, engine loop thread, no request running):
 Exact-prefix checkpoints (optional; the in-process store keeps none beyond the
 planner's own tree): `find_prefix(ids, ends)`, `put_prefix(ids, tip)`,
 `has_prefix(ids)`. Reports and lifecycle (optional): `take_report(request_id)`,
-`register_metrics(registry)`, `close()`.
+`register_metrics(registry)`, `flush()` (publishing may run in the background: wait
+until it is kept), `close()`.
 
 Thread-safety: every call above comes from the engine loop's thread; an implementation
 that runs threads of its own (loads, puts) guards its state itself. A signature a store
@@ -226,6 +227,11 @@ class SegmentStore(abc.ABC):
     def stats(self) -> Optional[SignatureCacheStats]:
         """The cache's counters, when the store has a cache."""
         return None if self.cache is None else self.cache.stats()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until what was published is kept (a store may publish in the background);
+        False when `timeout` passed first. Default: True (nothing in flight)."""
+        return True
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued work and release everything. Default: nothing."""

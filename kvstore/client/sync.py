@@ -41,7 +41,7 @@ from kvstore.client.fastpath import FastLookup
 from kvstore.client.status import translate
 from kvstore.client.views import ObjectView, TensorsView, decode_view
 from kvstore.errors import CapacityExhausted, KVStoreError, UnknownKey
-from kvstore.records import LookupEntry, ObjectInfo
+from kvstore.records import LookupEntry, ObjectInfo, Reservation
 from kvstore.rpc import codec
 from kvstore.rpc import kvstore_pb2 as pb
 from kvstore.rpc.service import (
@@ -154,6 +154,22 @@ class KVStoreClient:
     def renew(self) -> None:
         """Extend every lease and reservation this client holds (the keepalive does this)."""
         self._call("Renew", pb.RenewRequest(client_id=self.client_id))
+
+    def reserve(self, key: bytes, size: int, tier: Optional[str] = None, *, fingerprint: str = "",
+                token_count: int = 0) -> Reservation:
+        """Reserve `size` bytes for `key` without writing them yet: status "reserved" (this
+        client's, until `abort` or its lease TTL; engines use one as a claim on a segment
+        they compute, engine.connector.claims), "in_flight" (another client holds it: wait
+        with `wait_for`) or "exists"."""
+        meta = self._core.meta_pb(fingerprint, token_count, 0.0, None)
+        res = self._call("Reserve", self._core.reserve_request(key, size, tier, meta))
+        region = codec.region_from_pb(res.region) if res.status == "reserved" else None
+        return Reservation(res.reservation_id, res.key, res.tier, region, res.status)
+
+    def abort(self, reservation_id: int) -> None:
+        """Free a reservation (idempotent on the daemon side); waiters on its key wake."""
+        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id, client_id=self.client_id),
+                   timeout=CONNECT_TIMEOUT_S)
 
     # ------------------------------------------------------------------ control plane
 

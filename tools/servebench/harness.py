@@ -128,7 +128,7 @@ class Harness:
             if p is not None:
                 p.store.near.discard(keys)
         if bounds:  # engine.connector.prefix_store's keys of its prefixes
-            keys += [self.planner("pic").checkpoints.key(ids[:hi]) for _, hi in bounds]
+            keys += [self.planner("pic").store.checkpoints.key(ids[:hi]) for _, hi in bounds]
         if keys:
             self.store.flush()
             self.store.link.call("delete", lambda kv: kv.delete(keys))

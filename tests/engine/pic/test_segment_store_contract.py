@@ -48,29 +48,37 @@ class CountingCache(InMemorySignatureCache):
 
 
 class Stores:
-    """Makes stores of one kind and answers what the contract asks of each kind."""
+    """Makes stores of one kind and answers what the contract asks of each kind. Daemon
+    stores share one daemon per module (`shared`) unless a test asks for its own."""
 
-    def __init__(self, kind: str, tmp_path: Path) -> None:
+    def __init__(self, kind: str, tmp_path: Path, shared: Callable[[], DaemonProcess]) -> None:
         self.kind = kind
-        self.daemon: Optional[DaemonProcess] = None
+        self.tmp_path = tmp_path
+        self._daemon = shared
+        self.daemons: dict[int, DaemonProcess] = {}  # id(store) -> its daemon
+        self.own: list[DaemonProcess] = []
         self.made: list[SegmentStore] = []
         self._shared: Optional[SegmentStore] = None
-        if kind == "daemon":
-            self.daemon = DaemonProcess(tmp_path / "d", entry="kvstore.server").start()
 
     @property
     def dedups(self) -> bool:
         """Two engines see each other's segments and claims (one computes)."""
         return self.kind == "daemon"
 
-    def new(self, **connector) -> SegmentStore:
+    def new(self, own_daemon: bool = False, **connector) -> SegmentStore:
         """A store as a new engine would have it (the in-process and fake stores: one per
         process, so the same one)."""
         if self.kind == "daemon":
-            kw = dict(socket=str(self.daemon.socket), rpc_timeout_s=5.0, reconnect_min_s=0.05, reconnect_max_s=0.2)
+            if own_daemon:
+                d = DaemonProcess(self.tmp_path / f"own{len(self.own)}", entry="kvstore.server").start()
+                self.own.append(d)
+            else:
+                d = self._daemon()
+            kw = dict(socket=str(d.socket), rpc_timeout_s=5.0, reconnect_min_s=0.05, reconnect_max_s=0.2)
             kw.update(connector)
             store = DaemonSegmentStore(StoreSignatureCache(FP, "cpu", StoreConnectorConfig(**kw)), anchor_tokens=1)
             self.made.append(store)
+            self.daemons[id(store)] = d
             return store
         if self._shared is None:
             self._shared = InProcessSegmentStore(CountingCache(1 << 30)) if self.kind == "in_process" \
@@ -78,14 +86,13 @@ class Stores:
         return self._shared
 
     def settle(self, store: SegmentStore) -> None:
-        """What was published is visible to lookups."""
-        if self.kind == "daemon":
-            assert store.flush()
+        """What was published is visible to lookups (SegmentStore.flush)."""
+        assert store.flush()
 
     def outstanding(self, store: SegmentStore) -> int:
         """Signatures handed out and not released yet."""
         if self.kind == "daemon":
-            with self.daemon.client() as kv:
+            with self.daemons[id(store)].client() as kv:
                 return int(kv.stats()["leases"])
         if self.kind == "in_process":
             return store.cache.outstanding
@@ -95,20 +102,37 @@ class Stores:
         if self.kind == "in_process":
             pytest.skip("the in-process store has no backend to lose")
         if self.kind == "daemon":
-            self.daemon.kill()
+            d = self.daemons[id(store)]
+            assert d in self.own, "only a test's own daemon may be killed"
+            d.kill()
         else:
             store.fail()
 
     def close(self) -> None:
         for s in self.made:
             s.close(timeout=10.0)
-        if self.daemon is not None:
-            self.daemon.cleanup()
+        for d in self.own:
+            d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory):
+    """() -> the module's daemon, started on first use."""
+    made: list[DaemonProcess] = []
+
+    def get() -> DaemonProcess:
+        if not made:
+            made.append(DaemonProcess(tmp_path_factory.mktemp("daemon"), entry="kvstore.server").start())
+        return made[0]
+
+    yield get
+    for d in made:
+        d.cleanup()
 
 
 @pytest.fixture(params=KINDS)
-def stores(request, tmp_path):
-    s = Stores(request.param, tmp_path)
+def stores(request, tmp_path, module_daemon):
+    s = Stores(request.param, tmp_path, module_daemon)
     yield s
     s.close()
 
@@ -137,16 +161,14 @@ def same(a, b) -> bool:
     return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
-def signature_of(store: SegmentStore, request_id: str, key: bytes):
-    """A hit's signature: from lookup, or from take when lookup deferred it."""
-    hits = store.lookup(request_id, [key])
-    assert key in hits
-    sig = hits[key]
-    if sig is None:
-        sig = store.take(request_id, [key])[key]
-    else:
-        assert key not in store.take(request_id, [key])  # nothing left to take
-    return sig
+def signatures_of(store: SegmentStore, request_id: str, keys: list[bytes]) -> dict:
+    """As the planner asks: admit, lookup, then take what lookup deferred (all hits)."""
+    store.admit(request_id, keys)
+    hits = store.lookup(request_id, keys)
+    assert set(hits) == set(keys)
+    taken = store.take(request_id, keys)
+    assert set(taken) == {k for k, sig in hits.items() if sig is None}  # exactly the deferred ones
+    return {k: hits[k] if hits[k] is not None else taken[k] for k in keys}
 
 
 def test_a_miss_is_claimed_computed_published_and_then_hits_with_the_same_bytes(stores, model):
@@ -158,7 +180,7 @@ def test_a_miss_is_claimed_computed_published_and_then_hits_with_the_same_bytes(
     assert filled.key == job.key and filled.computed and calls == [[job.key]]
     store.finish("r1", done=True)
     stores.settle(store)
-    got = signature_of(store, "r2", job.key)
+    got = signatures_of(store, "r2", [job.key])[job.key]
     assert got is not None and same(got, filled.signature)
     store.finish("r2", done=True)
 
@@ -217,8 +239,8 @@ def test_finish_releases_everything_a_request_holds_and_is_idempotent(stores, mo
     for j, sig in zip(jobs, computer(model)(jobs)):
         store.publish(j.key, sig, j.cost)
     stores.settle(store)
-    for j in jobs:
-        assert signature_of(store, "r", j.key) is not None
+    got = signatures_of(store, "r", [j.key for j in jobs])
+    assert all(sig is not None for sig in got.values())
     assert stores.outstanding(store) == 3
     store.finish("r", done=True)
     assert stores.outstanding(store) == 0
@@ -244,7 +266,8 @@ def test_idle_jobs_are_claimed_published_and_a_released_batch_can_be_claimed_aga
 
 
 def test_a_backend_that_goes_away_turns_lookups_into_misses_without_raising(stores, model):
-    store = stores.new(rpc_timeout_s=1.0, load_timeout_s=5.0) if stores.kind == "daemon" else stores.new()
+    store = stores.new(own_daemon=True, rpc_timeout_s=1.0, load_timeout_s=5.0) if stores.kind == "daemon" \
+        else stores.new()
     job = job_of(rand_ids(16, 30))
     store.publish(job.key, computer(model)([job])[0], job.cost)
     stores.settle(store)
@@ -265,8 +288,9 @@ def test_the_planner_calls_the_store_in_the_documented_order(stores, model, make
     rec = RecordingStore(stores.new())
     planner = make_planner(PicConfig(method="pic", seam=SPLIT, fused=fused), model, FP, FakeTokenizer(), store=rec)
     runner = make_runner(model, num_blocks=256)
-    docs = [rand_ids(20, 40), rand_ids(24, 41)]
-    segs = [(docs[0], True), (docs[1], True), (rand_ids(6, 42), False)]
+    seed = 40 if fused else 50  # the module's daemon keeps what other tests stored
+    docs = [rand_ids(20, seed), rand_ids(24, seed + 1)]
+    segs = [(docs[0], True), (docs[1], True), (rand_ids(6, seed + 2), False)]
     cold = make_request(segs)
     out_cold = execute(planner, runner, cold)
     names = [n for n, r in rec.calls if r == cold.request_id]
