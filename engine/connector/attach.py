@@ -37,9 +37,9 @@ def store_config(value: Optional[str], **overrides) -> Optional[StoreConnectorCo
 
 def attach_store(engine, pic_config: PicConfig, connector: StoreConnectorConfig):
     """Install a `PicPlanner` over a `DaemonSegmentStore` (pic, naive) or a
-    `StorePrefixPlanner` (prefix) over a new `StoreSignatureCache` in `engine` (an LLMEngine built by engine.builder). Never
-    fails for a missing daemon: the engine then serves by recomputation and connects
-    when the daemon appears."""
+    `StorePrefixPlanner` (prefix) over a new `StoreSignatureCache` in `engine` (an
+    LLMEngine built by engine.builder). Never fails for a missing daemon: the engine then
+    serves by recomputation and connects when the daemon appears."""
     if pic_config.method not in STORE_METHODS:
         raise ConnectorConfigError(
             f"method={pic_config.method!r} keeps nothing in the store; --store serves methods {', '.join(STORE_METHODS)}")

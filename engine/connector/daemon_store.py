@@ -49,7 +49,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.connector.claims import COMPUTE, INFLIGHT, OWNED, PRESENT, WAITED, Claim
+from engine.connector.claims import INFLIGHT, OWNED, PRESENT, WAITED, Claim
 from engine.connector.coldshare import ColdSegment, ColdShare, own_share
 from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction

@@ -487,7 +487,7 @@ class PicPlanner(ReportingPlanner):
         """Idle work, one unit per call; how many segments (or prefixes) it computed.
         Called by the engine while it has no request. In order: context signatures
         waiting to be published (`keep_captured`); one batch of the queued cold-fallback
-        segments (`deferred`, up to IDLE_BATCH_TOKENS: those the store's `claim_jobs`
+        segments (`deferred`, a batch of up to its `batch_tokens`: those the store's `claim_jobs`
         gives, one packed alone pass, `publish_jobs`); one queued exact prefix; segments
         other engines offered (the store's `offered`). `should_stop` (e.g. "a request
         arrived"): asked between the pass's layers; when it says so the pass gives way,

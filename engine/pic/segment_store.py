@@ -82,14 +82,11 @@ compute, and drops puts (counted); it never raises into a request.
 from __future__ import annotations
 
 import abc
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from engine.pic.signature import SegmentSignature
 from engine.pic.signature_cache import SignatureCache, SignatureCacheStats
-
-log = logging.getLogger("engine.pic")
 
 #: why an idle batch was not published (`SegmentStore.release_jobs`)
 RELEASE_REASONS = ("stopped", "failed", "rejected")

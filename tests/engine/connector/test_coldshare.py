@@ -24,7 +24,7 @@ from connector_testlib import prompt, run_one, wait_until
 from engine.connector.codec import signature_blob
 from engine.connector.coldshare import WANTED_TAG, decode_tokens, encode_tokens, own_share
 from engine.pic.compute import compute_signature
-from engine.pic.layout import splice_units
+from engine.pic.layout import layout, splice_units
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -114,7 +114,9 @@ def test_an_idle_engine_process_computes_part_of_a_requests_cold_segments_with_i
     # the signatures the helper stored are what this engine computes alone (to float
     # rounding: a helper computes what it took in one packed pass, whose batched
     # projections may round differently from a one-segment pass)
-    units = splice_units(planner._layout(*_ids_and_segments(engine, segments)))
+    ids, segs = _ids_and_segments(engine, segments)
+    units = splice_units(layout(ids, segs, planner.anchor_ids, planner.seam, planner.key,
+                                planner.config.keep_end_state))
     fp = engine.loaded_model.fingerprint
     with d.client() as kv:
         for u in units:
@@ -259,6 +261,6 @@ def test_a_helper_whose_pass_gives_way_to_a_request_releases_its_claims(start_da
     assert pb.store.metrics.get("idle_stopped") == 1 and pb.store.metrics.get("cold_helped") == 0
     with d.client() as kv:
         assert not kv.lookup([key])[0].hit  # nothing stored
-    claim = pa.store.claim(key)  # and nothing left claimed: the requester gets it to compute
+    claim = pa.store.cache.claim(key)  # and nothing left claimed: the requester gets it to compute
     assert claim.owned
-    pa.store.drop_claim(claim)
+    pa.store.cache.drop_claim(claim)

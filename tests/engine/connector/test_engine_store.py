@@ -109,7 +109,7 @@ def test_the_connector_maps_the_daemons_cpu_arena_ahead_of_the_first_load(start_
     _, planner = store_engine(d)
     with d.client() as kv:
         (path,) = [t["path"] for t in kv.stats()["tiers"] if t["name"] == "cpu"]
-    planner.store._map_arenas_soon()
+    planner.store.cache._map_arenas_soon()
     wait_until(lambda: path in _TABLE.arenas, what="the arena mapped by the background thread")
     arena = _TABLE.arenas[path]
     assert arena.array.size > 0 and not arena.pinned  # no CUDA here: mapped, not pinned

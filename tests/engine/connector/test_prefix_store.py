@@ -113,7 +113,7 @@ def test_a_foreign_object_under_a_prefix_key_is_never_restored(start_daemon, sto
     from engine.pic.prefix import prefix_bounds
 
     end = prefix_bounds(segs)[-1][1]
-    key = planner.checkpoints.key(ids[:end])
+    key = planner.store.checkpoints.key(ids[:end])
     with d.client() as kv:
         kv.put_tensors(key, {"L0.k": torch.zeros(end, 2, 8)}, fingerprint="another-model", token_count=end,
                        meta={"format": "prefix-checkpoint/1", "end": end}, layers={"L0.k": 0},

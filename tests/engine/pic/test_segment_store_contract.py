@@ -213,7 +213,8 @@ def test_two_requests_missing_one_segment_get_the_same_signature_and_at_most_one
     assert computing.wait(30)
     other_calls: list = []
     if stores.dedups:  # another engine: it finds the claim and waits for the result
-        w = threading.Thread(target=lambda: got.setdefault("b", second.claim("b", [job], computer(model, other_calls))[0]))
+        w = threading.Thread(
+            target=lambda: got.setdefault("b", second.claim("b", [job], computer(model, other_calls))[0]))
         w.start()
         go.set()
         t.join(60)
