@@ -115,7 +115,7 @@ def main() -> None:
                 time.sleep(poll)
         harness.store.flush()
     else:
-        store = harness.store if connector is not None else None
+        store = harness.store.cache if connector is not None else None  # the StoreSignatureCache
         share = store.share if store is not None else None
         if role == "cold" and spec["requests"]:  # warm the helped path once (not measured)
             first = spec["requests"][0]
