@@ -56,6 +56,7 @@ from engine.connector.metrics import overlap_fraction
 from engine.connector.prefix_store import PrefixCheckpointStore
 from engine.connector.store_cache import StoreSignatureCache
 from engine.pic.config import PicConfig
+from engine.pic.planner import PicPlanner, anchor_for
 from engine.pic.prefix import merge_path, path_to, usable_path
 from engine.pic.segment_store import ClaimedJob, ComputeFn, Filled, SegmentJob, SegmentStore
 from engine.pic.signature import SegmentSignature
@@ -459,8 +460,6 @@ def store_pic_planner(config: PicConfig, model, fingerprint: str, tokenizer, cac
                       prefetch_queued: int = 4, prefix_tree=None):
     """A `PicPlanner` (engine.pic.planner) over a `DaemonSegmentStore` of `cache`, for
     `model` (a HybridDecoder)."""
-    from engine.pic.planner import PicPlanner, anchor_for
-
     anchor = anchor_for(config, tokenizer)
     store = DaemonSegmentStore(cache, len(anchor), prefetch_queued,
                                PrefixCheckpointStore(cache, fingerprint, prefix_variant(model.dtype)),
