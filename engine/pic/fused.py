@@ -372,10 +372,14 @@ def _live_index(pieces, model, device) -> dict[tuple[int, int], torch.Tensor]:
     return {k: dev[a:b] for k, (a, b) in zip(keys, bounds)}
 
 
-def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch.Tensor]) -> torch.Tensor:
+def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch.Tensor], mixer=None) -> torch.Tensor:
     """S = T_tail S + E_tail (S + E_tail for naive addition), float32, in torch: one or two
-    small batched ops, the same arithmetic as kernels.state_compose_reference."""
+    small batched ops, the same arithmetic as kernels.state_compose_reference. A `mixer`
+    with RoPE inside its recurrence (`uses_positions`) takes E_tail rotated by the
+    piece's delta (engine.pic.splice)."""
     E = part.tail_state.to(device=state.device, dtype=torch.float32)
+    if getattr(mixer, "uses_positions", False):
+        E = mixer.rotate_state(E, piece.delta)
     if piece.linear == "add":
         return state + E
     if part.family == "delta":
@@ -475,7 +479,7 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, pre
             if piece.first:
                 state = part.state.to(device=state.device, dtype=torch.float32)
             else:
-                state = _compose(part, piece, state, live.get((ev[3], layer)))
+                state = _compose(part, piece, state, live.get((ev[3], layer)), mixer)
             continue
         o, st = _recurrence(mixer, inp.slice_time(ev[1], ev[2]), state[None], backend)
         state = st[0]

@@ -37,8 +37,8 @@ CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
 
 def chain_on(chain: str, mixer, device: torch.device) -> bool:
     """Whether this linear layer runs its events as one kernels.seam_chain call."""
-    if chain == "off":
-        return False
+    if chain == "off" or getattr(mixer, "uses_positions", False):
+        return False  # RoPE inside the recurrence: the kernel does not rotate E; the torch path does
     if chain == "on":
         return True
     return (device.type == "cuda" and HAS_TRITON and mixer.family in CHAIN_AUTO_FAMILIES

@@ -325,7 +325,7 @@ def build_multimodal(arch: str, directory: Path, seed: int = 0):
     return model.float().eval()
 
 
-ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"]
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h", "bailing_moe_linear"]
 
 
 def new_engine(directory):
