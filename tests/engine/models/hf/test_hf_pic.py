@@ -63,16 +63,18 @@ def _linear_states_after(runner, request, planner=None):
     return state
 
 
-@pytest.mark.parametrize("how", [dict(fused=True), dict(fused=False),
-                                 dict(fused=True, miss_path="context", miss_signatures="context")],
-                         ids=["fused", "stepwise", "captured-in-context"])
+@pytest.mark.parametrize("how", [dict(fused=True, seam_chain="off"), dict(fused=True, seam_chain="on"),
+                                 dict(fused=False),
+                                 dict(fused=True, seam_chain="off", miss_path="context", miss_signatures="context")],
+                         ids=["fused", "seam-chain-kernel", "stepwise", "captured-in-context"])
 def test_ring_linear_segment_states_are_rotated_to_their_offsets(checkpoint, how):
     """Ring-linear's linear layers apply RoPE inside the recurrence, so a segment's end state
     computed alone moves with its offset (R_d E). The first layer's inputs are the tokens'
     embeddings, so with a narrow seam its state after PIC is still exact: it equals full
     recompute only if every spliced E is rotated to where the segment now sits: computed
-    alone (fused composition, step-by-step splice), or captured in context by the cold
-    fused pass (rotated back to its alone positions when kept)."""
+    alone (fused torch composition, the seam-chain kernel's tables, step-by-step splice),
+    or captured in context by the cold fused pass (rotated back to its alone positions
+    when kept)."""
     engine = H.new_engine(checkpoint("bailing_moe_linear"))
     tok, runner = engine.tokenizer, engine.runner
     assert runner.model.mixer(0).uses_positions
