@@ -133,13 +133,16 @@ def keep_norms_float32(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     """RMSNorm weights stay float32 in a bf16/fp16 model, as the checkpoints' own norms
     compute (`x_hat * (1 + w)` in float32): a zero-centred weight `1 + w` rounded to bf16
     would lose w's low bits (bf16 spacing near 1 is 2^-7). RMSNorm takes a weight of
-    another dtype than its input and computes in float32."""
+    another dtype than its input and computes in float32. A sigmoid router (Ring-linear)
+    keeps its weight and expert bias float32 too: it scores in float32, and the expert
+    choice compares biased scores."""
     from engine.models.layers.moe import SparseMoE
     from engine.models.layers.norm import RMSNorm
 
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
             module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
-        bias = module.router_bias if isinstance(module, SparseMoE) else None
-        if bias is not None and bias.dtype != torch.float32:  # the expert choice compares biased scores
-            bias.data = state[f"{name}.router_bias"].to(device=bias.device, dtype=torch.float32)
+        if isinstance(module, SparseMoE) and module.scoring == "sigmoid":
+            for key, p in (("router.weight", module.router.weight), ("router_bias", module.router_bias)):
+                if p is not None and p.dtype != torch.float32:
+                    p.data = state[f"{name}.{key}"].to(device=p.device, dtype=torch.float32)

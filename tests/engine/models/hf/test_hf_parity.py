@@ -198,3 +198,19 @@ def test_ring_linear_config_fields_we_do_not_implement_are_refused_by_name(check
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=named):
         convert_checkpoint(bad)
+
+
+def test_bf16_ring_linear_keeps_its_sigmoid_router_in_float32(checkpoints):
+    import torch
+
+    from engine.models.hf import load_hf_model
+
+    _, d, _ = checkpoints("bailing_moe_linear")
+    m = load_hf_model(d, dtype="bfloat16").model
+    moe = m.blocks[1].mlp
+    assert m.dtype == torch.bfloat16 and moe.experts_gate_up.dtype == torch.bfloat16
+    assert moe.router.weight.dtype == torch.float32 and moe.router_bias.dtype == torch.float32
+    assert m.mixer(0).norm.weight.dtype == torch.bfloat16  # the group norm computes in float32 anyway
+    with torch.no_grad():
+        logits = m.forward(torch.tensor([[1, 2, 3, 4, 5]]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
