@@ -8,10 +8,11 @@ reachable here. It is transcribed from two public ports of that code, cross-chec
 detail by detail:
 - SGLang, `python/sglang/srt/models/bailing_moe_linear.py` (Apache-2.0), and
 - mlx-lm, `mlx_lm/models/bailing_moe_linear.py` (MIT, Copyright 2025 Apple Inc.),
-with the decay-slope formula as those ports' authors quote the published code
-(`-build_slope_tensor(H) * (1 - (layer_idx - 1) / (num_hidden_layers - 1) + 1e-5)`; the
-current mlx-lm clamps `layer_idx - 1` at 0, its earlier versions and the quoted
-published code do not: the unclamped form is used). Where the ports disagree (layer
+with the decay-slope formula as write-ups of the published code quote it and mlx-lm's
+first port has it (`-build_slope_tensor(H) * (1 - (layer_idx - 1) / (num_hidden_layers -
+1) + 1e-5)`); the current mlx-lm clamps `layer_idx - 1` at 0, and vLLM's / SGLang's
+serving kernels use `layer_idx` (the MiniMax form): the published, unclamped form is
+used here. Where the ports disagree (layer
 counts that are not a multiple of `layer_group_size`, `head_dim` not spanning
 `hidden_size`) the engine refuses the config; this reference does not model those.
 
