@@ -258,7 +258,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
     """List the model presets: name, family, scale (tiny or bench) and layer pattern."""
     from engine.models.presets import list_presets, preset_info
 
-    rows = [preset_info(cfg) for cfg in list_presets()]
+    rows = [preset_info(cfg) for cfg in list_presets(real_shape=True)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -268,7 +268,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
     table = Table("name", "family", "scale", "parameters", "layers")
     for r in rows:
         params = r.get("parameters")
-        table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
+        table.add_row(r["name"], r["family"], r["scale"] + (" (real shape)" if r.get("real_shape") else ""), "" if params is None else f"{params / 1e6:,.1f}M",
                       _layer_pattern(r["layers"]))
     Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: not cut at 80 columns
 
