@@ -5,7 +5,7 @@ serve --preset P` start to ready (first /v1/models answer) as a subprocess, kern
 compilation included: once with an empty kernel cache (a fresh machine) and once again
 with the cache that run filled (`--kernel-cache`, engine/kernel_cache.py).
 
-    python tools/bench_models.py                 # GPU: both real-shape presets, <= 9 min
+    python tools/bench_models.py                 # GPU: both real-shape presets, <= 9 min wall
     python tools/bench_models.py --quick         # CPU, scaled-down variants, seconds
 
 Writes docs/results/models-<date>.json (or `--out`), rewritten after every phase, so a
@@ -15,9 +15,9 @@ whole run's `--time-budget-s`, shared by the presets left; a phase that would no
 skipped with its reason in the JSON (64k prefill is skipped when the 16k time, scaled,
 does not fit what is left), never guessed.
 
-Per preset, in order: ready (cold), ready (warm), load, memory, prefill per length,
-decode per batch. The serve runs come first, while this process holds no model (two
-copies of a 35B model would not fit one GPU).
+Per preset, in order: load, memory, prefill per length, decode per batch, then (the
+model freed: two copies of a 35B model would not fit one GPU) ready with an empty kernel
+cache and ready again with the cache that run filled.
 
 FLOPs (forward pass, counted from the model's own modules on the meta device, so they
 follow the preset exactly):
@@ -345,19 +345,6 @@ def bench_preset(name: str, args, report: Report, budget: Budget, peaks: dict[st
                 "active_parameters_per_token": flops.dense_per_token // 2})
     limits = {k: (v if not quick else 60.0) for k, v in PHASE_LIMITS.items()}
 
-    # ready: a fresh kernel cache, then the one that run filled
-    serve_preset = QUICK_SERVE[name] if quick else name
-    if not args.skip_ready and not (quick and name != args.presets[0]):  # --quick: one serve run in all
-        ready = out.setdefault("ready", {})
-        cache = Path(tempfile.mkdtemp(prefix="kvengine-kernels-"))
-        try:
-            runs = ("cold",) if quick else ("cold", "warm")
-            for run in runs:
-                lim = limits[f"ready_{run}"]
-                run_phase(report, ready, run, lim, budget, lambda: ready_time(serve_preset, cache, quick, lim))
-        finally:
-            shutil.rmtree(cache, ignore_errors=True)
-
     # load
     holder: dict[str, Any] = {}
 
@@ -373,7 +360,7 @@ def bench_preset(name: str, args, report: Report, budget: Budget, peaks: dict[st
                 "in place (engine.models.weights.build_model)"}
 
     if run_phase(report, out, "load", limits["load"], budget, load) is None:
-        return
+        return bench_ready(name, args, report, budget, limits)
     model = holder.pop("model")
 
     def memory() -> dict:
@@ -464,6 +451,25 @@ def bench_preset(name: str, args, report: Report, budget: Budget, peaks: dict[st
         _free_memory()
     del model
     _free_memory()
+    bench_ready(name, args, report, budget, limits)
+
+
+def bench_ready(name: str, args, report: Report, budget: Budget, limits: dict[str, float]) -> None:
+    """`kvengine serve` start to ready: a fresh kernel cache, then the one that run filled.
+    Runs while this process holds no model."""
+    quick = args.quick
+    out = report.preset(name)
+    serve_preset = QUICK_SERVE[name] if quick else name
+    if not args.skip_ready and not (quick and name != args.presets[0]):  # --quick: one serve run in all
+        ready = out.setdefault("ready", {})
+        cache = Path(tempfile.mkdtemp(prefix="kvengine-kernels-"))
+        try:
+            runs = ("cold",) if quick else ("cold", "warm")
+            for run in runs:
+                lim = limits[f"ready_{run}"]
+                run_phase(report, ready, run, lim, budget, lambda: ready_time(serve_preset, cache, quick, lim))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def _versions() -> dict[str, Optional[str]]:
@@ -489,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--decode-context", type=int, default=None, help="tokens per sequence before decoding")
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None, help="timed prefill runs per length (median)")
-    ap.add_argument("--time-budget-s", type=float, default=None, help="whole run (default 540; --quick 50)")
+    ap.add_argument("--time-budget-s", type=float, default=None, help="whole run (default 510; --quick 50)")
     ap.add_argument("--matmul-peak-tflops", type=float, default=H200_MEASURED_MATMUL_TFLOPS)
     ap.add_argument("--skip-ready", action="store_true", help="no `kvengine serve` start-to-ready runs")
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/models-<date>.json)")
@@ -505,7 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.decode_context = args.decode_context or (16 if q else 1024)
     args.decode_steps = args.decode_steps or (2 if q else 64)
     args.repeats = args.repeats or (1 if q else 2)
-    budget_s = args.time_budget_s or (50.0 if q else 540.0)
+    budget_s = args.time_budget_s or (50.0 if q else 510.0)
     date = _dt.date.today().isoformat()
     out = Path(args.out) if args.out else ROOT / "docs" / "results" / (f"models-quick-{date}.json" if q else
                                                                          f"models-{date}.json")
