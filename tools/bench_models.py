@@ -259,7 +259,7 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) ->
     """Seconds from starting `kvengine serve --preset P --port 0` to its first /v1/models
     answer (HTTP 200)."""
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--preset", serve_preset, "--port", "0", "--log-level",
-           "warning", "--kernel-cache", str(cache_dir)]
+           "info", "--kernel-cache", str(cache_dir)]
     if quick:
         cmd += ["--device", "cpu", "--dtype", "float32", "--max-batch", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -288,9 +288,10 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) ->
                 time.sleep(0.05)
         ready_s = time.perf_counter() - t0
         files = sum(1 for p in cache_dir.rglob("*") if p.is_file())
+        log.seek(0)
         return {"ready_s": round(ready_s, 3), "listening_s": round(listening_s, 3), "serve_preset": serve_preset,
                 "models": [d.get("id") for d in body.get("data", [])], "kernel_cache_files": files,
-                "command": " ".join(cmd[1:])}
+                "breakdown": serve_log_timings(log.read()), "command": " ".join(cmd[1:])}
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -301,6 +302,20 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) ->
                 proc.wait()
         proc.stdout.close()
         log.close()
+
+
+def serve_log_timings(text: str) -> dict[str, float]:
+    """The start-up steps engine/builder.py logs with their durations: model load and
+    prefill-stage graph capture (which compiles and autotunes the kernels at each bucket)."""
+    out: dict[str, float] = {}
+    m = re.search(r"loaded model .* in ([0-9.]+) s", text)
+    if m:
+        out["model_load_s"] = float(m.group(1))
+    m = re.search(r"captured (\d+) prefill-stage graphs .* in ([0-9.]+) s", text)
+    if m:
+        out["prefill_graphs"] = int(m.group(1))
+        out["prefill_graph_capture_s"] = float(m.group(2))
+    return out
 
 
 def scaled_down(name: str):

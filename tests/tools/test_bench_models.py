@@ -45,6 +45,7 @@ def test_quick_run_measures_every_phase_of_both_presets(tmp_path, own_kernel_cac
     ready = doc["presets"]["qwen3.5-35b-a3b-real"]["ready"]["cold"]
     assert ready["ready_s"] >= ready["listening_s"] > 0 and ready["models"] == ["qwen3next-tiny"]
     assert "--kernel-cache" in ready["command"]
+    assert 0 < ready["breakdown"]["model_load_s"] < ready["ready_s"]  # from the serve log (no graphs on the CPU)
     assert "wrote" in capsys.readouterr().out
 
 
@@ -66,6 +67,13 @@ def test_prefill_flops_attention_is_quadratic_and_the_rest_linear():
     assert b["attention"] == 4 * a["attention"]
     assert b["linear"] == 2 * a["linear"]
     assert b["dense"] - fm.lm_head_per_row == 2 * (a["dense"] - fm.lm_head_per_row)
+
+
+def test_serve_log_timings_reads_the_builder_lines():
+    text = ("x INFO engine.builder: loaded model q (init:seed=0) on cuda/torch.bfloat16 in 4.25 s\n"
+            "x INFO engine.builder: captured 5 prefill-stage graphs (buckets (32, 64)) in 61.0 s\n")
+    assert bench_models.serve_log_timings(text) == {"model_load_s": 4.25, "prefill_graphs": 5,
+                                                    "prefill_graph_capture_s": 61.0}
 
 
 def test_a_phase_past_its_limit_is_recorded_as_skipped(tmp_path):
