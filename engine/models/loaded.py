@@ -9,8 +9,8 @@ little-endian bytes).
 
 Fingerprint of a seeded random init (a preset without trained weights): sha256 over its
 own domain tag, the canonical config JSON, the seed, the init recipe's name, the dtype,
-the device type (CPU and CUDA generators draw different numbers) and the torch version
-(its generators define the draws). Everything that determines the bytes, so the bytes
+the generator's device (`generator_identity`: CPU and CUDA generators, and different GPU
+models, draw different numbers) and the torch version (its generators define the draws). Everything that determines the bytes, so the bytes
 need not be read: a 35B preset is not hashed (~70 GB) at start-up.
 """
 from __future__ import annotations
@@ -60,10 +60,23 @@ def fingerprint_init(cfg: ModelConfig, seed: int, recipe: str, dtype: torch.dtyp
     h = hashlib.sha256()
     h.update(INIT_FINGERPRINT_TAG)
     h.update(cfg.to_json().encode())
-    dev = torch.device(device).type
     h.update(f"\x00seed={int(seed)}\x00recipe={recipe}\x00dtype={str(dtype).removeprefix('torch.')}"
-             f"\x00device={dev}\x00torch={torch.__version__}".encode())
+             f"\x00device={generator_identity(device)}\x00torch={torch.__version__}".encode())
     return h.hexdigest()
+
+
+def generator_identity(device: torch.device | str) -> str:
+    """What, besides the seed and torch's version, decides the numbers a generator on
+    `device` draws: CUDA's kernels spread a draw over a grid sized by the GPU's SM count
+    (so two GPU models may draw differently), the CPU's vectorised samplers depend on its
+    instruction set."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return f"cuda:{props.name}:sm{props.multi_processor_count}"
+    if dev.type == "cpu":
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    return dev.type
 
 
 def fingerprint(model: HybridDecoder) -> str:

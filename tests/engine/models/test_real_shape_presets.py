@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.models import loaded as loaded_mod
+from engine.models.loaded import generator_identity
 from engine.models import published
 from engine.models.config import FULL, GDN, LIGHTNING, MOE
 from engine.models.hf import qwen3
@@ -124,7 +125,8 @@ def test_a_seeded_preset_is_fingerprinted_from_its_recipe_without_reading_the_we
     assert got.fingerprint == fingerprint_init(cfg, 0, INIT_RECIPE, torch.float32, "cpu")
     assert load_model("ring-tiny", models_root=tmp_path, seed=3).fingerprint != got.fingerprint
     assert load_model("ring-tiny", models_root=tmp_path, dtype="bfloat16").fingerprint != got.fingerprint
-    assert fingerprint_init(cfg, 0, INIT_RECIPE, torch.float32, "cuda") != got.fingerprint
+    assert fingerprint_init(cfg, 0, INIT_RECIPE, torch.float32, "meta") != got.fingerprint  # another generator
+    assert generator_identity("cpu") == f"cpu:{torch.backends.cpu.get_cpu_capability()}"
     assert fingerprint_init(cfg.replace(rms_norm_eps=1e-5), 0, INIT_RECIPE, torch.float32, "cpu") != got.fingerprint
     code = ("import torch; from engine.models.presets import get_preset; from engine.models.weights import "
             "INIT_RECIPE, fingerprint_init; print(fingerprint_init(get_preset('ring-tiny'), 0, INIT_RECIPE, "
