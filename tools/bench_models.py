@@ -15,9 +15,11 @@ whole run's `--time-budget-s`, shared by the presets left; a phase that would no
 skipped with its reason in the JSON (64k prefill is skipped when the 16k time, scaled,
 does not fit what is left), never guessed.
 
-Per preset, in order: load, memory, prefill per length, decode per batch, then (the
-model freed: two copies of a 35B model would not fit one GPU) ready with an empty kernel
-cache and ready again with the cache that run filled.
+Order: for each preset, load, memory, prefill per length, decode per batch (half the
+budget, shared evenly by the presets); then, no model held any more (two copies of a 35B
+model would not fit one GPU), for each preset in turn `kvengine serve` to ready with an
+empty kernel cache, and again with the cache that run filled (the other half, first come
+first served: a run that does not fit is recorded as timed out or skipped).
 
 FLOPs (forward pass, counted from the model's own modules on the meta device, so they
 follow the preset exactly):
@@ -75,6 +77,9 @@ FULL_BATCHES = (1, 32)
 QUICK_LENGTHS = (32, 64)
 QUICK_BATCHES = (1, 2)
 
+#: the share of the whole budget the in-process phases of all presets get; the serve runs
+#: (start-to-ready, cold and warm) have the rest
+IN_PROCESS_SHARE = 0.5
 #: per-phase time limits (seconds), GPU mode
 PHASE_LIMITS = {"ready_cold": 240.0, "ready_warm": 120.0, "load": 90.0, "memory": 30.0, "prefill": 90.0,
                 "decode": 60.0, "matmul_peak": 30.0}
@@ -375,7 +380,7 @@ def bench_preset(name: str, args, report: Report, budget: Budget, peaks: dict[st
                 "in place (engine.models.weights.build_model)"}
 
     if run_phase(report, out, "load", limits["load"], budget, load) is None:
-        return bench_ready(name, args, report, budget, limits)
+        return
     model = holder.pop("model")
 
     def memory() -> dict:
@@ -466,14 +471,14 @@ def bench_preset(name: str, args, report: Report, budget: Budget, peaks: dict[st
         _free_memory()
     del model
     _free_memory()
-    bench_ready(name, args, report, budget, limits)
 
 
-def bench_ready(name: str, args, report: Report, budget: Budget, limits: dict[str, float]) -> None:
+def bench_ready(name: str, args, report: Report, budget: Budget) -> None:
     """`kvengine serve` start to ready: a fresh kernel cache, then the one that run filled.
     Runs while this process holds no model."""
     quick = args.quick
     out = report.preset(name)
+    limits = {k: (v if not quick else 60.0) for k, v in PHASE_LIMITS.items()}
     serve_preset = QUICK_SERVE[name] if quick else name
     if not args.skip_ready and not (quick and name != args.presets[0]):  # --quick: one serve run in all
         ready = out.setdefault("ready", {})
@@ -554,9 +559,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not q:
         run_phase(report, report.doc, "matmul_peak_measured", PHASE_LIMITS["matmul_peak"], budget,
                   measure_matmul_peak)
+    # the in-process phases of every preset first (half the budget, shared evenly), then
+    # the serve runs with what is left, first preset first
+    in_process = Budget(budget.left() * (1.0 if args.skip_ready else IN_PROCESS_SHARE))
     for i, name in enumerate(args.presets):
-        share = Budget(budget.left() / (len(args.presets) - i))
-        bench_preset(name, args, report, share if not q else budget, peaks)
+        share = Budget(min(in_process.left(), budget.left()) / (len(args.presets) - i))
+        bench_preset(name, args, report, share, peaks)
+    for name in args.presets:
+        bench_ready(name, args, report, budget)
     report.doc["complete"] = True
     report.write()
     print(json.dumps({k: v for k, v in report.doc.items() if k != "presets"}, indent=1)[:2000])
