@@ -5,11 +5,14 @@ compiled per specialisation on first use and autotuned over several configuratio
 `kernel_cache_dir(option)` picks the directory: `--kernel-cache DIR` when given, else
 `$TRITON_CACHE_DIR` when set, else `<user cache dir>/hypercache/triton` (`$XDG_CACHE_HOME`
 or `~/.cache`). `use_kernel_cache(dir)` points this process (and its children) at it
-through Triton's own environment settings, before the first kernel compiles:
-`TRITON_CACHE_DIR` (compiled binaries) and `TRITON_CACHE_AUTOTUNING=1` (autotuning
-results are written beside them and read back, so a second start skips the timing runs;
-an explicit `TRITON_CACHE_AUTOTUNING` in the environment is kept). A directory copied
-to a fresh machine with the same GPU, driver, Triton and fla versions starts warm.
+through Triton's own environment settings, before the first kernel module is imported:
+`TRITON_CACHE_DIR` (compiled binaries, and the autotuning results fla writes beside them:
+its autotuners cache results unless `FLA_CACHE_RESULTS=0`) and
+`TRITON_CACHE_AUTOTUNING=1` (the same for every other autotuned kernel; an explicit
+value in the environment is kept). A second start then skips compilation and the timing
+runs; a directory copied to a fresh machine with the same GPU, driver, Triton and fla
+versions starts warm. (Triton's own default, `~/.triton/cache`, persists too; this gives
+the cache one known place that can be shipped and measured.)
 """
 from __future__ import annotations
 
