@@ -15,11 +15,11 @@ whole run's `--time-budget-s`, shared by the presets left; a phase that would no
 skipped with its reason in the JSON (64k prefill is skipped when the 16k time, scaled,
 does not fit what is left), never guessed.
 
-Order: for each preset, load, memory, prefill per length, decode per batch (half the
-budget, shared evenly by the presets); then, no model held any more (two copies of a 35B
-model would not fit one GPU), for each preset in turn `kvengine serve` to ready with an
-empty kernel cache, and again with the cache that run filled (the other half, first come
-first served: a run that does not fit is recorded as timed out or skipped).
+Order, per preset (the budget shared evenly by the presets left): `kvengine serve` to
+ready with an empty kernel cache (a fresh directory: a fresh machine), while this process
+holds no model; then in this process, compiling into that same directory, load, memory,
+prefill per length, decode per batch; then, the model freed (two copies of a 35B model
+would not fit one GPU), `kvengine serve` to ready again with the cache the runs filled.
 
 FLOPs (forward pass, counted from the model's own modules on the meta device, so they
 follow the preset exactly):
@@ -77,9 +77,10 @@ FULL_BATCHES = (1, 32)
 QUICK_LENGTHS = (32, 64)
 QUICK_BATCHES = (1, 2)
 
-#: the share of the whole budget the in-process phases of all presets get; the serve runs
-#: (start-to-ready, cold and warm) have the rest
-IN_PROCESS_SHARE = 0.5
+#: of one preset's share of the budget: the most the cold serve run may take, then the
+#: part of what is left the in-process phases may take (the warm serve run has the rest)
+COLD_READY_SHARE = 0.55
+IN_PROCESS_SHARE = 0.8
 #: per-phase time limits (seconds), GPU mode
 PHASE_LIMITS = {"ready_cold": 240.0, "ready_warm": 120.0, "load": 90.0, "memory": 30.0, "prefill": 90.0,
                 "decode": 60.0, "matmul_peak": 30.0}
@@ -473,23 +474,18 @@ def bench_preset(name: str, args, report: Report, budget: Budget, peaks: dict[st
     _free_memory()
 
 
-def bench_ready(name: str, args, report: Report, budget: Budget) -> None:
-    """`kvengine serve` start to ready: a fresh kernel cache, then the one that run filled.
-    Runs while this process holds no model."""
+def bench_ready(name: str, args, report: Report, budget: Budget, run: str, cache: Path,
+                limit_share: float = 1.0) -> None:
+    """One `kvengine serve` start-to-ready run of `name`'s preset with kernel cache `cache`
+    (`run`: "cold" for an empty cache, "warm" for the one the cold run filled). Runs while
+    this process holds no model; at most `limit_share` of the budget left."""
     quick = args.quick
-    out = report.preset(name)
-    limits = {k: (v if not quick else 60.0) for k, v in PHASE_LIMITS.items()}
+    if args.skip_ready or (quick and name != args.presets[0]):  # --quick: one serve run in all
+        return
+    ready = report.preset(name).setdefault("ready", {})
     serve_preset = QUICK_SERVE[name] if quick else name
-    if not args.skip_ready and not (quick and name != args.presets[0]):  # --quick: one serve run in all
-        ready = out.setdefault("ready", {})
-        cache = Path(tempfile.mkdtemp(prefix="kvengine-kernels-"))
-        try:
-            runs = ("cold",) if quick else ("cold", "warm")
-            for run in runs:
-                lim = limits[f"ready_{run}"]
-                run_phase(report, ready, run, lim, budget, lambda: ready_time(serve_preset, cache, quick, lim))
-        finally:
-            shutil.rmtree(cache, ignore_errors=True)
+    lim = min(PHASE_LIMITS[f"ready_{run}"] if not quick else 60.0, max(budget.left() * limit_share, 1.0))
+    run_phase(report, ready, run, lim, budget, lambda: ready_time(serve_preset, cache, quick, lim))
 
 
 def _versions() -> dict[str, Optional[str]]:
@@ -536,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out) if args.out else ROOT / "docs" / "results" / (f"models-quick-{date}.json" if q else
                                                                          f"models-{date}.json")
 
-    # this process compiles through the persistent cache (the serve runs get their own)
+    # this process compiles through each preset's fresh cache, filled first by its cold serve run
     cache_dir = use_kernel_cache(kernel_cache_dir(None))
     import torch
 
@@ -547,7 +543,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = Report(out, {
         "tool": "tools/bench_models.py", "date": date, "device": device_name, "quick": q, "versions": _versions(),
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-        "budget_s": budget_s, "kernel_cache": str(cache_dir),
+        "budget_s": budget_s,
+        "kernel_cache": "a fresh directory per preset: its cold serve run fills it, this process and the warm serve "
+                        "run reuse it",
         "peak_tflops": {"spec": H200_BF16_DENSE_TFLOPS, "matmul": args.matmul_peak_tflops,
                         "note": "mfu_spec: vs the H200 bf16 dense spec; mfu_matmul: vs the measured matmul peak"},
         "flop_counting": "see tools/bench_models.py docstring: dense = projections + active experts + convs + "
@@ -559,14 +557,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not q:
         run_phase(report, report.doc, "matmul_peak_measured", PHASE_LIMITS["matmul_peak"], budget,
                   measure_matmul_peak)
-    # the in-process phases of every preset first (half the budget, shared evenly), then
-    # the serve runs with what is left, first preset first
-    in_process = Budget(budget.left() * (1.0 if args.skip_ready else IN_PROCESS_SHARE))
     for i, name in enumerate(args.presets):
-        share = Budget(min(in_process.left(), budget.left()) / (len(args.presets) - i))
-        bench_preset(name, args, report, share, peaks)
-    for name in args.presets:
-        bench_ready(name, args, report, budget)
+        share = Budget(budget.left() / (len(args.presets) - i))
+        cache = Path(tempfile.mkdtemp(prefix="kvengine-kernels-"))
+        try:
+            bench_ready(name, args, report, share, "cold", cache, COLD_READY_SHARE)
+            os.environ["TRITON_CACHE_DIR"] = str(cache)  # read at each compile: the serve run's kernels
+            bench_preset(name, args, report, Budget(share.left() * IN_PROCESS_SHARE), peaks)
+            bench_ready(name, args, report, share, "warm", cache)
+        finally:
+            os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
+            shutil.rmtree(cache, ignore_errors=True)
     report.doc["complete"] = True
     report.write()
     print(json.dumps({k: v for k, v in report.doc.items() if k != "presets"}, indent=1)[:2000])

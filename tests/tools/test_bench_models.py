@@ -31,7 +31,7 @@ def test_quick_run_measures_every_phase_of_both_presets(tmp_path, own_kernel_cac
     out = tmp_path / "models.json"
     assert main(["--quick", "--lengths", "16", "--batches", "1", "--time-budget-s", "240", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["complete"] is True and doc["quick"] is True and doc["kernel_cache"] == str(own_kernel_cache)
+    assert doc["complete"] is True and doc["quick"] is True
     assert set(doc["presets"]) == set(bench_models.REAL_PRESETS)
     for name, res in doc["presets"].items():
         assert res["parameters"] > 0 and res["dense_flops_per_token"] > 0
