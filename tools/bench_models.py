@@ -522,8 +522,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = [p for p in args.presets if p not in REAL_PRESETS]
     if unknown:
         ap.error(f"--presets: {', '.join(unknown)} not among the real-shape presets {', '.join(REAL_PRESETS)}")
-    args.lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else list(QUICK_LENGTHS if q else FULL_LENGTHS)
-    args.batches = [int(x) for x in args.batches.split(",")] if args.batches else list(QUICK_BATCHES if q else FULL_BATCHES)
+    lengths, batches = (QUICK_LENGTHS, QUICK_BATCHES) if q else (FULL_LENGTHS, FULL_BATCHES)
+    args.lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else list(lengths)
+    args.batches = [int(x) for x in args.batches.split(",")] if args.batches else list(batches)
     args.decode_context = args.decode_context or (16 if q else 1024)
     args.decode_steps = args.decode_steps or (2 if q else 64)
     args.repeats = args.repeats or (1 if q else 2)

@@ -10,8 +10,9 @@ little-endian bytes).
 Fingerprint of a seeded random init (a preset without trained weights): sha256 over its
 own domain tag, the canonical config JSON, the seed, the init recipe's name, the dtype,
 the generator's device (`generator_identity`: CPU and CUDA generators, and different GPU
-models, draw different numbers) and the torch version (its generators define the draws). Everything that determines the bytes, so the bytes
-need not be read: a 35B preset is not hashed (~70 GB) at start-up.
+models, draw different numbers) and the torch version (its generators define the draws).
+Everything that determines the bytes, so the bytes need not be read: a 35B preset is
+not hashed (~70 GB) at start-up.
 """
 from __future__ import annotations
 

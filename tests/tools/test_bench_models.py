@@ -83,5 +83,6 @@ def test_a_phase_past_its_limit_is_recorded_as_skipped(tmp_path):
     assert where["slow"]["skipped"].startswith("timed out")
     assert run_phase(report, where, "late", 10, Budget(0), lambda: {"x": 1}) is None
     assert "time budget spent" in where["late"]["skipped"]
-    assert run_phase(report, where, "ok", 10, Budget(60), lambda: {"x": 1}) == {"x": 1, "phase_s": where["ok"]["phase_s"]}
+    got = run_phase(report, where, "ok", 10, Budget(60), lambda: {"x": 1})
+    assert got == where["ok"] and got["x"] == 1 and got["phase_s"] >= 0
     assert json.loads((tmp_path / "r.json").read_text())["presets"] == {}
