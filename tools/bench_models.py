@@ -274,10 +274,15 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) ->
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        url = None
-        line = proc.stdout.readline()  # blocks until the "serving ... on http://..." line (or exit)
-        m = re.search(r"on (http://\S+)", line or "")
+        m, seen = None, []
+        while m is None:  # up to the "kvengine serving ... on http://..." line, or the exit
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"kvengine serving .* on (http://\S+)", line)
         if m is None:
+            line = "".join(seen)[-300:]
             proc.kill()
             proc.wait(timeout=30)
             log.seek(0)

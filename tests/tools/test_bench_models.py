@@ -86,3 +86,8 @@ def test_a_phase_past_its_limit_is_recorded_as_skipped(tmp_path):
     got = run_phase(report, where, "ok", 10, Budget(60), lambda: {"x": 1})
     assert got == where["ok"] and got["x"] == 1 and got["phase_s"] >= 0
     assert json.loads((tmp_path / "r.json").read_text())["presets"] == {}
+
+
+def test_a_serve_that_exits_before_listening_is_reported_with_its_error(tmp_path):
+    with pytest.raises(RuntimeError, match="no preset named 'no-such-preset'"):
+        bench_models.ready_time("no-such-preset", tmp_path / "k", True, 60)
