@@ -448,13 +448,16 @@ def serve(
 
 def _use_kernel_cache(option: Optional[str]) -> None:
     """Point Triton's kernel and autotuning caches at the --kernel-cache directory (before
-    any kernel module is imported: engine/kernel_cache.py)."""
+    any kernel module is imported: engine/kernel_cache.py). A default directory that cannot
+    be made is a warning (Triton's own default is used), a named one an error."""
     from engine.kernel_cache import kernel_cache_dir, use_kernel_cache
 
     try:
         use_kernel_cache(kernel_cache_dir(option))
     except ConfigError as exc:
-        _fail(str(exc))
+        if option is not None:
+            _fail(f"--kernel-cache: {exc}")
+        logging.getLogger(__name__).warning("kernel cache: %s; Triton's own default is used", exc)
 
 
 def _check_store_answers(connector, start_without_store: bool) -> None:

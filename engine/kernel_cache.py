@@ -50,9 +50,9 @@ def use_kernel_cache(directory: Path) -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"--kernel-cache {directory}: cannot create it ({exc.strerror})") from None
+        raise ConfigError(f"kernel cache directory {directory}: cannot create it ({exc.strerror})") from None
     if not os.access(directory, os.W_OK):
-        raise ConfigError(f"--kernel-cache {directory}: not writable")
+        raise ConfigError(f"kernel cache directory {directory}: not writable")
     os.environ[CACHE_ENV] = str(directory)
     os.environ.setdefault(AUTOTUNE_ENV, "1")
     return directory

@@ -1,7 +1,7 @@
 """engine/kernel_cache.py and `kvengine serve --kernel-cache`: the directory is the
 option, else $TRITON_CACHE_DIR, else <user cache dir>/hypercache/triton; using it points
 Triton's compile and autotuning caches there; a directory that cannot be made is refused
-naming --kernel-cache."""
+naming --kernel-cache (the default directory falling back to Triton's own with a warning)."""
 from __future__ import annotations
 
 import os
@@ -53,3 +53,15 @@ def test_serve_refuses_a_kernel_cache_it_cannot_create(tmp_path):
     assert res.returncode == 2
     assert "--kernel-cache" in res.stderr and "cannot create" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+
+def test_serve_goes_on_with_a_warning_when_the_default_directory_cannot_be_made(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_CACHE")}
+    env.update(PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(blocker))
+    res = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--preset", "no-such-preset", "--device",
+                          "cpu", "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "kernel cache directory" in res.stderr and "Triton's own default is used" in res.stderr
+    assert "no preset named 'no-such-preset'" in res.stderr  # it went on to build the engine
