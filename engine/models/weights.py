@@ -5,7 +5,9 @@ else a seeded init).
 Fingerprint: sha256 over a domain tag, the canonical config JSON, and every tensor of the
 state dict in sorted name order (name, dtype, shape, raw little-endian bytes). It depends
 only on those bytes, so it is the same in every process and on every machine that holds the
-same weights in the same dtype (never Python's `hash()`); cache keys are built on it.
+same weights in the same dtype (never Python's `hash()`); cache keys are built on it. A
+preset loaded from its seed (no trained weights) is fingerprinted from its config, seed and
+`INIT_RECIPE` instead (`fingerprint_init`, engine/models/loaded.py): nothing is hashed.
 
 Directory layout written by `save_model` and read by `load_weights`:
     <dir>/config.json          ModelConfig.to_dict(), pretty-printed
