@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,12 @@ def test_real_shape_presets_are_listed_only_when_asked():
 
 
 def _scaled_down(name: str, layers: int, experts: int):
-    """A real-shape preset cut to `layers` layers, `experts` experts and a 4096 vocabulary:
-    the same code path at CPU size."""
+    """A real-shape preset cut to `layers` layers, `experts` experts of half width and a
+    4096 vocabulary: the same code path at CPU size."""
     cfg = get_preset(name)
     mlp = cfg.mlp_layers[:layers]
     return cfg.replace(layers=cfg.layers[:layers], mlp_layers=mlp, vocab_size=4096,
-                       moe=cfg.moe.__class__(**{**cfg.moe.__dict__, "num_experts": experts}))
+                       moe=replace(cfg.moe, num_experts=experts, intermediate_size=cfg.moe.intermediate_size // 2))
 
 
 @pytest.mark.parametrize("name", REAL_SHAPE_PRESETS)
@@ -88,7 +89,7 @@ def test_random_init_is_made_in_bf16_on_the_device_and_is_seeded(name):
     model = build_model(cfg, "cpu", torch.bfloat16)
     built_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
-    assert params > 50e6
+    assert params > 30e6
     assert built_s < 60, built_s  # seconds, not minutes (a few seconds here on a shared core)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in model.parameters()} == {"cpu"}
