@@ -258,7 +258,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
     """List the model presets: name, family, scale (tiny or bench) and layer pattern."""
     from engine.models.presets import list_presets, preset_info
 
-    rows = [preset_info(cfg) for cfg in list_presets()]
+    rows = [preset_info(cfg) for cfg in list_presets(real_shape=True)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -268,7 +268,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON lis
     table = Table("name", "family", "scale", "parameters", "layers")
     for r in rows:
         params = r.get("parameters")
-        table.add_row(r["name"], r["family"], r["scale"], "" if params is None else f"{params / 1e6:,.1f}M",
+        table.add_row(r["name"], r["family"], r["scale"] + (" (real shape)" if r.get("real_shape") else ""), "" if params is None else f"{params / 1e6:,.1f}M",
                       _layer_pattern(r["layers"]))
     Console(width=None if sys.stdout.isatty() else 240).print(table)  # piped: not cut at 80 columns
 
@@ -394,6 +394,9 @@ def serve(
     hisparse_hot: int = HiSparseHotOpt,
     hisparse_min_context: int = HiSparseMinOpt,
     hisparse_store: Optional[str] = HiSparseStoreOpt,
+    kernel_cache: Optional[str] = typer.Option(
+        None, "--kernel-cache", help="Directory of compiled GPU kernels and autotuning results, kept between runs "
+        "(default: $TRITON_CACHE_DIR, else ~/.cache/hypercache/triton); a warm one skips kernel compilation at start."),
     served_model_name: Optional[str] = typer.Option(
         None, "--served-model-name", help="The model's name in /v1/models and the `model` field requests must "
         "match (default: the preset's name or the --model directory's name)."),
@@ -405,6 +408,7 @@ def serve(
     source = _model_source(preset, model)
     if served_model_name is not None and not served_model_name.strip():
         _fail("--served-model-name: must not be empty")
+    _use_kernel_cache(kernel_cache)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.server.app import serve as run_server
 
@@ -440,6 +444,20 @@ def serve(
             planner.store.close()
         if engine.kv_offload is not None:
             engine.kv_offload.close()
+
+
+def _use_kernel_cache(option: Optional[str]) -> None:
+    """Point Triton's kernel and autotuning caches at the --kernel-cache directory (before
+    any kernel module is imported: engine/kernel_cache.py). A default directory that cannot
+    be made is a warning (Triton's own default is used), a named one an error."""
+    from engine.kernel_cache import kernel_cache_dir, use_kernel_cache
+
+    try:
+        use_kernel_cache(kernel_cache_dir(option))
+    except ConfigError as exc:
+        if option is not None:
+            _fail(f"--kernel-cache: {exc}")
+        logging.getLogger(__name__).warning("kernel cache: %s; Triton's own default is used", exc)
 
 
 def _check_store_answers(connector, start_without_store: bool) -> None:
