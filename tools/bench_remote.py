@@ -9,9 +9,10 @@ per repeat:
   mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
              zero-copy calls of Mooncake's Python API
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
-  ours       the daemon's remote path: `MooncakeAdapter.submit_put` / `submit_get` + `wait`
-             (its worker thread, header + bytes as two ranges), plus what the remote tier
-             does around them: encoding the 4 KiB envelope header on a put, decoding it
+  ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
+             tier calls it (inline on the caller's thread, the client's RPC timeout
+             bounding it; header + bytes as two ranges), plus what the remote tier does
+             around it: encoding the 4 KiB envelope header on a put, decoding it
              and hashing the bytes (the checksum verified on every remote read) on a get
 
 Each op is one object (put, get, remove); the two sides alternate op by op, so both
@@ -54,6 +55,7 @@ from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
 
 MIB = 1 << 20
+TIMEOUT_S = 2.0  # the remote tier's default timeout (RemoteSettings.timeout_s)
 HOLDER = """
 import sys, time
 from mooncake.store import MooncakeDistributedStore
@@ -116,23 +118,23 @@ class Ours:
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
         encode_header(name.encode(), self.meta, buf.numel(), csum, memoryview(self.hdr.numpy()))
-        res = self.a.wait(self.a.submit_put([PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
-                                                            (buf.data_ptr(), buf.numel())))]), 60)
-        if res is None or not res.ok:
+        res = self.a.call("put", [PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
+                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
+        if not res.ok:
             raise RuntimeError(f"adapter put {name}: {res}")
 
     def get(self, name: str, buf: torch.Tensor, want: int) -> None:
         hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        res = self.a.wait(self.a.submit_get([GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
-                                                            (buf.data_ptr(), buf.numel())))]), 60)
-        if res is None or res.codes[0] != buf.numel() + HEADER_BYTES:
+        res = self.a.call("get", [GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
+                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
+        if res.codes[0] != buf.numel() + HEADER_BYTES:
             raise RuntimeError(f"adapter get {name}: {res}")
         h = decode_header(memoryview(hdr.numpy()), name.encode(), buf.numel() + HEADER_BYTES)
         if checksum(buf) != h.checksum or h.checksum != want:
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
 
     def remove(self, name: str) -> None:
-        self.a.wait(self.a.submit_remove([name]), 60)
+        self.a.call("remove", [name], TIMEOUT_S)
 
 
 def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int, check: bool) -> tuple[float, float]:
