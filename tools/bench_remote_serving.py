@@ -325,6 +325,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if why:
         out["skipped"] = why
     else:
+        import mooncake
+
+        from kvstore.remote.testing import master_binary
+
+        out["mooncake"] = {"package": str(Path(mooncake.__file__).parent), "master": master_binary(),
+                           "ld_library_path": os.environ.get("LD_LIBRARY_PATH", "")}
         bench(args, out, path, log)
     write(path, out)
     if out.get("skipped"):
