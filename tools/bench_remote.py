@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from kvstore.format import checksum  # noqa: E402
+from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
 from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header  # noqa: E402
@@ -104,7 +104,7 @@ class RawVerified(Raw):
 
     def get(self, name: str, buf: torch.Tensor, want: int) -> None:
         super().get(name, buf, want)
-        if checksum(buf) != want:
+        if host_checksum(memoryview(buf.numpy())) != want:
             raise RuntimeError(f"raw get_into {name}: checksum mismatch")
 
 
@@ -130,7 +130,8 @@ class Ours:
         if res.codes[0] != buf.numel() + HEADER_BYTES:
             raise RuntimeError(f"adapter get {name}: {res}")
         h = decode_header(memoryview(hdr.numpy()), name.encode(), buf.numel() + HEADER_BYTES)
-        if checksum(buf) != h.checksum or h.checksum != want:
+        # the remote tier hashes the CPU-arena slot the same way (CpuArenaTier.checksum)
+        if host_checksum(memoryview(buf.numpy())) != h.checksum or h.checksum != want:
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
 
     def remove(self, name: str) -> None:
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
             src = torch.randint(0, 256, (n,), dtype=torch.uint8)
             dst = torch.empty(n, dtype=torch.uint8)
-            csum = checksum(src)
+            csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
             run_repeat(sides, src, dst, 2, csum)  # warm-up
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
