@@ -15,7 +15,12 @@ per repeat:
              around it: encoding the 4 KiB envelope header on a put, decoding it
              and hashing the bytes (the checksum verified on every remote read) on a get
 
-Each op is one object (put, get, remove); the two sides alternate op by op, so both
+All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
+only our layer differs: two clients in one process were seen to differ by up to 2x in
+put latency on a loaded host, whichever of them was made first (`--client separate`
+gives the raw sides a client of their own, as before).
+
+Each op is one object (put, get, remove); the sides alternate op by op, so all
 see the same load on a shared machine. Per repeat: p50 / p99
 latency and throughput (bytes / total time); the JSON holds the median of the repeats
 with their min..max spread and our overhead vs the raw client (p50 latency and
@@ -79,11 +84,14 @@ def spread(values: list[float]) -> dict[str, float]:
 class Raw:
     """Mooncake's own client, the baseline."""
 
-    def __init__(self, master: MooncakeMaster) -> None:
-        self.c = load_client_class()()
-        rc = self.c.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{master.rpc_port}")
-        if rc != 0:
-            raise RuntimeError(f"raw client setup returned {rc}")
+    def __init__(self, master: MooncakeMaster, client: Any = None) -> None:
+        """`client`: an already joined Mooncake client to drive (default: a new one)."""
+        self.own = client is None
+        self.c = load_client_class()() if client is None else client
+        if self.own:
+            rc = self.c.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{master.rpc_port}")
+            if rc != 0:
+                raise RuntimeError(f"raw client setup returned {rc}")
 
     def put(self, name: str, buf: torch.Tensor) -> None:
         rc = self.c.put_from(name, buf.data_ptr(), buf.numel())
@@ -178,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1,4,16,64", help="object sizes in MiB, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--iters", type=int, default=0, help="ops per size and repeat (0: 24, 16, 10 at 1, 4, 16 MiB; 6 above)")
+    ap.add_argument("--client", default="shared", choices=("shared", "separate"),
+                    help="the raw sides drive the adapter's own Mooncake client (shared, default: only our layer "
+                         "differs) or a second client of their own (separate: two clients of one process differ "
+                         "by up to 2x in put latency on a loaded host, whichever is made first)")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -195,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        raw, ours = Raw(master), Ours(master)
+        ours = Ours(master)
+        raw = Raw(master, ours.a.client if args.client == "shared" else None)
+        if raw.c is None:
+            raise RuntimeError("the adapter did not join the Mooncake cluster")
         rawv = RawVerified.__new__(RawVerified)
         rawv.c = raw.c  # the same client; only the get differs
         rows = []
@@ -251,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             "date": _dt.date.today().isoformat(),
             "command": "python tools/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                        "note": "a 2-core CPU machine shared with five other engineers' test runs at the same "
+                        "note": "a 2-core CPU machine shared with seven other engineers' test runs at the same "
                                 "time: absolute figures are noisy; the two sides run interleaved in one process "
                                 "so they see the same load"},
             "setup": "mooncake_master (embedded HTTP metadata) + a holder process mounting a 1 GiB segment; the "
-                     "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get",
+                     "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get; "
+                     f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",
+            "client": args.client,
             "mooncake_version": _mooncake_version(),
             "repeats": args.repeats,
             "rows": rows,
@@ -275,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         print(f"worst p50 overhead {worst:+.1f}% (target <= 10%)")
         ours.a.close()
-        raw.c.close()
+        if raw.own:
+            raw.c.close()
         return 0
     finally:
         holder.kill()

@@ -212,6 +212,12 @@ class MooncakeAdapter(BlockingAdapter):
         except Exception as exc:  # noqa: BLE001 - a client that never joined
             log.debug("closing an unjoined Mooncake client: %s", exc)
 
+    @property
+    def client(self) -> Any:
+        """The joined Mooncake client (None until joined, and after close): for tools
+        that compare against driving it directly."""
+        return self._client
+
     def stat_now(self, names: Sequence[str]) -> list[int]:
         c = self._client
         if c is None:
