@@ -33,11 +33,14 @@ Pre-flight: where Mooncake Store cannot be imported or its master not started, t
 prints one line saying why, writes `{"skipped": REASON}` to the JSON and exits 0.
 
 `--carry DIR` (a host without network, e.g. the GPU box): DIR holds the
-`mooncake_transfer_engine_non_cuda-*-cp312-*.whl` wheel and `lib/` with the shared
-libraries the wheel needs beyond it (libibverbs.so.1, libnl-3.so.200,
-libnl-route-3.so.200, libnuma.so.1, librdmacm.so.1, from the Debian/Ubuntu packages);
-the wheel is unpacked to DIR/py once, and the run re-executes itself with DIR/py on
-PYTHONPATH, DIR/lib on LD_LIBRARY_PATH and the wheel's mooncake_master on PATH.
+`mooncake_transfer_engine_non_cuda-*-cp312-*.whl` wheel, `lib/` with the shared
+libraries the wheel needs beyond itself and a CUDA image's base (libibverbs.so.1,
+libnl-3.so.200, libnl-route-3.so.200, libnuma.so.1, librdmacm.so.1: the Debian packages
+libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 librdmacm1) and `lib-curl/` (libcurl.so.4
+and its dependencies, for a host without libcurl4). The wheel is unpacked to DIR/py
+once, and the run re-executes itself with DIR/py on PYTHONPATH, the wheel's
+mooncake_master on PATH, and each of lib/ and lib-curl/ on LD_LIBRARY_PATH when the host
+cannot load one of its libraries by itself.
 """
 from __future__ import annotations
 
@@ -116,10 +119,25 @@ def carried_env(carry: Path) -> dict[str, str]:
     env = dict(os.environ)
     join = lambda new, old: os.pathsep.join([new] + ([old] if old else []))  # noqa: E731
     env["PYTHONPATH"] = join(f"{REPO}{os.pathsep}{py}", env.get("PYTHONPATH", ""))
-    env["LD_LIBRARY_PATH"] = join(str(carry / "lib"), env.get("LD_LIBRARY_PATH", ""))
+    for libs in (carry / "lib", carry / "lib-curl"):  # only where this host lacks one of them
+        missing = [so.name for so in sorted(libs.glob("*.so*")) if not _loads(so.name)]
+        if missing:
+            env["LD_LIBRARY_PATH"] = join(str(libs), env.get("LD_LIBRARY_PATH", ""))
+            print(f"bench_remote_serving: {', '.join(missing)} from {libs}", file=sys.stderr)
     env["PATH"] = join(str(py / "mooncake"), env.get("PATH", ""))
     env[CARRIED] = "1"
     return env
+
+
+def _loads(soname: str) -> bool:
+    """Whether the host's own libraries provide `soname`."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(soname)
+        return True
+    except OSError:
+        return False
 
 
 def preflight() -> Optional[str]:
