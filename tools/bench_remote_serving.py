@@ -74,8 +74,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (quick 450)")
     ap.add_argument("--docs", default=None, help="documents per request MIN-MAX (quick 2-3)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpu-capacity", default=None, help="each daemon's CPU tier (default 16GiB; quick 256MiB)")
-    ap.add_argument("--segment", default=None, help="Mooncake segment each daemon mounts (default 8GiB; quick 256MiB)")
+    ap.add_argument("--cpu-capacity", default=None, help="each daemon's CPU tier (default 8GiB; quick 256MiB)")
+    ap.add_argument("--segment", default=None, help="Mooncake segment each daemon mounts (default 4GiB; quick 256MiB)")
     ap.add_argument("--remote-timeout", type=float, default=5.0, help="each daemon's --remote-timeout seconds")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
     ap.add_argument("--exact-prefix", default="off", choices=("on", "off"),
@@ -91,8 +91,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     for name, (quick, full) in dict(preset=("qwen3next-tiny", "qwen3next-bench"), n=(2, 4), repeats=(2, 3),
-                                     max_tokens=(450, None), docs=("2-3", None), cpu_capacity=("256MiB", "16GiB"),
-                                     segment=("256MiB", "8GiB"), device=("cpu", "auto")).items():
+                                     max_tokens=(450, None), docs=("2-3", None), cpu_capacity=("256MiB", "8GiB"),
+                                     segment=("256MiB", "4GiB"), device=("cpu", "auto")).items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     if args.n < 1 or args.repeats < 1:
