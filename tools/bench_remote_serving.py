@@ -50,6 +50,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -335,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.carry is not None and os.environ.get(CARRIED) != "1":
         env = carried_env(args.carry)
         cmd = [sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])]
-        return __import__("subprocess").call(cmd, env=env)  # LD_LIBRARY_PATH counts only from a process's start
+        return subprocess.call(cmd, env=env)  # LD_LIBRARY_PATH counts only from a process's start
     start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     date = dt.date.today().isoformat()
