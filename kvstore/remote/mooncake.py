@@ -20,7 +20,7 @@ URL parameters: `metadata` (the metadata server, e.g. the master's embedded one 
 `device` (RDMA devices), `host` (the address this client advertises to peers; default
 127.0.0.1 for a loopback master, else this host's name), `segment` and `buffer` (sizes:
 the mounted segment and the client's staging buffer), `namespace` (prefix of object
-names; default `kvstore`), `rpc_timeout` (seconds, default 0.5: Mooncake's bound on each
+names; default `kvstore`), `rpc_timeout` (seconds, default 1.0: Mooncake's bound on each
 request to the master, `MC_RPC_TIMEOUT_MS`, whose own default is 30 s; an environment
 that sets MC_RPC_TIMEOUT_MS keeps its value).
 
@@ -71,7 +71,7 @@ class MooncakeTarget:
     segment_bytes: int = 256 << 20
     buffer_bytes: int = 16 << 20
     namespace: str = "kvstore"
-    rpc_timeout_s: float = 0.5  # each master RPC (MC_RPC_TIMEOUT_MS, unless the environment sets it)
+    rpc_timeout_s: float = 1.0  # each master RPC (MC_RPC_TIMEOUT_MS, unless the environment sets it)
 
     @classmethod
     def from_url(cls, url: str) -> "MooncakeTarget":
@@ -104,7 +104,7 @@ class MooncakeTarget:
         except ConfigError as exc:
             raise RemoteConfigError(f"remote URL {url!r}: {exc}") from None
         try:
-            rpc_timeout = float(p.get("rpc_timeout", 0.5))
+            rpc_timeout = float(p.get("rpc_timeout", 1.0))
         except ValueError:
             raise RemoteConfigError(f"remote URL {url!r}: rpc_timeout must be seconds, got {p['rpc_timeout']!r}") from None
         if not 0.01 <= rpc_timeout <= 600:
