@@ -76,6 +76,8 @@ def ttft_by_method(h: Harness, reqs: Sequence[BenchRequest], name: str = "") -> 
     out["full"] = {"cold": full, "warm": full}
     cold = []
     for r in reqs:
+        if h.prefix_store:  # its checkpoints in the daemon too: a cold start deletes them there
+            h.forget(r)
         h.planner("prefix", fresh=True)
         cold.append(h.run_alone(r))
     traced("prefix-cold", lambda: h.planner("prefix", fresh=True))
