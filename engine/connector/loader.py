@@ -8,7 +8,7 @@ hits to the CPU arena), then per segment, by where its bytes lie:
 
 | bytes in | engine on CPU | engine on CUDA |
 |---|---|---|
-| CPU arena (shm) | zero-copy views, lease held while used | async copy from the pinned arena on a side stream, lease released once the copy is done |
+| CPU arena (shm) | zero-copy views, lease held while used | async copies from the pinned arena on a side stream, layer by layer with an event per layer (engine.connector.layer_loads), lease released once the copies are done |
 | GPU arena (CUDA IPC) | - | zero-copy views over the IPC mapping (same device; else a device-to-device copy) |
 | NVMe file | views over the mapped file (page cache) | kvikio read straight into device memory when kvikio is importable, else promoted to the CPU arena by the Get |
 
@@ -17,7 +17,10 @@ learns its misses and starts computing them while the hits load), then each segm
 as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries the CUDA
 event its copies complete on, and its consumer makes the compute stream wait on that
 event just before the splice that reads it (`LoadedSegment.wait_device`), so later
-segments decode and copy while earlier ones are spliced and their seams computed.
+segments decode and copy while earlier ones are spliced and their seams computed; a
+segment copied layer by layer is waited on per layer by the fused pass instead
+(`LoadedSegment.wait_layer`, from its `before_layer` hook), so layer i computes while
+layer i+1's bytes arrive.
 Leases of copied segments are released by the loader thread once the copies finish.
 
 `hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
@@ -39,6 +42,7 @@ import torch
 
 from engine.connector.codec import signature_from_blob
 from engine.connector.errors import StoreUnavailable
+from engine.connector.layer_loads import CudaCopyQueue, LayerEvents, issue_layered, layer_plan
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
 from engine.pic.errors import SignatureFormatError
@@ -81,6 +85,8 @@ class LoadedSegment:
     copy_start: Optional[Any] = None
     load_ms: float = 0.0  # this segment's share of the RPCs + decode + device copy
     device_buffer: Optional[torch.Tensor] = None  # the blob's copy on this device (parts are views of it)
+    #: per-layer copy events (engine.connector.layer_loads) when the copies went layer by layer
+    layers: Optional[LayerEvents] = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stream_recorded: bool = False
 
@@ -96,6 +102,21 @@ class LoadedSegment:
             return
         stream = torch.cuda.current_stream(self.signature.device)
         stream.wait_event(self.ready)
+        self._record_stream(stream)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current CUDA stream wait for `layer`'s copies only (host does not
+        block): the fused pass calls it just before it first reads `layer`; segments
+        copied in one piece wait for all of it."""
+        if self.layers is None:
+            self.wait_device()
+            return
+        stream = torch.cuda.current_stream(self.signature.device)
+        self._record_stream(stream)
+        self.layers.wait_layer(layer, stream.wait_event)
+
+    def _record_stream(self, stream) -> None:
+        """Tell the allocator (once) that this segment's tensors are used on `stream`."""
         with self._lock:
             if self._stream_recorded:
                 return
@@ -386,11 +407,20 @@ class SegmentLoader:
         copy_start = torch.cuda.Event(enable_timing=True)
         copy_start.record(stream)
         dev = torch.empty(view.size, dtype=torch.uint8, device=self.device)
-        view.copy_to(dev, stream=stream, verify=self.verify)
+        layers = None
+        if buf.device.type == "cpu" and not self.verify and view.lease.region.kind != "file":
+            # the CPU arena (pinned, mapped in place): layer by layer, an event per layer, so
+            # the fused pass computes layer i while layer i+1's bytes arrive (layer_loads)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # dst may be in use there
+            layers = issue_layered(buf, dev, layer_plan(header.parts, header.meta.get("stacked")),
+                                   CudaCopyQueue(stream))
+            dev.record_stream(stream)
+        else:
+            view.copy_to(dev, stream=stream, verify=self.verify)
         ready = torch.cuda.Event(enable_timing=True)  # after the last piece (same stream), timed
         ready.record(stream)
         tensors = fmt.tensors_over(header, dev)
         sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
         seg = LoadedSegment(key, sig, tier, view.tier, view.size, view)
-        seg.copy_start, seg.ready, seg.device_buffer = copy_start, ready, dev
+        seg.copy_start, seg.ready, seg.device_buffer, seg.layers = copy_start, ready, dev, layers
         return seg
