@@ -317,7 +317,11 @@ class SegmentLoader:
         for seg in segments:  # copies were issued; finish them here, off the engine thread
             if seg.ready is not None:  # pragma: no cover - GPU only
                 seg.ready.synchronize()
-                seg.load_ms += seg.copy_start.elapsed_time(seg.ready)
+                copy_ms = seg.copy_start.elapsed_time(seg.ready)
+                seg.load_ms += copy_ms
+                if seg.served_tier == "cpu":
+                    self.metrics.inc("h2d_copy_bytes", seg.nbytes)
+                    self.metrics.inc("h2d_copy_ms_total", copy_ms)
                 seg.release()  # the device copy is complete: the store's bytes are no longer read
             self.metrics.add_load(seg.tier, seg.nbytes, seg.load_ms)
         batch.finished = time.perf_counter()
@@ -412,6 +416,7 @@ class SegmentLoader:
             # the CPU arena (pinned, mapped in place): layer by layer, an event per layer, so
             # the fused pass computes layer i while layer i+1's bytes arrive (layer_loads)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # dst may be in use there
+            copy_start.record(stream)  # after that wait: the copies' own time (h2d_copy_ms_total)
             layers = issue_layered(buf, dev, layer_plan(header.parts, header.meta.get("stacked")),
                                    CudaCopyQueue(stream))
             dev.record_stream(stream)

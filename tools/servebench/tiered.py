@@ -17,8 +17,10 @@ engine (a `Harness`) over the kvstore daemon:
   tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`).
 - `pinned_h2d_gbps`: pinned host -> device copy bandwidth on this machine (None without
   CUDA), the reference of `cpu_to_gpu_fraction_of_pcie_serving`.
-- `serving_cpu_to_gpu`: bytes the PIC planner loaded from the daemon's CPU tier into the
-  engine's device and the time those loads took (connector metrics), as GB/s.
+- `serving_cpu_to_gpu`: bytes the PIC planners copied from the daemon's CPU tier into the
+  engine's device and the device time of those copies (connector metrics
+  `h2d_copy_bytes` / `h2d_copy_ms_total`), as GB/s (`gb_per_s`); `load_gb_per_s` divides
+  the CPU-tier load bytes by the whole load time (RPCs and decode included).
 - `break_even`: per preset, the disk bandwidth below which reading a hit costs more than
   recomputing it: signature bytes per token (the daemon's objects) / full-recompute
   milliseconds per token (the TTFT phase's full runs).
@@ -262,8 +264,12 @@ def serving_cpu_to_gpu(snapshots: Sequence[dict]) -> dict:
     nbytes = sum((s.get("load_bytes") or {}).get("cpu", 0) for s in snapshots)
     ms = sum((s.get("load_ms") or {}).get("cpu", 0.0) for s in snapshots)
     loads = sum((s.get("loads") or {}).get("cpu", 0) for s in snapshots)
+    copy_bytes = sum(s.get("h2d_copy_bytes", 0) for s in snapshots)
+    copy_ms = sum(s.get("h2d_copy_ms_total", 0.0) for s in snapshots)
     return {"loads": loads, "bytes": nbytes, "ms": round(ms, 3),
-            "gb_per_s": nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None}
+            "load_gb_per_s": nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None,
+            "copy_bytes": copy_bytes, "copy_ms": round(copy_ms, 3),
+            "gb_per_s": copy_bytes / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else None}
 
 
 def break_even(stored: dict, workloads: dict) -> dict:
