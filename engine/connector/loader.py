@@ -10,7 +10,7 @@ hits to the CPU arena), then per segment, by where its bytes lie:
 |---|---|---|
 | CPU arena (shm) | zero-copy views, lease held while used | async copies from the pinned arena on a side stream, layer by layer with an event per layer (engine.connector.layer_loads), lease released once the copies are done |
 | GPU arena (CUDA IPC) | - | zero-copy views over the IPC mapping (same device; else a device-to-device copy) |
-| NVMe file | views over the mapped file (page cache) | kvikio read straight into device memory when kvikio is importable, else promoted to the CPU arena by the Get |
+| NVMe file | views over the mapped file (page cache) | with `nvme_read_backend` resolving to kvikio (kvstore.tiers.nvme_read; auto: where GDS is available), a cuFile read straight into device memory; else promoted to the CPU arena by the Get |
 
 A batch is published in stages: the Lookup answer first (`wait_lookup`: the planner
 learns its misses and starts computing them while the hits load), then each segment
@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from engine.connector.codec import signature_from_blob
-from engine.connector.errors import StoreUnavailable
+from engine.connector.errors import ConnectorConfigError, StoreUnavailable
 from engine.connector.layer_loads import CudaCopyQueue, LayerEvents, issue_layered, layer_plan
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
@@ -49,18 +49,10 @@ from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import SegmentSignature
 from kvstore import format as fmt
 from kvstore.client.views import ObjectView
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.tiers.nvme_read import NvmeReader, resolve_backend
 
 log = logging.getLogger("engine.connector")
-
-
-def _kvikio():
-    try:  # pragma: no cover - GPU boxes with kvikio only
-        import kvikio
-
-        return kvikio
-    except Exception:
-        return None
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -237,7 +229,7 @@ class SegmentLoader:
     """Runs LoadBatches on a loader thread (module docstring)."""
 
     def __init__(self, link: StoreLink, metrics: ConnectorMetrics, fingerprint: str, device: torch.device,
-                 verify: bool = False) -> None:
+                 verify: bool = False, nvme_read_backend: str = "auto") -> None:
         self.link = link
         self.metrics = metrics
         self.fingerprint = fingerprint
@@ -248,7 +240,14 @@ class SegmentLoader:
         self._stream = None
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             self._stream = torch.cuda.Stream(self.device)
-        self._kvikio = _kvikio() if self.device.type == "cuda" else None
+        #: how NVMe hits reach the device (kvstore.tiers.nvme_read): "kvikio" reads them
+        #: straight into device memory; "posix" lets the Get promote them to the CPU arena
+        try:
+            backend = resolve_backend(nvme_read_backend)
+        except InvalidRequest as exc:
+            raise ConnectorConfigError(str(exc)) from None
+        self.nvme_backend = backend if self.device.type == "cuda" else "posix"
+        self._nvme = NvmeReader("kvikio") if self.nvme_backend == "kvikio" else None
 
     def close(self) -> None:
         self._hints.shutdown(wait=True, cancel_futures=True)
@@ -339,7 +338,7 @@ class SegmentLoader:
         batch._set_looked_up({e.key: e.tier or "cpu" for e in hits})
         if not hits:
             return
-        direct = [e.key for e in hits if e.tier == "nvme" and self._kvikio is not None]
+        direct = [e.key for e in hits if e.tier == "nvme" and self._nvme is not None]
         promoted = [e.key for e in hits if e.key not in set(direct)]
         views: list[tuple[bytes, Optional[ObjectView]]] = []
         if promoted:
@@ -375,10 +374,9 @@ class SegmentLoader:
 
     def _place(self, key: bytes, view: ObjectView, tier: str) -> LoadedSegment:
         """Decode one leased blob and put its signature where the engine reads it."""
-        if view.lease.region.kind == "file" and self._kvikio is not None:  # pragma: no cover - GPU + kvikio
+        if view.lease.region.kind == "file" and self._nvme is not None:  # pragma: no cover - GPU + kvikio
             buf = torch.empty(view.size, dtype=torch.uint8, device=self.device)
-            with self._kvikio.CuFile(view.lease.region.path, "r") as f:
-                f.pread(buf, view.size, view.lease.region.offset).get()
+            self._nvme.read(view.lease.region.path, view.lease.region.offset, view.size, buf)
             view.release()
             header, tensors = fmt.decode_tensors(buf, check=self.verify)
             sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
