@@ -186,9 +186,11 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
                 log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
                     f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms")
                 save()
-            from tools.servebench.tiered import break_even, stored_by_tier
+            from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
 
             out["break_even"] = break_even(stored_by_tier(h), out["workloads"])
+            # what a hit reads, by part and dtype: where the bytes could shrink
+            out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
             save()
         if "qps" in args.phases:
             qps_phase(args, h, out, log)

@@ -116,6 +116,7 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     w = pre["workloads"]["repeat"]
     assert w["prefix"]["warm"]["reuse_fraction"] > 0.5 and w["pic"]["warm"]["reuse_fraction"] > 0.5
     assert pre["break_even"]["break_even_read_gb_per_s"] > 0
+    assert sum(pre["break_even"]["signature_bytes_by_part"].values()) > 0  # what a hit reads, by part and dtype
     # the sweep: the CPU tier stands in for the GPU tier; the corpus outgrows it and the
     # hits come from the daemon's tiers (the engine's own caches are off), NVMe included
     pts = s["working_set_sweep"]

@@ -272,6 +272,34 @@ def serving_cpu_to_gpu(snapshots: Sequence[dict]) -> dict:
             "gb_per_s": copy_bytes / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else None}
 
 
+def signature_parts(h: "Harness", limit: int = 16) -> dict:
+    """What the bytes of this model's stored signatures are: per part kind (`k`, `v`,
+    `state`, `tail_transition`, `conv_tail`, ...) and dtype, bytes summed over up to
+    `limit` signatures read back from the daemon (their blob headers)."""
+    from kvstore import format as fmt
+
+    fp = h.engine.loaded_model.fingerprint
+    store = h.store
+    store.flush()
+    objs = [o for o in store.link.call("list", lambda kv: kv.list(fingerprint=fp))
+            if (o.meta.extra or {}).get("kind") == "pic-signature"][:limit]
+    out: dict = {}
+    if not objs:
+        return out
+    views = store.link.call("get", lambda kv: kv.get_many([o.key for o in objs], promote=False))
+    for v in views:
+        if v is None:
+            continue
+        try:
+            header = fmt.read_header(v.tensor())
+            for p in header.parts:
+                key = f"{p.name.split('.', 1)[1]}:{p.dtype}"
+                out[key] = out.get(key, 0) + p.length
+        finally:
+            v.release()
+    return out
+
+
 def break_even(stored: dict, workloads: dict) -> dict:
     """Break-even disk bandwidth of one preset (module docstring): `stored` is
     `stored_by_tier` of its signatures, `workloads` the TTFT phase's results."""
