@@ -12,7 +12,8 @@ Phases (`--phases`, each rewrites the JSON when it ends, so a run stopped by a t
 limit keeps the finished ones):
 
 - `serve`: TTFT per workload (the five document workloads, `repeat`, `chat`, `mix`:
-  tools/servebench/requests.py), cold and warm (tools/servebench/measure.py), for full
+  tools/servebench/requests.py), cold and warm (tools.servebench.tiered.ttft_after_twin:
+  warm = after the request's twin only, for both caching methods alike), for full
   recompute, prefix caching through the daemon (`--method prefix --store`: its
   checkpoints in the daemon's tiers, its tree bounded like PIC's exact prefixes) and PIC
   through the daemon, with the engine's device cache bounded by
@@ -86,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qps-repeats", type=int, default=3)
     ap.add_argument("--qps-tolerance", type=float, default=0.1, help="bisection stops within this share")
     ap.add_argument("--qps-requests", type=int, default=None, help="requests per trial (default 8; quick 3)")
-    ap.add_argument("--qps-max-trials", type=int, default=None, help="trials per search (default 10; quick 6)")
+    ap.add_argument("--qps-max-trials", type=int, default=None, help="trials per search (default 8; quick 6)")
     ap.add_argument("--qps-warmup", type=int, default=None, help="untimed requests before each search (default 4; "
                                                                   "quick 1)")
     ap.add_argument("--sweep", default="0.5,2,8,32", help="working-set sizes, in multiples of the GPU tier")
@@ -126,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.qps_repeats < 1:
         ap.error(f"--qps-repeats {args.qps_repeats}: must be >= 1")
     defaults = dict(preset=("qwen3next-tiny", "qwen3next-bench"), n=(2, 5), max_tokens=(450, None),
-                    docs=("2-3", None), qps_requests=(3, 8), qps_max_trials=(6, 10), qps_warmup=(1, 4),
+                    docs=("2-3", None), qps_requests=(3, 8), qps_max_trials=(6, 8), qps_warmup=(1, 4),
                     sweep_gpu_tier=("2MiB", "512MiB"), sweep_cpu_capacity=(None, "4GiB"),
                     sweep_nvme_capacity=("256MiB", "24GiB"), sweep_requests=(3, 6), sweep_docs=(3, 4),
                     cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "24GiB"), device=("cpu", "auto"))
@@ -170,7 +171,7 @@ def _harness(args, engine, socket: str, *, sweep: bool):
 
 
 def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
-    from tools.servebench import measure, requests
+    from tools.servebench import measure, requests, tiered
 
     scale = "tiny" if args.quick else "bench"
     h, budget = _harness(args, engine, socket, sweep=False)
@@ -181,7 +182,7 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
                 measure.warm_kernels(h, scale, args.max_tokens, args.docs)
             for task in args.workloads:
                 reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
-                w = measure.ttft_by_method(h, reqs)
+                w = tiered.ttft_after_twin(h, reqs)
                 out["workloads"][task] = w
                 log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
                     f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms")
@@ -193,7 +194,7 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
             out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
             save()
         if "qps" in args.phases:
-            qps_phase(args, h, out, log)
+            qps_phase(args, h, out, log, save)
             save()
         out["connector_pic"] = h.store.metrics.snapshot()
         h.purge()
@@ -201,7 +202,7 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
         h.close()
 
 
-def qps_phase(args, h, out: dict, log) -> None:
+def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:
     from tools.servebench import requests, tiered
 
     scale = "tiny" if args.quick else "bench"
@@ -218,9 +219,16 @@ def qps_phase(args, h, out: dict, log) -> None:
     start = 500.0 / base["ttft_ms_mean"]  # half of what full recompute serves back to back
     need = (args.qps_warmup + args.qps_requests * args.qps_max_trials) * args.qps_repeats
     pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
+    rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
+
+    def partial(q: dict) -> None:
+        out["qps"] = {**q, "slo_rule": rule, "complete": False}
+        save()
+
     q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
-                           args.qps_max_trials, args.qps_warmup, seed=args.seed)
-    q["slo_rule"] = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
+                           args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial)
+    q["complete"] = True
+    q["slo_rule"] = rule
     out["qps"] = q
     log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}")
 

@@ -115,6 +115,12 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     # prefix caching ran through the daemon: a cold request stored its checkpoint there
     w = pre["workloads"]["repeat"]
     assert w["prefix"]["warm"]["reuse_fraction"] > 0.5 and w["pic"]["warm"]["reuse_fraction"] > 0.5
+    # warm = after the twin only: on rag (documents rotated) prefix caching reuses the system
+    # prompt and nothing more, PIC splices every document from the store
+    rag = pre["workloads"]["rag"]
+    assert rag["prefix_reuse"] < 0.5 < rag["pic"]["warm"]["reuse_fraction"]
+    assert rag["pic"]["warm"]["hit_segments"] > 0 and rag["pic"]["warm"]["miss_segments"] == 0
+    assert rag["pic"]["cold"]["hit_segments"] == 0 and rag["prefix"]["cold"]["reuse_fraction"] == 0
     assert pre["break_even"]["break_even_read_gb_per_s"] > 0
     assert sum(pre["break_even"]["signature_bytes_by_part"].values()) > 0  # what a hit reads, by part and dtype
     # the sweep: the CPU tier stands in for the GPU tier; the corpus outgrows it and the

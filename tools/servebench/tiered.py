@@ -46,6 +46,39 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 TIER_NAMES = ("gpu", "cpu", "nvme")
 
 
+# ---------------------------------------------------------------------- TTFT
+def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
+    """TTFT per method (full, prefix, pic) in the layout of measure.ttft_by_method, each
+    cache state set up the same way for prefix caching and PIC: *cold*, the request's
+    segments and checkpoints deleted (daemon, device cache, trees) first; *warm*, the
+    same, then only its twin run (tools.servebench.requests: the documents in another
+    order; the request itself for `repeat`, the previous turn for `chat`), so neither
+    method finds an exact repeat of the request unless the workload is one."""
+    from tools.servebench.measure import mean_store, summarize
+    from tools.servebench.requests import twin
+
+    h.planner("full")
+    full = summarize([h.run_alone(r) for r in reqs])
+    out: dict = {"full": {"cold": full, "warm": full}}
+    for method in ("prefix", "pic"):
+        cold, warm = [], []
+        for r in reqs:
+            h.forget(r)
+            h.planner(method, fresh=True)
+            cold.append(h.run_alone(r))
+        for r in reqs:
+            t = twin(r)
+            h.forget(r)
+            h.forget(t)
+            h.planner(method, fresh=True)
+            h.run_alone(t)
+            warm.append(h.run_alone(r))
+        out[method] = {"cold": summarize(cold), "warm": summarize(warm)}
+        out[method]["warm"]["store"] = mean_store(warm)
+    out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]
+    return out
+
+
 # ---------------------------------------------------------------------- QPS
 def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_trial: int, slo_ms: float,
                start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0) -> dict:
@@ -83,10 +116,11 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
 
 def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_ms: float, start_rate: float,
                 repeats: int = 3, tolerance: float = 0.1, max_trials: int = 12, warmup: int = 0,
-                methods: Sequence[str] = ("prefix", "pic"), seed: int = 0) -> dict:
+                methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
-    `warmup` requests of its stream run alone (untimed): the caches' steady state."""
+    `warmup` requests of its stream run alone (untimed): the caches' steady state.
+    `on_repeat(result so far)` after each repeat (a run stopped later keeps them)."""
     need = warmup + per_trial * max_trials
     if len(pool) < need * repeats:
         raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
@@ -103,7 +137,14 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
         p, c = one.get("prefix", {}).get("sustainable_qps"), one.get("pic", {}).get("sustainable_qps")
         one["gain_vs_prefix"] = (c / p) if p and c is not None else None
         runs.append(one)
-    out: dict = {"slo_ms": slo_ms, "start_rate": start_rate, "repeats": runs}
+        if on_repeat is not None and j + 1 < repeats:
+            on_repeat(_qps_stats(runs, methods, slo_ms, start_rate))
+    return _qps_stats(runs, methods, slo_ms, start_rate)
+
+
+def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: float) -> dict:
+    """Median, min and max over the repeats so far."""
+    out: dict = {"slo_ms": slo_ms, "start_rate": start_rate, "repeats": list(runs)}
     for method in methods:
         vals = [r[method]["sustainable_qps"] for r in runs]
         out[method] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
