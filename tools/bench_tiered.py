@@ -4,9 +4,12 @@ a working-set sweep whose corpus outgrows the GPU tier.
 
     python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~1-2 min
     # on the H200, two commands of < 9 minutes each, then one merge:
-    python tools/bench_tiered.py --phases serve,qps --json /tmp/tiered-a.json
-    python tools/bench_tiered.py --phases sweep --json /tmp/tiered-b.json
+    python tools/bench_tiered.py --phases serve --json /tmp/tiered-a.json
+    python tools/bench_tiered.py --phases qps,sweep --json /tmp/tiered-b.json
     python tools/bench_tiered.py --merge /tmp/tiered-a.json /tmp/tiered-b.json --json
+
+(the QPS phase without the serve phase in its process measures its SLO base, the idle
+full-recompute rag p99, on three requests of its own first)
 
 Phases (`--phases`, each rewrites the JSON when it ends, so a run stopped by a time
 limit keeps the finished ones):

@@ -1,6 +1,7 @@
 """tools/bench_tiered.py: the QPS bisection on a fake engine, and --quick end to end on
-the CPU in the two-command form the GPU run uses (serve + qps, then the sweep in a daemon
-of its own) joined by --merge, with the summary keys issue 23 names."""
+the CPU in the two-command form the GPU run uses (serve; then qps, which measures its own
+SLO base, and the sweep in a daemon of its own) joined by --merge, with the summary keys
+issue 23 names."""
 from __future__ import annotations
 
 import json
@@ -93,10 +94,10 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 
 def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "serving-tiered.json"
-    p = _run(["--quick", "--phases", "serve,qps", "--workloads", "rag,repeat", "--n", "1", "--qps-repeats", "2",
-              "--qps-max-trials", "3", "--json", str(a)])
+    p = _run(["--quick", "--phases", "serve", "--workloads", "rag,repeat", "--n", "1", "--json", str(a)])
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _run(["--quick", "--phases", "sweep", "--sweep", "0.5,4", "--json", str(b)])
+    p = _run(["--quick", "--phases", "qps,sweep", "--qps-repeats", "2", "--qps-max-trials", "3", "--sweep", "0.5,4",
+              "--json", str(b)])
     assert p.returncode == 0, p.stderr[-3000:]
     p = _run(["--merge", str(a), str(b), "--json", str(merged)])
     assert p.returncode == 0, p.stderr[-3000:]

@@ -8,7 +8,9 @@ engine (a `Harness`) over the kvstore daemon:
   stream for both methods of a repeat) and reports each repeat, the median, min and max.
 - `working_set_sweep`: a document corpus whose signatures occupy `x` times the GPU tier
   (the daemon's GPU tier; on a machine without one, its CPU tier stands in: `stand_in`),
-  grown point by point (0.5x, 2x, ...); at each point requests drawn uniformly over the
+  grown point by point (0.5x, 2x, ...) by cold PIC requests of up to `build_docs` new
+  documents (fewer near the target, so each point lands close to its multiple; the
+  point records the multiple reached, `working_set_x_gpu_tier`); at each point requests drawn uniformly over the
   corpus (`docs_per_request` distinct documents in random order and a new question) run
   by full recompute and by PIC with every segment in the daemon's tiers. The engine's own
   device cache is off (StoreConnectorConfig.device_cache_bytes=0) and so are exact
@@ -27,6 +29,7 @@ engine (a `Harness`) over the kvstore daemon:
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from dataclasses import dataclass
@@ -232,13 +235,18 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
         target = x * tier_bytes
         while True:
             held = stored_by_tier(h)
-            if _total(held) >= target:
+            have = _total(held)
+            if have >= target:
                 break
-            if built + build_docs > len(corpus.docs):
-                corpus = corpus_docs(2 * len(corpus.docs) + build_docs)
+            # up to build_docs documents per cold request, fewer when the gap is smaller
+            # (by the mean signature size so far), so a point lands near its multiple
+            per_doc = have / built if built else None
+            k = 1 if not per_doc else max(1, min(build_docs, math.ceil((target - have) / per_doc)))
+            if built + k > len(corpus.docs):
+                corpus = corpus_docs(2 * len(corpus.docs) + k)
             h.planner("pic")
-            h.run_alone(corpus_request(corpus, range(built, built + build_docs), built, f"build-{built}"))
-            built += build_docs
+            h.run_alone(corpus_request(corpus, range(built, built + k), built, f"build-{built}"))
+            built += k
         n_docs = built
         snap0 = h.store.metrics.snapshot()
         if getattr(h.engine.device, "type", "cpu") == "cuda":
