@@ -140,16 +140,15 @@ def issue_layered(src: Any, dst: Any, plan: Sequence[LayerSpans], queue: CopyQue
 
 
 class CudaCopyQueue:  # pragma: no cover - GPU only
-    """`CopyQueue` on a CUDA stream: non_blocking copies (pinned sources DMA asynchronously)."""
+    """`CopyQueue` on a CUDA stream: non_blocking copies (pinned sources DMA asynchronously).
+    Use it inside `torch.cuda.stream(stream)`: the copies go to the current stream (no
+    stream switch per copy), the events are recorded on `stream`."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
 
     def copy(self, dst, src) -> None:
-        import torch
-
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
 
     def record(self):
         import torch

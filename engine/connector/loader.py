@@ -42,7 +42,7 @@ import torch
 
 from engine.connector.codec import signature_from_blob
 from engine.connector.errors import ConnectorConfigError, StoreUnavailable
-from engine.connector.layer_loads import CudaCopyQueue, LayerEvents, issue_layered, layer_plan
+from engine.connector.layer_loads import CudaCopyQueue, LayerEvents, LayerPlanError, issue_layered, layer_plan
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
 from engine.pic.errors import SignatureFormatError
@@ -409,14 +409,19 @@ class SegmentLoader:
         copy_start = torch.cuda.Event(enable_timing=True)
         copy_start.record(stream)
         dev = torch.empty(view.size, dtype=torch.uint8, device=self.device)
-        layers = None
+        layers = plan = None
         if buf.device.type == "cpu" and not self.verify and view.lease.region.kind != "file":
+            try:
+                plan = layer_plan(header.parts, header.meta.get("stacked"))
+            except LayerPlanError as exc:  # copied in one piece instead
+                log.debug("segment %s: no per-layer plan (%s)", key.hex()[:16], exc)
+        if plan is not None:
             # the CPU arena (pinned, mapped in place): layer by layer, an event per layer, so
             # the fused pass computes layer i while layer i+1's bytes arrive (layer_loads)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # dst may be in use there
             copy_start.record(stream)  # after that wait: the copies' own time (h2d_copy_ms_total)
-            layers = issue_layered(buf, dev, layer_plan(header.parts, header.meta.get("stacked")),
-                                   CudaCopyQueue(stream))
+            with torch.cuda.stream(stream):
+                layers = issue_layered(buf, dev, plan, CudaCopyQueue(stream))
             dev.record_stream(stream)
         else:
             view.copy_to(dev, stream=stream, verify=self.verify)
