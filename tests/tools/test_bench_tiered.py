@@ -79,7 +79,8 @@ def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
 
 def test_break_even_is_bytes_per_token_over_recompute_time_per_token():
     stored = {"gpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},
-              "cpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000}, "nvme": {"objects": 0, "bytes": 0, "tokens": 0}}
+              "cpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},
+              "nvme": {"objects": 0, "bytes": 0, "tokens": 0}}
     work = {"rag": {"full": {"warm": {"ttft_ms_mean": 200.0, "prompt_tokens_mean": 10_000}}}}
     be = tiered.break_even(stored, work)
     # 4000 B/token read vs 0.02 ms/token recomputed: 0.2 GB/s
