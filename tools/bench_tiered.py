@@ -180,9 +180,9 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
     h, budget = _harness(args, engine, socket, sweep=False)
     out["device_cache_bytes"] = budget
     try:
+        if engine.device.type == "cuda":  # compile every kernel variant first (nothing to compile on the CPU)
+            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
         if "serve" in args.phases:
-            if engine.device.type == "cuda":  # compile every kernel variant first (nothing to compile on the CPU)
-                measure.warm_kernels(h, scale, args.max_tokens, args.docs)
             for task in args.workloads:
                 reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
                 w = tiered.ttft_after_twin(h, reqs)
@@ -220,7 +220,7 @@ def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:
         base = rag["full"]["warm"]
     slo = args.slo_ms or args.slo_factor * base["ttft_ms_p99"]
     start = 500.0 / base["ttft_ms_mean"]  # half of what full recompute serves back to back
-    need = (args.qps_warmup + args.qps_requests * args.qps_max_trials) * args.qps_repeats
+    need = (args.qps_warmup + args.qps_requests * (1 + args.qps_max_trials)) * args.qps_repeats
     pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
     rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
 

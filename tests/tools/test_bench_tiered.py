@@ -67,12 +67,13 @@ def test_qps_search_reports_an_unconverged_search_and_zero_when_nothing_passes()
 
 def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
     h = FakeHarness(5.0)
-    out = tiered.qps_repeats(h, _reqs(3 * (1 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+    out = tiered.qps_repeats(h, _reqs(3 * (1 + 2 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
                              max_trials=12, warmup=1)
     assert len(out["repeats"]) == 3 and out["gain_vs_prefix"]["median"] == pytest.approx(1.0)
     for m in ("prefix", "pic"):
         assert out[m]["min"] <= out[m]["median"] <= out[m]["max"] <= 5.0
-    assert h.alone == 6  # one warm-up request per search
+    assert h.alone == 6  # one warm-up request per search, then an untimed burst at the start rate
+    assert h.rates.count(1.0) == 12  # per search: the burst and the first trial at the start rate
     with pytest.raises(ValueError, match="pool holds"):
         tiered.qps_repeats(h, _reqs(5), per_trial=2, slo_ms=1.0, start_rate=1.0)
 
