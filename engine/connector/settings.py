@@ -111,13 +111,13 @@ def _type_name(types: tuple[type, ...]) -> str:
                        for t in types)
 
 
-def _value(where: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
+def _value(where: str, table: str, key: str, value: Any, types: tuple[type, ...]) -> Any:
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if ok and isinstance(value, float) and not math.isfinite(value):
         ok = False
     if not ok:
-        raise PicSettingsError(f"{where}: {key} = {value!r} must be {_type_name(types)}")
-    if NONE_WORDS.get(key, object()) == value and not isinstance(value, bool):
+        raise PicSettingsError(f"{where}: {table}.{key} = {value!r} must be {_type_name(types)}")
+    if key in NONE_WORDS and NONE_WORDS[key] == value and not isinstance(value, bool):
         return None
     return value
 
@@ -137,7 +137,7 @@ def settings_from_mapping(data: Mapping[str, Any], where: str = "settings",
         for key, value in data.get(table, {}).items():
             if key not in keys:
                 raise PicSettingsError(f"{where}: unknown key {table}.{key} (keys of [{table}]: {', '.join(keys)})")
-            values[key] = _value(where, f"{table}.{key}", value, keys[key])
+            values[key] = _value(where, table, key, value, keys[key])
         parsed[table] = values
     try:
         pic = dataclasses.replace(base.pic, **parsed["pic"])
