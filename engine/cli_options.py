@@ -100,7 +100,8 @@ PIC_PARAMS = (
              "does); without this, a daemon that does not answer at start-up is an error (exit 3).")),
     _param("seam", Optional[int], typer.Option(
         None, "--seam", min=0, metavar="N",
-        help="pic: tokens recomputed in context at the head of each spliced segment after the first (default 16).")),
+        help="pic: tokens recomputed in context at the head of each spliced segment after the first "
+             "(default 16).")),
     _param("pic_config", Optional[str], typer.Option(
         None, "--pic-config", metavar="FILE",
         help="PIC and store-connector settings, a TOML file with [pic] and [store] tables (docs/pic.md, "

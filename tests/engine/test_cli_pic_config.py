@@ -135,6 +135,7 @@ def test_run_and_serve_share_one_option_list():
     serve_help = CliRunner().invoke(app, ["serve", "--help"]).stdout
     for flag in ("--store", "--start-without-store", "--seam", "--pic-config", "--preset", "--model", "--hisparse"):
         assert flag in run_help and flag in serve_help, flag
+    assert f"(default {PicConfig().seam}" in " ".join(run_help.split())  # the help states the one default
     for gone in ("--miss-path", "--cold-full-fraction", "--share-cold", "--no-fused", "--cache-gib",
                  "--prefix-checkpoints", "--exact-prefix", "--state-dtype", "--swa-seam"):
         assert gone not in run_help and gone not in serve_help, gone
