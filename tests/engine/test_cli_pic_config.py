@@ -139,3 +139,31 @@ def test_run_and_serve_share_one_option_list():
     for gone in ("--miss-path", "--cold-full-fraction", "--share-cold", "--no-fused", "--cache-gib",
                  "--prefix-checkpoints", "--exact-prefix", "--state-dtype", "--swa-seam"):
         assert gone not in run_help and gone not in serve_help, gone
+
+
+def test_serve_with_store_runs_the_files_settings_under_the_flags(tmp_path, monkeypatch):
+    """serve --store --pic-config: the planner it attaches gets the file's [pic] and [store]
+    settings, --seam over the file's seam (no daemon needed: --start-without-store; the
+    HTTP server itself is replaced by a stub that returns at once)."""
+    import engine.cli_serve as cli_serve
+    import engine.server.app as server_app
+
+    attached = []
+
+    def attach(engine, pic, connector):
+        planner = cli_serve_attach(engine, pic, connector)
+        attached.append((pic, connector, planner))
+        return planner
+
+    cli_serve_attach = cli_serve.attach_store
+    monkeypatch.setattr(cli_serve, "attach_store", attach)
+    monkeypatch.setattr(server_app, "serve", lambda engine, host, port, name: None)
+    path = toml(tmp_path, '[pic]\nseam = 4\nexact_prefix = false\n[store]\nshare_cold = false\nrpc_timeout_s = 0.2\n')
+    res = CliRunner().invoke(app, ["serve", "--preset", "qwen3next-tiny", "--device", "cpu", "--port", "0",
+                                   "--store", str(tmp_path / "no-daemon.sock"), "--start-without-store",
+                                   "--pic-config", path, "--seam", "6"])
+    assert res.exit_code == 0, res.output
+    (pic, connector, planner), = attached
+    assert (pic.seam, pic.exact_prefix, pic.miss_path, pic.cold_full_fraction) == (6, False, "context", None)
+    assert connector.socket == str(tmp_path / "no-daemon.sock") and not connector.share_cold
+    assert planner.config == pic and planner.store.share is None  # cold sharing off, as the file says
