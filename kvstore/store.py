@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import msgpack
-import torch
 
 from kvstore.errors import (
     AlreadyExists,
@@ -78,7 +77,6 @@ from kvstore.remote.base import RemoteAdapter
 from kvstore.remote.tier import RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
-    TIER_NAMES,
     Lease,
     LookupEntry,
     ObjectInfo,
@@ -88,10 +86,11 @@ from kvstore.records import (  # noqa: F401  (re-exported: the Store API's recor
     StoreSettings,
 )
 from kvstore.tiers.base import Slot, Tier
-from kvstore.tiers.cpu_arena import CpuArena
-from kvstore.tiers.gpu_arena import GpuArena
 from kvstore.recovery import scan_object_files
-from kvstore.tiers.nvme import NvmeTier, check_private_dir
+from kvstore.tiers.nvme import check_private_dir
+from kvstore.tiers.registry import TIERS, TierRoles
+
+TIER_NAMES = TIERS.names  # (re-exported) fastest first; demotion goes left to right
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +117,7 @@ class Store:
         `settings.remote_url` names (the Store closes it)."""
         s = settings
         s.validate()
+        TIERS.check(s.default_tier, "default tier")
         self.settings = s
         self.dir = Path(s.dir)
         self._policy = make_policy(s.eviction)
@@ -125,6 +125,7 @@ class Store:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first (filled by open)
+        self.roles: TierRoles = TIERS.roles(())  # what the enabled tiers are for (set by open)
         self._place = Placement(self.tiers, None, self._policy, Counter(), self.dir / "objects")
         self._place.verify_moves = s.verify_memory == "always"
         self._leases = LeaseTable(s.lease_ttl_s)
@@ -173,14 +174,14 @@ class Store:
             self._dir_lock = fd
             try:
                 self._open_tiers()
-                if "nvme" in self.tiers:
+                if self.roles.durable is not None:
                     self._open_index()
                     self._place.recover_nvme()
             except BaseException:
                 self._close_media()
                 raise
             self._open = True
-        if {"cpu", "nvme"} <= set(self.tiers) and self.settings.writeback_watermark < 1.0:
+        if self.roles.can_write_back and self.settings.writeback_watermark < 1.0:
             self._writeback.start()
         if self.settings.remote_url or self._remote_adapter is not None:
             self._open_remote()
@@ -188,7 +189,7 @@ class Store:
     def _open_remote(self) -> None:
         s = self.settings
         try:
-            if "cpu" not in self.tiers:
+            if self.roles.memory is None:
                 raise InvalidRequest("the remote tier needs a CPU tier (remote hits land there): give --cpu-capacity a size")
             adapter = self._remote_adapter if self._remote_adapter is not None else make_adapter(s.remote_url)
             self._remote = RemoteTier(self, RemoteSettings(s.remote_url or f"({adapter.kind})", s.remote_policy,
@@ -218,23 +219,14 @@ class Store:
                         self._index.moved_aside[-1] if self._index.moved_aside else "-")
 
     def _open_tiers(self) -> None:
-        s = self.settings
-        made: list[Tier] = []
-        if s.gpu_capacity > 0:
-            if torch.cuda.is_available():
-                made.append(GpuArena(s.gpu_capacity))
-            else:
-                log.warning("gpu capacity %d requested but CUDA is not available: no gpu tier", s.gpu_capacity)
-        if s.cpu_capacity > 0:
-            made.append(CpuArena(s.cpu_capacity, s.shm_name, mode=s.arena_mode))
-        if s.nvme_capacity > 0:
-            made.append(NvmeTier(self.dir / "objects", s.nvme_capacity))
+        made: list[Tier] = TIERS.build(self.settings, self.dir)
         if not made:
             raise InvalidRequest("no tier enabled: every capacity is 0 (or gpu only, without CUDA)")
         for t in made:
             tier = self._wrap(t) if self._wrap else t
             tier.open()
             self.tiers[tier.name] = tier
+        self.roles = self._place.roles = TIERS.roles(self.tiers)
 
     def close(self) -> None:
         """Abort open reservations, optionally write the CPU tier back to NVMe, flush and
@@ -248,7 +240,7 @@ class Store:
                 return
             for e in self._reservations.entries():
                 self._end_reservation_locked(e, free=True)
-            if self.settings.writeback_on_close and "nvme" in self.tiers:
+            if self.settings.writeback_on_close and self.roles.durable is not None:
                 self._place.write_back_all()
             if self._index is not None:
                 try:
@@ -277,6 +269,7 @@ class Store:
             except Exception as exc:  # noqa: BLE001 - close the rest regardless
                 log.warning("closing tier %s failed: %s", t.name, exc)
         self.tiers.clear()
+        self.roles = self._place.roles = TIERS.roles(())
         if self._dir_lock >= 0:
             os.close(self._dir_lock)
             self._dir_lock = -1
@@ -294,9 +287,7 @@ class Store:
             raise StorageError(f"the store at {self.dir} is not open")
 
     def _tier(self, name: str) -> Tier:
-        if name not in TIER_NAMES:
-            raise InvalidRequest(f"unknown tier {name!r}; choose from {', '.join(TIER_NAMES)}")
-        t = self.tiers.get(name)
+        t = self.tiers.get(TIERS.check(name))
         if t is None:
             raise InvalidRequest(f"tier {name!r} is not enabled in this daemon (enabled: {', '.join(self.tiers)})")
         return t
@@ -311,7 +302,7 @@ class Store:
     def _info(self, o: StoredObject) -> ObjectInfo:
         r = self.tiers[o.tier].region(o.slot)
         return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases,
-                          r.path, r.offset, o.tier == "nvme" or o.backing is not None)
+                          r.path, r.offset, self.tiers[o.tier].durable or o.backing is not None)
 
     # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
@@ -454,7 +445,7 @@ class Store:
             self._end_reservation_locked(e, free=False)
             self._place.objects[p.key] = o
             self._counters["puts"] += 1
-        if p.tier == "cpu":
+        if p.tier == self.roles.memory:
             self._writeback.kick()
         if self._remote is not None:
             self._remote.offer(p.key, slot.size, p.meta)
@@ -551,9 +542,9 @@ class Store:
                 dst = None
                 can_move = not o.pinned
                 o.busy += 1  # pinned before making room, so making room cannot take it
-                if durable and promote and "cpu" in self.tiers and can_move:
+                if durable and promote and self.roles.memory is not None and can_move:
                     try:
-                        dst = self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))
+                        dst = self._place.allocate(self.roles.memory, o.size, o.key, frozenset({o.key}))
                     except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
                         log.debug("no promotion of %r: %s", key, exc)
                         dst = None
@@ -649,13 +640,13 @@ class Store:
                     continue
                 if o.pinned:
                     continue
-                if tier == "cpu" and o.tier == "nvme":
+                if tier == self.roles.memory and self.tiers[o.tier].durable:
                     o.busy += 1  # pinned before making room, so making room cannot take it
                     try:
-                        plans.append((o, self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))))
+                        plans.append((o, self._place.allocate(tier, o.size, o.key, frozenset({o.key}))))
                     except KVStoreError as exc:
                         o.busy -= 1
-                        log.info("prefetch of %r to cpu skipped: %s", key, exc)
+                        log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
                     continue
                 try:
                     self._place.move(o, tier, allow_evict=True)
@@ -670,7 +661,22 @@ class Store:
         outcomes = [self._place.verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
         with self._lock:
             self._place.settle_reads(plans, outcomes)
-            return n + sum(self._place.objects.get(o.key) is o and o.tier == "cpu" for o, _ in plans)
+            return n + sum(self._place.objects.get(o.key) is o and o.tier == tier for o, _ in plans)
+
+    def write_back_round(self, watermark: float, round_bytes: int, max_attempts: int) -> int:
+        """One write-back round (kvstore.writeback): give the coldest memory-tier objects
+        without a durable copy one, until their bytes are at `watermark` x the memory
+        tier's capacity (at most `round_bytes`; objects whose copy failed `max_attempts`
+        times are skipped). Copies run outside the lock on pinned objects. Returns how
+        many objects were backed (0 when closed or without a memory and a durable tier)."""
+        with self._lock:
+            if not self._open:
+                return 0
+            jobs = self._place.plan_backing(watermark, round_bytes, max_attempts)
+        for job in jobs:
+            self._place.write_backing(job)
+        with self._lock:
+            return self._place.settle_backing(jobs, self._open, max_attempts)
 
     def evict_tier(self, tier: str) -> int:
         """Demote every unleased object out of `tier` one tier down (gpu -> cpu -> nvme ->
@@ -712,8 +718,8 @@ class Store:
     def list_objects(self, fingerprint: Optional[str] = None, prefix: Optional[bytes] = None,
                      tier: Optional[str] = None, limit: Optional[int] = None) -> list[ObjectInfo]:
         """Committed objects matching every given filter, most-hit first."""
-        if tier is not None and tier not in TIER_NAMES:
-            raise InvalidRequest(f"unknown tier {tier!r}; choose from {', '.join(TIER_NAMES)}")
+        if tier is not None:
+            TIERS.check(tier)
         if limit is not None and limit < 0:
             raise InvalidRequest(f"limit must be >= 0, got {limit}")
         with self._lock:
