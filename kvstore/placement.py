@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from kvstore.errors import BadObject, CapacityExhausted, KVStoreError, StorageEr
 from kvstore.eviction import Candidate, EvictionPolicy
 from kvstore.index import IndexRecord, ObjectIndex
 from kvstore.objheader import ObjectHeader, read_trailer
-from kvstore.records import ObjectMeta
+from kvstore.records import ObjectInfo, ObjectMeta
 from kvstore.recovery import scan_object_files
 from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.registry import TIERS, TierRoles
@@ -185,6 +185,12 @@ class Placement:
         m = o.meta
         return IndexRecord(o.key, d.tier, rel, d.offset, d.length, d.size, o.checksum,
                            m.fingerprint, m.token_count, m.cost, dict(m.extra), o.created, o.last_access, o.hits)
+
+    def info(self, o: StoredObject) -> ObjectInfo:
+        """The client-facing record of `o` (where its bytes lie, whether it is durable)."""
+        r = self.tiers[o.tier].region(o.slot)
+        return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases,
+                          r.path, r.offset, self.tiers[o.tier].durable or o.backing is not None)
 
     def release_slot_if_unpinned(self, o: StoredObject) -> None:
         if o.removed and not o.pinned and not o.freed:
@@ -350,6 +356,77 @@ class Placement:
             if self.objects.get(o.key) is o and o.tier == tier and not o.pinned:
                 self.demote(o)
         return len(victims) + len(copies)
+
+    # ------------------------------------------------------------------ reads (Store.get, Store.prefetch)
+    def plan_reads(self, keys: Sequence[bytes], promote: bool, verify_durable: bool,
+                   verify_memory: bool) -> list[tuple[StoredObject, Optional[Slot]]]:
+        """Store.get's work outside the lock, as (object, memory-tier slot or None) plans:
+        durable hits to verify, promoted into the memory tier when `promote` and room can
+        be made without touching pinned objects; memory-tier objects committed unverified
+        (or every one, with `verify_memory`). Planned objects are pinned (`busy`) until
+        `settle_reads`. Called with the lock."""
+        plans: list[tuple[StoredObject, Optional[Slot]]] = []
+        seen: set[bytes] = set()
+        mem = self.roles.memory
+        for key in keys:
+            o = self.objects.get(key)
+            if o is None or key in seen:
+                continue
+            durable = self.tiers[o.tier].durable
+            if not durable and o.verified and not verify_memory:
+                continue  # the common case: a verified memory-tier object
+            seen.add(key)
+            dst = None
+            can_move = not o.pinned
+            o.busy += 1  # pinned before making room, so making room cannot take it
+            if durable and promote and mem is not None and can_move:
+                try:
+                    dst = self.allocate(mem, o.size, o.key, frozenset({o.key}))
+                except KVStoreError as exc:  # no room (or a failed demotion): serve from the durable tier
+                    log.debug("no promotion of %r: %s", key, exc)
+                    dst = None
+            always = (durable and verify_durable) or (not durable and verify_memory)
+            if dst is not None or always or not o.verified:
+                plans.append((o, dst))
+            else:
+                o.busy -= 1
+        return plans
+
+    def plan_prefetch(self, keys: Sequence[bytes], tier: str) -> tuple[int, list[tuple[StoredObject, Slot]]]:
+        """Store.prefetch's moves: objects already in `tier` or above are counted, others
+        moved up under the lock, except durable -> memory-tier promotions, which are
+        returned as plans (pinned; read and hashed outside the lock, as a promoting get
+        does). Returns (objects in place now, plans). Called with the lock."""
+        n = 0
+        plans: list[tuple[StoredObject, Slot]] = []
+        for key in keys:
+            o = self.objects.get(key)
+            if o is None:
+                continue
+            if self.rank(o.tier) <= self.rank(tier):
+                n += 1
+                continue
+            if o.pinned:
+                continue
+            if tier == self.roles.memory and self.tiers[o.tier].durable:
+                o.busy += 1  # pinned before making room, so making room cannot take it
+                try:
+                    plans.append((o, self.allocate(tier, o.size, o.key, frozenset({o.key}))))
+                except KVStoreError as exc:
+                    o.busy -= 1
+                    log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
+                continue
+            try:
+                self.move(o, tier, allow_evict=True)
+                self.counters["promotions"] += 1
+                n += 1
+            except BadObject as exc:
+                log.warning("%s; dropped", exc)
+                self.drop(o)
+                self.counters["corrupt_dropped"] += 1
+            except (CapacityExhausted, StorageError) as exc:
+                log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
+        return n, plans
 
     def settle_reads(self, plans: list, outcomes: list) -> None:
         """Unpin and settle (settle_nvme_read) the (object, CPU slot or None) plans whose
