@@ -1,14 +1,16 @@
 """Placement of committed objects across the tiers: the object map, making room
-(eviction and demotion), moving objects between tiers, dropping them, and rebuilding the
-NVMe tier from the index at open.
+(eviction and demotion), moving objects between tiers, dropping them, rebuilding the
+durable tier from the index at open, and planning and settling the work the Store runs
+outside its lock (verifying and promoting reads, prefetches, write-back copies). Tiers
+are known by their roles (kvstore.tiers.registry.TierRoles), never by name.
 
 Rules (the Store's module docstring explains them for users): each object has one
 primary copy in one tier, plus possibly an NVMe *backing copy* left behind when it was
 promoted; pinned objects (leased, or busy with an I/O outside the lock) are never moved
 or freed, and a dropped pinned object's slot is freed at its last unpin.
 
-Not thread-safe: the Store calls every method under its lock, except `copy` and
-`verify_or_copy`, which it runs outside the lock on pinned objects.
+Not thread-safe: the Store calls every method under its lock, except `copy`,
+`verify_or_copy` and `write_backing`, which it runs outside the lock on pinned objects.
 """
 
 from __future__ import annotations
