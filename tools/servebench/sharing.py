@@ -36,11 +36,12 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvstore.tiers.registry import TIERS as TIER_REGISTRY
 from tools.servebench.harness import percentile
 from tools.servebench.requests import BenchRequest
 
 REPO = Path(__file__).resolve().parents[2]
-TIERS = ("gpu", "cpu", "nvme")
+TIERS = TIER_REGISTRY.names
 
 
 def _device(gpus: Optional[Sequence[int]], i: int) -> Optional[str]:
