@@ -147,8 +147,11 @@ def build_engine(
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     apply_host_threads(config.host_threads, device)
+    t_load = time.perf_counter()
     loaded = load_model(preset_or_dir, device=device, dtype=dtype)
     model, mcfg = loaded.model, loaded.config
+    log.info("loaded model %s (%s) on %s/%s in %.2f s", mcfg.name, loaded.source, device, dtype,
+             time.perf_counter() - t_load)
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings:
         raise InvalidRequestError(

@@ -85,7 +85,7 @@ def bench_preset(preset: str, args) -> list[dict]:
     from engine.cache.manager import CacheConfig, CacheManager
     from engine.models.weights import load_model
     from engine.pic.compute import compute_signatures
-    from engine.pic.planner import resolve_state_dtype
+    from engine.pic.compute import resolve_state_dtype
     from engine.runtime.runner import ModelRunner
     from engine.runtime.sequence import Sequence
 

@@ -45,7 +45,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -91,6 +91,8 @@ class StoreReport:
     held: list[bytes] = field(default_factory=list, repr=False)  # keys whose leases the request holds
     late_misses: int = 0  # hits at lookup that could not be loaded (evicted, corrupt): computed at splice
     near: dict[bytes, SegmentSignature] = field(default_factory=dict, repr=False)  # from the device cache
+    #: segments copied layer by layer whose waits the fused pass makes per layer (layer_hook)
+    layered: list[LoadedSegment] = field(default_factory=list, repr=False)
     near_hits: int = 0  # segments spliced from the engine's device cache (no daemon round trip)
     prefix_source: Optional[str] = None  # exact prefix restored from: "engine" (its tree), "store" (the daemon)
     prefix_tier: Optional[str] = None  # the daemon tier that held it (source "store")
@@ -308,7 +310,11 @@ class DaemonSegmentStore(SegmentStore):
         # eviction weighs it per byte)
         self.cache.store(key, sig, claim=claim if claim is not None and claim.status == OWNED else None, cost=cost)
 
-    def take(self, request_id: str, keys: Sequence[bytes]) -> dict[bytes, Optional[SegmentSignature]]:
+    def take(self, request_id: str, keys: Sequence[bytes],
+             layered: bool = False) -> dict[bytes, Optional[SegmentSignature]]:
+        """The loader's segments for `keys`, their device copies waited on (by the compute
+        stream); with `layered` (the fused pass follows) a segment copied layer by layer
+        is waited on per layer instead, by `layer_hook`, unless timing is synchronised."""
         sr = self._requests.get(request_id)
         if sr is None:
             return {}
@@ -329,6 +335,12 @@ class DaemonSegmentStore(SegmentStore):
             seg = sr.loaded.get(key)
             if seg is None or seg.ready is None:
                 continue
+            if layered and seg.layers is not None and not self.sync_timing:  # pragma: no cover - GPU only
+                if seg.pending:
+                    sr.copies_pending_at_use += 1
+                if all(s is not seg for s in sr.layered):
+                    sr.layered.append(seg)
+                continue
             if seg.pending:  # pragma: no cover - GPU only
                 sr.copies_pending_at_use += 1
                 if self.sync_timing:
@@ -337,6 +349,20 @@ class DaemonSegmentStore(SegmentStore):
                     sr.device_wait_ms += (time.perf_counter() - t0) * 1e3
             seg.wait_device()
         return out
+
+    def layer_hook(self, request_id: str) -> Optional[Callable[[int], None]]:
+        """The fused pass's `before_layer`: the compute stream waits for layer i of every
+        segment a `layered` take left to it, just before layer i (None when there is none)."""
+        sr = self._requests.get(request_id)
+        segs = list(sr.layered) if sr is not None else []
+        if not segs:
+            return None
+
+        def before_layer(i: int) -> None:  # pragma: no cover - GPU only
+            for seg in segs:
+                seg.wait_layer(i)
+
+        return before_layer
 
     def publish(self, key: bytes, signature: SegmentSignature, cost: float, request_id: Optional[str] = None) -> None:
         sr = self._requests.get(request_id) if request_id is not None else None
@@ -361,6 +387,7 @@ class DaemonSegmentStore(SegmentStore):
             sr.load_wait_ms = batch.wait_ms
             sr.fallback = sr.fallback or batch.unavailable
         sr.loaded.clear()
+        sr.layered.clear()
         if done:
             self._reports[request_id] = sr
             while len(self._reports) > MAX_REPORTS:

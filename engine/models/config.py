@@ -57,6 +57,7 @@ NO_MLP = "none"
 MLP_KINDS = (DENSE, MOE, NO_MLP)
 HIDDEN_ACTS = ("silu", "gelu_tanh", "relu2")
 MAMBA_NORMS = ("head", "group")
+MOE_SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,18 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     norm_topk_prob: bool = True
+    #: router scores: `softmax` over the experts, or `sigmoid` per expert (Ring-linear),
+    #: computed in float32 from a float32 router product.
+    scoring: str = "softmax"
+    #: a per-expert bias (`router_bias`) added to the scores only to pick the experts; the
+    #: weights are the unbiased scores (Ring-linear's `expert_bias`).
+    expert_bias: bool = False
+    #: group-limited top-k: the experts form `num_groups` groups, a group's score is the sum
+    #: of its two best (biased) scores, and only the best `topk_groups` groups are eligible.
+    num_groups: int = 1
+    topk_groups: int = 1
+    #: the chosen experts' weights (after the top_k renormalisation) are multiplied by this.
+    routed_scaling_factor: float = 1.0
 
     def validate(self) -> None:
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -129,6 +142,16 @@ class MoEConfig:
             raise ConfigError(f"moe top_k={self.top_k} must lie in [1, num_experts={self.num_experts}]")
         if self.shared_intermediate_size < 0:
             raise ConfigError(f"moe shared_intermediate_size={self.shared_intermediate_size} must be >= 0")
+        if self.scoring not in MOE_SCORINGS:
+            raise ConfigError(f"moe scoring={self.scoring!r} must be one of {MOE_SCORINGS}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ConfigError(f"moe num_groups={self.num_groups} must divide num_experts={self.num_experts}")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ConfigError(f"moe topk_groups={self.topk_groups} must lie in [1, num_groups={self.num_groups}]")
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ConfigError(f"moe num_groups={self.num_groups} leaves fewer than 2 experts per group")
+        if self.num_groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ConfigError(f"moe top_k={self.top_k} exceeds the experts of topk_groups={self.topk_groups} groups")
 
 
 @dataclass(frozen=True)
@@ -161,6 +184,22 @@ class LinearConfig:
     mamba_norm: str = "head"
     #: mamba2: dt = max(softplus(dt_raw + dt_bias), mamba_dt_min) (Nemotron-H's time_step_min).
     mamba_dt_min: float = 0.0
+    #: lightning (Ring-linear): SiLU on q, k, v (the fused projection's output).
+    qkv_silu: bool = True
+    #: lightning: per-head RMSNorm of q and k (weights over key_dim) before RoPE.
+    qk_norm: bool = False
+    #: lightning: RoPE (rotate-half, as attention) on the first `rotary_dim` dims of q and k
+    #: at each token's absolute position (0: none). A segment's end state then depends on
+    #: its offset: placed at offset d it is `R_d E` (R_d rotating the key dims).
+    rotary_dim: int = 0
+    rope_theta: float = 10000.0
+    #: lightning output norm: 0 = RMSNorm per head; g > 0 = RMSNorm over each of g equal
+    #: groups of all `num_v_heads * value_dim` channels (Ring-linear's group_norm_size),
+    #: then times the weight and the sigmoid gate.
+    norm_groups: int = 0
+    #: lightning decay depth: `1 - (layer + decay_layer_offset) / (L - 1) + 1e-5` (Ring-linear's
+    #: published code uses layer - 1).
+    decay_layer_offset: int = 0
 
     def validate(self) -> None:
         if min(self.num_heads, self.num_v_heads, self.key_dim, self.value_dim) <= 0:
@@ -179,6 +218,11 @@ class LinearConfig:
             raise ConfigError(f"mamba_norm={self.mamba_norm!r} must be one of {MAMBA_NORMS}")
         if self.mamba_dt_min < 0:
             raise ConfigError(f"mamba_dt_min={self.mamba_dt_min} must be >= 0")
+        if not 0 <= self.rotary_dim <= self.key_dim or self.rotary_dim % 2:
+            raise ConfigError(f"linear rotary_dim={self.rotary_dim} must be even and within [0, key_dim={self.key_dim}]")
+        channels = self.num_v_heads * self.value_dim
+        if self.norm_groups < 0 or (self.norm_groups and channels % self.norm_groups):
+            raise ConfigError(f"linear norm_groups={self.norm_groups} must be 0 or divide {channels} channels")
 
     def conv_width(self, kind: str) -> int:
         """Conv width used by layers of `kind` (0 when that kind has no conv)."""
@@ -306,6 +350,10 @@ class ModelConfig:
         for key, default in EXTENDED_LINEAR_FIELDS.items():
             if d["linear"].get(key) == default:
                 del d["linear"][key]
+        if "moe" in d:
+            for key, default in EXTENDED_MOE_FIELDS.items():
+                if d["moe"].get(key) == default:
+                    del d["moe"][key]
         return d
 
     def to_json(self) -> str:
@@ -355,4 +403,10 @@ EXTENDED_FIELDS: dict[str, Any] = {
     "embed_scale": 1.0, "final_logit_softcap": None,
 }
 EXTENDED_ATTENTION_FIELDS: dict[str, Any] = {"query_scale": None, "rope_linear_factor": 1.0}
-EXTENDED_LINEAR_FIELDS: dict[str, Any] = {"mamba_norm": "head", "mamba_dt_min": 0.0}
+EXTENDED_LINEAR_FIELDS: dict[str, Any] = {
+    "mamba_norm": "head", "mamba_dt_min": 0.0, "qkv_silu": True, "qk_norm": False, "rotary_dim": 0,
+    "rope_theta": 10000.0, "norm_groups": 0, "decay_layer_offset": 0,
+}
+EXTENDED_MOE_FIELDS: dict[str, Any] = {
+    "scoring": "softmax", "expert_bias": False, "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,
+}

@@ -12,12 +12,31 @@ scales: "tiny" (byte vocabulary, ~1-3M params, fp32; CPU tests and training here
 
 Names are `<family>-<scale>`. `list_presets()` / `get_preset(name)` return `ModelConfig`s;
 engine.models.weights.load_model loads trained weights from `models/<name>/` when present.
+
+Real-shape presets (scale "bench", `real_shape` true in `preset_info`): the published
+dimensions of a real model, whole depth, real vocabulary and expert counts, random bf16
+weights; the numbers and where each was read are in engine/models/published.py.
+
+| preset                      | model                  | params  | bf16    |
+|-----------------------------|------------------------|---------|---------|
+| `qwen3.5-35b-a3b-real`      | Qwen3.5-35B-A3B (text) | 34.66 B | 64.6 GiB |
+| `ring-mini-linear-2.0-real` | Ring-mini-linear-2.0   | 16.42 B | 30.6 GiB |
+
+`qwen3.5-35b-a3b-real` is exactly what the Hugging Face converter
+(engine/models/hf/qwen3.py) makes of the published text config (a test pins it).
+`ring-mini-linear-2.0-real` is likewise exactly what the Ring-linear-2.0 converter
+(engine/models/hf/bailing.py) makes of the published config (a test pins it): the shapes
+and every numeric detail (linear RoPE and q/k norm, grouped output norm, sigmoid routing
+with an expert bias, group-limited top-k, the routed scaling factor), on the `ring`
+family name. Its decay's layer offset follows the published expression, which the ports
+disagree on (docs/models.md).
 """
 from __future__ import annotations
 
 from engine.errors import PresetNotFoundError
-from engine.models.config import (FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA, AttentionConfig, LinearConfig,
-                                  ModelConfig)
+from engine.models import published
+from engine.models.config import (DENSE, FULL, GDN, GLA, LIGHTNING, MAMBA2, MOE, SWA, AttentionConfig, LinearConfig,
+                                  ModelConfig, MoEConfig)
 
 BYTE_VOCAB = 260  # engine.tokenizer.ByteTokenizer: 256 bytes + BOS, EOS, PAD, SEP
 BENCH_VOCAB = 32768
@@ -96,14 +115,87 @@ def _gla() -> list[ModelConfig]:
     return [tiny, bench]
 
 
+def _qwen3_5_35b_a3b_real() -> ModelConfig:
+    """Qwen3.5-35B-A3B's text model (published.QWEN3_5_35B_A3B_TEXT): 40 layers, 3 Gated
+    DeltaNet : 1 gated full attention, every layer MoE (256 experts, top 8, width 512,
+    sigmoid-gated shared expert of 512), vocab 248320."""
+    c = published.QWEN3_5_35B_A3B_TEXT
+    n = c["num_hidden_layers"]
+    every = c["full_attention_interval"]
+    rope = c["rope_parameters"]
+    return ModelConfig(
+        name="qwen3.5-35b-a3b-real", family="qwen3next", scale="bench", vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"], intermediate_size=1,  # no dense MLP: every layer is MoE
+        layers=tuple(GDN if (i + 1) % every else FULL for i in range(n)),
+        tie_embeddings=c["tie_word_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        max_position_embeddings=c["max_position_embeddings"], dtype="bfloat16",
+        attention=AttentionConfig(
+            num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+            rotary_dim=int(c["head_dim"] * rope["partial_rotary_factor"]), rope_theta=rope["rope_theta"],
+            output_gate=True, qk_norm=True),
+        linear=LinearConfig(
+            num_heads=c["linear_num_key_heads"], num_v_heads=c["linear_num_value_heads"],
+            key_dim=c["linear_key_head_dim"], value_dim=c["linear_value_head_dim"],
+            conv_size=c["linear_conv_kernel_dim"]),
+        mlp_layers=(MOE,) * n,
+        moe=MoEConfig(num_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
+                      intermediate_size=c["moe_intermediate_size"],
+                      shared_intermediate_size=c["shared_expert_intermediate_size"], shared_expert_gate=True,
+                      norm_topk_prob=c["norm_topk_prob"]))
+
+
+def _ring_mini_linear_real() -> ModelConfig:
+    """Ring-mini-linear-2.0 (published.RING_MINI_LINEAR_2_0) as the Ring-linear-2.0
+    converter maps it: 20 layers in groups of 5 (4 lightning, then 1 GQA attention: full
+    at 4, 9, 14, 19), q/k RMSNorm and 50% rotary in both kinds, the linear output normed
+    over `group_norm_size` groups, the first layer a dense MLP of 5120, the rest MoE (256
+    experts, top 8 of sigmoid scores with an expert bias, 4 of 8 groups, scaled by 2.5,
+    width 512, one ungated shared expert of 512), vocab 157184."""
+    c = published.RING_MINI_LINEAR_2_0
+    n = c["num_hidden_layers"]
+    group = c["layer_group_size"]
+    heads, head_dim = c["num_attention_heads"], c["head_dim"]
+    rotary = int(head_dim * c["partial_rotary_factor"])
+    theta = float(c["rope_theta"])
+    return ModelConfig(
+        name="ring-mini-linear-2.0-real", family="ring", scale="bench", vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        layers=tuple(FULL if (i + 1) % group == 0 else LIGHTNING for i in range(n)),
+        tie_embeddings=c["tie_word_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        max_position_embeddings=c["max_position_embeddings"], dtype="bfloat16",
+        attention=AttentionConfig(
+            num_heads=heads, num_kv_heads=c["num_key_value_heads"], head_dim=head_dim,
+            rotary_dim=rotary, rope_theta=theta, qk_norm=c["use_qk_norm"]),
+        # the linear layers are multi-head (16 q, k and v heads of 128: qkv width 3 * 2048)
+        linear=LinearConfig(num_heads=heads, num_v_heads=heads, key_dim=head_dim, value_dim=head_dim, conv_size=0,
+                            conv_kinds=(), qkv_silu=c["linear_silu"], qk_norm=c["use_qk_norm"], rotary_dim=rotary,
+                            rope_theta=theta, norm_groups=c["group_norm_size"],
+                            decay_layer_offset=-1),  # the published `layer_idx - 1` (docs/models.md)
+        mlp_layers=tuple(DENSE if i < c["first_k_dense_replace"] else MOE for i in range(n)),
+        moe=MoEConfig(num_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
+                      intermediate_size=c["moe_intermediate_size"],
+                      shared_intermediate_size=c["num_shared_experts"] * c["moe_shared_expert_intermediate_size"],
+                      shared_expert_gate=False, norm_topk_prob=c["norm_topk_prob"],
+                      scoring=c["score_function"], expert_bias=c["moe_router_enable_expert_bias"],
+                      num_groups=c["n_group"], topk_groups=c["topk_group"],
+                      routed_scaling_factor=float(c["routed_scaling_factor"])))
+
+
+_REAL_SHAPE = (_qwen3_5_35b_a3b_real(), _ring_mini_linear_real())
+REAL_SHAPE_PRESETS = tuple(cfg.name for cfg in _REAL_SHAPE)
+
 _PRESETS: dict[str, ModelConfig] = {
-    cfg.name: cfg for group in (_qwen3next(), _ring(), _gemma3(), _nemotronh(), _gla()) for cfg in group
+    cfg.name: cfg for group in (_qwen3next(), _ring(), _gemma3(), _nemotronh(), _gla(), _REAL_SHAPE)
+    for cfg in group
 }
 
 
-def list_presets(scale: str | None = None) -> list[ModelConfig]:
-    """All presets (optionally one scale), in a fixed order."""
-    return [c for c in _PRESETS.values() if scale is None or c.scale == scale]
+def list_presets(scale: str | None = None, real_shape: bool = False) -> list[ModelConfig]:
+    """The presets (optionally one scale), in a fixed order; the real-shape ones (16-35B
+    parameters) only with `real_shape`, so a tool that loops over every bench preset never
+    loads one by accident."""
+    return [c for c in _PRESETS.values()
+            if (scale is None or c.scale == scale) and (real_shape or c.name not in REAL_SHAPE_PRESETS)]
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -129,4 +221,4 @@ def preset_info(cfg: ModelConfig) -> dict:
     return {"name": cfg.name, "family": cfg.family, "scale": cfg.scale, "layers": list(cfg.layers),
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "parameters": count_parameters(cfg), "dtype": cfg.dtype,
-            "max_position_embeddings": cfg.max_position_embeddings}
+            "max_position_embeddings": cfg.max_position_embeddings, "real_shape": cfg.name in REAL_SHAPE_PRESETS}

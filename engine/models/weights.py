@@ -5,7 +5,9 @@ else a seeded init).
 Fingerprint: sha256 over a domain tag, the canonical config JSON, and every tensor of the
 state dict in sorted name order (name, dtype, shape, raw little-endian bytes). It depends
 only on those bytes, so it is the same in every process and on every machine that holds the
-same weights in the same dtype (never Python's `hash()`); cache keys are built on it.
+same weights in the same dtype (never Python's `hash()`); cache keys are built on it. A
+preset loaded from its seed (no trained weights) is fingerprinted from its config, seed and
+`INIT_RECIPE` instead (`fingerprint_init`, engine/models/loaded.py): nothing is hashed.
 
 Directory layout written by `save_model` and read by `load_weights`:
     <dir>/config.json          ModelConfig.to_dict(), pretty-printed
@@ -24,7 +26,7 @@ from engine.errors import ConfigError, WeightsError
 from engine.models.config import ModelConfig
 from engine.models.decoder import HybridDecoder
 from engine.models.loaded import (  # noqa: F401  (re-exported)
-    DTYPES, FINGERPRINT_TAG, LoadedModel, fingerprint, fingerprint_state, torch_dtype)
+    DTYPES, FINGERPRINT_TAG, LoadedModel, fingerprint, fingerprint_init, fingerprint_state, torch_dtype)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -37,6 +39,11 @@ def default_models_root() -> Path:
 
 
 # --------------------------------------------------------------------- initialisation
+#: names the recipe of `initialize` in init fingerprints; a change to the draws (what is
+#: drawn, in which order, in which dtype) must change it
+INIT_RECIPE = "initialize-v1"
+
+
 def _init_tensor(name: str, shape: torch.Size, num_layers: int, gen: torch.Generator,
                  device: torch.device) -> torch.Tensor:
     f32 = dict(dtype=torch.float32, device=device)
@@ -83,11 +90,15 @@ def initialize(model: HybridDecoder, seed: int | None = None) -> HybridDecoder:
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
                 seed: int | None = None) -> HybridDecoder:
-    """A freshly initialised model (see `initialize`) on `device` in `dtype`."""
+    """A freshly initialised model (see `initialize`) on `device` in `dtype`. The modules
+    are made on the meta device (no memory, no default init), given uninitialised storage
+    of `dtype` directly on `device`, then filled in place: no float32 copy of the model,
+    nothing made on the host for a GPU model (a 35B bf16 preset needs its ~65 GiB and
+    one float32 temporary of its largest tensor)."""
     dt = torch_dtype(dtype or cfg.dtype)
-    with torch.device(device):
+    with torch.device("meta"):
         model = HybridDecoder(cfg)
-    model.to(dtype=dt)
+    model = model.to(dtype=dt).to_empty(device=device)
     return initialize(model, seed).eval()
 
 
@@ -179,4 +190,6 @@ def load_model(preset_or_dir: str | os.PathLike, device: torch.device | str = "c
         model, fp = load_weights(trained, device, dtype)
         return LoadedModel(model, model.config, f"weights:{trained}", fp)
     model = build_model(cfg, device, dtype, seed)
-    return LoadedModel(model, cfg, f"init:seed={cfg.init_seed if seed is None else seed}")
+    seed = cfg.init_seed if seed is None else seed
+    fp = fingerprint_init(cfg, seed, INIT_RECIPE, model.dtype, model.device)
+    return LoadedModel(model, cfg, f"init:seed={seed}", fp)

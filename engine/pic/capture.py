@@ -268,6 +268,8 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
         if family != "delta":
             idx, valid = lay.padded_tails()
             E, log_sums = end_states_and_log_sums(family, inp, idx, valid)
+            if getattr(mixer, "uses_positions", False):  # tails ran at their absolute positions: back to alone ones
+                E = mixer.rotate_state(E, torch.tensor([c.delta for c in lay.tailed], device=E.device))
             E = E.to(dtype)
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             transitions = ScalarTransitions(list(log_sums.unbind(0)))

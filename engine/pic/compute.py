@@ -32,6 +32,16 @@ from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 #: forgotten its prefix (||T|| <= exp(sum of log decays) for the gated delta rule).
 LOG_FLOAT32_TINY = math.log(torch.finfo(torch.float32).tiny)
 
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_state_dtype(name: str, model_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """PicConfig.state_dtype -> the dtype alone passes keep linear states in: "auto" is
+    the model's dtype when that is bfloat16 or float16, else float32."""
+    if name == "auto":
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return STATE_DTYPES[name]
+
 
 def _check_segment(n: int, split: int, keep_end_state: bool) -> None:
     if n < 1:
@@ -66,10 +76,11 @@ def _attention_alone(mixer: Attention, h: torch.Tensor, positions: torch.Tensor)
     return out, AttentionPart("swa", k[total - m:].clone(), v[total - m:].clone(), total - m)
 
 
-def _linear_alone(mixer: LinearMixer, h: torch.Tensor, tail0: int, backend: str, state_dtype: torch.dtype,
-                  keep_end_state: bool, pending: list):
+def _linear_alone(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, tail0: int, backend: str,
+                  state_dtype: torch.dtype, keep_end_state: bool, pending: list):
     total = h.shape[0]
     conv_in, extras = mixer.project(h[None])
+    extras["positions"] = positions  # the alone positions (a layer with RoPE inside the recurrence reads them)
     conv_tail = None
     if mixer.conv is not None:
         conv_out, _ = mixer.conv(conv_in, None)
@@ -218,11 +229,11 @@ class AlonePass:
         mixer = block.mixer
         if isinstance(mixer, LinearMixer):
             if self.pack is None:
-                mixed, part = _linear_alone(mixer, h, self.tail0, self.backend, self.state_dtype, self.keep_end_state,
-                                            self.pending)
+                mixed, part = _linear_alone(mixer, h, self.positions, self.tail0, self.backend, self.state_dtype,
+                                            self.keep_end_state, self.pending)
                 got = [part]
             else:
-                mixed, got = _linear_alone_packed(mixer, h, self.pack, self.backend, self.state_dtype,
+                mixed, got = _linear_alone_packed(mixer, h, self.positions, self.pack, self.backend, self.state_dtype,
                                                   self.keep_end_state, self.pending, self.tail_states)
         elif isinstance(mixer, Attention):
             if self.pack is None:
@@ -281,10 +292,11 @@ def _attention_alone_packed(mixer: Attention, h: torch.Tensor, positions: torch.
     return mixer.output(torch.cat(outs), gate), parts
 
 
-def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, pack: _Pack, backend: str,
+def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, pack: _Pack, backend: str,
                          state_dtype: torch.dtype, keep_end_state: bool, pending: list, tail_mode: str = "fla"):
     m = len(pack)
     conv_in, extras = mixer.project(h[None])
+    extras["positions"] = positions  # each segment's own alone positions
     conv_tails: list = [None] * m
     if mixer.conv is not None:
         outs = []

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -106,7 +106,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
                   chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False,
                   stages: Optional[PrefillStages] = None,
-                  captures: Optional[CaptureSet] = None, batch_long_ranges: bool = True) -> torch.Tensor:
+                  captures: Optional[CaptureSet] = None, batch_long_ranges: bool = True,
+                  before_layer: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
@@ -120,7 +121,9 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     (engine.runtime.prefill_graphs: CUDA graphs per computed-token bucket); None: plainly.
     `captures`: missing segments computed by this pass whose signatures it takes on the
     way (engine.pic.capture; `captures.signatures()` once it returns).
-    `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges)."""
+    `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges).
+    `before_layer(i)`: called before layer i's first read of the pieces' signatures (the
+    store planner's per-layer copy waits, engine.connector.layer_loads)."""
     if chain not in SEAM_CHAIN_MODES:
         raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
@@ -163,6 +166,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     x, proj = tw.first(ids)
     for i, block in enumerate(model.blocks):
         cache = manager.layers[i]
+        if before_layer is not None:
+            before_layer(i)
         layer = FUSED_LAYERS.get(type(cache))
         if layer is None:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
@@ -420,10 +425,14 @@ def _live_index(pieces, model, device) -> dict[tuple[int, int], torch.Tensor]:
     return {k: dev[a:b] for k, (a, b) in zip(keys, bounds)}
 
 
-def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch.Tensor]) -> torch.Tensor:
+def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch.Tensor], mixer=None) -> torch.Tensor:
     """S = T_tail S + E_tail (S + E_tail for naive addition), float32, in torch: one or two
-    small batched ops, the same arithmetic as kernels.state_compose_reference."""
+    small batched ops, the same arithmetic as kernels.state_compose_reference. A `mixer`
+    with RoPE inside its recurrence (`uses_positions`) takes E_tail rotated by the
+    piece's delta (engine.pic.splice)."""
     E = part.tail_state.to(device=state.device, dtype=torch.float32)
+    if getattr(mixer, "uses_positions", False):
+        E = mixer.rotate_state(E, piece.delta)
     if piece.linear == "add":
         return state + E
     if part.family == "delta":
@@ -523,7 +532,7 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, pre
             if piece.first:
                 state = part.state.to(device=state.device, dtype=torch.float32)
             else:
-                state = _compose(part, piece, state, live.get((ev.index, layer)))
+                state = _compose(part, piece, state, live.get((ev.index, layer)), mixer)
             continue
         o, st = _recurrence(mixer, inp.slice_time(ev.lo, ev.hi), state[None], backend)
         state = st[0]

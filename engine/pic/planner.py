@@ -60,7 +60,7 @@ import torch
 
 from engine.models.config import GDN, SWA, ModelConfig
 from engine.pic.capture import CaptureSet, ContextCapture
-from engine.pic.compute import AlonePass
+from engine.pic.compute import AlonePass, resolve_state_dtype
 from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
 from engine.pic.deferred import DeferredQueue
@@ -80,17 +80,6 @@ from engine.runtime.planner import PrefillPlan
 from engine.runtime.request import PromptSegment, Request
 
 log = logging.getLogger("engine.pic")
-
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_state_dtype(name: str, model_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """PicConfig.state_dtype -> a dtype: "auto" is the model's dtype when that is bfloat16
-    or float16, else float32."""
-    if name == "auto":
-        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    return STATE_DTYPES[name]
-
 
 #: how often an idle engine polls `help_idle` while segments are queued (seconds)
 IDLE_POLL_S = 0.02
@@ -269,7 +258,7 @@ class PicPlanner(ReportingPlanner):
                     return logits
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
         self._ready(runner, request, [s.unit for s in spec if isinstance(s, Splice)
-                                      and s.unit.key not in state.in_context])
+                                      and s.unit.key not in state.in_context], layered=True)
         sealed = set()
         if runner.backend == "fla" and self.has_delta and self.config.batch_long_ranges:
             sealed = seal_tails(spec, state.to_capture, state.in_context)
@@ -277,7 +266,8 @@ class PicPlanner(ReportingPlanner):
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
                              backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
                              all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                             captures=captures, batch_long_ranges=self.config.batch_long_ranges)
+                             captures=captures, batch_long_ranges=self.config.batch_long_ranges,
+                             before_layer=self._layer_hook(request))
 
     def _captures(self, state: _RequestState) -> Optional[CaptureSet]:
         """The fused step's captures (miss_signatures="context"), kept in the request state
@@ -333,13 +323,14 @@ class PicPlanner(ReportingPlanner):
             else:
                 report.add_hit(self._reused(u))
 
-    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
+    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit], layered: bool = False) -> None:
         """Every unit's signature in the request state before the units are spliced: the
         store's `take`; a hit that could not be loaded after all is computed here (its
-        accounting corrected) and published."""
+        accounting corrected) and published. `layered`: the fused pass follows, which
+        waits per layer through `_layer_hook` (SegmentStore.take's `layered`)."""
         state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
-        got = self.store.take(request.request_id, list(dict.fromkeys(u.key for u in units)))
+        got = self.store.take(request.request_id, list(dict.fromkeys(u.key for u in units)), layered=layered)
         for key, sig in got.items():
             if sig is not None:
                 state.signatures[key] = sig
@@ -353,6 +344,11 @@ class PicPlanner(ReportingPlanner):
             state.signatures[key] = sig
             report.add_miss(int(job.cost))
             self.store.publish(key, sig, job.cost, request.request_id)
+
+    def _layer_hook(self, request: Request) -> Optional[Callable[[int], None]]:
+        """The fused pass's `before_layer(i)`: the store's per-layer waits for segments it
+        left to the pass (SegmentStore.layer_hook; None: nothing to wait for per layer)."""
+        return self.store.layer_hook(request.request_id)
 
     def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:
         self._ready(runner, request, units)

@@ -57,11 +57,13 @@ class ChainLayer:
     T: list[torch.Tensor]
 
 
-def _chain_layer_rows(events, layer: int, family: str, num_heads: int):
+def _chain_layer_rows(events, layer: int, family: str, num_heads: int, mixer=None):
     """(table rows, t_row rows, E list, T list) of one layer, in the semantics of
     `_linear_layer` (first placement: S = E; naive addition: S + E_tail; a delta part
     whose heads all forgot: S = E_tail; else S = T_tail S + E_tail, forgotten delta heads
-    with T row -1)."""
+    with T row -1). A `mixer` with RoPE inside its recurrence (`uses_positions`) gets each
+    E_tail rotated by its piece's delta here, so the kernel composes it unchanged."""
+    rotate = getattr(mixer, "uses_positions", False)
     table, rows, E, T = [], [], [], []
     n_t = 0
     none = [-1] * num_heads
@@ -89,6 +91,8 @@ def _chain_layer_rows(events, layer: int, family: str, num_heads: int):
             T.append(part.tail_transition)
         if e is None:
             raise SplicePlacementError(f"layer {layer}: signature has no {'end' if piece.first else 'tail'} state")
+        if rotate and not piece.first:
+            e = mixer.rotate_state(e.float(), piece.delta).to(e.dtype)
         table.append((kind, len(E), 0))
         rows.append(r)
         E.append(e)
@@ -105,7 +109,7 @@ def chain_tables(model: HybridDecoder, manager: CacheManager, events, device) ->
             continue
         mixer = model.blocks[i].mixer
         h = mixer.state_shape[0]
-        table, rows, E, T = _chain_layer_rows(events, i, mixer.family, h)
+        table, rows, E, T = _chain_layer_rows(events, i, mixer.family, h, mixer)
         a = len(flat)
         for t in table:
             flat.extend(t)

@@ -34,14 +34,23 @@ Calls, in the order they happen for one request (all from the engine loop's thre
                                       `Filled` per job. Exceptions of `compute` propagate
                                       after the store released its claims
   each splice step
-    take(request_id, keys) -> {key: signature | None}
+    take(request_id, keys, layered=False) -> {key: signature | None}
                                       `keys`: every key about to be spliced. Returns the
                                       signatures of the hits `lookup` answered None for
                                       (waiting until they are placed); None: the hit could
                                       not be loaded after all: the planner computes it and
                                       `publish`es it with the request id. Any device copy
                                       of a key in `keys` is complete (on the compute stream)
-                                      when this returns
+                                      when this returns, except with `layered` (the fused
+                                      pass follows): a key copied layer by layer may still
+                                      be in flight, its waits left to `layer_hook`
+    layer_hook(request_id) -> before_layer | None
+                                      optional, right after a `layered` take: the fused
+                                      pass calls `before_layer(i)` before it first reads
+                                      layer i of the signatures; the store makes the
+                                      compute stream wait there for the layer-i copies it
+                                      left in flight (engine.connector.layer_loads). None
+                                      (the default): nothing to wait for per layer
   any time, for a signature computed here
     publish(key, signature, cost, request_id=None)
                                       keep it; `cost` is the alone pass's tokens (what a
@@ -162,9 +171,16 @@ class SegmentStore(abc.ABC):
         engine; one `Filled` per job, in job order."""
 
     @abc.abstractmethod
-    def take(self, request_id: str, keys: Sequence[bytes]) -> dict[bytes, Optional[SegmentSignature]]:
+    def take(self, request_id: str, keys: Sequence[bytes],
+             layered: bool = False) -> dict[bytes, Optional[SegmentSignature]]:
         """Signatures of hits `lookup` answered None for, among `keys` (None: could not
-        be loaded after all); device copies of every key in `keys` complete."""
+        be loaded after all); device copies of every key in `keys` complete (with
+        `layered`: those copied layer by layer may be left to `layer_hook`)."""
+
+    def layer_hook(self, request_id: str) -> Optional[Callable[[int], None]]:
+        """The fused pass's `before_layer(i)` for the copies a `layered` take left in
+        flight; None: nothing to wait for per layer. Default: None."""
+        return None
 
     @abc.abstractmethod
     def publish(self, key: bytes, signature: SegmentSignature, cost: float, request_id: Optional[str] = None) -> None:
@@ -258,7 +274,8 @@ class InProcessSegmentStore(SegmentStore):
             self.cache.put(job.key, sig)
         return [Filled(job.key, sig, True) for job, sig in zip(jobs, sigs)]
 
-    def take(self, request_id: str, keys: Sequence[bytes]) -> dict[bytes, Optional[SegmentSignature]]:
+    def take(self, request_id: str, keys: Sequence[bytes],
+             layered: bool = False) -> dict[bytes, Optional[SegmentSignature]]:
         return {}  # every hit came with its signature at lookup
 
     def publish(self, key: bytes, signature: SegmentSignature, cost: float, request_id: Optional[str] = None) -> None:

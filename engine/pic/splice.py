@@ -13,7 +13,10 @@ A `SplicePiece` places one signature. Its *placement*:
   `window` positions into the ring (same kernel, `ring_slot_mapping`), linear states
   composed from the state the caches hold now, S = T_tail S + E_tail
   (kernels.state_compose; `linear="add"` is naive addition S + E_tail), conv tails
-  extended by the tail's last pre-conv inputs.
+  extended by the tail's last pre-conv inputs. A linear layer with RoPE inside its
+  recurrence (Ring-linear's lightning layers) first rotates E_tail by the delta
+  (`R_delta E_tail`: the tail's keys move from their alone positions by delta; the
+  scalar decay commutes with the rotation).
 
 `splice(manager, model, seq, pieces)` writes a run of contiguous pieces (positions
 `seq.num_computed_tokens` onwards; only the first piece may be `first`), all layers,
@@ -124,7 +127,7 @@ def splice(manager: CacheManager, model: HybridDecoder, seq: CacheSequence, piec
             families.setdefault(mixer.family, []).append(i)
             _splice_conv(seq, cache, i, pieces)
     for layer_ids in families.values():
-        _splice_states(manager, seq, layer_ids, pieces, force)
+        _splice_states(manager, seq, layer_ids, pieces, force, {i: model.mixer(i) for i in layer_ids})
     seq.num_computed_tokens = pos
 
 
@@ -216,7 +219,18 @@ def _splice_conv(seq, cache: StateSlotCache, layer, pieces) -> None:
     cache.conv_tail[seq.slot] = cur
 
 
-def _splice_states(manager, seq, layer_ids: list[int], pieces, force) -> None:
+def _rotated(E: torch.Tensor, mixers: list, pieces: Sequence[SplicePiece]) -> torch.Tensor:
+    """E `[pieces, layers, H, dk, dv]` of tails computed at their alone positions, moved
+    to where the pieces sit: a layer with RoPE inside its recurrence (`uses_positions`)
+    rotates each piece's E by that piece's delta (`R_delta E`); others are unchanged."""
+    if not any(getattr(m, "uses_positions", False) for m in mixers):
+        return E
+    deltas = torch.tensor([p.delta for p in pieces], device=E.device)
+    return torch.stack([m.rotate_state(E[:, j], deltas) if getattr(m, "uses_positions", False) else E[:, j]
+                        for j, m in enumerate(mixers)], dim=1)
+
+
+def _splice_states(manager, seq, layer_ids: list[int], pieces, force, mixers: dict) -> None:
     caches = [manager.layers[i] for i in layer_ids]
     rest = list(pieces)
     if rest[0].first:
@@ -229,6 +243,7 @@ def _splice_states(manager, seq, layer_ids: list[int], pieces, force) -> None:
     if any(naive) and not all(naive):
         raise SplicePlacementError("one splice run mixes composed and naively added pieces")
     E = torch.stack([torch.stack([linear_part(p, i).tail_state.float() for i in layer_ids]) for p in rest])
+    E = _rotated(E, [mixers[i] for i in layer_ids], rest)
     T = None
     if not naive[0]:
         T = torch.stack([torch.stack([linear_part(p, i).transition_f32() for i in layer_ids]) for p in rest])

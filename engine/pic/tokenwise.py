@@ -34,7 +34,8 @@ class TokenWise:
         return self.stages.run(name, fn, inputs, self.n)
 
     def _wants_pos(self, i: int) -> bool:
-        return isinstance(self.model.blocks[i].mixer, Attention)
+        mixer = self.model.blocks[i].mixer
+        return isinstance(mixer, Attention) or getattr(mixer, "uses_positions", False)
 
     def _project(self, i: int, x: torch.Tensor, pos: Optional[torch.Tensor]):
         """Block i's norm and projections of token-major x: attention (q, k, v, gate),
@@ -45,10 +46,13 @@ class TokenWise:
         if isinstance(mixer, Attention):
             return mixer.project(h, pos)
         conv_in, extras = mixer.project(h[None])
-        return conv_in[0], {k: t[0] for k, t in extras.items()}
+        extras = {k: t[0] for k, t in extras.items()}
+        if pos is not None:  # RoPE inside the recurrence: prepare reads the positions
+            extras["positions"] = pos
+        return conv_in[0], extras
 
     def _for_layer(self, i: int, proj):
-        if self._wants_pos(i):
+        if isinstance(self.model.blocks[i].mixer, Attention):
             return proj
         return proj[0][None], proj[1]  # the linear layers' conv code takes [1, C, ch]
 

@@ -185,9 +185,9 @@ def test_put_of_a_non_buffer_or_empty_buffer_is_a_clear_error(daemon):
 
 
 def test_client_raises_bad_object_when_its_checksum_does_not_match(daemon, monkeypatch):
-    import kvstore.client.sync as sync
+    import kvstore.client.ops as ops  # the put flow both client faces share
 
-    monkeypatch.setattr(sync.xxhash, "xxh3_64_intdigest", lambda mv: 42)
+    monkeypatch.setattr(ops.xxhash, "xxh3_64_intdigest", lambda mv: 42)
     with daemon.client() as kv:
         with pytest.raises(BadObject, match="checksum mismatch"):
             kv.put(b"client-bad-sum", b"q" * 100)
@@ -311,6 +311,25 @@ def test_async_client_has_the_same_api(daemon):
             assert await kv.delete([b"async/a", b"async/t"]) == 2
             with pytest.raises(UnknownKey):
                 await kv.get(b"async/a")
+
+    asyncio.run(main())
+
+
+def test_reserve_and_abort_claim_a_key_from_either_face(daemon):
+    """A reservation is a claim: the other face sees the key in flight until it is aborted,
+    then can reserve it itself; nothing was stored."""
+    async def main() -> None:
+        async with AsyncKVStoreClient(socket=daemon.socket) as akv:
+            with daemon.client() as kv:
+                mine = await akv.reserve(b"claim/a", 64, "cpu", fingerprint="f", token_count=2)
+                assert mine.status == "reserved" and mine.region is not None and mine.reservation_id
+                other = kv.reserve(b"claim/a", 64, "cpu")
+                assert other.status == "in_flight" and other.region is None
+                await akv.abort(mine.reservation_id)
+                again = kv.reserve(b"claim/a", 64, "cpu")
+                assert again.status == "reserved"
+                kv.abort(again.reservation_id)
+                assert not kv.lookup([b"claim/a"])[0].hit
 
     asyncio.run(main())
 

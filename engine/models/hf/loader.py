@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from engine.errors import UnsupportedConfigError, WeightsError
-from engine.models.hf import gemma3, nemotron_h, qwen3
+from engine.models.hf import bailing, gemma3, nemotron_h, qwen3
 from engine.models.hf.checkpoint import CONFIG_FILE, CheckpointTensors, read_json
 from engine.models.hf.common import Conversion, check_all_used
 from engine.models.hf.fields import ConfigFields
@@ -30,11 +30,14 @@ ARCHITECTURES: dict[str, Converter] = {
     **{t: qwen3.convert for t in qwen3.MODEL_TYPES},
     **{t: gemma3.convert for t in gemma3.MODEL_TYPES},
     **{t: nemotron_h.convert for t in nemotron_h.MODEL_TYPES},
+    **{t: bailing.convert for t in bailing.MODEL_TYPES},
 }
 #: multimodal wrappers: outer model_type -> the text model_type their text_config holds
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
 #: where the text model's tensors may sit, tried in order
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "backbone.")
+#: the embedding table's name under a text prefix (Qwen/Gemma, Nemotron-H, Bailing)
+EMBEDDING_NAMES = ("embed_tokens", "embeddings", "word_embeddings")
 #: tensors of a multimodal checkpoint's vision part (skipped with a log line)
 VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                    "multi_modal_projector.", "visual.")
@@ -83,8 +86,7 @@ def convert_checkpoint(directory: str | os.PathLike) -> Conversion:
     if convert is None:
         raise UnsupportedConfigError(f"{d / CONFIG_FILE}: text model_type={model_type!r} is not supported")
     tensors = CheckpointTensors(d)
-    prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in tensors or f"{p}embeddings.weight"
-                   in tensors), None)
+    prefix = next((p for p in TEXT_PREFIXES if any(f"{p}{e}.weight" in tensors for e in EMBEDDING_NAMES)), None)
     if prefix is None:
         raise WeightsError(f"{d}: no embedding table under any of {', '.join(TEXT_PREFIXES)}")
     fields = ConfigFields(data, f"{d / CONFIG_FILE}" + ("" if data.get("model_type") == model_type else ":text_config"))
@@ -131,9 +133,16 @@ def keep_norms_float32(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     """RMSNorm weights stay float32 in a bf16/fp16 model, as the checkpoints' own norms
     compute (`x_hat * (1 + w)` in float32): a zero-centred weight `1 + w` rounded to bf16
     would lose w's low bits (bf16 spacing near 1 is 2^-7). RMSNorm takes a weight of
-    another dtype than its input and computes in float32."""
+    another dtype than its input and computes in float32. A sigmoid router (Ring-linear)
+    keeps its weight and expert bias float32 too: it scores in float32, and the expert
+    choice compares biased scores."""
+    from engine.models.layers.moe import SparseMoE
     from engine.models.layers.norm import RMSNorm
 
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
             module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
+        if isinstance(module, SparseMoE) and module.scoring == "sigmoid":
+            for key, p in (("router.weight", module.router.weight), ("router_bias", module.router_bias)):
+                if p is not None and p.dtype != torch.float32:
+                    p.data = state[f"{name}.{key}"].to(device=p.device, dtype=torch.float32)

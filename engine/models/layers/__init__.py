@@ -12,5 +12,7 @@ Per-layer hooks for position-independent caching (each module's docstring has th
 of a segment run alone; `transition_operator(inp, backend="fla")` uses fla's chunk kernel
 from S0 = I, v = 0 for the delta rule). `HybridDecoder.prefill/forward(...,
 mixer_input_hook=...)` hands each layer's normalised input to a callback, so all of the
-above comes from one pass.
+above comes from one pass. A lightning layer with RoPE on q/k (`uses_positions`, Ring-linear)
+takes the tokens' positions in `extras["positions"]` before `prepare`, and its E moves to
+an offset with `rotate_state(E, delta)`.
 """

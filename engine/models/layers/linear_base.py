@@ -10,6 +10,11 @@ calls them directly):
   decays; q/k already repeated to the value heads.
 - `output(o [B, T, Hv, dv], extras) -> [B, T, D]`.
 
+The forwards put the tokens' absolute positions in `extras["positions"]` (`[T]`, or
+`[B, 1]` in decode) before `prepare`; a layer whose recurrence inputs depend on them
+(lightning with `LinearConfig.rotary_dim`, `uses_positions`) refuses a `prepare` without
+them rather than assume offset 0.
+
 `run_recurrence(inp, state, backend, step)` runs the layer's recurrence family from a given
 state and returns (o, final state), through torch (chunked form, or the single-token step)
 or fla. For PIC: the end state from zero `E` is `run_recurrence(inp, None, ...)[1]`, the
@@ -47,6 +52,8 @@ class LinearSegmentSummary:
 
 class LinearMixer(TokenMixer):
     family: str = ""
+    #: whether `prepare` needs `extras["positions"]` (RoPE inside the recurrence)
+    uses_positions: bool = False
 
     def __init__(self, cfg: ModelConfig, kind: str, conv_channels: int, conv_bias: bool = False) -> None:
         super().__init__()
@@ -114,6 +121,7 @@ class LinearMixer(TokenMixer):
         """Run this layer alone over a segment's normalised inputs `h [n, D]` from zero state and
         zero conv tail: its transition operator T, end state E and conv tail."""
         conv_in, extras = self.project(h[None])
+        extras["positions"] = torch.arange(h.shape[0], device=h.device)
         conv_out, tail = self.apply_conv(conv_in, None)
         inp = self.prepare(conv_out, extras)
         _, end = self.run_recurrence(inp, None, backend)
@@ -123,6 +131,7 @@ class LinearMixer(TokenMixer):
     # ----------------------------------------------------------------- forwards
     def forward_train(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         conv_in, extras = self.project(x)
+        extras["positions"] = torch.arange(x.shape[1], device=x.device)
         conv_out, _ = self.apply_conv(conv_in, None)
         inp = self.prepare(conv_out, extras)
         o, _ = self.run_recurrence(inp, None, backend)
@@ -130,6 +139,7 @@ class LinearMixer(TokenMixer):
 
     def forward_prefill(self, x: torch.Tensor, ctx: PrefillContext, cache: StateSlotCache) -> torch.Tensor:
         conv_in, extras = self.project(x[None])
+        extras["positions"] = ctx.positions
         if self.conv is not None:
             conv_out, tail = self.conv(conv_in, cache.conv_tail[ctx.slot][None])
             cache.conv_tail[ctx.slot] = tail[0].to(cache.conv_tail.dtype)
@@ -142,6 +152,7 @@ class LinearMixer(TokenMixer):
 
     def forward_decode(self, x: torch.Tensor, ctx: DecodeContext, cache: StateSlotCache) -> torch.Tensor:
         conv_in, extras = self.project(x[:, None])
+        extras["positions"] = ctx.positions[:, None]
         if self.conv is not None:
             y, tails = self.conv.step(conv_in[:, 0], cache.conv_tail[ctx.slots])
             cache.conv_tail[ctx.slots] = tails.to(cache.conv_tail.dtype)

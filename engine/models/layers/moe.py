@@ -3,6 +3,12 @@
 `norm_topk_prob`), every expert a gated MLP; plus an optional shared expert that every
 token passes through, scaled by `sigmoid(shared_gate(x))`.
 
+Ring-linear routing (`MoEConfig.scoring="sigmoid"`): sigmoid scores of a float32 router
+product; a per-expert `router_bias` added only to choose the experts; group-limited
+top-k (a group scores the sum of its two best biased scores, only the best `topk_groups`
+groups are eligible); the chosen unbiased scores renormalised and times
+`routed_scaling_factor`.
+
 Expert compute is grouped, not a loop over experts: the (token, choice) pairs are sorted
 by expert, and two grouped GEMMs (`torch.nn.functional.grouped_mm`, one per projection,
 with per-expert row offsets computed on the device) run every expert's rows in one call
@@ -45,7 +51,11 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
         self.intermediate_size = cfg.intermediate_size
+        self.scoring = cfg.scoring
+        self.num_groups, self.topk_groups = cfg.num_groups, cfg.topk_groups
+        self.routed_scaling_factor = cfg.routed_scaling_factor
         self.router = nn.Linear(hidden_size, cfg.num_experts, bias=False)
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
         self.experts_gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.intermediate_size, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, cfg.intermediate_size))
         self.shared = SwiGLU(hidden_size, cfg.shared_intermediate_size, activation) \
@@ -56,10 +66,30 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, D]` -> (weights `[N, k]` in x's dtype, expert ids `[N, k]`)."""
+        if self.scoring == "sigmoid":
+            return self.route_sigmoid(x)
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), ids
+
+    def route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring-linear's router (see the module docstring), in float32."""
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+        choice = scores if self.router_bias is None else scores + self.router_bias.float()
+        if self.num_groups > 1:
+            n = choice.shape[0]
+            grouped = choice.view(n, self.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask[..., None], float("-inf")).view(n, -1)
+        ids = torch.topk(choice, self.top_k, dim=-1)[1]
+        top = scores.gather(1, ids)
+        if self.norm_topk_prob and self.top_k > 1:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        top = top * self.routed_scaling_factor
         return top.to(x.dtype), ids
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,26 @@ class GroupGatedRMSNorm(nn.Module):
         return (self.weight * g.reshape(*lead, -1).to(x.dtype)).to(x.dtype)
 
 
+class GroupRMSNormGate(nn.Module):
+    """Norm first, then gate (Ring-linear's `g_norm`): RMSNorm over each of `groups` equal
+    groups of the channels, times the weight (over all channels), times `sigmoid(gate)`."""
+
+    def __init__(self, dim: int, groups: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if groups < 1 or dim % groups:
+            raise ValueError(f"GroupRMSNormGate groups={groups} must divide dim={dim}")
+        self.eps = eps
+        self.groups = groups
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        g = x.to(torch.float32).reshape(*lead, self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = g.reshape(*lead, -1) * self.weight.to(torch.float32)
+        return (y * torch.sigmoid(gate.to(torch.float32))).to(x.dtype)
+
+
 _L2_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 

@@ -50,7 +50,8 @@ class DictSegmentStore(SegmentStore):
             self._keep(job.key, sig)
         return [Filled(j.key, s, True) for j, s in zip(jobs, sigs)]
 
-    def take(self, request_id: str, keys: Sequence[bytes]) -> dict[bytes, Optional[SegmentSignature]]:
+    def take(self, request_id: str, keys: Sequence[bytes],
+             layered: bool = False) -> dict[bytes, Optional[SegmentSignature]]:
         pending = self.pending.get(request_id, set())
         out: dict[bytes, Optional[SegmentSignature]] = {}
         for key in keys:
@@ -101,9 +102,13 @@ class RecordingStore(SegmentStore):
         self._rec("claim", request_id)
         return self.inner.claim(request_id, jobs, compute)
 
-    def take(self, request_id, keys):
+    def take(self, request_id, keys, layered=False):
         self._rec("take", request_id)
-        return self.inner.take(request_id, keys)
+        return self.inner.take(request_id, keys, layered=layered)
+
+    def layer_hook(self, request_id):
+        self._rec("layer_hook", request_id)
+        return self.inner.layer_hook(request_id)
 
     def publish(self, key, signature, cost, request_id=None):
         self._rec("publish", request_id)

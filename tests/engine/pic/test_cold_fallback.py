@@ -83,7 +83,7 @@ def test_the_fallback_is_off_by_default_and_the_fraction_is_validated(model_of, 
 
 
 def test_auto_state_dtype_follows_a_half_precision_model_and_keys_name_it(model_of, planner_of):
-    from engine.pic.planner import resolve_state_dtype
+    from engine.pic.compute import resolve_state_dtype
 
     assert resolve_state_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_state_dtype("auto", torch.float16) == torch.float16

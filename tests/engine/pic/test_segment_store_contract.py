@@ -284,7 +284,8 @@ def test_a_backend_that_goes_away_turns_lookups_into_misses_without_raising(stor
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_planner_calls_the_store_in_the_documented_order(stores, model, make_runner, fused):
-    """admit, lookup, claim (only with misses), take before splicing, finish; a warm
+    """admit, lookup, claim (only with misses), take before splicing (then layer_hook
+    when the fused pass follows), finish; a warm
     request hits every segment and computes the same logits as the cold one."""
     rec = RecordingStore(stores.new())
     planner = make_planner(PicConfig(method="pic", seam=SPLIT, fused=fused), model, FP, FakeTokenizer(), store=rec)
@@ -296,7 +297,9 @@ def test_the_planner_calls_the_store_in_the_documented_order(stores, model, make
     out_cold = execute(planner, runner, cold)
     names = [n for n, r in rec.calls if r == cold.request_id]
     assert names[:3] == ["admit", "lookup", "claim"] and names[-1] == "finish"
-    assert set(names[3:-1]) <= {"take"} and "take" in names
+    assert set(names[3:-1]) <= {"take", "layer_hook"} and "take" in names
+    # the fused pass asks for its per-layer hook right after its (layered) take
+    assert ("layer_hook" in names) == fused and names[-2] == ("layer_hook" if fused else "take")
     assert planner.take_report(cold.request_id).miss_segments == 2
     runner.cache.free(cold.seq)
     stores.settle(rec.inner)

@@ -69,6 +69,7 @@ def save_checkpoint(model, directory: Path, eos_ids: list[int], shard: bool = Fa
     return directory
 
 
+REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 MODELING = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"]
 
 
@@ -86,8 +87,36 @@ def import_reference_modeling() -> None:
         sys.modules.update(saved)
 
 
+def bailing_reference():
+    """tests/engine/models/reference/bailing_moe_linear_v2.py (Ring-linear-2.0 in plain torch:
+    transformers has no class for it)."""
+    if str(REFERENCE_DIR) not in sys.path:
+        sys.path.insert(0, str(REFERENCE_DIR))
+    return importlib.import_module("bailing_moe_linear_v2")
+
+
+def tiny_bailing(vocab: int, seed: int = 0, **fields):
+    """The reference Ring-linear-2.0 model with a tiny random config (fp32, eval mode): 6
+    layers (L L F L L F), partial RoPE, q/k norm, group norm over 2 groups, 8 experts in 4
+    groups (top-2 groups, top-2 experts), a dense first layer, a shared expert, a random
+    expert bias."""
+    ref = bailing_reference()
+    torch.manual_seed(seed)
+    model = ref.BailingMoeLinearV2ForCausalLM(ref.BailingMoeLinearV2Config(vocab_size=vocab, **fields))
+    randomize(model, seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.expert_bias.copy_(torch.randn(gate.expert_bias.shape, generator=g) * 0.05)
+    return model.float().eval()
+
+
 def tiny_model(arch: str, vocab: int, seed: int = 0):
     """A transformers model of `arch` with a tiny random config (fp32, eval mode)."""
+    if arch == "bailing_moe_linear":
+        return tiny_bailing(vocab, seed)
     import_reference_modeling()
     import transformers as tf
 
@@ -296,7 +325,7 @@ def build_multimodal(arch: str, directory: Path, seed: int = 0):
     return model.float().eval()
 
 
-ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"]
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h", "bailing_moe_linear"]
 
 
 def new_engine(directory):

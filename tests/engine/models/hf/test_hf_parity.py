@@ -33,7 +33,8 @@ def _assert_parity(r: dict) -> None:
     assert r["gen"] == r["ref_gen"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h",
+                                  "bailing_moe_linear"])
 def test_checkpoint_matches_transformers_prefill_and_greedy_decode(checkpoints, arch):
     model, d, _ = checkpoints(arch)
     _assert_parity(H.check_parity(model, d, chunk=7))
@@ -44,6 +45,46 @@ def test_sharded_qwen3_next_checkpoint_matches_transformers(checkpoints):
     assert (d / "model.safetensors.index.json").is_file()
     assert len(list(d.glob("model-*.safetensors"))) > 1
     _assert_parity(H.check_parity(model, d))
+
+
+def test_sharded_ring_linear_checkpoint_matches_the_reference(checkpoints):
+    model, d, _ = checkpoints("bailing_moe_linear", shard=True)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert len(list(d.glob("model-*.safetensors"))) > 1
+    _assert_parity(H.check_parity(model, d))
+
+
+def test_ring_linear_maps_layers_rope_norms_and_router(checkpoints):
+    from engine.models.hf import convert_checkpoint
+
+    _, d, _ = checkpoints("bailing_moe_linear")
+    cfg = convert_checkpoint(d).config
+    assert cfg.layers == ("lightning", "lightning", "full") * 2  # layer_group_size 3
+    assert cfg.mlp_layers == ("dense",) + ("moe",) * 5  # first_k_dense_replace 1
+    lin, m = cfg.linear, cfg.moe
+    assert (lin.rotary_dim, lin.qk_norm, lin.qkv_silu, lin.norm_groups, lin.decay_layer_offset) == (8, True, False,
+                                                                                                    2, -1)
+    assert (cfg.attention.rotary_dim, cfg.attention.qk_norm, cfg.attention.output_gate) == (8, True, False)
+    assert (m.scoring, m.expert_bias, m.num_groups, m.topk_groups, m.routed_scaling_factor) == ("sigmoid", True, 4,
+                                                                                               2, 2.5)
+    assert (m.shared_intermediate_size, m.shared_expert_gate) == (16, False)
+
+
+def test_ring_linear_decay_slopes_follow_the_published_depth_term(checkpoints):
+    """-alibi_slope_h * (1 - (i - 1) / (L - 1) + 1e-5) with i the layer's index among all
+    layers: layer 0 decays faster than layer 1 (the published code's `layer_idx - 1`)."""
+    import torch
+
+    from engine.models.hf import load_hf_model
+
+    _, d, _ = checkpoints("bailing_moe_linear")
+    model = load_hf_model(d).model
+    ref = H.bailing_reference().BailingMoeV2LinearAttention
+    base = ref.build_slope_tensor(4)
+    for i in (0, 1, 3, 4):
+        want = -base * (1 - (i - 1) / 5 + 1e-5)
+        got = torch.tensor(model.mixer(i).head_log_decay)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_qwen3_next_maps_moe_layers_and_mlp_only_layers(checkpoints):
@@ -129,4 +170,47 @@ def test_bf16_model_keeps_zero_centred_norm_weights_in_float32(checkpoints):
     assert torch.equal(m.norm.weight, 1.0 + w.float())  # not rounded to bf16's spacing near 1
     with torch.no_grad():
         logits = m.forward(torch.tensor([[1, 2, 3]]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c.update(norm_head=True), "norm_head"),
+    (lambda c: c.update(use_qkv_bias=True), "use_qkv_bias"),
+    (lambda c: c.update(layer_group_size=4), "layer_group_size"),
+    (lambda c: c.update(rope_scaling={"type": "yarn", "factor": 2.0}), "rope_scaling"),
+    (lambda c: c.update(linear_rope=False), "linear_rope"),
+    (lambda c: c.update(score_function="softmax"), "score_function"),
+    (lambda c: c.update(head_dim=32), "head_dim"),
+    (lambda c: c.update(some_new_feature=3), "some_new_feature"),
+])
+def test_ring_linear_config_fields_we_do_not_implement_are_refused_by_name(checkpoints, tmp_path, edit, named):
+    import json
+    import shutil
+
+    from engine.errors import ConfigError
+    from engine.models.hf import convert_checkpoint
+
+    _, d, _ = checkpoints("bailing_moe_linear")
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    edit(cfg)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=named):
+        convert_checkpoint(bad)
+
+
+def test_bf16_ring_linear_keeps_its_sigmoid_router_in_float32(checkpoints):
+    import torch
+
+    from engine.models.hf import load_hf_model
+
+    _, d, _ = checkpoints("bailing_moe_linear")
+    m = load_hf_model(d, dtype="bfloat16").model
+    moe = m.blocks[1].mlp
+    assert m.dtype == torch.bfloat16 and moe.experts_gate_up.dtype == torch.bfloat16
+    assert moe.router.weight.dtype == torch.float32 and moe.router_bias.dtype == torch.float32
+    assert m.mixer(0).norm.weight.dtype == torch.bfloat16  # the group norm computes in float32 anyway
+    with torch.no_grad():
+        logits = m.forward(torch.tensor([[1, 2, 3, 4, 5]]))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

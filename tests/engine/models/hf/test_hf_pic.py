@@ -21,7 +21,7 @@ def test_pic_with_whole_segment_seams_equals_full_recompute(checkpoint, arch, fu
     engine = H.new_engine(checkpoint(arch))
     tok, runner = engine.tokenizer, engine.runner
     seam = max(len(tok.encode(d)) for d in H.DOCS)
-    planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused), runner.model,
+    planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused, miss_path="alone"), runner.model,
                            engine.loaded_model.fingerprint, tok)
     # cold, then warm: the first segment (the only one a wide seam does not recompute) is a
     # hit and spliced; the others move to new offsets
@@ -34,3 +34,57 @@ def test_pic_with_whole_segment_seams_equals_full_recompute(checkpoint, arch, fu
         assert report.seam_tokens == sum(len(tok.encode(H.DOCS[i])) for i in order[1:])
         assert (report.hit_segments, report.miss_segments) == ((0, 1) if n == 0 else (1, 0))
         assert (report.reused_tokens > 0) == (n == 1)
+
+
+@torch.no_grad()
+def _linear_states_after(runner, request, planner=None):
+    """The first layer's recurrent state after prefilling `request` by `planner`'s plan (or
+    by a plain full prefill when None)."""
+    from engine.runtime.planner import ApplyStep, FusedStep
+    from engine.runtime.sequence import Sequence
+
+    seq = request.seq = runner.cache.allocate(Sequence(request.request_id + ("-full" if planner is None else "")))
+    ids = request.prefill_token_ids()
+    if planner is None:
+        runner.prefill(seq, ids)
+    else:
+        plan = request.plan = planner.plan(request)
+        runner.cache.ensure_capacity(seq, plan.num_tokens)
+        for step in plan.steps:
+            if isinstance(step, FusedStep):
+                step.run(runner, request)
+            elif isinstance(step, ApplyStep):
+                step.apply(runner, request)
+            else:
+                runner.prefill(seq, ids[step.start:step.end], start_pos=step.start)
+        planner.on_prefill_done(request)
+    state = runner.cache.layers[0].state[seq.slot].clone()
+    runner.cache.free(seq)
+    return state
+
+
+@pytest.mark.parametrize("how", [dict(fused=True, seam_chain="off"), dict(fused=True, seam_chain="on"),
+                                 dict(fused=False),
+                                 dict(fused=True, seam_chain="off", miss_path="context", miss_signatures="context")],
+                         ids=["fused", "seam-chain-kernel", "stepwise", "captured-in-context"])
+def test_ring_linear_segment_states_are_rotated_to_their_offsets(checkpoint, how):
+    """Ring-linear's linear layers apply RoPE inside the recurrence, so a segment's end state
+    computed alone moves with its offset (R_d E). The first layer's inputs are the tokens'
+    embeddings, so with a narrow seam its state after PIC is still exact: it equals full
+    recompute only if every spliced E is rotated to where the segment now sits: computed
+    alone (fused torch composition, the seam-chain kernel's tables, step-by-step splice),
+    or captured in context by the cold fused pass (rotated back to its alone positions
+    when kept)."""
+    engine = H.new_engine(checkpoint("bailing_moe_linear"))
+    tok, runner = engine.tokenizer, engine.runner
+    assert runner.model.mixer(0).uses_positions
+    planner = make_planner(PicConfig(method="pic", seam=2, **how), runner.model,
+                           engine.loaded_model.fingerprint, tok)
+    for n, order in enumerate([(0, 1, 2), (2, 0, 1)]):
+        request = H.make_request(tok, H.segments(order), f"r{n}")
+        pic = _linear_states_after(runner, request, planner)
+        report = planner.take_report(request.request_id)
+        full = _linear_states_after(runner, H.make_request(tok, H.segments(order), f"f{n}"))
+        assert float(full.abs().max()) > 0.1
+        torch.testing.assert_close(pic, full, rtol=1e-4, atol=1e-4)
+    assert report.hit_segments == 3 and report.reused_tokens > 0  # warm: every segment spliced, two moved
