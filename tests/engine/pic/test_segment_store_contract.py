@@ -284,11 +284,13 @@ def test_a_backend_that_goes_away_turns_lookups_into_misses_without_raising(stor
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_planner_calls_the_store_in_the_documented_order(stores, model, make_runner, fused):
-    """admit, lookup, claim (only with misses), take before splicing (then layer_hook
-    when the fused pass follows), finish; a warm
-    request hits every segment and computes the same logits as the cold one."""
+    """admit, lookup, claim (only with misses; miss_path="alone": misses computed alone
+    through the store), take before splicing (then layer_hook when the fused pass
+    follows), finish; a warm request hits every segment and computes the same logits as
+    the cold one."""
     rec = RecordingStore(stores.new())
-    planner = make_planner(PicConfig(method="pic", seam=SPLIT, fused=fused), model, FP, FakeTokenizer(), store=rec)
+    cfg = PicConfig(method="pic", seam=SPLIT, fused=fused, miss_path="alone")
+    planner = make_planner(cfg, model, FP, FakeTokenizer(), store=rec)
     runner = make_runner(model, num_blocks=256)
     seed = 40 if fused else 50  # the module's daemon keeps what other tests stored
     docs = [rand_ids(20, seed), rand_ids(24, seed + 1)]
