@@ -63,8 +63,9 @@ def _linear_states_after(runner, request, planner=None):
     return state
 
 
-@pytest.mark.parametrize("how", [dict(fused=True, seam_chain="off"), dict(fused=True, seam_chain="on"),
-                                 dict(fused=False),
+@pytest.mark.parametrize("how", [dict(fused=True, seam_chain="off", miss_path="alone"),
+                                 dict(fused=True, seam_chain="on", miss_path="alone"),
+                                 dict(fused=False, miss_path="alone"),
                                  dict(fused=True, seam_chain="off", miss_path="context", miss_signatures="context")],
                          ids=["fused", "seam-chain-kernel", "stepwise", "captured-in-context"])
 def test_ring_linear_segment_states_are_rotated_to_their_offsets(checkpoint, how):
