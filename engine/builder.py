@@ -25,6 +25,7 @@ from engine.errors import InvalidRequestError
 from engine.hisparse.config import HiSparseConfig
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import PrefillPlanner
+from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES, PrefillGraphWarmup
 from engine.runtime.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ class EngineConfig:
     #: kvstore daemon socket for HiSparse blocks ("" the default socket); None: this
     #: process's memory
     hisparse_store: Optional[str] = None
+    #: when the prefill-stage CUDA graphs are captured (engine.runtime.prefill_graphs):
+    #: "upfront" before the engine is returned, "idle" by the server's engine loop while no
+    #: request runs (`kvengine serve`'s default: ready without waiting for them), "lazy" on
+    #: first use. Upfront here: an engine driven without the server loop has no idle time
+    prefill_graphs: str = "upfront"
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -134,6 +140,14 @@ def model_tokenizer(preset_or_dir: str):
     return load_tokenizer("byte")
 
 
+def prefill_graph_warmup(runner, mode: str) -> PrefillGraphWarmup:
+    """The runner's prefill-stage graphs in `mode` (EngineConfig.prefill_graphs): upfront
+    ones are captured here, one placeholder pass per bucket on a scratch sequence."""
+    from engine.pic.fused import capture_prefill_stages
+
+    return PrefillGraphWarmup(runner.prefill_stages, lambda b: capture_prefill_stages(runner, buckets=(b,)), mode)
+
+
 def build_engine(
     preset_or_dir: str,
     config: EngineConfig = EngineConfig(),
@@ -144,6 +158,9 @@ def build_engine(
     from engine.models.weights import load_model
     from engine.runtime.runner import ModelRunner
 
+    if config.prefill_graphs not in PREFILL_GRAPH_MODES:
+        raise InvalidRequestError("prefill_graphs", f"{config.prefill_graphs!r} is not one of "
+                                  f"{', '.join(PREFILL_GRAPH_MODES)}")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     apply_host_threads(config.host_threads, device)
@@ -175,13 +192,7 @@ def build_engine(
         cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
         manager = CacheManager.for_model(model, cache_cfg)
         runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
-    if runner.prefill_stages is not None:
-        from engine.pic.fused import capture_prefill_stages
-
-        t0 = time.perf_counter()
-        graphs = capture_prefill_stages(runner)
-        log.info("captured %d prefill-stage graphs (buckets %s) in %.1f s", graphs, runner.prefill_stages.buckets,
-                 time.perf_counter() - t0)
+    prefill_graphs = prefill_graph_warmup(runner, config.prefill_graphs)
     pool = ManagedCachePool(manager)
     log.info(
         "engine for %s on %s/%s: %d KV blocks of %d, %d slots",
@@ -197,6 +208,7 @@ def build_engine(
         loaded_model=loaded,
         max_model_len=max_model_len,
         kv_offload=offload,
+        prefill_graphs=prefill_graphs,
     )
 
 

@@ -47,6 +47,7 @@ running: 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -397,6 +398,10 @@ def serve(
     kernel_cache: Optional[str] = typer.Option(
         None, "--kernel-cache", help="Directory of compiled GPU kernels and autotuning results, kept between runs "
         "(default: $TRITON_CACHE_DIR, else ~/.cache/hypercache/triton); a warm one skips kernel compilation at start."),
+    prefill_graphs: str = typer.Option(
+        "idle", "--prefill-graphs", help="When the prefill-stage CUDA graphs are captured: upfront (before the "
+        "server answers), idle (after it answers, one bucket at a time while no request runs), lazy (by the first "
+        "request of each bucket)."),
     served_model_name: Optional[str] = typer.Option(
         None, "--served-model-name", help="The model's name in /v1/models and the `model` field requests must "
         "match (default: the preset's name or the --model directory's name)."),
@@ -416,6 +421,10 @@ def serve(
     from engine.pic.errors import PicConfigError
 
     _check_miss_signatures(miss_signatures, miss_path)
+    from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES
+
+    if prefill_graphs not in PREFILL_GRAPH_MODES:
+        _fail(f"--prefill-graphs: {prefill_graphs!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
     try:  # before the (slow) engine build
         pic = PicConfig(cold_full_fraction=cold_full_fraction or None, cold_full_policy=cold_full_policy,
                         miss_path=miss_path, miss_signatures=miss_signatures, exact_prefix=exact_prefix)
@@ -431,8 +440,9 @@ def serve(
               "prompt segments through a kvstore daemon")
     else:
         _check_store_answers(connector, start_without_store)
-    engine = _build(source, _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size,
-                                           kv_cache_tokens, max_model_len, cuda_graphs, host_threads, hs))
+    config = _engine_config(device, dtype, max_batch, max_batched_tokens, chunk_size, kv_cache_tokens,
+                            max_model_len, cuda_graphs, host_threads, hs)
+    engine = _build(source, dataclasses.replace(config, prefill_graphs=prefill_graphs))
     _note_cache_size(kv_cache_tokens, max_batch)
     planner = _attach_store(engine, pic, connector) if connector is not None else None
     try:
