@@ -23,6 +23,7 @@ from engine.cache.manager import CacheConfig, CacheManager, cache_specs
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.hisparse.config import HiSparseConfig
+from engine.models.layers import fla_backend
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import PrefillPlanner
 from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES, PrefillGraphWarmup
@@ -164,6 +165,8 @@ def build_engine(
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     apply_host_threads(config.host_threads, device)
+    # fla's import (seconds) overlaps the model load; joined before the runner picks its backend
+    fla_import = fla_backend.import_in_background() if device.type == "cuda" else None
     t_load = time.perf_counter()
     loaded = load_model(preset_or_dir, device=device, dtype=dtype)
     model, mcfg = loaded.model, loaded.config
@@ -174,6 +177,10 @@ def build_engine(
         raise InvalidRequestError(
             "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings {mcfg.max_position_embeddings}"
         )
+    if fla_import is not None:
+        t_join = time.perf_counter()
+        fla_import.join()
+        log.info("fla import joined after the load (waited %.2f s)", time.perf_counter() - t_join)
     offload = None
     if config.hisparse.enabled:
         if planner is not None:
