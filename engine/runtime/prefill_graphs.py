@@ -229,7 +229,7 @@ class PrefillGraphWarmup:
         """Capture the next pending bucket; False when none was pending."""
         if not self.pending:
             return False
-        b = self.pending.pop(0)
+        b = self.pending[0]  # popped once captured: `ready` never holds while a capture runs
         t0 = time.perf_counter()
         try:
             self._capture(b)
@@ -237,10 +237,11 @@ class PrefillGraphWarmup:
             if self.mode == "upfront":
                 raise
             log.warning("capturing prefill-stage graphs of bucket %d failed (%s); buckets %s are left to first use",
-                        b, exc, [b, *self.pending], exc_info=True)
+                        b, exc, self.pending, exc_info=True)
             self.failed = f"bucket {b}: {exc}"
             self.pending = []
             return True
+        self.pending = self.pending[1:]
         self._spent += time.perf_counter() - t0
         if not self.pending:
             self.capture_s = self._spent

@@ -209,3 +209,11 @@ def test_build_engine_refuses_an_unknown_mode(model_dir):
 
     with pytest.raises(InvalidRequestError, match="not one of upfront, idle, lazy"):
         build_engine(str(model_dir), EngineConfig(device="cpu", prefill_graphs="sometimes"))
+
+
+def test_not_ready_while_the_last_bucket_is_being_captured():
+    stages = PrefillStages(torch.device("cpu"), buckets=(4,), capture=False)
+    during = []
+    warm = PrefillGraphWarmup(stages, lambda b: during.append((warm.ready, list(warm.pending))), "idle")
+    assert warm.step() and warm.ready
+    assert during == [(False, [4])]
