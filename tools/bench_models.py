@@ -301,12 +301,11 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float, pr
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.05)
         ready_s = time.perf_counter() - t0
-        graphs_ready_s = None if prefill_graphs == "lazy" else graphs_ready(m.group(1) + "/health", t0, limit)
+        graphs = {"graphs_ready_s": None} if prefill_graphs == "lazy" else graphs_ready(m.group(1) + "/health", t0, limit)
         files = sum(1 for p in cache_dir.rglob("*") if p.is_file())
         log.seek(0)
         return {"ready_s": round(ready_s, 3), "listening_s": round(listening_s, 3), "serve_preset": serve_preset,
-                "prefill_graphs_mode": prefill_graphs,
-                "graphs_ready_s": None if graphs_ready_s is None else round(graphs_ready_s, 3),
+                "prefill_graphs_mode": prefill_graphs, **graphs,
                 "models": [d.get("id") for d in body.get("data", [])], "kernel_cache_files": files,
                 "breakdown": serve_log_timings(log.read()), "command": " ".join(cmd[1:])}
     finally:
@@ -321,18 +320,22 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float, pr
         log.close()
 
 
-def graphs_ready(health_url: str, t0: float, limit: float) -> Optional[float]:
-    """Seconds from t0 to /health reporting the prefill-stage graphs ready (None: not
-    within `limit` seconds of t0, or the capture failed)."""
+def graphs_ready(health_url: str, t0: float, limit: float) -> dict:
+    """Poll /health until it reports the prefill-stage graphs ready: `graphs_ready_s`,
+    seconds from t0 (None: not within `limit` seconds of t0, or the capture failed), and
+    /health's `prefill_graphs` at the first poll (`graphs_at_ready`) and the last."""
+    first = last = None
     while time.perf_counter() - t0 < limit:
         with urllib.request.urlopen(health_url, timeout=max(1.0, limit)) as resp:
-            graphs = json.loads(resp.read()).get("prefill_graphs")
-        if graphs is None or graphs["ready"]:
-            return time.perf_counter() - t0
-        if graphs.get("failed"):
-            return None
+            last = json.loads(resp.read()).get("prefill_graphs")
+        first = last if first is None else first
+        if last is None or last["ready"]:
+            return {"graphs_ready_s": round(time.perf_counter() - t0, 3), "graphs_at_ready": first,
+                    "graphs_final": last}
+        if last.get("failed"):
+            break
         time.sleep(0.1)
-    return None
+    return {"graphs_ready_s": None, "graphs_at_ready": first, "graphs_final": last}
 
 
 def serve_log_timings(text: str) -> dict[str, float]:

@@ -46,6 +46,7 @@ def test_quick_run_measures_every_phase_of_both_presets(tmp_path, own_kernel_cac
     assert ready["ready_s"] >= ready["listening_s"] > 0 and ready["models"] == ["qwen3next-tiny"]
     assert "--kernel-cache" in ready["command"] and "--prefill-graphs idle" in ready["command"]
     assert ready["prefill_graphs_mode"] == "idle" and ready["graphs_ready_s"] >= ready["ready_s"]
+    assert ready["graphs_at_ready"]["mode"] == "idle" and ready["graphs_final"]["ready"] is True  # CPU: no stages
     assert 0 < ready["breakdown"]["model_load_s"] < ready["ready_s"]  # from the serve log (no graphs on the CPU)
     assert "wrote" in capsys.readouterr().out
 
