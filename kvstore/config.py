@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from kvstore.errors import InvalidRequest
+from kvstore.tiers.registry import TIERS
 
 try:  # Python >= 3.11
     import tomllib as _toml
@@ -39,7 +40,6 @@ ENV_PREFIX = "KVSTORE_"
 CONFIG_ENV = "KVSTORE_CONFIG"
 SOCKET_NAME = "kvstore.sock"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
-TIERS = ("gpu", "cpu", "nvme")
 EVICTION_POLICIES = ("cost", "lru")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GPU_AUTO_BYTES = 1 << 30  # gpu_capacity "auto": this much where CUDA is present, else 0
@@ -184,7 +184,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_host", "str", "127.0.0.1", "address the /metrics HTTP server binds"),
     Option("eviction", "choice", "cost", "eviction policy: cost (recompute cost per byte, with recency) or lru",
            choices=EVICTION_POLICIES),
-    Option("default_tier", "choice", "cpu", "tier a put lands in when the client names none", choices=TIERS),
+    Option("default_tier", "choice", "cpu", "tier a put lands in when the client names none", choices=TIERS.names),
     Option("lease_ttl", "float", 30.0, "seconds a lease or reservation lives without a client keepalive", minimum=0.01),
     Option("expire_interval", "float", 1.0, "seconds between sweeps that expire dead leases and reservations",
            minimum=0.01),

@@ -1,14 +1,16 @@
 """Placement of committed objects across the tiers: the object map, making room
-(eviction and demotion), moving objects between tiers, dropping them, and rebuilding the
-NVMe tier from the index at open.
+(eviction and demotion), moving objects between tiers, dropping them, rebuilding the
+durable tier from the index at open, and planning and settling the work the Store runs
+outside its lock (verifying and promoting reads, prefetches, write-back copies). Tiers
+are known by their roles (kvstore.tiers.registry.TierRoles), never by name.
 
 Rules (the Store's module docstring explains them for users): each object has one
 primary copy in one tier, plus possibly an NVMe *backing copy* left behind when it was
 promoted; pinned objects (leased, or busy with an I/O outside the lock) are never moved
 or freed, and a dropped pinned object's slot is freed at its last unpin.
 
-Not thread-safe: the Store calls every method under its lock, except `copy` and
-`verify_or_copy`, which it runs outside the lock on pinned objects.
+Not thread-safe: the Store calls every method under its lock, except `copy`,
+`verify_or_copy` and `write_backing`, which it runs outside the lock on pinned objects.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import logging
 import os
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -27,9 +30,10 @@ from kvstore.errors import BadObject, CapacityExhausted, KVStoreError, StorageEr
 from kvstore.eviction import Candidate, EvictionPolicy
 from kvstore.index import IndexRecord, ObjectIndex
 from kvstore.objheader import ObjectHeader, read_trailer
-from kvstore.records import TIER_NAMES, ObjectMeta
+from kvstore.records import ObjectInfo, ObjectMeta
 from kvstore.recovery import scan_object_files
 from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.registry import TIERS, TierRoles
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class Placement:
     def __init__(self, tiers: dict[str, Tier], index: Optional[ObjectIndex], policy: EvictionPolicy,
                  counters: Counter, objects_root: Path) -> None:
         self.tiers = tiers  # enabled tiers, fastest first
+        self.roles: TierRoles = TIERS.roles(tiers)  # the Store sets it again when it opens the tiers
         self.index = index  # durable records of NVMe copies (None without an NVMe tier)
         self.policy = policy
         self.counters = counters
@@ -87,8 +92,9 @@ class Placement:
         commit, or an index rebuilt or lost): no object file is deleted because the index
         does not know it. Dropped objects' files (marked dead) are deleted; files without
         a usable header, and superseded copies of a key, are set aside in quarantine/."""
-        assert self.index is not None
-        nvme = self.tiers["nvme"]
+        assert self.index is not None and self.roles.durable is not None
+        durable = self.roles.durable
+        nvme = self.tiers[durable]
         root = self.objects_root
         drop: list[bytes] = []
         live: set[str] = set()
@@ -99,11 +105,11 @@ class Placement:
                 log.warning("index: object %r file %s %s; dropping its record", rec.key, path, why)
                 drop.append(rec.key)
                 continue
-            slot = Slot("nvme", rec.offset, rec.length, rec.size, str(path))
+            slot = Slot(durable, rec.offset, rec.length, rec.size, str(path))
             nvme.adopt(slot)
             live.add(str(path))
             meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
-            self.objects[rec.key] = StoredObject(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
+            self.objects[rec.key] = StoredObject(rec.key, durable, slot, rec.checksum, meta, rec.created,
                                                  rec.last_access, rec.hits, verified=False)
         drop += self.index.bad_keys
         self.index.delete_many(drop)
@@ -116,10 +122,10 @@ class Placement:
                 scan.superseded.append(str(root / rec.file))
                 continue
             path = str(root / rec.file)
-            slot = Slot("nvme", 0, rec.length, rec.size, path)
+            slot = Slot(durable, 0, rec.length, rec.size, path)
             nvme.adopt(slot)
             meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
-            self.objects[rec.key] = StoredObject(rec.key, "nvme", slot, rec.checksum, meta, rec.created,
+            self.objects[rec.key] = StoredObject(rec.key, durable, slot, rec.checksum, meta, rec.created,
                                                  rec.last_access, 0, verified=False)
             adopted.append(rec)
         if adopted:
@@ -165,24 +171,28 @@ class Placement:
                             o.created)
 
     def below(self, name: str) -> Optional[str]:
-        order = list(self.tiers)
-        i = order.index(name)
-        return order[i + 1] if i + 1 < len(order) else None
+        return self.roles.below(name)
 
     def rank(self, name: str) -> int:
-        return TIER_NAMES.index(name)
+        return TIERS.rank(name)
 
     def durable_slot(self, o: StoredObject) -> Optional[Slot]:
-        """The NVMe slot the index records for `o`: its own, or its backing copy."""
-        return o.slot if o.tier == "nvme" else o.backing
+        """The durable slot the index records for `o`: its own, or its backing copy."""
+        return o.slot if o.tier == self.roles.durable else o.backing
 
     def record(self, o: StoredObject) -> IndexRecord:
         d = self.durable_slot(o)
         assert d is not None, f"object {o.key!r} has no durable copy"
         rel = os.path.relpath(d.path, self.objects_root)
         m = o.meta
-        return IndexRecord(o.key, "nvme", rel, d.offset, d.length, d.size, o.checksum,
+        return IndexRecord(o.key, d.tier, rel, d.offset, d.length, d.size, o.checksum,
                            m.fingerprint, m.token_count, m.cost, dict(m.extra), o.created, o.last_access, o.hits)
+
+    def info(self, o: StoredObject) -> ObjectInfo:
+        """The client-facing record of `o` (where its bytes lie, whether it is durable)."""
+        r = self.tiers[o.tier].region(o.slot)
+        return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases,
+                          r.path, r.offset, self.tiers[o.tier].durable or o.backing is not None)
 
     def release_slot_if_unpinned(self, o: StoredObject) -> None:
         if o.removed and not o.pinned and not o.freed:
@@ -194,7 +204,7 @@ class Placement:
         goes before its record: a crash in between leaves a record without a file
         (dropped at open), never a file that would bring the copy back."""
         if o.backing is not None:
-            self.tiers["nvme"].free(o.backing)
+            self.tiers[o.backing.tier].free(o.backing)
             o.backing = None
             if self.index is not None:
                 self.index.delete(o.key)
@@ -316,7 +326,7 @@ class Placement:
         try:
             if dst is None:
                 return src.checksum(o.slot) == o.checksum
-            cpu = self.tiers["cpu"]
+            cpu = self.tiers[dst.tier]
             dv = cpu.view(dst)
             if dv is not None:  # read and hash in one pipelined pass over the arena copy
                 return src.read_into_hashed(o.slot, dv) == o.checksum
@@ -329,11 +339,13 @@ class Placement:
     def write_back_all(self) -> None:
         """Move every memory-tier object without an NVMe copy down to NVMe, where room
         allows (StoreSettings.writeback_on_close; called with the lock)."""
-        for o in [o for o in self.objects.values() if o.tier != "nvme" and o.backing is None]:
+        durable = self.roles.durable
+        assert durable is not None
+        for o in [o for o in self.objects.values() if o.tier != durable and o.backing is None]:
             try:
-                self.move(o, "nvme", allow_evict=False)
+                self.move(o, durable, allow_evict=False)
             except KVStoreError as exc:
-                log.warning("write-back of %r to nvme skipped: %s", o.key, exc)
+                log.warning("write-back of %r to %s skipped: %s", o.key, durable, exc)
 
     def evict_tier(self, tier: str) -> int:
         """Store.evict_tier's body (called with the lock): backing copies in `tier` dropped,
@@ -346,6 +358,77 @@ class Placement:
             if self.objects.get(o.key) is o and o.tier == tier and not o.pinned:
                 self.demote(o)
         return len(victims) + len(copies)
+
+    # ------------------------------------------------------------------ reads (Store.get, Store.prefetch)
+    def plan_reads(self, keys: Sequence[bytes], promote: bool, verify_durable: bool,
+                   verify_memory: bool) -> list[tuple[StoredObject, Optional[Slot]]]:
+        """Store.get's work outside the lock, as (object, memory-tier slot or None) plans:
+        durable hits to verify, promoted into the memory tier when `promote` and room can
+        be made without touching pinned objects; memory-tier objects committed unverified
+        (or every one, with `verify_memory`). Planned objects are pinned (`busy`) until
+        `settle_reads`. Called with the lock."""
+        plans: list[tuple[StoredObject, Optional[Slot]]] = []
+        seen: set[bytes] = set()
+        mem = self.roles.memory
+        for key in keys:
+            o = self.objects.get(key)
+            if o is None or key in seen:
+                continue
+            durable = self.tiers[o.tier].durable
+            if not durable and o.verified and not verify_memory:
+                continue  # the common case: a verified memory-tier object
+            seen.add(key)
+            dst = None
+            can_move = not o.pinned
+            o.busy += 1  # pinned before making room, so making room cannot take it
+            if durable and promote and mem is not None and can_move:
+                try:
+                    dst = self.allocate(mem, o.size, o.key, frozenset({o.key}))
+                except KVStoreError as exc:  # no room (or a failed demotion): serve from the durable tier
+                    log.debug("no promotion of %r: %s", key, exc)
+                    dst = None
+            always = (durable and verify_durable) or (not durable and verify_memory)
+            if dst is not None or always or not o.verified:
+                plans.append((o, dst))
+            else:
+                o.busy -= 1
+        return plans
+
+    def plan_prefetch(self, keys: Sequence[bytes], tier: str) -> tuple[int, list[tuple[StoredObject, Slot]]]:
+        """Store.prefetch's moves: objects already in `tier` or above are counted, others
+        moved up under the lock, except durable -> memory-tier promotions, which are
+        returned as plans (pinned; read and hashed outside the lock, as a promoting get
+        does). Returns (objects in place now, plans). Called with the lock."""
+        n = 0
+        plans: list[tuple[StoredObject, Slot]] = []
+        for key in keys:
+            o = self.objects.get(key)
+            if o is None:
+                continue
+            if self.rank(o.tier) <= self.rank(tier):
+                n += 1
+                continue
+            if o.pinned:
+                continue
+            if tier == self.roles.memory and self.tiers[o.tier].durable:
+                o.busy += 1  # pinned before making room, so making room cannot take it
+                try:
+                    plans.append((o, self.allocate(tier, o.size, o.key, frozenset({o.key}))))
+                except KVStoreError as exc:
+                    o.busy -= 1
+                    log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
+                continue
+            try:
+                self.move(o, tier, allow_evict=True)
+                self.counters["promotions"] += 1
+                n += 1
+            except BadObject as exc:
+                log.warning("%s; dropped", exc)
+                self.drop(o)
+                self.counters["corrupt_dropped"] += 1
+            except (CapacityExhausted, StorageError) as exc:
+                log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
+        return n, plans
 
     def settle_reads(self, plans: list, outcomes: list) -> None:
         """Unpin and settle (settle_nvme_read) the (object, CPU slot or None) plans whose
@@ -360,7 +443,7 @@ class Placement:
         an NVMe hit, or a memory-tier object committed unverified."""
         if not ok:
             if dst is not None:
-                self.tiers["cpu"].free(dst)
+                self.tiers[dst.tier].free(dst)
             if self.objects.get(o.key) is o:
                 log.warning("object %r in tier %s (%s) fails its checksum; dropped", o.key, o.tier, o.slot.path)
                 self.drop(o)
@@ -369,17 +452,105 @@ class Placement:
         o.verified = True
         if dst is None:
             return
-        if self.objects.get(o.key) is not o or o.tier != "nvme" or o.pinned:
-            self.tiers["cpu"].free(dst)  # deleted, moved or leased meanwhile: keep it where it is
+        if self.objects.get(o.key) is not o or o.tier != self.roles.durable or o.pinned:
+            self.tiers[dst.tier].free(dst)  # deleted, moved or leased meanwhile: keep it where it is
             return
-        o.tier, o.slot, o.backing = "cpu", dst, o.slot  # the NVMe file stays as a backing copy
+        o.tier, o.slot, o.backing = dst.tier, dst, o.slot  # the durable file stays as a backing copy
         self.counters["promotions"] += 1
 
 
+    # ------------------------------------------------------------------ write-back (kvstore.writeback)
+    def plan_backing(self, watermark: float, round_bytes: int, max_attempts: int) -> list["BackingJob"]:
+        """Durable slots for the coldest memory-tier objects without a durable copy, until
+        those objects' bytes are at `watermark` x the memory tier's capacity (at most
+        `round_bytes`; objects whose copy failed `max_attempts` times are left out). Each
+        object is pinned (`busy`) until `settle_backing`. Called with the lock."""
+        mem, dur = self.roles.memory, self.roles.durable
+        if mem is None or dur is None:
+            return []
+        unbacked = [o for o in self.objects.values() if o.tier == mem and o.backing is None]  # one scan
+        excess = sum(o.size for o in unbacked) - int(watermark * self.tiers[mem].capacity)
+        if excess <= 0:
+            return []
+        cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits) for o in unbacked
+                 if not o.pinned and o.writeback_failures < max_attempts]
+        jobs: list[BackingJob] = []
+        for key in self.policy.choose_victims(cands, min(excess, round_bytes)):
+            o = self.objects[key]
+            try:
+                slot = self.allocate(dur, o.size, o.key, frozenset({o.key}))
+            except KVStoreError as exc:  # the durable tier is full of pinned objects: later
+                log.debug("no %s room to back %r: %s", dur, o.key, exc)
+                break
+            o.busy += 1
+            jobs.append(BackingJob(o, self.tiers[mem], self.tiers[dur], slot))
+        return jobs
+
+    def write_backing(self, job: "BackingJob") -> None:
+        """Write a planned job's bytes into its durable slot and seal it; a failure is
+        logged and kept in `job.error` (the slot is freed by `settle_backing`). Runs
+        outside the lock: the object is pinned."""
+        o = job.obj
+        try:
+            self.copy(job.src, o.slot, job.dst, job.slot)
+            if (not o.verified or self.verify_moves) and job.dst.checksum(job.slot) != o.checksum:
+                raise BadObject(f"object {o.key!r} fails its checksum while being written back")
+            job.slot = job.dst.seal(job.slot, object_name(o.key), self.header(o))
+        except Exception as exc:  # noqa: BLE001 - logged, counted, freed by settle_backing
+            log.warning("write-back of %r to %s failed: %s", o.key, job.dst.name, exc)
+            job.error = exc
+
+    def settle_backing(self, jobs: list["BackingJob"], is_open: bool, max_attempts: int) -> int:
+        """Unpin written jobs; a good copy of an object still unbacked in the memory tier
+        becomes its backing copy and is recorded in the index, anything else is freed
+        (when the store is still open) and a failure counted. Returns how many objects
+        were backed. Called with the lock."""
+        backed = 0
+        for job in jobs:
+            o, slot, error = job.obj, job.slot, job.error
+            o.busy -= 1
+            keep = (error is None and is_open and not o.removed and o.tier == self.roles.memory
+                    and o.backing is None)
+            if keep:
+                o.backing = slot
+                try:
+                    assert self.index is not None
+                    self.index.put(self.record(o))
+                except KVStoreError as exc:
+                    log.warning("write-back of %r: index record failed (%s); copy dropped", o.key, exc)
+                    o.backing, keep, error = None, False, exc
+            if keep:
+                backed += 1
+                self.counters["writebacks"] += 1
+                self.counters["writeback_bytes"] += o.size
+            else:
+                if error is not None:
+                    self.counters["writeback_failures"] += 1
+                    o.writeback_failures += 1
+                    if o.writeback_failures == max_attempts:
+                        self.counters["writeback_given_up"] += 1
+                        log.warning("write-back of %r failed %d times; not trying it again", o.key, max_attempts)
+                if is_open:
+                    job.dst.free(slot)
+            self.release_slot_if_unpinned(o)
+        return backed
+
+
+@dataclass
+class BackingJob:
+    """One planned write-back copy: `obj`'s bytes from `src` into `slot` of `dst`."""
+
+    obj: StoredObject
+    src: Tier
+    dst: Tier
+    slot: Slot
+    error: Optional[BaseException] = None
+
+
 class StoreInternals(Protocol):
-    """What the Store's helpers (kvstore.writeback's WriteBack, kvstore.remote's
-    RemoteTier) read of the Store that owns them: its tiers, placement, lock and open flag.
-    kvstore.store imports those helpers, so they name this protocol instead of the Store."""
+    """What kvstore.remote's RemoteTier reads of the Store that owns it: its tiers,
+    placement, lock and open flag. kvstore.store imports the remote tier, so it names
+    this protocol instead of the Store."""
 
     tiers: dict[str, Tier]
     _place: Placement

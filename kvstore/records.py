@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-TIER_NAMES = ("gpu", "cpu", "nvme")  # fastest first; demotion goes left to right
 VERIFY_MODES = ("always", "first")  # StoreSettings.verify_nvme
 INDEX_RECOVERY_MODES = ("rebuild", "refuse")  # StoreSettings.index_recovery
 
@@ -27,7 +26,7 @@ class StoreSettings:
     shm_name: str = "kvstore"  # the arena file is /dev/shm/<shm_name>.<random>.arena (derive it from the socket path)
     lease_ttl_s: float = 30.0  # leases and reservations expire this long after their last renew
     eviction: str = "cost"  # "lru" | "cost"
-    default_tier: str = "cpu"
+    default_tier: str = "cpu"  # a name in kvstore.tiers.registry.TIERS (checked by the Store)
     writeback_on_close: bool = False  # on close, copy CPU-only objects down to NVMe
     # Keep CPU-tier bytes without an NVMe copy at or below this share of the CPU tier:
     # a background thread writes the coldest ones back ahead of need, so making room
@@ -67,8 +66,6 @@ class StoreSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise InvalidRequest(f"{name} must be an int >= 0 bytes, got {v!r}")
-        if self.default_tier not in TIER_NAMES:
-            raise InvalidRequest(f"unknown default tier {self.default_tier!r}; choose from {TIER_NAMES}")
         if self.verify_nvme not in VERIFY_MODES:
             raise InvalidRequest(f"verify_nvme must be one of {VERIFY_MODES}, got {self.verify_nvme!r}")
         if self.index_recovery not in INDEX_RECOVERY_MODES:

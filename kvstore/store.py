@@ -43,29 +43,26 @@ Remote tier (optional, `settings.remote_url`; kvstore.remote): committed objects
 offered to it after commit and written in the background; a key absent from every local
 tier is looked up there by `lookup`/`presence` (wait=True) and `get`, and a remote hit is
 verified and committed to the CPU tier before it is answered.
+
+The Store is the API and the lock; its parts live by job: kvstore.storemedia (directory
+lock, tiers built from kvstore.tiers.registry, index), kvstore.placement (object map,
+room, moves, read and write-back plans), kvstore.reservations (open puts, their waiters),
+kvstore.writeback (the thread driving the public `write_back_round`).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import msgpack
-import torch
-
 from kvstore.errors import (
-    AlreadyExists,
     BadObject,
     CapacityExhausted,
-    IndexDamaged,
     InvalidRequest,
-    KVStoreError,
     StorageError,
     UnknownKey,
 )
@@ -77,8 +74,8 @@ from kvstore.writeback import WriteBack
 from kvstore.remote.base import RemoteAdapter
 from kvstore.remote.tier import RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter
 from kvstore.placement import Placement, StoredObject, object_name
+from kvstore.reservations import PendingPut, Reservations, check_put
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
-    TIER_NAMES,
     Lease,
     LookupEntry,
     ObjectInfo,
@@ -87,24 +84,13 @@ from kvstore.records import (  # noqa: F401  (re-exported: the Store API's recor
     Reservation,
     StoreSettings,
 )
-from kvstore.tiers.base import Slot, Tier
-from kvstore.tiers.cpu_arena import CpuArena
-from kvstore.tiers.gpu_arena import GpuArena
-from kvstore.recovery import scan_object_files
-from kvstore.tiers.nvme import NvmeTier, check_private_dir
+from kvstore.storemedia import StoreMedia
+from kvstore.tiers.base import Tier
+from kvstore.tiers.registry import TIERS, TierRoles
+
+TIER_NAMES = TIERS.names  # (re-exported) fastest first; demotion goes left to right
 
 log = logging.getLogger(__name__)
-
-
-
-class _PendingPut:
-    """A reservation's state (the LeaseTable entry's payload)."""
-
-    __slots__ = ("key", "tier", "slot", "meta", "committing")
-
-    def __init__(self, key: bytes, tier: str, slot: Slot, meta: ObjectMeta) -> None:
-        self.key, self.tier, self.slot, self.meta = key, tier, slot, meta
-        self.committing = False
 
 
 class Store:
@@ -118,22 +104,20 @@ class Store:
         `settings.remote_url` names (the Store closes it)."""
         s = settings
         s.validate()
+        TIERS.check(s.default_tier, "default tier")
         self.settings = s
         self.dir = Path(s.dir)
         self._policy = make_policy(s.eviction)
-        self._wrap = wrap_tier
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self.tiers: dict[str, Tier] = {}  # enabled tiers, fastest first (filled by open)
-        self._place = Placement(self.tiers, None, self._policy, Counter(), self.dir / "objects")
+        self._counters: Counter = Counter()
+        self._media = StoreMedia(s, wrap_tier, self._counters)
+        self.tiers: dict[str, Tier] = self._media.tiers  # enabled tiers, fastest first (filled by open)
+        self._place = Placement(self.tiers, None, self._policy, self._counters, self.dir / "objects")
         self._place.verify_moves = s.verify_memory == "always"
         self._leases = LeaseTable(s.lease_ttl_s)
-        self._reservations = LeaseTable(s.lease_ttl_s)
-        self._inflight: dict[bytes, int] = {}  # key -> reservation id
-        self._settle_listeners: list[Callable[[Optional[bytes]], None]] = []
-        self._counters = self._place.counters
+        self._reservations = Reservations(s.lease_ttl_s, self._cond)
         self._index: Optional[ObjectIndex] = None
-        self._dir_lock = -1
         self._open = False
         self._writeback = WriteBack(self, s.writeback_watermark)  # started by open (CPU + NVMe tiers, < 1)
         self._remote_adapter = remote_adapter
@@ -147,48 +131,37 @@ class Store:
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
-        """Create/map the tiers, open the LMDB index and rebuild the NVMe tier from it
-        (records whose file is missing or short are dropped and counted; object files from
-        a crash between write and index commit are adopted from their headers)."""
+        """Lock the cache directory, create/map the tiers, open the LMDB index and rebuild
+        the NVMe tier from it (records whose file is missing or short are dropped and
+        counted; object files from a crash between write and index commit are adopted
+        from their headers); kvstore.storemedia opens the media."""
         with self._lock:
             if self._open:
                 return
+            self._media.open()
+            self._index = self._place.index = self._media.index
+            self._place.roles = self._media.roles
             try:
-                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                check_private_dir(self.dir, "cache directory", follow=True, make_private=False)
-                fd = os.open(self.dir / "kvstore.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            except OSError as exc:
-                raise StorageError(f"cannot use the cache directory {self.dir}: {exc.strerror or exc}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                finally:
-                    os.close(fd)
-                raise AlreadyExists(f"cache directory {self.dir} is in use by another daemon (pid {holder or '?'}); "
-                                    "stop it first or pass another --dir") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            self._dir_lock = fd
-            try:
-                self._open_tiers()
-                if "nvme" in self.tiers:
-                    self._open_index()
+                if self.roles.durable is not None:
                     self._place.recover_nvme()
             except BaseException:
                 self._close_media()
                 raise
             self._open = True
-        if {"cpu", "nvme"} <= set(self.tiers) and self.settings.writeback_watermark < 1.0:
+        if self.roles.can_write_back and self.settings.writeback_watermark < 1.0:
             self._writeback.start()
         if self.settings.remote_url or self._remote_adapter is not None:
             self._open_remote()
 
+    @property
+    def roles(self) -> TierRoles:
+        """What the enabled tiers are for (kvstore.tiers.registry; none while closed)."""
+        return self._media.roles
+
     def _open_remote(self) -> None:
         s = self.settings
         try:
-            if "cpu" not in self.tiers:
+            if self.roles.memory is None:
                 raise InvalidRequest("the remote tier needs a CPU tier (remote hits land there): give --cpu-capacity a size")
             adapter = self._remote_adapter if self._remote_adapter is not None else make_adapter(s.remote_url)
             self._remote = RemoteTier(self, RemoteSettings(s.remote_url or f"({adapter.kind})", s.remote_policy,
@@ -197,44 +170,6 @@ class Store:
             self.close()
             raise
         self._remote.start()
-
-    def _open_index(self) -> None:
-        """Open the LMDB index; a damaged one is rebuilt from the object files' headers
-        (settings.index_recovery "rebuild") or refused with the repair command to run."""
-        objects = self.dir / "objects"
-        self._index = ObjectIndex(self.dir / "index.lmdb",
-                                  rebuild_source=lambda: scan_object_files(objects).records)
-        self._place.index = self._index
-        try:
-            self._index.open()
-        except IndexDamaged as exc:
-            if self.settings.index_recovery != "rebuild":
-                raise IndexDamaged(f"{exc}; rebuild it from the object files with: kvstore repair --dir {self.dir}") \
-                    from None
-            log.warning("%s; moving it aside and rebuilding it from the object files", exc)
-            n = self._index.rebuild(str(exc))
-            self._counters["index_rebuilds"] += 1
-            log.warning("index %s rebuilt from %d object files (the damaged one is at %s)", self._index.path, n,
-                        self._index.moved_aside[-1] if self._index.moved_aside else "-")
-
-    def _open_tiers(self) -> None:
-        s = self.settings
-        made: list[Tier] = []
-        if s.gpu_capacity > 0:
-            if torch.cuda.is_available():
-                made.append(GpuArena(s.gpu_capacity))
-            else:
-                log.warning("gpu capacity %d requested but CUDA is not available: no gpu tier", s.gpu_capacity)
-        if s.cpu_capacity > 0:
-            made.append(CpuArena(s.cpu_capacity, s.shm_name, mode=s.arena_mode))
-        if s.nvme_capacity > 0:
-            made.append(NvmeTier(self.dir / "objects", s.nvme_capacity))
-        if not made:
-            raise InvalidRequest("no tier enabled: every capacity is 0 (or gpu only, without CUDA)")
-        for t in made:
-            tier = self._wrap(t) if self._wrap else t
-            tier.open()
-            self.tiers[tier.name] = tier
 
     def close(self) -> None:
         """Abort open reservations, optionally write the CPU tier back to NVMe, flush and
@@ -246,9 +181,9 @@ class Store:
         with self._lock:
             if not self._open:
                 return
-            for e in self._reservations.entries():
+            for e in self._reservations.table.entries():
                 self._end_reservation_locked(e, free=True)
-            if self.settings.writeback_on_close and "nvme" in self.tiers:
+            if self.settings.writeback_on_close and self.roles.durable is not None:
                 self._place.write_back_all()
             if self._index is not None:
                 try:
@@ -257,29 +192,16 @@ class Store:
                 except StorageError as exc:
                     log.warning("flushing access stats to the index failed: %s", exc)
             self._place.objects.clear()
-            self._inflight.clear()
             self._leases = LeaseTable(self.settings.lease_ttl_s)
-            self._reservations = LeaseTable(self.settings.lease_ttl_s)
+            self._reservations.reset()
             self._open = False
             self._close_media()
-            self._cond.notify_all()
-            for fn in self._settle_listeners:
-                fn(None)
+            self._reservations.notify(None)
 
     def _close_media(self) -> None:
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-            self._place.index = None
-        for t in reversed(list(self.tiers.values())):
-            try:
-                t.close()
-            except Exception as exc:  # noqa: BLE001 - close the rest regardless
-                log.warning("closing tier %s failed: %s", t.name, exc)
-        self.tiers.clear()
-        if self._dir_lock >= 0:
-            os.close(self._dir_lock)
-            self._dir_lock = -1
+        self._media.close()
+        self._index = self._place.index = None
+        self._place.roles = self._media.roles
 
     def __enter__(self) -> "Store":
         self.open()
@@ -294,24 +216,10 @@ class Store:
             raise StorageError(f"the store at {self.dir} is not open")
 
     def _tier(self, name: str) -> Tier:
-        if name not in TIER_NAMES:
-            raise InvalidRequest(f"unknown tier {name!r}; choose from {', '.join(TIER_NAMES)}")
-        t = self.tiers.get(name)
+        t = self.tiers.get(TIERS.check(name))
         if t is None:
             raise InvalidRequest(f"tier {name!r} is not enabled in this daemon (enabled: {', '.join(self.tiers)})")
         return t
-
-    def _check_key(self, key: bytes) -> None:
-        if not isinstance(key, (bytes, bytearray)):
-            raise InvalidRequest(f"keys must be bytes, got {type(key).__name__}")
-        limit = self.settings.max_key_bytes
-        if not key or len(key) > limit:
-            raise InvalidRequest(f"key length must be 1..{limit} bytes (the NVMe tier's index limit), got {len(key)}")
-
-    def _info(self, o: StoredObject) -> ObjectInfo:
-        r = self.tiers[o.tier].region(o.slot)
-        return ObjectInfo(o.key, o.tier, o.size, o.checksum, o.meta, o.hits, o.last_access, o.created, o.leases,
-                          r.path, r.offset, o.tier == "nvme" or o.backing is not None)
 
     # ------------------------------------------------------------------ public API
     def lookup(self, keys: Sequence[bytes]) -> list[LookupEntry]:
@@ -365,16 +273,7 @@ class Store:
         be made, InvalidRequest for size <= 0, a size over the tier's capacity, an
         unknown or absent tier, or a bad key.
         """
-        self._check_key(key)
-        key = bytes(key)
-        if not isinstance(size, int) or size <= 0:
-            raise InvalidRequest(f"object size must be an int > 0 bytes, got {size!r}")
-        if not isinstance(meta, ObjectMeta):
-            raise InvalidRequest(f"meta must be an ObjectMeta, got {type(meta).__name__}")
-        try:
-            msgpack.packb(meta.extra, use_bin_type=True)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(f"object meta.extra is not msgpack-serialisable: {exc}") from exc
+        key = check_put(key, size, meta, self.settings.max_key_bytes)
         with self._lock:
             self._require_open()
             t = self._tier(tier)
@@ -383,24 +282,16 @@ class Store:
             o = self._place.objects.get(key)
             if o is not None:
                 return Reservation(0, key, o.tier, None, "exists")
-            rid = self._inflight.get(key)
-            if rid is not None:
-                e = self._reservations.get(rid)
-                return Reservation(0, key, e.payload.tier if e else tier, None, "in_flight")
+            if self._reservations.in_flight(key):
+                return Reservation(0, key, self._reservations.tier_of(key) or tier, None, "in_flight")
             slot = self._place.allocate(tier, size, key)
-            e = self._reservations.acquire(key, client_id, _PendingPut(key, tier, slot, meta))
-            self._inflight[key] = e.lease_id
+            e = self._reservations.open(PendingPut(key, tier, slot, meta), client_id)
             return Reservation(e.lease_id, key, tier, t.region(slot), "reserved", e.expires_at)
 
     def _end_reservation_locked(self, e: LeaseEntry, free: bool) -> None:
-        self._reservations.release(e.lease_id)
-        if self._inflight.get(e.key) == e.lease_id:
-            del self._inflight[e.key]
         if free:
             self.tiers[e.payload.tier].free(e.payload.slot)
-        self._cond.notify_all()
-        for fn in self._settle_listeners:
-            fn(e.key)
+        self._reservations.end(e)
 
     def commit(self, reservation_id: int, checksum: int, client_id: Optional[str] = None) -> LookupEntry:
         """Verify the reserved bytes hash to `checksum` and make the object visible.
@@ -411,10 +302,10 @@ class Store:
         """
         with self._lock:
             self._require_open()
-            e = self._owned_locked(self._reservations, reservation_id, client_id)
+            e = self._owned_locked(self._reservations.table, reservation_id, client_id)
             if e is None:
                 raise UnknownKey(f"reservation {reservation_id} is unknown, expired or already finished")
-            p: _PendingPut = e.payload
+            p: PendingPut = e.payload
             if p.committing:
                 raise InvalidRequest(f"reservation {reservation_id} is already being committed")
             p.committing = True
@@ -454,7 +345,7 @@ class Store:
             self._end_reservation_locked(e, free=False)
             self._place.objects[p.key] = o
             self._counters["puts"] += 1
-        if p.tier == "cpu":
+        if p.tier == self.roles.memory:
             self._writeback.kick()
         if self._remote is not None:
             self._remote.offer(p.key, slot.size, p.meta)
@@ -474,7 +365,7 @@ class Store:
         An unknown or finished id, or (with `client_id`) another client's, is ignored
         (abort is idempotent)."""
         with self._lock:
-            e = self._owned_locked(self._reservations, reservation_id, client_id)
+            e = self._owned_locked(self._reservations.table, reservation_id, client_id)
             if e is None:
                 return
             if e.payload.committing:
@@ -489,7 +380,7 @@ class Store:
         `loop.call_soon_threadsafe`), never block or call back into the store. This is how
         the server waits for keys without holding a thread per waiter (`key_state`)."""
         with self._lock:
-            self._settle_listeners.append(fn)
+            self._reservations.add_listener(fn)
 
     def key_state(self, key: bytes, *, wait: bool = True) -> Optional[str]:
         """"present", "in_flight" (a reservation is open) or "absent" (also once the
@@ -501,7 +392,7 @@ class Store:
                 return "absent"
             if key in self._place.objects:
                 return "present"
-            return "in_flight" if key in self._inflight else "absent"
+            return "in_flight" if self._reservations.in_flight(key) else "absent"
         finally:
             self._lock.release()
 
@@ -514,7 +405,7 @@ class Store:
                 if key in self._place.objects:
                     return True
                 left = deadline - time.monotonic()
-                if key not in self._inflight or left <= 0 or not self._open:
+                if not self._reservations.in_flight(key) or left <= 0 or not self._open:
                     return False
                 self._cond.wait(left)
 
@@ -535,34 +426,11 @@ class Store:
             found = self._presence(keys, True)
             if found is not None and not all(found):
                 self._remote.fill([k for k, f in zip(keys, found) if f is None])
-        plans: list[tuple[StoredObject, Optional[Slot]]] = []
-        verify_memory = self.settings.verify_memory == "always"
         with self._lock:
             self._require_open()
-            seen: set[bytes] = set()
-            for key in keys:
-                o = self._place.objects.get(key)
-                if o is None or key in seen:
-                    continue
-                durable = self.tiers[o.tier].durable
-                if not durable and o.verified and not verify_memory:
-                    continue  # the common case: a verified memory-tier object
-                seen.add(key)
-                dst = None
-                can_move = not o.pinned
-                o.busy += 1  # pinned before making room, so making room cannot take it
-                if durable and promote and "cpu" in self.tiers and can_move:
-                    try:
-                        dst = self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))
-                    except KVStoreError as exc:  # no room (or a failed demotion): serve from NVMe
-                        log.debug("no promotion of %r: %s", key, exc)
-                        dst = None
-                always = (durable and self.settings.verify_nvme == "always" and not client_verifies) or \
-                    (not durable and verify_memory)
-                if dst is not None or always or not o.verified:
-                    plans.append((o, dst))
-                else:
-                    o.busy -= 1
+            plans = self._place.plan_reads(keys, promote,
+                                           self.settings.verify_nvme == "always" and not client_verifies,
+                                           self.settings.verify_memory == "always")
         outcomes = [self._place.verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
         with self._lock:
             self._place.settle_reads(plans, outcomes)
@@ -611,7 +479,7 @@ class Store:
             return False
         try:
             self._leases.renew(client_id)
-            self._reservations.renew(client_id)
+            self._reservations.table.renew(client_id)
             return True
         finally:
             self._lock.release()
@@ -635,42 +503,29 @@ class Store:
         """Move present keys up to `tier` where room can be made; returns how many now
         sit in `tier` or above. NVMe -> CPU promotions read and hash outside the lock, as
         a promoting get does (other moves copy under it)."""
-        n = 0
-        plans: list[tuple[StoredObject, Slot]] = []
         with self._lock:
             self._require_open()
             self._tier(tier)
-            for key in keys:
-                o = self._place.objects.get(key)
-                if o is None:
-                    continue
-                if self._place.rank(o.tier) <= self._place.rank(tier):
-                    n += 1
-                    continue
-                if o.pinned:
-                    continue
-                if tier == "cpu" and o.tier == "nvme":
-                    o.busy += 1  # pinned before making room, so making room cannot take it
-                    try:
-                        plans.append((o, self._place.allocate("cpu", o.size, o.key, frozenset({o.key}))))
-                    except KVStoreError as exc:
-                        o.busy -= 1
-                        log.info("prefetch of %r to cpu skipped: %s", key, exc)
-                    continue
-                try:
-                    self._place.move(o, tier, allow_evict=True)
-                    self._counters["promotions"] += 1
-                    n += 1
-                except BadObject as exc:
-                    log.warning("%s; dropped", exc)
-                    self._place.drop(o)
-                    self._counters["corrupt_dropped"] += 1
-                except (CapacityExhausted, StorageError) as exc:
-                    log.info("prefetch of %r to %s skipped: %s", key, tier, exc)
+            n, plans = self._place.plan_prefetch(keys, tier)
         outcomes = [self._place.verify_or_copy(o, dst) for o, dst in plans]  # outside the lock
         with self._lock:
             self._place.settle_reads(plans, outcomes)
-            return n + sum(self._place.objects.get(o.key) is o and o.tier == "cpu" for o, _ in plans)
+            return n + sum(self._place.objects.get(o.key) is o and o.tier == tier for o, _ in plans)
+
+    def write_back_round(self, watermark: float, round_bytes: int, max_attempts: int) -> int:
+        """One write-back round (kvstore.writeback): give the coldest memory-tier objects
+        without a durable copy one, until their bytes are at `watermark` x the memory
+        tier's capacity (at most `round_bytes`; objects whose copy failed `max_attempts`
+        times are skipped). Copies run outside the lock on pinned objects. Returns how
+        many objects were backed (0 when closed or without a memory and a durable tier)."""
+        with self._lock:
+            if not self._open:
+                return 0
+            jobs = self._place.plan_backing(watermark, round_bytes, max_attempts)
+        for job in jobs:
+            self._place.write_backing(job)
+        with self._lock:
+            return self._place.settle_backing(jobs, self._open, max_attempts)
 
     def evict_tier(self, tier: str) -> int:
         """Demote every unleased object out of `tier` one tier down (gpu -> cpu -> nvme ->
@@ -712,12 +567,12 @@ class Store:
     def list_objects(self, fingerprint: Optional[str] = None, prefix: Optional[bytes] = None,
                      tier: Optional[str] = None, limit: Optional[int] = None) -> list[ObjectInfo]:
         """Committed objects matching every given filter, most-hit first."""
-        if tier is not None and tier not in TIER_NAMES:
-            raise InvalidRequest(f"unknown tier {tier!r}; choose from {', '.join(TIER_NAMES)}")
+        if tier is not None:
+            TIERS.check(tier)
         if limit is not None and limit < 0:
             raise InvalidRequest(f"limit must be >= 0, got {limit}")
         with self._lock:
-            hits = [self._info(o) for o in self._place.objects.values()
+            hits = [self._place.info(o) for o in self._place.objects.values()
                     if (fingerprint is None or o.meta.fingerprint == fingerprint)
                     and (prefix is None or o.key.startswith(prefix))
                     and (tier is None or o.tier == tier)]
@@ -730,7 +585,7 @@ class Store:
             o = self._place.objects.get(key)
             if o is None:
                 raise UnknownKey(f"no object with key {bytes(key)!r}")
-            return self._info(o)
+            return self._place.info(o)
 
     def expire(self, now: Optional[float] = None) -> None:
         """Expire leases and reservations whose time has passed (the server calls this
@@ -739,6 +594,6 @@ class Store:
             for e in self._leases.expire(now):
                 self._unlease_locked(e.payload)
                 self._counters["expired_leases"] += 1
-            for e in self._reservations.expire(now, keep=lambda e: e.payload.committing):
+            for e in self._reservations.table.expire(now, keep=lambda e: e.payload.committing):
                 self._end_reservation_locked(e, free=True)
                 self._counters["expired_reservations"] += 1

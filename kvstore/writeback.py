@@ -15,6 +15,9 @@ copy becomes the primary), making room prefers backed victims (Placement.allocat
 backed objects survive a daemon restart. A failed copy is logged, counted
 (`writeback_failures`) and freed; the object stays as it was.
 
+The round itself is the Store's public `write_back_round` (planned and settled under its
+lock by kvstore.placement, copied outside it); this module owns only the thread and its
+schedule, and knows the Store through the one-method `WriteBackTarget` protocol.
 `run_once()` does one round (the thread's loop body; tests call it directly). The thread
 wakes when `kick()`ed (a CPU-tier commit: the way new unbacked bytes arrive) and every
 `interval_s` (for copies dropped under NVMe pressure); a round copies at most
@@ -29,23 +32,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
-
-from kvstore.errors import BadObject, KVStoreError
-from kvstore.eviction import Candidate
-from kvstore.placement import StoreInternals, object_name
-
-
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # failed write-backs of one object before the thread stops trying it
 
 
+class WriteBackTarget(Protocol):
+    """What the write-back thread calls: the Store's public `write_back_round`."""
+
+    def write_back_round(self, watermark: float, round_bytes: int, max_attempts: int) -> int: ...
+
+
 class WriteBack:
     """The write-back thread of one Store (module docstring)."""
 
-    def __init__(self, store: StoreInternals, watermark: float, interval_s: float = 0.5,
+    def __init__(self, store: WriteBackTarget, watermark: float, interval_s: float = 0.5,
                  round_bytes: int = 256 << 20) -> None:
         self.store = store
         self.watermark = watermark
@@ -84,68 +87,7 @@ class WriteBack:
                 log.exception("write-back round failed")
 
     def run_once(self) -> int:
-        """One round: back the coldest unbacked CPU objects until the unbacked bytes are
-        at the watermark (at most `round_bytes`). Returns how many objects were backed."""
-        s = self.store
-        place = s._place
-        with s._lock:
-            if not s._open or "cpu" not in s.tiers or "nvme" not in s.tiers:
-                return 0
-            unbacked = [o for o in place.objects.values() if o.tier == "cpu" and o.backing is None]  # one scan
-            excess = sum(o.size for o in unbacked) - int(self.watermark * s.tiers["cpu"].capacity)
-            if excess <= 0:
-                return 0
-            cands = [Candidate(o.key, o.size, o.meta.cost, o.last_access, o.hits) for o in unbacked
-                     if not o.pinned and o.writeback_failures < MAX_ATTEMPTS]
-            jobs: list[tuple[Any, Any]] = []
-            for key in place.policy.choose_victims(cands, min(excess, self.round_bytes)):
-                o = place.objects[key]
-                try:
-                    slot = place.allocate("nvme", o.size, o.key, frozenset({o.key}))
-                except KVStoreError as exc:  # the NVMe tier is full of pinned objects: later
-                    log.debug("no NVMe room to back %r: %s", o.key, exc)
-                    break
-                o.busy += 1
-                jobs.append((o, slot))
-            cpu, nvme = s.tiers["cpu"], s.tiers["nvme"]
-        done = [(o, *self._copy(place, cpu, nvme, o, slot)) for o, slot in jobs]  # outside the lock: pinned
-        backed = 0
-        with s._lock:
-            for o, slot, error in done:
-                o.busy -= 1
-                keep = error is None and s._open and not o.removed and o.tier == "cpu" and o.backing is None
-                if keep:
-                    o.backing = slot
-                    try:
-                        place.index.put(place.record(o))
-                    except KVStoreError as exc:
-                        log.warning("write-back of %r: index record failed (%s); copy dropped", o.key, exc)
-                        o.backing, keep, error = None, False, exc
-                if keep:
-                    backed += 1
-                    place.counters["writebacks"] += 1
-                    place.counters["writeback_bytes"] += o.size
-                else:
-                    if error is not None:
-                        place.counters["writeback_failures"] += 1
-                        o.writeback_failures += 1
-                        if o.writeback_failures == MAX_ATTEMPTS:
-                            place.counters["writeback_given_up"] += 1
-                            log.warning("write-back of %r failed %d times; not trying it again", o.key, MAX_ATTEMPTS)
-                    if s._open:
-                        nvme.free(slot)
-                place.release_slot_if_unpinned(o)
-        return backed
-
-    @staticmethod
-    def _copy(place, cpu, nvme, o, slot) -> tuple[Any, Any]:
-        """Write `o`'s bytes into the NVMe slot and seal it: (sealed slot, None) or
-        (slot to free, the error)."""
-        try:
-            place.copy(cpu, o.slot, nvme, slot)
-            if (not o.verified or place.verify_moves) and nvme.checksum(slot) != o.checksum:
-                raise BadObject(f"object {o.key!r} fails its checksum while being written back")
-            return nvme.seal(slot, object_name(o.key), place.header(o)), None
-        except Exception as exc:  # noqa: BLE001 - logged, counted, freed by the caller
-            log.warning("write-back of %r to nvme failed: %s", o.key, exc)
-            return slot, exc
+        """One round: back the coldest unbacked memory-tier objects until the unbacked
+        bytes are at the watermark (at most `round_bytes`). Returns how many objects were
+        backed."""
+        return self.store.write_back_round(self.watermark, self.round_bytes, MAX_ATTEMPTS)

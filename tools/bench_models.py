@@ -355,8 +355,9 @@ def serve_log_timings(text: str) -> dict[str, float]:
 
 def scaled_down(name: str):
     """The --quick variant of a real-shape preset: its layer pattern cut to one group (one
-    full-attention layer), widths divided by 8, 8 experts, a 1024 vocabulary, float32: the
-    same code path at CPU size."""
+    full-attention layer), widths divided by 8 (head counts and rotary dims by 4), 8
+    experts (4 per group when routing is group-limited: the real group counts kept), a
+    1024 vocabulary, float32: the same code path at CPU size."""
     from dataclasses import replace
 
     from engine.models.presets import get_preset
@@ -370,8 +371,9 @@ def scaled_down(name: str):
         attention=replace(a, num_heads=a.num_heads // 4, num_kv_heads=max(1, a.num_kv_heads // 4),
                           head_dim=a.head_dim // 4, rotary_dim=a.rotary_dim // 4),
         linear=replace(lin, num_heads=lin.num_heads // 4, num_v_heads=lin.num_v_heads // 4,
-                       key_dim=lin.key_dim // 4, value_dim=lin.value_dim // 4),
-        moe=replace(moe, num_experts=8, intermediate_size=moe.intermediate_size // 8,
+                       key_dim=lin.key_dim // 4, value_dim=lin.value_dim // 4, rotary_dim=lin.rotary_dim // 4),
+        moe=replace(moe, num_experts=8 if moe.num_groups == 1 else 4 * moe.num_groups,
+                    intermediate_size=moe.intermediate_size // 8,
                     shared_intermediate_size=moe.shared_intermediate_size // 8))
 
 

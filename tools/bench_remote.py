@@ -9,12 +9,18 @@ per repeat:
   mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
              zero-copy calls of Mooncake's Python API
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
-  ours       the daemon's remote path: `MooncakeAdapter.submit_put` / `submit_get` + `wait`
-             (its worker thread, header + bytes as two ranges), plus what the remote tier
-             does around them: encoding the 4 KiB envelope header on a put, decoding it
+  ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
+             tier calls it (inline on the caller's thread, the client's RPC timeout
+             bounding it; header + bytes as two ranges), plus what the remote tier does
+             around it: encoding the 4 KiB envelope header on a put, decoding it
              and hashing the bytes (the checksum verified on every remote read) on a get
 
-Each op is one object (put, get, remove); the two sides alternate op by op, so both
+All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
+only our layer differs: two clients in one process were seen to differ by up to 2x in
+put latency on a loaded host, whichever of them was made first (`--client separate`
+gives the raw sides a client of their own, as before).
+
+Each op is one object (put, get, remove); the sides alternate op by op, so all
 see the same load on a shared machine. Per repeat: p50 / p99
 latency and throughput (bytes / total time); the JSON holds the median of the repeats
 with their min..max spread and our overhead vs the raw client (p50 latency and
@@ -46,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from kvstore.format import checksum  # noqa: E402
+from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
 from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header  # noqa: E402
@@ -54,6 +60,7 @@ from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
 
 MIB = 1 << 20
+TIMEOUT_S = 2.0  # the remote tier's default timeout (RemoteSettings.timeout_s)
 HOLDER = """
 import sys, time
 from mooncake.store import MooncakeDistributedStore
@@ -77,11 +84,14 @@ def spread(values: list[float]) -> dict[str, float]:
 class Raw:
     """Mooncake's own client, the baseline."""
 
-    def __init__(self, master: MooncakeMaster) -> None:
-        self.c = load_client_class()()
-        rc = self.c.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{master.rpc_port}")
-        if rc != 0:
-            raise RuntimeError(f"raw client setup returned {rc}")
+    def __init__(self, master: MooncakeMaster, client: Any = None) -> None:
+        """`client`: an already joined Mooncake client to drive (default: a new one)."""
+        self.own = client is None
+        self.c = load_client_class()() if client is None else client
+        if self.own:
+            rc = self.c.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{master.rpc_port}")
+            if rc != 0:
+                raise RuntimeError(f"raw client setup returned {rc}")
 
     def put(self, name: str, buf: torch.Tensor) -> None:
         rc = self.c.put_from(name, buf.data_ptr(), buf.numel())
@@ -102,7 +112,7 @@ class RawVerified(Raw):
 
     def get(self, name: str, buf: torch.Tensor, want: int) -> None:
         super().get(name, buf, want)
-        if checksum(buf) != want:
+        if host_checksum(memoryview(buf.numpy())) != want:
             raise RuntimeError(f"raw get_into {name}: checksum mismatch")
 
 
@@ -116,23 +126,24 @@ class Ours:
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
         encode_header(name.encode(), self.meta, buf.numel(), csum, memoryview(self.hdr.numpy()))
-        res = self.a.wait(self.a.submit_put([PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
-                                                            (buf.data_ptr(), buf.numel())))]), 60)
-        if res is None or not res.ok:
+        res = self.a.call("put", [PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
+                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
+        if not res.ok:
             raise RuntimeError(f"adapter put {name}: {res}")
 
     def get(self, name: str, buf: torch.Tensor, want: int) -> None:
         hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        res = self.a.wait(self.a.submit_get([GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
-                                                            (buf.data_ptr(), buf.numel())))]), 60)
-        if res is None or res.codes[0] != buf.numel() + HEADER_BYTES:
+        res = self.a.call("get", [GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
+                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
+        if res.codes[0] != buf.numel() + HEADER_BYTES:
             raise RuntimeError(f"adapter get {name}: {res}")
         h = decode_header(memoryview(hdr.numpy()), name.encode(), buf.numel() + HEADER_BYTES)
-        if checksum(buf) != h.checksum or h.checksum != want:
+        # the remote tier hashes the CPU-arena slot the same way (CpuArenaTier.checksum)
+        if host_checksum(memoryview(buf.numpy())) != h.checksum or h.checksum != want:
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
 
     def remove(self, name: str) -> None:
-        self.a.wait(self.a.submit_remove([name]), 60)
+        self.a.call("remove", [name], TIMEOUT_S)
 
 
 def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int, check: bool) -> tuple[float, float]:
@@ -175,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1,4,16,64", help="object sizes in MiB, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--iters", type=int, default=0, help="ops per size and repeat (0: 24, 16, 10 at 1, 4, 16 MiB; 6 above)")
+    ap.add_argument("--client", default="shared", choices=("shared", "separate"),
+                    help="the raw sides drive the adapter's own Mooncake client (shared, default: only our layer "
+                         "differs) or a second client of their own (separate: two clients of one process differ "
+                         "by up to 2x in put latency on a loaded host, whichever is made first)")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -192,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        raw, ours = Raw(master), Ours(master)
+        ours = Ours(master)
+        raw = Raw(master, ours.a.client if args.client == "shared" else None)
+        if raw.c is None:
+            raise RuntimeError("the adapter did not join the Mooncake cluster")
         rawv = RawVerified.__new__(RawVerified)
         rawv.c = raw.c  # the same client; only the get differs
         rows = []
@@ -201,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
             src = torch.randint(0, 256, (n,), dtype=torch.uint8)
             dst = torch.empty(n, dtype=torch.uint8)
-            csum = checksum(src)
+            csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
             run_repeat(sides, src, dst, 2, csum)  # warm-up
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
@@ -248,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             "date": _dt.date.today().isoformat(),
             "command": "python tools/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                        "note": "a 2-core CPU machine shared with five other engineers' test runs at the same "
+                        "note": "a 2-core CPU machine shared with seven other engineers' test runs at the same "
                                 "time: absolute figures are noisy; the two sides run interleaved in one process "
                                 "so they see the same load"},
             "setup": "mooncake_master (embedded HTTP metadata) + a holder process mounting a 1 GiB segment; the "
-                     "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get",
+                     "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get; "
+                     f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",
+            "client": args.client,
             "mooncake_version": _mooncake_version(),
             "repeats": args.repeats,
             "rows": rows,
@@ -272,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         print(f"worst p50 overhead {worst:+.1f}% (target <= 10%)")
         ours.a.close()
-        raw.c.close()
+        if raw.own:
+            raw.c.close()
         return 0
     finally:
         holder.kill()

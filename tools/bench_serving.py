@@ -55,14 +55,28 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from engine.connector.settings import PicSettings, PicSettingsError  # noqa: E402 (after the path fix)
+
 GPU_PRESETS = "qwen3next-bench,ring-bench"
 QUICK_PRESETS = "qwen3next-tiny,ring-tiny"
+#: the PIC defaults every entry point shares (engine.connector.settings); the flags below start there
+DEFAULTS = PicSettings().pic
+
+
+def pic_settings(args: argparse.Namespace) -> PicSettings:
+    """The benchmark's settings: PicSettings() changed by its PIC experiment flags."""
+    return PicSettings().with_pic(cold_full_fraction=args.cold_full_fraction or None,
+                                  cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
+                                  miss_path=args.miss_path, miss_signatures=args.miss_signatures,
+                                  idle_resume=args.idle_resume == "on",
+                                  batch_long_ranges=args.long_ranges == "batched")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,35 +119,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpus", default="auto",
                     help="GPUs of the two-engine experiments, e.g. 0,1 (worker i on the i-th); auto: the first two "
                          "when CUDA has >= 2 devices; none: the engine's device")
-    ap.add_argument("--cold-full-fraction", type=float, default=0.5,
+    ap.add_argument("--cold-full-fraction", type=float, default=DEFAULTS.cold_full_fraction or 0.0,
                     help="PIC's cold fallback (PicConfig.cold_full_fraction) in the TTFT, QPS and breakdown phases: "
                          "requests whose uncached segments hold at least this share of the prompt are prefilled by "
-                         "full recompute and their segments computed while idle; 0 turns it off (the two-engine "
-                         "phases always run without it: they measure cold PIC itself)")
-    ap.add_argument("--cold-full-policy", default="fraction", choices=("fraction", "cost"),
+                         "full recompute and their segments computed while idle; 0 (the default, off) turns it off "
+                         "(the two-engine phases always run without it: they measure cold PIC itself)")
+    ap.add_argument("--cold-full-policy", default=DEFAULTS.cold_full_policy, choices=("fraction", "cost"),
                     help="PicConfig.cold_full_policy: fraction (fall back at --cold-full-fraction) or cost (at the "
                          "measured break-even share, full / alone cost per token, capped by the fraction)")
-    ap.add_argument("--idle-resume", default="on", choices=("on", "off"),
+    ap.add_argument("--idle-resume", default="on" if DEFAULTS.idle_resume else "off", choices=("on", "off"),
                     help="PicConfig.idle_resume: an idle alone pass that gives way to a request is resumed later (on) "
                          "or dropped and queued again (off; for A/B runs)")
-    ap.add_argument("--long-ranges", default="batched", choices=("batched", "per-range"),
+    ap.add_argument("--long-ranges", default="batched" if DEFAULTS.batch_long_ranges else "per-range",
+                    choices=("batched", "per-range"),
                     help="PicConfig.batch_long_ranges of every PIC planner, the workers' too: a delta-rule layer's "
                          "long in-context ranges share two varlen calls (batched: the default) or take one fla call "
                          "each (per-range)")
     ap.add_argument("--share-warm-pair", default="auto", choices=("auto", "on", "off"),
                     help="run an untimed pair of workers (one request per workload and one Poisson rung) before "
                          "the measured pairs, so neither pays first-time kernel compilation; auto: on CUDA")
-    ap.add_argument("--miss-path", default="context", choices=("alone", "context"),
+    ap.add_argument("--miss-path", default=DEFAULTS.miss_path, choices=("alone", "context"),
                     help="PicConfig.miss_path in the TTFT, QPS, breakdown and two-engine sharing phases: compute "
                          "a request's uncached segments alone in the request (alone) or in context in its fused "
                          "pass, alone later when idle (context); the parallel-cold phase always computes them alone "
                          "(it measures alone passes split across engines)")
-    ap.add_argument("--miss-signatures", default="alone", choices=("alone", "context"),
+    ap.add_argument("--miss-signatures", default=DEFAULTS.miss_signatures, choices=("alone", "context"),
                     help="PicConfig.miss_signatures wherever --miss-path applies (needs --miss-path context for "
                          "context): the signature of a miss computed in context comes from an idle alone pass "
                          "(alone) or from the request's own pass, kept after its first token, with no idle alone pass "
                          "(context)")
-    ap.add_argument("--seam-chain", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--seam-chain", default=DEFAULTS.seam_chain, choices=("auto", "on", "off"),
                     help="PicConfig.seam_chain of PIC in this engine: auto runs scalar/diagonal-decay layers "
                          "through kernels.seam_chain on CUDA; on: every linear family (the delta rule too); off: none")
     ap.add_argument("--trace", default=None, metavar="DIR",
@@ -167,6 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.miss_signatures == "context" and args.miss_path != "context":
         ap.error("--miss-signatures context takes a miss's signature from the request's own pass, where only "
                  f"--miss-path context computes it (got --miss-path {args.miss_path})")
+    try:
+        pic_settings(args)
+    except PicSettingsError as exc:
+        ap.error(str(exc))
     args.share_tasks = [t for t in args.share_tasks.split(",") if t]
     from tools.servebench.requests import ALL_TASKS, TASKS
 
@@ -277,8 +296,9 @@ def two_engine_phases(preset: str, args, opts: dict, socket: str, device, scale:
     gpus = worker_gpus(args.gpus, device)
     # workers compile their kernels before the timed part (nothing to compile on the CPU)
     warm = None if device.type == "cpu" else {"scale": scale, "max_tokens": args.max_tokens, "docs": args.docs}
-    pic = {"miss_path": args.miss_path, "miss_signatures": args.miss_signatures,  # the workers' PicConfig fields
-           "batch_long_ranges": args.long_ranges == "batched"}
+    settings = pic_settings(args).pic
+    pic = {"miss_path": settings.miss_path, "miss_signatures": settings.miss_signatures,  # the workers' PicConfig fields
+           "batch_long_ranges": settings.batch_long_ranges}
     if "sharing" not in args.skip and first:
         trace = [r for task in args.share_tasks
                  for r in requests.load(task, args.share_requests, args.seed + 3, scale, args.max_tokens, args.docs)]
@@ -327,10 +347,8 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
     import torch
 
     from engine.builder import EngineConfig, build_engine, resolve_device
-    from engine.connector.config import StoreConnectorConfig
     from tools.servebench import measure, requests
     from tools.servebench.harness import Harness
-    from engine.pic.config import PicConfig
 
     device = resolve_device(args.device)
     opts = engine_options(args, device)
@@ -343,14 +361,10 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
         out["wall_s"] = time.perf_counter() - t0
         return out
     engine = build_engine(preset, EngineConfig(**opts))
-    connector = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
-                                     put_tier=args.put_tier)
-    h = Harness(engine, connector, PicConfig(cold_full_fraction=args.cold_full_fraction or None,
-                                               cold_full_policy=args.cold_full_policy, seam_chain=args.seam_chain,
-                                               miss_path=args.miss_path, miss_signatures=args.miss_signatures,
-                                               idle_resume=args.idle_resume == "on",
-                                               batch_long_ranges=args.long_ranges == "batched"),
-                trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
+    settings = pic_settings(args)
+    connector = replace(settings.store, socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
+                        put_tier=args.put_tier)
+    h = Harness(engine, connector, settings.pic, trace_dir=None if args.trace is None else str(Path(args.trace) / preset))
     h.idle_between_arrivals = args.qps_idle == "on"
     out: dict = {"preset": preset, "device": str(engine.device), "engine": opts, "workloads": {}}
     try:

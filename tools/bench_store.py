@@ -12,6 +12,9 @@ measures, for the same bytes:
   GPU tier   put / get into a GPU tensor      vs  device-to-device copy            (CUDA only)
   CPU tier   get into a GPU tensor            vs  pinned host-to-device copy       (CUDA only)
   gRPC       the same bytes inside gRPC messages to a sink process (put / get)
+  NVMe read  backends side by side (kvstore.tiers.nvme_read): posix (O_DIRECT into pinned
+             memory + H2D) and kvikio (where it imports and CUDA is present), cold reads into a
+             GPU tensor, and the backend `auto` picks here (--no-nvme-backends skips it)
   lookup     p50 / p99 latency of a 64-key batch Lookup, on the client's default path (the
              daemon's fast socket) and over gRPC alone
 
@@ -19,7 +22,8 @@ Prints one table (last). With --json, also writes docs/results/store-<machine>-<
 whose `summary` holds cpu_to_gpu_fraction_of_pcie (null without CUDA),
 nvme_read_fraction_of_direct_io (the host-buffer row), nvme_to_gpu_fraction_of_direct_io
 (null without CUDA), lookup_p99_us (the client's default path, named by
-lookup_path) and lookup_grpc_p99_us. `--lookup-only` measures just the lookups.
+lookup_path), lookup_grpc_p99_us, nvme_read_gb_per_s_by_backend, nvme_read_backend_auto
+and gds_available. `--lookup-only` measures just the lookups.
 
     python tools/bench_store.py                       # defaults: 8 x 64MiB objects per path
     python tools/bench_store.py --dir /mnt/nvme/kvbench --json
@@ -367,6 +371,32 @@ class LookupLatency:
     grpc_p99_us: float
 
 
+def nvme_backends(work: Path, data: np.ndarray, count: int, cuda: bool, repeat: int) -> dict:
+    """The NVMe read backends side by side (kvstore.tiers.nvme_read.calibrate): one file of
+    `count` x the object, read cold into a GPU tensor (host memory without CUDA) by each
+    usable backend, best of `repeat`; and what `auto` picks on this machine."""
+    from kvstore.tiers.nvme_read import calibrate, resolve_backend
+
+    path = work / "nvme-backends.bin"
+    with open(path, "wb") as f:
+        for _ in range(count):
+            f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())
+    n = data.size * count
+    got = calibrate(str(path), 0, n, "cuda" if cuda else "cpu", repeats=repeat)
+    path.unlink()
+    where = "gpu" if cuda else "host"
+    posix = got["gb_per_s"].get("posix")
+    rows = [Row(f"nvme -> {where}", "read (posix: O_DIRECT + pinned + H2D)" if cuda else "read (posix: O_DIRECT)",
+                posix, "-", None, f"cold, best of {repeat}, {format_size(n)}")]
+    if "kvikio" in got["gb_per_s"]:
+        rows.append(Row(f"nvme -> {where}", "read (kvikio" + (", GDS)" if got["gds"] else ", compat mode)"),
+                        got["gb_per_s"]["kvikio"], "posix read", posix, f"cold, best of {repeat}"))
+    return {"rows": rows, "gb_per_s": got["gb_per_s"], "skipped": got["skipped"], "gds": got["gds"],
+            "auto": resolve_backend("auto")}
+
+
 def _latencies_us(call: Callable[[], Any], iterations: int) -> list[float]:
     for _ in range(50):
         call()
@@ -460,6 +490,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--machine", default=None, help="machine name for the JSON file (default: hostname)")
     ap.add_argument("--lookup-only", action="store_true",
                     help="measure only the Lookup latency (both paths); prints it, writes no JSON")
+    ap.add_argument("--no-nvme-backends", dest="nvme_backends", action="store_false",
+                    help="skip the NVMe read backends side by side (posix: O_DIRECT + pinned + H2D; kvikio where it "
+                         "imports and CUDA is present)")
     ap.add_argument("--grpc-sink", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     chunk = parse_size(args.grpc_chunk, "--grpc-chunk")
@@ -493,6 +526,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         with daemon:
             rows, extra = store_rows(daemon, data, count, cuda, memcpy, direct, direct_write, args.cold_repeat)
             lk = lookup_latency_us(daemon, 64, args.lookup_iterations)
+        backends = nvme_backends(work, data, count, cuda, args.cold_repeat) if args.nvme_backends else None
+        if backends:
+            rows += backends.pop("rows")
         cpu_put = next(r.gbps for r in rows if r.path == "cpu tier" and r.op == "put")
         cpu_get = next(r.gbps for r in rows if r.path == "cpu tier" and r.op.startswith("get (copy"))
         rows.append(Row("gRPC bytes", "put (in messages)", grpc_put, "cpu tier put", cpu_put,
@@ -517,6 +553,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "lookup_path": lk.path,
         "lookup_grpc_p50_us": lk.grpc_p50_us,
         "lookup_grpc_p99_us": lk.grpc_p99_us,
+        "nvme_read_gb_per_s_by_backend": (backends or {}).get("gb_per_s"),
+        "nvme_read_backend_auto": (backends or {}).get("auto"),
+        "gds_available": (backends or {}).get("gds"),
     }
     if args.json:
         out = ROOT / "docs" / "results" / f"store-{machine}-{date}.json"

@@ -66,7 +66,7 @@ def correctness(device: torch.device, presets=TINY) -> list[dict]:
         docs, q = _docs(300, 0), "Q: what is in doc 1?\nA: "
         row = {"preset": name, "backend": runner.backend}
         # one segment: PIC vs plain prefill with the same chunks
-        planner = make_planner(PicConfig(seam=16), model, loaded.fingerprint, tok)
+        planner = make_planner(PicConfig(seam=16, miss_path="alone"), model, loaded.fingerprint, tok)
         req = build_request(tok, [{"text": docs[0], "cache": True}, {"text": q, "cache": False}])
         got = prefill_with_plan(planner, runner, req)
         ids = req.prompt_token_ids
@@ -86,7 +86,7 @@ def correctness(device: torch.device, presets=TINY) -> list[dict]:
         ref_logits = ref.logits[-1].clone()
         release(full_planner, runner, ref.request)
         for seam, key in ((16, "first_linear_state_rel_err"), (10_000, "wide_seam_max_abs_logit_diff")):
-            p = make_planner(PicConfig(seam=seam), model, loaded.fingerprint, tok)
+            p = make_planner(PicConfig(seam=seam, miss_path="alone"), model, loaded.fingerprint, tok)
             got = prefill_with_plan(p, runner, build_request(tok, segs))
             if key.startswith("first"):
                 if ref_state is not None:
@@ -155,7 +155,8 @@ def timing(preset: str, n: int, seams: list[int], cache_gib: float, seed: int, d
     list(run_requests(engine, engine.planner, reqs[:1], 1))
     out = {"preset": preset, "weights": engine.loaded_model.source, "requests": n, "methods": []}
     for method, seam in [("full", 0), ("prefix", 0), ("naive", 0)] + [("pic", s) for s in seams]:
-        cfg = PicConfig(method=method, seam=seam, sync_timing=True, signature_cache_bytes=cap, prefix_cache_bytes=cap)
+        cfg = PicConfig(method=method, seam=seam, sync_timing=True, signature_cache_bytes=cap, prefix_cache_bytes=cap,
+                        miss_path="alone")  # no idle time between requests here: misses cached in the request
         planner = attach_planner(engine, cfg)
         t0 = time.perf_counter()
         recs = list(run_requests(engine, planner, reqs, 1))

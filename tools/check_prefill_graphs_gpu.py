@@ -69,7 +69,7 @@ def check(preset: str, n_docs: int, chars: int, repeats: int, seed: int) -> dict
     runner = ModelRunner(model, mgr)
     stages = runner.prefill_stages or PrefillStages(model.device)
     tok = load_tokenizer("byte")
-    planner = make_planner(PicConfig(seam=16), model, loaded.fingerprint, tok)
+    planner = make_planner(PicConfig(seam=16, miss_path="alone"), model, loaded.fingerprint, tok)
     segs = _segments(n_docs, chars, seed)
     cold = prefill_with_plan(planner, runner, build_request(tok, segs))
     release(planner, runner, cold.request)

@@ -69,7 +69,7 @@ def measure_preset(preset: str, task: str, n: int, seams: list[int], device: str
     runner = ModelRunner(model, manager)
     methods = [("naive", 0)] + [("pic", s) for s in seams]
     full_planner = make_planner(PicConfig(method="full"), model, loaded.fingerprint, tokenizer)
-    planners = {m: make_planner(PicConfig(method=m[0], seam=m[1]), model, loaded.fingerprint, tokenizer)
+    planners = {m: make_planner(PicConfig(method=m[0], seam=m[1], miss_path="alone"), model, loaded.fingerprint, tokenizer)
                 for m in methods}
     sums: dict = {m: {"layers": {}, "kl": 0.0, "top1": 0.0} for m in methods}
     for r in requests:

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
         return final.timeline.ttft * 1e3, (rep.as_dict() if rep else {}), final.num_prompt_tokens
 
     def planner(method):
-        cfg = PicConfig(method=method, seam_chain=args.seam_chain, fused=not args.no_fused)
+        cfg = PicConfig(method=method, seam_chain=args.seam_chain, fused=not args.no_fused,
+                        miss_path="context" if not args.no_fused else "alone")
         p = make_planner(cfg, model, fp, engine.tokenizer)
         engine.scheduler.planner = p
         return p

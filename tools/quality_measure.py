@@ -37,6 +37,7 @@ import torch
 from engine.builder import model_tokenizer
 from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import SWA
+from engine.connector.settings import PicSettings
 from engine.models.weights import LoadedModel, load_model
 from engine.pic.config import MISS_SIGNATURE_SOURCES, STATE_DTYPES as PIC_STATE_DTYPES, PicConfig
 from engine.pic.offline import build_request, prefill_with_plan, release
@@ -79,14 +80,20 @@ class MethodSpec:
         return f"pic s={self.seam}{rule}{dt}{src}"
 
     def pic_config(self) -> PicConfig:
+        """The row's PicConfig: the entry points' settings (PicSettings()) with this row's
+        method, seam, state dtype and signature source. Rows with alone signatures compute
+        their misses alone in the request (the harness has no idle time between requests
+        for the default context path to cache them in)."""
+        base = PicSettings()
         if self.method == "pic" and self.miss_signatures == "context":
-            return PicConfig(method="pic", seam=int(self.seam or 0), swa_seam="seam", state_dtype=self.state_dtype,
-                             miss_path="context", miss_signatures="context")
+            return base.with_pic(method="pic", seam=int(self.seam or 0), swa_seam="seam",
+                                 state_dtype=self.state_dtype, miss_path="context", miss_signatures="context").pic
         if self.method == "pic":
-            return PicConfig(method="pic", seam=int(self.seam or 0), swa_seam="seam", state_dtype=self.state_dtype)
+            return base.with_pic(method="pic", seam=int(self.seam or 0), swa_seam="seam",
+                                 state_dtype=self.state_dtype, miss_path="alone").pic
         if self.method == "naive":
-            return PicConfig(method="naive", state_dtype=self.state_dtype)
-        return PicConfig(method=self.method)
+            return base.with_pic(method="naive", state_dtype=self.state_dtype, miss_path="alone").pic
+        return base.with_pic(method=self.method).pic
 
 
 def expand_specs(model_config, methods: Sequence[str], seams: Sequence[int],

@@ -49,6 +49,10 @@ bounded wait before it is served by recomputation:
   to its running requests), so the working set beyond it is served by the daemon's
   tiers. None: DEFAULT_DEVICE_CACHE_FRACTION (0.05) on CUDA, off (0 bytes) on the CPU;
   given on the CPU, a fraction of the host memory available (`device_cache_capacity`).
+- `nvme_read_backend`: how NVMe hits reach a CUDA device (kvstore.tiers.nvme_read):
+  `kvikio` (cuFile straight into device memory), `posix` (the Get promotes them to the
+  CPU arena, then the pinned copy), or `auto` (kvikio where it reads with GPUDirect
+  Storage, else posix). `kvikio` where kvikio cannot run is refused when attaching.
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ import torch
 from engine.connector.errors import ConnectorConfigError
 
 TIERS = ("gpu", "cpu", "nvme")
+#: how NVMe hits reach the device (kvstore.tiers.nvme_read)
+NVME_READ_BACKENDS = ("auto", "posix", "kvikio")
 #: share of the free device memory the engine's private signature cache may hold (CUDA):
 #: on an H200 with a 4 GB model and its KV pool, a few GB (a few hundred bench-size
 #: signatures); the rest of a working set comes from the store's tiers
@@ -92,6 +98,7 @@ class StoreConnectorConfig:
     share_keep: float = 0.5
     device_cache_bytes: Optional[int] = None
     device_cache_fraction: Optional[float] = None
+    nvme_read_backend: str = "auto"
 
     @property
     def sharing(self) -> bool:
@@ -120,6 +127,9 @@ class StoreConnectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConnectorConfigError(f"{name}={v!r} must be an int >= 0")
+        if self.nvme_read_backend not in NVME_READ_BACKENDS:
+            raise ConnectorConfigError(f"nvme_read_backend={self.nvme_read_backend!r} must be one of "
+                                       f"{', '.join(NVME_READ_BACKENDS)}")
         if self.put_tier is not None and self.put_tier not in TIERS:
             raise ConnectorConfigError(f"put_tier={self.put_tier!r} must be one of {', '.join(TIERS)} or None")
         if self.socket is not None and not str(self.socket):

@@ -8,16 +8,19 @@ hits to the CPU arena), then per segment, by where its bytes lie:
 
 | bytes in | engine on CPU | engine on CUDA |
 |---|---|---|
-| CPU arena (shm) | zero-copy views, lease held while used | async copy from the pinned arena on a side stream, lease released once the copy is done |
+| CPU arena (shm) | zero-copy views, lease held while used | async copies from the pinned arena on a side stream, layer by layer with an event per layer (engine.connector.layer_loads), lease released once the copies are done |
 | GPU arena (CUDA IPC) | - | zero-copy views over the IPC mapping (same device; else a device-to-device copy) |
-| NVMe file | views over the mapped file (page cache) | kvikio read straight into device memory when kvikio is importable, else promoted to the CPU arena by the Get |
+| NVMe file | views over the mapped file (page cache) | with `nvme_read_backend` resolving to kvikio (kvstore.tiers.nvme_read; auto: where GDS is available), a cuFile read straight into device memory; else promoted to the CPU arena by the Get |
 
 A batch is published in stages: the Lookup answer first (`wait_lookup`: the planner
 learns its misses and starts computing them while the hits load), then each segment
 as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries the CUDA
 event its copies complete on, and its consumer makes the compute stream wait on that
 event just before the splice that reads it (`LoadedSegment.wait_device`), so later
-segments decode and copy while earlier ones are spliced and their seams computed.
+segments decode and copy while earlier ones are spliced and their seams computed; a
+segment copied layer by layer is waited on per layer by the fused pass instead
+(`LoadedSegment.wait_layer`, from its `before_layer` hook), so layer i computes while
+layer i+1's bytes arrive.
 Leases of copied segments are released by the loader thread once the copies finish.
 
 `hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
@@ -38,25 +41,18 @@ from typing import Any, Optional, Sequence
 import torch
 
 from engine.connector.codec import signature_from_blob
-from engine.connector.errors import StoreUnavailable
+from engine.connector.errors import ConnectorConfigError, StoreUnavailable
+from engine.connector.layer_loads import CudaCopyQueue, LayerEvents, LayerPlanError, issue_layered, layer_plan
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import SegmentSignature
 from kvstore import format as fmt
 from kvstore.client.views import ObjectView
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.tiers.nvme_read import NvmeReader, resolve_backend
 
 log = logging.getLogger("engine.connector")
-
-
-def _kvikio():
-    try:  # pragma: no cover - GPU boxes with kvikio only
-        import kvikio
-
-        return kvikio
-    except Exception:
-        return None
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -81,6 +77,8 @@ class LoadedSegment:
     copy_start: Optional[Any] = None
     load_ms: float = 0.0  # this segment's share of the RPCs + decode + device copy
     device_buffer: Optional[torch.Tensor] = None  # the blob's copy on this device (parts are views of it)
+    #: per-layer copy events (engine.connector.layer_loads) when the copies went layer by layer
+    layers: Optional[LayerEvents] = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stream_recorded: bool = False
 
@@ -96,6 +94,21 @@ class LoadedSegment:
             return
         stream = torch.cuda.current_stream(self.signature.device)
         stream.wait_event(self.ready)
+        self._record_stream(stream)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current CUDA stream wait for `layer`'s copies only (host does not
+        block): the fused pass calls it just before it first reads `layer`; segments
+        copied in one piece wait for all of it."""
+        if self.layers is None:
+            self.wait_device()
+            return
+        stream = torch.cuda.current_stream(self.signature.device)
+        self._record_stream(stream)
+        self.layers.wait_layer(layer, stream.wait_event)
+
+    def _record_stream(self, stream) -> None:
+        """Tell the allocator (once) that this segment's tensors are used on `stream`."""
         with self._lock:
             if self._stream_recorded:
                 return
@@ -216,7 +229,7 @@ class SegmentLoader:
     """Runs LoadBatches on a loader thread (module docstring)."""
 
     def __init__(self, link: StoreLink, metrics: ConnectorMetrics, fingerprint: str, device: torch.device,
-                 verify: bool = False) -> None:
+                 verify: bool = False, nvme_read_backend: str = "auto") -> None:
         self.link = link
         self.metrics = metrics
         self.fingerprint = fingerprint
@@ -227,7 +240,14 @@ class SegmentLoader:
         self._stream = None
         if self.device.type == "cuda":  # pragma: no cover - GPU only
             self._stream = torch.cuda.Stream(self.device)
-        self._kvikio = _kvikio() if self.device.type == "cuda" else None
+        #: how NVMe hits reach the device (kvstore.tiers.nvme_read): "kvikio" reads them
+        #: straight into device memory; "posix" lets the Get promote them to the CPU arena
+        try:
+            backend = resolve_backend(nvme_read_backend)
+        except InvalidRequest as exc:
+            raise ConnectorConfigError(str(exc)) from None
+        self.nvme_backend = backend if self.device.type == "cuda" else "posix"
+        self._nvme = NvmeReader("kvikio") if self.nvme_backend == "kvikio" else None
 
     def close(self) -> None:
         self._hints.shutdown(wait=True, cancel_futures=True)
@@ -296,7 +316,11 @@ class SegmentLoader:
         for seg in segments:  # copies were issued; finish them here, off the engine thread
             if seg.ready is not None:  # pragma: no cover - GPU only
                 seg.ready.synchronize()
-                seg.load_ms += seg.copy_start.elapsed_time(seg.ready)
+                copy_ms = seg.copy_start.elapsed_time(seg.ready)
+                seg.load_ms += copy_ms
+                if seg.served_tier == "cpu":
+                    self.metrics.inc("h2d_copy_bytes", seg.nbytes)
+                    self.metrics.inc("h2d_copy_ms_total", copy_ms)
                 seg.release()  # the device copy is complete: the store's bytes are no longer read
             self.metrics.add_load(seg.tier, seg.nbytes, seg.load_ms)
         batch.finished = time.perf_counter()
@@ -314,7 +338,7 @@ class SegmentLoader:
         batch._set_looked_up({e.key: e.tier or "cpu" for e in hits})
         if not hits:
             return
-        direct = [e.key for e in hits if e.tier == "nvme" and self._kvikio is not None]
+        direct = [e.key for e in hits if e.tier == "nvme" and self._nvme is not None]
         promoted = [e.key for e in hits if e.key not in set(direct)]
         views: list[tuple[bytes, Optional[ObjectView]]] = []
         if promoted:
@@ -350,10 +374,9 @@ class SegmentLoader:
 
     def _place(self, key: bytes, view: ObjectView, tier: str) -> LoadedSegment:
         """Decode one leased blob and put its signature where the engine reads it."""
-        if view.lease.region.kind == "file" and self._kvikio is not None:  # pragma: no cover - GPU + kvikio
+        if view.lease.region.kind == "file" and self._nvme is not None:  # pragma: no cover - GPU + kvikio
             buf = torch.empty(view.size, dtype=torch.uint8, device=self.device)
-            with self._kvikio.CuFile(view.lease.region.path, "r") as f:
-                f.pread(buf, view.size, view.lease.region.offset).get()
+            self._nvme.read(view.lease.region.path, view.lease.region.offset, view.size, buf)
             view.release()
             header, tensors = fmt.decode_tensors(buf, check=self.verify)
             sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
@@ -386,11 +409,26 @@ class SegmentLoader:
         copy_start = torch.cuda.Event(enable_timing=True)
         copy_start.record(stream)
         dev = torch.empty(view.size, dtype=torch.uint8, device=self.device)
-        view.copy_to(dev, stream=stream, verify=self.verify)
+        layers = plan = None
+        if buf.device.type == "cpu" and not self.verify and view.lease.region.kind != "file":
+            try:
+                plan = layer_plan(header.parts, header.meta.get("stacked"))
+            except LayerPlanError as exc:  # copied in one piece instead
+                log.debug("segment %s: no per-layer plan (%s)", key.hex()[:16], exc)
+        if plan is not None:
+            # the CPU arena (pinned, mapped in place): layer by layer, an event per layer, so
+            # the fused pass computes layer i while layer i+1's bytes arrive (layer_loads)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # dst may be in use there
+            copy_start.record(stream)  # after that wait: the copies' own time (h2d_copy_ms_total)
+            with torch.cuda.stream(stream):
+                layers = issue_layered(buf, dev, plan, CudaCopyQueue(stream))
+            dev.record_stream(stream)
+        else:
+            view.copy_to(dev, stream=stream, verify=self.verify)
         ready = torch.cuda.Event(enable_timing=True)  # after the last piece (same stream), timed
         ready.record(stream)
         tensors = fmt.tensors_over(header, dev)
         sig = signature_from_blob(header.meta, tensors, header.fingerprint, self.fingerprint)
         seg = LoadedSegment(key, sig, tier, view.tier, view.size, view)
-        seg.copy_start, seg.ready, seg.device_buffer = copy_start, ready, dev
+        seg.copy_start, seg.ready, seg.device_buffer, seg.layers = copy_start, ready, dev, layers
         return seg

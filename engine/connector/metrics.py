@@ -30,6 +30,9 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   `cold_offloaded` (offered segments another engine computed), `cold_wait_ms_total`
   (time waited for them), `cold_helped` (segments computed for other engines),
   `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
+- host -> device copies of CPU-tier segments (CUDA): `h2d_copy_bytes` and
+  `h2d_copy_ms_total` (device time from the first copy to the last, per segment: the
+  PCIe rate the serving path reaches is bytes / time).
 - `near_hits`: segments spliced from the engine's own device cache (no daemon round
   trip; StoreConnectorConfig.device_cache_bytes / device_cache_fraction).
 - cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
@@ -60,11 +63,12 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
+    "h2d_copy_bytes",
     "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits", "captured",
     "prefix_lookups", "prefix_hits", "prefix_puts", "prefix_load_bytes",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
-           "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total")
+           "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total", "h2d_copy_ms_total")
 
 
 class ConnectorMetrics:

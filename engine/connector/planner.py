@@ -89,6 +89,8 @@ class StoreReport:
     pending: dict[bytes, list] = field(default_factory=dict, repr=False)  # hits at lookup, not taken yet
     late_misses: int = 0  # hits at lookup that could not be loaded (evicted, corrupt): computed at splice
     near: dict[bytes, object] = field(default_factory=dict, repr=False)  # key -> signature from the device cache
+    #: segments copied layer by layer whose waits the fused pass makes per layer (_layer_hook)
+    layered: list[LoadedSegment] = field(default_factory=list, repr=False)
     near_hits: int = 0  # segments spliced from the engine's device cache (no daemon round trip)
     prefix_source: Optional[str] = None  # exact prefix restored from: "engine" (its tree), "store" (the daemon)
     prefix_tier: Optional[str] = None  # the daemon tier that held it (source "store")
@@ -521,9 +523,11 @@ class StorePicPlanner(PicPlanner):
         self.store.store(cap.key, sig, cost=float(len(self.anchor_ids) + cap.num_tokens))
         self.store.metrics.inc("captured")
 
-    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
+    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit], layered: bool = False) -> None:
         """Every unit's signature taken from the loader and its device copies waited on
-        (by the compute stream) before the units are spliced."""
+        (by the compute stream) before the units are spliced; with `layered` (the fused
+        pass follows) a segment copied layer by layer is waited on per layer instead, by
+        the pass's `before_layer` hook (`_layer_hook`), unless timing is synchronised."""
         state: _RequestState = request.planner_state[_PIC_KEY]
         sr: StoreReport = request.planner_state[_STORE_KEY]
         for u in units:
@@ -533,6 +537,12 @@ class StorePicPlanner(PicPlanner):
             seg = sr.loaded.get(u.key)
             if seg is None or seg.ready is None:
                 continue
+            if layered and seg.layers is not None and not self.config.sync_timing:  # pragma: no cover - GPU only
+                if seg.pending:
+                    sr.copies_pending_at_use += 1
+                if all(s is not seg for s in sr.layered):
+                    sr.layered.append(seg)
+                continue
             if seg.pending:  # pragma: no cover - GPU only
                 sr.copies_pending_at_use += 1
                 if self.config.sync_timing:
@@ -540,6 +550,20 @@ class StorePicPlanner(PicPlanner):
                     seg.ready.synchronize()
                     sr.device_wait_ms += (time.perf_counter() - t0) * 1e3
             seg.wait_device()
+
+    def _layer_hook(self, request: Request):
+        """The fused pass's `before_layer`: the compute stream waits for layer i of every
+        segment `_ready` left to it, just before layer i (None when there is none)."""
+        sr = request.planner_state.get(_STORE_KEY)
+        segs = list(sr.layered) if sr is not None else []
+        if not segs:
+            return None
+
+        def before_layer(i: int) -> None:  # pragma: no cover - GPU only
+            for seg in segs:
+                seg.wait_layer(i)
+
+        return before_layer
 
     def _take(self, runner, request: Request, state: _RequestState, sr: StoreReport, key: bytes) -> None:
         """Take a looked-up hit from the loader (waiting for it if needed); a hit that

@@ -97,7 +97,8 @@ class StoreSignatureCache(SignatureCache):
         self.metrics = metrics or ConnectorMetrics()
         self.link = link or StoreLink(self.config, self.metrics)
         self.link.on_restart(self._forget_claims)
-        self.loader = SegmentLoader(self.link, self.metrics, fingerprint, self.device, self.config.verify)
+        self.loader = SegmentLoader(self.link, self.metrics, fingerprint, self.device, self.config.verify,
+                                    nvme_read_backend=self.config.nvme_read_backend)
         self.putter = SignaturePutter(self.link, self.metrics, self.config.put_queue_depth,
                                       renew_claims=self._renew_claims)
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-release")

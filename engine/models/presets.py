@@ -24,15 +24,12 @@ weights; the numbers and where each was read are in engine/models/published.py.
 
 `qwen3.5-35b-a3b-real` is exactly what the Hugging Face converter
 (engine/models/hf/qwen3.py) makes of the published text config (a test pins it).
-`ring-mini-linear-2.0-real` maps Ring onto the `ring` family with the same shapes and
-FLOPs, but these details of `BailingMoeLinearV2` differ (the family lacks them):
-linear layers without RoPE and without q/k RMSNorm (Ring applies partial RoPE and
-q/k norm there too); SiLU on the linear q, k, v (Ring: `linear_silu` false); the linear
-output RMSNorm per head (Ring: over `group_norm_size` 4 groups); the decay depth factor
-`1 - l/(L-1)` (Ring's ports: `1 - max(l-1, 0)/(L-1)`); softmax top-8 routing renormalised
-(Ring: sigmoid scores, an expert bias for selection, group-limited top-k over
-`n_group` 8 / `topk_group` 4, `routed_scaling_factor` 2.5); no multi-token-prediction
-layer (Ring-mini has none: `num_nextn_predict_layers` 0).
+`ring-mini-linear-2.0-real` is likewise exactly what the Ring-linear-2.0 converter
+(engine/models/hf/bailing.py) makes of the published config (a test pins it): the shapes
+and every numeric detail (linear RoPE and q/k norm, grouped output norm, sigmoid routing
+with an expert bias, group-limited top-k, the routed scaling factor), on the `ring`
+family name. Its decay's layer offset follows the published expression, which the ports
+disagree on (docs/models.md).
 """
 from __future__ import annotations
 
@@ -148,15 +145,18 @@ def _qwen3_5_35b_a3b_real() -> ModelConfig:
 
 
 def _ring_mini_linear_real() -> ModelConfig:
-    """Ring-mini-linear-2.0 (published.RING_MINI_LINEAR_2_0) on the `ring` family: 20
-    layers in groups of 5 (4 lightning, then 1 GQA attention: full at 4, 9, 14, 19), the
-    first layer a dense MLP of 5120, the rest MoE (256 experts, top 8, width 512, one
-    ungated shared expert of 512), vocab 157184. What differs from Ring itself: the
-    module docstring."""
+    """Ring-mini-linear-2.0 (published.RING_MINI_LINEAR_2_0) as the Ring-linear-2.0
+    converter maps it: 20 layers in groups of 5 (4 lightning, then 1 GQA attention: full
+    at 4, 9, 14, 19), q/k RMSNorm and 50% rotary in both kinds, the linear output normed
+    over `group_norm_size` groups, the first layer a dense MLP of 5120, the rest MoE (256
+    experts, top 8 of sigmoid scores with an expert bias, 4 of 8 groups, scaled by 2.5,
+    width 512, one ungated shared expert of 512), vocab 157184."""
     c = published.RING_MINI_LINEAR_2_0
     n = c["num_hidden_layers"]
     group = c["layer_group_size"]
     heads, head_dim = c["num_attention_heads"], c["head_dim"]
+    rotary = int(head_dim * c["partial_rotary_factor"])
+    theta = float(c["rope_theta"])
     return ModelConfig(
         name="ring-mini-linear-2.0-real", family="ring", scale="bench", vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
@@ -165,15 +165,20 @@ def _ring_mini_linear_real() -> ModelConfig:
         max_position_embeddings=c["max_position_embeddings"], dtype="bfloat16",
         attention=AttentionConfig(
             num_heads=heads, num_kv_heads=c["num_key_value_heads"], head_dim=head_dim,
-            rotary_dim=int(head_dim * c["partial_rotary_factor"]), rope_theta=float(c["rope_theta"]),
-            qk_norm=c["use_qk_norm"]),
+            rotary_dim=rotary, rope_theta=theta, qk_norm=c["use_qk_norm"]),
         # the linear layers are multi-head (16 q, k and v heads of 128: qkv width 3 * 2048)
-        linear=LinearConfig(num_heads=heads, num_v_heads=heads, key_dim=head_dim, value_dim=head_dim, conv_size=0),
+        linear=LinearConfig(num_heads=heads, num_v_heads=heads, key_dim=head_dim, value_dim=head_dim, conv_size=0,
+                            conv_kinds=(), qkv_silu=c["linear_silu"], qk_norm=c["use_qk_norm"], rotary_dim=rotary,
+                            rope_theta=theta, norm_groups=c["group_norm_size"],
+                            decay_layer_offset=-1),  # the published `layer_idx - 1` (docs/models.md)
         mlp_layers=tuple(DENSE if i < c["first_k_dense_replace"] else MOE for i in range(n)),
         moe=MoEConfig(num_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
                       intermediate_size=c["moe_intermediate_size"],
                       shared_intermediate_size=c["num_shared_experts"] * c["moe_shared_expert_intermediate_size"],
-                      shared_expert_gate=False, norm_topk_prob=c["norm_topk_prob"]))
+                      shared_expert_gate=False, norm_topk_prob=c["norm_topk_prob"],
+                      scoring=c["score_function"], expert_bias=c["moe_router_enable_expert_bias"],
+                      num_groups=c["n_group"], topk_groups=c["topk_group"],
+                      routed_scaling_factor=float(c["routed_scaling_factor"])))
 
 
 _REAL_SHAPE = (_qwen3_5_35b_a3b_real(), _ring_mini_linear_real())

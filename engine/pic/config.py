@@ -1,5 +1,7 @@
 """`PicConfig`: the knobs of position-independent caching and of its baselines, one frozen
-dataclass shared by the planners, the CLI (`kvengine run`) and the quality harness.
+dataclass shared by the planners; its defaults are the ones every entry point runs
+(`kvengine run` and `serve`, the serving benchmark, the quality harness all start from
+engine.connector.settings.PicSettings(), which holds a PicConfig()).
 
 Methods (one flag each, all in the same engine):
 - `full`: recompute every prompt token (no reuse).
@@ -75,18 +77,19 @@ class PicConfig:
     request is prefilled by plain full recompute (its TTFT stays that of full recompute
     instead of alone passes + splicing) and its missing segments are queued and computed
     alone later, while the engine is idle (`help_idle`), so later requests hit them.
-    None (the default here; `kvengine serve` and tools/bench_serving turn it on): misses
-    are always computed alone and spliced in the request.
+    None (the default everywhere, docs/pic.md "Settings"): no fallback.
     cold_full_policy (with cold_full_fraction): `"fraction"` (default) falls back at that
     fraction; `"cost"` falls back as soon as the misses hold more than the measured
     break-even share (full / alone cost per token on this engine, engine.pic.costs; at
     most `cold_full_fraction`, which also applies until both costs are measured).
-    miss_path (`pic`/`naive`, misses the cold fallback leaves to the request): `"alone"`
-    (default) computes each uncached segment alone in the request (one packed pass),
-    caches it and splices it like a hit; `"context"` (fused only) computes them in context
-    inside the request's one fused pass, like prefix caching computes what it misses (a
-    full prefill's cost per token, not an alone pass's), and queues them for idle-time
-    alone passes (`help_idle`), so later requests hit them.
+    miss_path (`pic`/`naive`, misses the cold fallback leaves to the request):
+    `"context"` (default; fused only) computes them in context inside the request's one
+    fused pass, like prefix caching computes what it misses (a full prefill's cost per
+    token, not an alone pass's), and queues them for idle-time alone passes
+    (`help_idle`), so later requests hit them; `"alone"` computes each uncached segment
+    alone in the request (one packed pass), caches it and splices it like a hit (a cold
+    request then gives exactly the output of the same request warm; the step-by-step
+    plan, fused=False, needs it).
     miss_signatures (with miss_path="context"): `"alone"` (default) queues each miss for
     an idle-time alone pass that computes its signature; `"context"` takes the signature
     from the request's own pass (engine.pic.capture: the tail's K/V and linear parts as
@@ -136,7 +139,7 @@ class PicConfig:
     seam_chain: str = "auto"
     cold_full_fraction: float | None = None
     cold_full_policy: str = "fraction"
-    miss_path: str = "alone"
+    miss_path: str = "context"
     miss_signatures: str = "alone"
     idle_resume: bool = True
     prefix_checkpoints: str = "branch"
@@ -185,7 +188,8 @@ class PicConfig:
             raise PicConfigError("miss_signatures='context' takes signatures from misses computed in context: "
                                  f"it needs miss_path='context', not {self.miss_path!r}")
         if self.miss_path == "context" and not self.fused:
-            raise PicConfigError("miss_path='context' computes misses inside the fused pass: it needs fused=True")
+            raise PicConfigError("miss_path='context' computes misses inside the fused pass: it needs fused=True "
+                                 "(with fused=False, set miss_path='alone')")
         f = self.cold_full_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
             raise PicConfigError(f"cold_full_fraction={f!r} must be None or a number in (0, 1]")

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -103,7 +103,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
                   items: Sequence[FusedItem], backend: str = "torch", kernel: str = "auto",
                   chain: str = "auto", checkpoints: Sequence = (), all_logits: bool = False,
                   stages: Optional[PrefillStages] = None,
-                  captures: Optional[CaptureSet] = None, batch_long_ranges: bool = True) -> torch.Tensor:
+                  captures: Optional[CaptureSet] = None, batch_long_ranges: bool = True,
+                  before_layer: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """Fill `seq`'s caches over the items (module docstring); returns the last token's
     logits `[vocab]`. `token_ids` are the whole prompt's. `chain`: one of
     SEAM_CHAIN_MODES. `checkpoints`: empty `engine.pic.prefix.BoundaryCheckpoint`s whose
@@ -117,7 +118,9 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     (engine.runtime.prefill_graphs: CUDA graphs per computed-token bucket); None: plainly.
     `captures`: missing segments computed by this pass whose signatures it takes on the
     way (engine.pic.capture; `captures.signatures()` once it returns).
-    `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges)."""
+    `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges).
+    `before_layer(i)`: called before layer i's first read of the pieces' signatures (the
+    store planner's per-layer copy waits, engine.connector.layer_loads)."""
     if chain not in SEAM_CHAIN_MODES:
         raise SplicePlacementError(f"chain={chain!r} must be one of {SEAM_CHAIN_MODES}")
     start = seq.num_computed_tokens
@@ -160,6 +163,8 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     for i, block in enumerate(model.blocks):
         cache = manager.layers[i]
         mixer = block.mixer
+        if before_layer is not None:
+            before_layer(i)
         if isinstance(cache, PagedKVCache):
             o = _full_attend(shared, cache, mixer, i, pieces, proj, ranges, write_slots, ctx_slots, force)
             if captures:

@@ -299,7 +299,8 @@ class PicPlanner(ReportingPlanner):
                     self._prefix_computed(state.token_ids, tip)
                     return logits
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
-        self._ready(runner, request, [s[1] for s in spec if s[0] == "s" and s[1].key not in state.in_context])
+        self._ready(runner, request, [s[1] for s in spec if s[0] == "s" and s[1].key not in state.in_context],
+                    layered=True)
         sealed = self._seal_tails(runner, state, spec)
         items: list[FusedItem] = []
         for s in spec:
@@ -319,7 +320,8 @@ class PicPlanner(ReportingPlanner):
         return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
                              backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
                              all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                             captures=captures, batch_long_ranges=self.config.batch_long_ranges)
+                             captures=captures, batch_long_ranges=self.config.batch_long_ranges,
+                             before_layer=self._layer_hook(request))
 
     def _seal_tails(self, runner, state: _RequestState, spec: tuple) -> set:
         """The captured units whose tails the fused step keeps as ranges of their own, so
@@ -611,10 +613,16 @@ class PicPlanner(ReportingPlanner):
             self.cache.put(key, sig)
         return len(todo)
 
-    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit]) -> None:
+    def _ready(self, runner, request: Request, units: Sequence[SpliceUnit], layered: bool = False) -> None:
         """Hook: make every unit's signature available in the request state before it is
         spliced (the store-backed planner takes loads here); signatures of the
-        in-process cache are there since the lookup step."""
+        in-process cache are there since the lookup step. `layered`: the fused pass
+        follows, which waits per layer through `_layer_hook`."""
+        return None
+
+    def _layer_hook(self, request: Request):
+        """Hook: the fused pass's `before_layer(i)` (None: nothing to wait for per layer;
+        the store-backed planner waits there for segments copied layer by layer)."""
         return None
 
     def _splice(self, runner, request: Request, units: tuple[SpliceUnit, ...]) -> None:

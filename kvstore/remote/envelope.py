@@ -38,6 +38,9 @@ VERSION = 1
 HEADER_BYTES = 4096
 _FIXED = struct.Struct("<8sIIII QQQ")  # magic, version, key len, meta len, reserved, payload len, payload sum, header sum
 _FIXED_BYTES = _FIXED.size  # 48
+_HEAD40 = struct.Struct("<8sIIII QQ")  # the fixed part before the header checksum
+_SUM = struct.Struct("<Q")
+_ZEROS = bytes(HEADER_BYTES)
 MAX_INLINE_KEY = 64
 
 
@@ -76,11 +79,9 @@ def encode_header(key: bytes, meta: ObjectMeta, payload_bytes: int, checksum: in
     if end > HEADER_BYTES:
         raise BadObject(f"key and meta of {key!r} take {end} bytes, over the remote header's {HEADER_BYTES}")
     body = bytes(key) + mb
-    head = _FIXED.pack(MAGIC, VERSION, len(key), len(mb), 0, payload_bytes, checksum, 0)
-    hsum = xxhash.xxh3_64_intdigest(head[:40] + body)
-    out[:_FIXED_BYTES] = _FIXED.pack(MAGIC, VERSION, len(key), len(mb), 0, payload_bytes, checksum, hsum)
-    out[_FIXED_BYTES:end] = body
-    out[end:HEADER_BYTES] = bytes(HEADER_BYTES - end)
+    head = _HEAD40.pack(MAGIC, VERSION, len(key), len(mb), 0, payload_bytes, checksum)
+    out[:end] = head + _SUM.pack(xxhash.xxh3_64_intdigest(head + body)) + body
+    out[end:HEADER_BYTES] = _ZEROS[: HEADER_BYTES - end]
 
 
 def decode_header(buf: memoryview, key: bytes, object_bytes: int) -> RemoteHeader:
@@ -96,15 +97,16 @@ def decode_header(buf: memoryview, key: bytes, object_bytes: int) -> RemoteHeade
     end = _FIXED_BYTES + klen + mlen
     if end > HEADER_BYTES:
         raise BadObject(f"remote object of {key!r}: key and meta lengths {klen}+{mlen} overrun the header")
-    body = bytes(buf[_FIXED_BYTES:end])
-    if xxhash.xxh3_64_intdigest(bytes(buf[:40]) + body) != hsum:
+    h = xxhash.xxh3_64(buf[:40])
+    h.update(buf[_FIXED_BYTES:end])
+    if h.intdigest() != hsum:
         raise BadObject(f"remote object of {key!r}: header checksum mismatch")
-    if body[:klen] != key:
-        raise BadObject(f"remote object of {key!r} holds key {body[:klen]!r}")
+    if buf[_FIXED_BYTES:_FIXED_BYTES + klen] != key:
+        raise BadObject(f"remote object of {key!r} holds key {bytes(buf[_FIXED_BYTES:_FIXED_BYTES + klen])!r}")
     if plen + HEADER_BYTES != object_bytes:
         raise BadObject(f"remote object of {key!r} is {object_bytes} bytes, its header says {plen + HEADER_BYTES}")
     try:
-        m = msgpack.unpackb(body[klen:], raw=False)
+        m = msgpack.unpackb(buf[_FIXED_BYTES + klen:end], raw=False)
         meta = ObjectMeta(str(m["f"]), int(m["t"]), float(m["c"]), dict(m["x"]))
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None

@@ -20,7 +20,14 @@ URL parameters: `metadata` (the metadata server, e.g. the master's embedded one 
 `device` (RDMA devices), `host` (the address this client advertises to peers; default
 127.0.0.1 for a loopback master, else this host's name), `segment` and `buffer` (sizes:
 the mounted segment and the client's staging buffer), `namespace` (prefix of object
-names; default `kvstore`).
+names; default `kvstore`), `rpc_timeout` (seconds, default 1.0: Mooncake's bound on each
+request to the master, `MC_RPC_TIMEOUT_MS`, whose own default is 30 s; an environment
+that sets MC_RPC_TIMEOUT_MS keeps its value).
+
+Because that bound makes every blocking call end by itself (a hung master answers
+TIMED_OUT after it), `inline_bound_s` is twice it and the remote tier's synchronous
+calls (`call`, from a daemon worker thread) run on the caller's thread, with no hand-off
+to the adapter's workers, whenever that is within the tier's timeout.
 
 Mooncake's own health_check answers 0 even when the master is down, so the probe asks
 `batch_is_exist` for one name instead (RPC_FAIL = -900 while the master is away). A
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -46,7 +54,8 @@ from kvstore.remote.base import NOT_FOUND, UNREACHABLE, BlockingAdapter, GetItem
 log = logging.getLogger(__name__)
 
 SCHEME = "mooncake"
-_PARAMS = ("metadata", "protocol", "device", "host", "segment", "buffer", "namespace")
+_PARAMS = ("metadata", "protocol", "device", "host", "segment", "buffer", "namespace", "rpc_timeout")
+RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"  # Mooncake's bound on each RPC to the master (its default: 30 s)
 PROTOCOLS = ("tcp", "rdma")
 
 
@@ -62,6 +71,7 @@ class MooncakeTarget:
     segment_bytes: int = 256 << 20
     buffer_bytes: int = 16 << 20
     namespace: str = "kvstore"
+    rpc_timeout_s: float = 1.0  # each master RPC (MC_RPC_TIMEOUT_MS, unless the environment sets it)
 
     @classmethod
     def from_url(cls, url: str) -> "MooncakeTarget":
@@ -93,11 +103,17 @@ class MooncakeTarget:
             buf = parse_size(p.get("buffer", 16 << 20), "buffer")
         except ConfigError as exc:
             raise RemoteConfigError(f"remote URL {url!r}: {exc}") from None
+        try:
+            rpc_timeout = float(p.get("rpc_timeout", 1.0))
+        except ValueError:
+            raise RemoteConfigError(f"remote URL {url!r}: rpc_timeout must be seconds, got {p['rpc_timeout']!r}") from None
+        if not 0.01 <= rpc_timeout <= 600:
+            raise RemoteConfigError(f"remote URL {url!r}: rpc_timeout must be 0.01..600 seconds, got {rpc_timeout:g}")
         ns = p.get("namespace", "kvstore")
         if not ns or "/" in ns:
             raise RemoteConfigError(f"remote URL {url!r}: namespace must be non-empty and without '/', got {ns!r}")
         return cls(f"{_bracket(host)}:{port}", metadata, protocol, p.get("device", ""),
-                   p.get("host") or _default_local_host(host), seg, buf, ns)
+                   p.get("host") or _default_local_host(host), seg, buf, ns, rpc_timeout)
 
 
 def _bracket(host: str) -> str:
@@ -143,6 +159,10 @@ class MooncakeAdapter(BlockingAdapter):
         self.target = target
         self.namespace = target.namespace
         self._cls = cls
+        # A put asks the master twice (start, end), a get once or twice; the bytes move
+        # by the transfer engine, bounded by its own progress timeouts. So every call is
+        # bounded by the client itself, and `call` runs it on the caller's thread.
+        self.inline_bound_s = 2 * self._rpc_timeout(target)
         self._client: Any = None
         self._closed = False
         self._join_lock = threading.Lock()
@@ -156,6 +176,16 @@ class MooncakeAdapter(BlockingAdapter):
                         "local tiers and joining in the background", target.master, target.metadata, connect_wait_s)
             self._mark_unreachable()
         self._probe_name = f"{target.namespace}/__probe__"
+
+    @staticmethod
+    def _rpc_timeout(target: MooncakeTarget) -> float:
+        """Set Mooncake's RPC timeout from the target unless the environment already does
+        (it is process-wide and read when a client joins); the seconds in force."""
+        raw = os.environ.setdefault(RPC_TIMEOUT_ENV, str(max(1, round(target.rpc_timeout_s * 1000))))
+        try:
+            return max(0.001, int(raw) / 1000)
+        except ValueError:
+            raise RemoteConfigError(f"{RPC_TIMEOUT_ENV}={raw!r} is not a whole number of milliseconds") from None
 
     def _start_join(self) -> None:
         with self._join_lock:
@@ -181,6 +211,12 @@ class MooncakeAdapter(BlockingAdapter):
             client.close()
         except Exception as exc:  # noqa: BLE001 - a client that never joined
             log.debug("closing an unjoined Mooncake client: %s", exc)
+
+    @property
+    def client(self) -> Any:
+        """The joined Mooncake client (None until joined, and after close): for tools
+        that compare against driving it directly."""
+        return self._client
 
     def stat_now(self, names: Sequence[str]) -> list[int]:
         c = self._client

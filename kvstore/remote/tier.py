@@ -20,7 +20,8 @@ object is committed to the CPU tier as verified, so the usual zero-copy read ser
 A damaged object is freed, counted in `corrupt_dropped` and removed from the remote
 store; it is never served.
 
-Faults: every remote wait is bounded by `timeout_s`; a timeout or an error is counted
+Faults: every remote call (`RemoteAdapter.call`) is bounded by `timeout_s`: a wait on
+the adapter's worker, or the client's own timeouts when the adapter runs it inline; a timeout or an error is counted
 and the caller sees a miss (local tiers keep serving). A timeout also makes the adapter
 suspect the store (a hung master): while the adapter reports the store unreachable,
 fills and writes are skipped at once and counted; its probe reconnects by itself. A get that timed out keeps its slot until the get has ended.
@@ -239,7 +240,6 @@ class RemoteTier:
             sent.append(o)
         if not items:
             return
-        tid = self.adapter.submit_put(items)
 
         def settle(res: TaskResult) -> None:
             keep.clear()
@@ -254,13 +254,10 @@ class RemoteTier:
                     self._count("errors")
             self._unpin(sent)
 
-        res = self.adapter.wait(tid, self.settings.timeout_s)
-        if res is None:
-            self._count("timeouts")
-            self._count("errors")
-            self.adapter.suspect()
-            self.adapter.add_done_callback(tid, settle)
-        else:
+        res = self.adapter.call("put", items, self.settings.timeout_s, late=settle)
+        if res.timed_out:
+            self._timed_out("put")
+        if not res.pending:
             settle(res)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
@@ -283,8 +280,10 @@ class RemoteTier:
             self._count("lookups_skipped_unreachable", len(keys))
             return 0
         names = [self._name(k) for k in keys]
-        res = self._wait(self.adapter.submit_stat(names), "stat")
-        if res is None:
+        res = self.adapter.call("stat", names, self.settings.timeout_s)
+        if res.timed_out:
+            self._timed_out("stat")
+        if res.pending:
             return 0
         found: list[tuple[bytes, str, int]] = []
         for k, n, code in zip(keys, names, res.codes):
@@ -319,13 +318,11 @@ class RemoteTier:
         views = [cpu.view(p.slot) for p in plans]
         items = [GetItem(p.name, ((p.header.data_ptr(), HEADER_BYTES), (v.data_ptr(), p.size - HEADER_BYTES)))
                  for p, v in zip(plans, views)]
-        tid = self.adapter.submit_get(items)
-        res = self.adapter.wait(tid, self.settings.timeout_s)
-        if res is None:
-            self._count("timeouts")
-            self._count("errors")
-            self.adapter.suspect()
-            self.adapter.add_done_callback(tid, lambda r: self._free([p.slot for p in plans], views))
+        res = self.adapter.call("get", items, self.settings.timeout_s,
+                                late=lambda r: self._free([p.slot for p in plans], views))
+        if res.timed_out:
+            self._timed_out("get")
+        if res.pending:
             return 0
         with self._stat_lock:
             self._get_latency.add(res.seconds)
@@ -377,15 +374,12 @@ class RemoteTier:
                 for slot in slots:
                     s.tiers["cpu"].free(slot)
 
-    def _wait(self, tid: int, what: str) -> Optional[TaskResult]:
-        res = self.adapter.wait(tid, self.settings.timeout_s)
-        if res is None:
-            self._count("timeouts")
-            self._count("errors")
-            self.adapter.suspect()
-            self.adapter.add_done_callback(tid, lambda r: None)
-            log.info("remote %s timed out after %.2f s", what, self.settings.timeout_s)
-        return res
+    def _timed_out(self, what: str) -> None:
+        """A remote call ran out of time: counted, and the store suspected (fail fast)."""
+        self._count("timeouts")
+        self._count("errors")
+        self.adapter.suspect()
+        log.info("remote %s timed out after %.2f s", what, self.settings.timeout_s)
 
     def _drop_corrupt(self, key: bytes, name: str, why: str) -> None:
         log.warning("%s; dropped from the remote tier, not served", why)

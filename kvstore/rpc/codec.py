@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 from kvstore import records as st
 from kvstore.errors import InvalidRequest
 from kvstore.rpc import kvstore_pb2 as pb
+from kvstore.tiers.registry import TIERS
 
 MAX_EXTRA_JSON_BYTES = 64 << 10
 MAX_EXTRA_DEPTH = 32  # nesting of arrays/objects in meta.extra_json
@@ -62,8 +63,8 @@ def check_tier(tier: str, limits: Limits, *, default: Optional[str] = None, what
         if default is None:
             raise InvalidRequest(f"{what} is required; one of: {', '.join(limits.tiers)}")
         return default
-    if tier not in st.TIER_NAMES:
-        raise InvalidRequest(f"unknown {what} {tier!r}; tiers are: {', '.join(st.TIER_NAMES)}")
+    if tier not in TIERS:
+        raise InvalidRequest(f"unknown {what} {tier!r}; tiers are: {', '.join(TIERS.names)}")
     if tier not in limits.tiers:
         raise InvalidRequest(f"{what} {tier!r} is not enabled on this daemon (capacity 0); enabled: "
                              f"{', '.join(limits.tiers) or 'none'}")

@@ -44,6 +44,7 @@ from kvstore.server.fastpath import FastLookupServer
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.tcpauth import TcpSettings, TokenCheck, server_credentials, tcp_settings
+from kvstore.tiers.registry import TIERS
 
 log = logging.getLogger("kvstore.server")
 
@@ -219,8 +220,7 @@ class Daemon:
 
             self.store = Store(settings)
         self.store.open()
-        tiers = codec.tiers_enabled(
-            (("gpu", settings.gpu_capacity), ("cpu", settings.cpu_capacity), ("nvme", settings.nvme_capacity)))
+        tiers = codec.tiers_enabled(TIERS.capacities(settings))
         if not tiers:
             raise ConfigError("every tier has capacity 0; give at least one of --cpu-capacity, --nvme-capacity, "
                               "--gpu-capacity a size")
@@ -260,9 +260,7 @@ class Daemon:
             "kvstore daemon ready: socket=%s%s%s pid=%d tiers=%s dir=%s%s", sock,
             f" fast={self.fast.path}" if self.fast else "",
             f" tcp={tcp.target}{'+tls' if tcp.tls else ''}" if tcp else "", os.getpid(),
-            ",".join(f"{t}={format_size(c)}" for t, c in (("gpu", settings.gpu_capacity),
-                                                           ("cpu", settings.cpu_capacity),
-                                                           ("nvme", settings.nvme_capacity)) if c),
+            ",".join(f"{t}={format_size(c)}" for t, c in TIERS.capacities(settings) if c),
             cfg.dir, f" metrics=http://{cfg.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "",
         )
 

@@ -49,6 +49,7 @@ from kvstore.rpc.service import ERROR_CODE_METADATA_KEY, PROTOCOL_METADATA_KEY, 
 from kvstore.server import wiredata
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.waiters import KeyWaiters
+from kvstore.tiers.registry import TIERS
 
 log = logging.getLogger("kvstore.server")
 
@@ -317,10 +318,11 @@ class KVStoreServicer:
 
     def PutBytes(self, request: pb.PutBytesRequest, remaining: Optional[float]) -> pb.PutBytesResponse:
         key = codec.check_key(request.key, self.limits)
-        host_tiers = [t for t in self.limits.tiers if t != "gpu"] or ["cpu"]
-        default = self.limits.default_tier if self.limits.default_tier != "gpu" else host_tiers[0]
+        host = [t for t in TIERS.names if not TIERS.spec(t).device]  # the daemon copies wire bytes into these
+        host_tiers = [t for t in self.limits.tiers if t in host] or host[:1]
+        default = self.limits.default_tier if self.limits.default_tier in host_tiers else host_tiers[0]
         tier = codec.check_tier(request.tier, self.limits, default=default)
-        if tier == "gpu":
+        if TIERS.spec(tier).device:
             raise errors.InvalidRequest("PutBytes stores into the cpu or nvme tier, not gpu (the daemon does not "
                                         "copy wire bytes onto a GPU)")
         size = len(request.data)

@@ -2,7 +2,7 @@
 generate, serve), and in-process through typer's CliRunner where only the command's
 logic matters (bad options, bench, JSON output). The presets JSON schema, generate on a
 tiny preset (text equals the engine's greedy output), bad options rejected by name,
-bench's report, `run` with context signatures (--miss-signatures context), and serve
+bench's report, `run` with context signatures (through --pic-config), and serve
 answering over HTTP until SIGTERM."""
 import json
 import os
@@ -79,16 +79,10 @@ def test_generate_prints_the_greedy_text_and_timings():
         (["generate", "--preset", "ring-tiny", "hi", "--dtype", "float8"], "--dtype"),
         (["bench", "--preset", "ring-tiny", "--request-rate", "-1"], "--request-rate"),
         (["bench", "--preset", "ring-tiny", "--max-batch", "8", "--max-batched-tokens", "4"], "--max-batched-tokens"),
-        (["serve", "--preset", "ring-tiny", "--cold-full-policy", "sometimes"], "--cold-full-policy"),
-        (["serve", "--preset", "ring-tiny", "--miss-path", "later"], "--miss-path"),
-        (["serve", "--preset", "ring-tiny", "--miss-signatures", "later"], "--miss-signatures"),
-        (["serve", "--preset", "ring-tiny", "--miss-path", "alone", "--miss-signatures", "context"],
-         "--miss-signatures"),
-        (["run", "--preset", "ring-tiny", "--requests", "unread.jsonl", "--miss-path", "context",
-          "--miss-signatures", "later"], "--miss-signatures"),
-        # run's miss path is alone by default: context signatures need it said
-        (["run", "--preset", "ring-tiny", "--requests", "unread.jsonl", "--miss-signatures", "context"],
-         "--miss-path context"),
+        (["serve", "--preset", "ring-tiny", "--seam", "4"], "--seam"),  # PIC options need --store (serve)
+        (["run", "--preset", "ring-tiny", "--requests", "unread.jsonl", "--seam", "-1"], "--seam"),
+        (["run", "--preset", "ring-tiny", "--requests", "unread.jsonl", "--pic-config", "/nonexistent/pic.toml"],
+         "--pic-config"),
         (["bench", "--preset", "ring-tiny", "--host-threads", "0"], "--host-threads"),
     ],
 )
@@ -103,16 +97,17 @@ DOCS = ["## doc 1\nk1aa: v1aa\nk1bb: v1bb\nk1cc: v1cc\nk1dd: v1dd\n",
 
 
 def test_run_with_context_signatures_reuses_what_the_first_request_computed_in_context(tmp_path):
-    """--miss-path context --miss-signatures context: the first request's misses are computed
+    """miss_signatures = "context" (--pic-config): the first request's misses are computed
     in its own pass and their signatures taken from it (captured, none queued for an idle
     alone pass); the second, the same documents in the other order, reuses them."""
     requests = tmp_path / "requests.jsonl"
     lines = [{"id": rid, "segments": [{"text": DOCS[i], "cache": True} for i in order]
               + [{"text": "Q: value of k2bb?\nA: ", "cache": False}]} for rid, order in (("a", (0, 1)), ("b", (1, 0)))]
     requests.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    settings = tmp_path / "pic.toml"
+    settings.write_text('[pic]\nmiss_signatures = "context"\n')
     res = kvengine_in_process("run", "--preset", "qwen3next-tiny", "--requests", str(requests), "--method", "pic",
-                              "--miss-path", "context", "--miss-signatures", "context", "--max-new-tokens", "2",
-                              "--device", "cpu", "--json")
+                              "--pic-config", str(settings), "--max-new-tokens", "2", "--device", "cpu", "--json")
     assert res.exit_code == 0, res.output
     first, second = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert first["reused_tokens"] == 0 and first["miss_segments"] == 2
@@ -197,8 +192,10 @@ def test_run_table_streams_rows_shows_fused_ms_and_reports_warm_up_apart(tmp_pat
     rows = [line.split()[0] for line in lines[lines.index(header) + 1:] if line.split()[0] in ("first", "second", "third")]
     assert rows == ["first", "second", "third"]
     assert "over requests 2-3 (the first, with warm-up:" in res.stdout
+    step = tmp_path / "step.toml"  # the step-by-step plan computes misses alone
+    step.write_text('[pic]\nfused = false\nmiss_path = "alone"\n')
     res = kvengine("run", "--preset", "qwen3next-tiny", "--requests", str(reqs), "--device", "cpu",
-                   "--max-new-tokens", "1", "--no-fused", timeout=300)
+                   "--max-new-tokens", "1", "--pic-config", str(step), timeout=300)
     assert res.returncode == 0 and "load ms" in res.stdout and "fused ms" not in res.stdout
 
 

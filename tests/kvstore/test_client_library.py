@@ -185,9 +185,9 @@ def test_put_of_a_non_buffer_or_empty_buffer_is_a_clear_error(daemon):
 
 
 def test_client_raises_bad_object_when_its_checksum_does_not_match(daemon, monkeypatch):
-    import kvstore.client.sync as sync
+    import kvstore.client.ops as ops  # the put flow both client faces share
 
-    monkeypatch.setattr(sync.xxhash, "xxh3_64_intdigest", lambda mv: 42)
+    monkeypatch.setattr(ops.xxhash, "xxh3_64_intdigest", lambda mv: 42)
     with daemon.client() as kv:
         with pytest.raises(BadObject, match="checksum mismatch"):
             kv.put(b"client-bad-sum", b"q" * 100)

@@ -211,3 +211,56 @@ def test_a_corrupted_or_half_written_remote_object_is_dropped_and_counted_never_
     with d2.client() as kv:  # nothing of either object landed in the daemon's tiers
         assert kv.lookup([b"damaged", b"half"])[0].hit is False
         assert kv.stats()["tiers"][0]["objects"] == before_objects
+
+
+_INLINE_CLIENT = """
+import sys, time
+from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget
+a = MooncakeAdapter(MooncakeTarget.from_url(sys.argv[1]), probe_interval_s=0.1)
+print(a.inline_bound_s, a.call("stat", ["kvstore/x"], 3.0).codes[0], flush=True)
+sys.stdin.readline()  # the test hangs the master
+t0 = time.monotonic()
+res = a.call("stat", ["kvstore/x"], 3.0)
+print(round(time.monotonic() - t0, 2), res.codes[0], res.timed_out, res.pending, a.reachable(), flush=True)
+sys.stdin.readline()  # the test resumes it
+deadline = time.monotonic() + 20
+while not a.reachable() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(a.reachable(), a.call("stat", ["kvstore/x"], 3.0).codes[0], flush=True)
+a.close()
+"""
+
+
+def test_an_inline_call_against_a_hung_master_ends_by_the_client_rpc_timeout(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvstore.remote.base import NOT_FOUND, TIMED_OUT
+
+    master = _start_master(tmp_path / "master")
+    env = {k: v for k, v in os.environ.items() if k != "MC_RPC_TIMEOUT_MS"}  # the URL's rpc_timeout rules
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    p = subprocess.Popen([sys.executable, "-c", _INLINE_CLIENT, master.url + "&segment=0&rpc_timeout=0.5"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        bound, code = p.stdout.readline().split()
+        assert float(bound) == 1.0 and int(code) == NOT_FOUND  # 2 x rpc_timeout <= 3 s: inline
+        master.pause()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        secs, code, timed_out, pending, reachable = p.stdout.readline().split()
+        # ended by Mooncake's own RPC timeout (0.5 s), not the caller's 3 s, nor Mooncake's default 30 s
+        assert float(secs) < 2.0 and int(code) == TIMED_OUT
+        assert (timed_out, pending, reachable) == ("True", "False", "False")
+        master.resume()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["True", str(NOT_FOUND)]  # the probe reconnected
+        assert p.wait(30) == 0
+    finally:
+        master.resume()
+        if p.poll() is None:
+            p.kill()
+        master.stop()

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest
 from kvstore.records import ObjectMeta
-from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteError
+from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteConfigError, RemoteError
 from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, remote_name
 from kvstore.remote.faulty import FaultyAdapter, RemoteFaults
 from kvstore.remote.memory import MemoryAdapter, MemoryRemote
@@ -374,3 +374,88 @@ def test_closing_an_adapter_is_bounded_and_fails_the_tasks_it_never_ran():
     first = a.wait(tids[0], 5)
     assert first.codes == (NOT_FOUND,)  # it was running: it finished
     assert got and not got[0].ok and "closed" in got[0].error  # it never ran: failed, delivered once
+
+
+class _InlineAdapter(MemoryAdapter):
+    """A MemoryAdapter whose client "bounds its own calls" (inline_bound_s), recording the
+    thread each blocking call ran on; `stat_codes` (when set) is what stat answers."""
+
+    inline_bound_s = 0.5
+
+    def __init__(self, remote=None):
+        super().__init__(remote)
+        self.threads: list[str] = []
+        self.stat_codes = None
+
+    def stat_now(self, names):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return list(self.stat_codes) if self.stat_codes is not None else super().stat_now(names)
+
+
+def test_call_runs_inline_only_when_the_adapter_bounds_its_calls_within_the_timeout():
+    import threading
+
+    a = _InlineAdapter()
+    try:
+        res = a.call("stat", ["x"], timeout_s=1.0)  # bound 0.5 <= 1.0: on this thread
+        assert res.codes == (NOT_FOUND,) and res.ok and not res.pending
+        assert a.threads[-1] == threading.current_thread().name
+        res = a.call("stat", ["x"], timeout_s=0.2)  # bound above the timeout: a worker and a bounded wait
+        assert res.codes == (NOT_FOUND,) and a.threads[-1].startswith("kvstore-remote")
+        with pytest.raises(InvalidRequest, match="unknown remote operation"):
+            a.call("scan", [], 1.0)
+    finally:
+        a.close()
+
+
+def test_a_call_whose_wait_runs_out_is_pending_and_its_late_result_comes_once():
+    from kvstore.remote.base import TIMED_OUT
+
+    a = FaultyAdapter(MemoryAdapter(), RemoteFaults(delay_s=0.3))
+    try:
+        late = []
+        t0 = time.monotonic()
+        res = a.call("stat", ["x", "y"], timeout_s=0.05, late=late.append)
+        assert time.monotonic() - t0 < 0.25  # bounded by the timeout, not the 0.3 s call
+        assert res.pending and res.timed_out and not res.ok and res.codes == (TIMED_OUT, TIMED_OUT)
+        deadline = time.monotonic() + 5
+        while not late and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert len(late) == 1 and late[0].codes == (NOT_FOUND, NOT_FOUND) and not late[0].pending
+    finally:
+        a.close()
+
+
+def test_a_client_timeout_inline_is_counted_fails_fast_after_and_reconnects(tmp_path):
+    from kvstore.remote.base import TIMED_OUT
+
+    remote = MemoryRemote()
+    a = _InlineAdapter(remote)
+    s = Store(make_settings(tmp_path, remote_timeout_s=1.0), remote_adapter=a)
+    s.open()
+    try:
+        a.stat_codes = [TIMED_OUT]  # the client's own RPC timeout (a hung master), answered inline
+        assert s.lookup([b"k"])[0].hit is False
+        r = _remote_stats(s)
+        assert r["timeouts"] == 1 and r["errors"] >= 1 and r["reachable"] is False
+        calls = len(a.threads)
+        assert s.lookup([b"k2"])[0].hit is False  # known unreachable: no call at all
+        assert len(a.threads) == calls and _remote_stats(s)["lookups_skipped_unreachable"] == 1
+        a.stat_codes = None
+        deadline = time.monotonic() + 5
+        while not a.reachable() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.reachable() and a.stats()["reconnects"] == 1
+    finally:
+        s.close()
+
+
+def test_the_mooncake_url_takes_an_rpc_timeout():
+    t = MooncakeTarget.from_url("mooncake://127.0.0.1:5?rpc_timeout=0.25")
+    assert t.rpc_timeout_s == 0.25 and MooncakeTarget.from_url("mooncake://h:5").rpc_timeout_s == 1.0
+    for bad, why in (("x", "must be seconds"), ("0", "0.01..600")):
+        with pytest.raises(RemoteConfigError, match=why):
+            MooncakeTarget.from_url(f"mooncake://h:5?rpc_timeout={bad}")

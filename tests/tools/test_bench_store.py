@@ -29,6 +29,10 @@ def test_bench_store_prints_the_nvme_read_rows_against_the_direct_io_baseline(tm
         assert cells[4] == "direct-I/O read" and float(cells[5]) > 0 and float(cells[6]) > 0, rows[op]
     assert "client-verified" in rows["get (cold, no promote)"]
     assert ("get (cold, no promote) into GPU tensor" in rows) == _cuda()
+    # the NVMe read backends side by side: posix always, kvikio only where it imports with CUDA
+    posix = [c.strip() for c in rows["read (posix: O_DIRECT + pinned + H2D)" if _cuda() else
+                                     "read (posix: O_DIRECT)"].split("│")]
+    assert float(posix[3]) > 0, posix
     assert not any(p.name.startswith("run-") for p in tmp_path.iterdir()), "the run directory was left behind"
 
 

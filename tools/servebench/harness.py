@@ -4,9 +4,12 @@ Poisson arrivals.
 `Harness(engine, connector)` owns the planners of one engine: `full` and `prefix`
 (engine.pic), and `pic` through the kvstore daemon (engine.connector, one store
 connection reused by every run; with `connector=None`, PIC over the engine's private
-in-process cache). `planner(method, fresh=True)` gives a planner with an
-empty cache where that makes sense (a new prefix tree; for `pic`, `forget(request)`
-deletes the request's segments from the daemon instead).
+in-process cache). With `prefix_store=True` prefix caching keeps its checkpoints in the
+daemon too (engine.connector.prefix_planner, `--method prefix --store`: the tiers and
+the byte budget PIC has), over the PIC planner's store connection. `planner(method,
+fresh=True)` gives a planner with an empty cache where that makes sense (a new prefix
+tree; for `pic`, `forget(request)` deletes the request's segments from the daemon
+instead; `forget` deletes its exact-prefix checkpoints, prefix caching's too).
 
 `run_alone` measures one request on an otherwise idle engine: TTFT from the request's
 own timeline (arrival -> first token sampled, the GPU synchronised by sampling), with
@@ -56,8 +59,10 @@ class Harness:
     """See the module docstring."""
 
     def __init__(self, engine, connector: Optional[StoreConnectorConfig], pic: PicConfig = PicConfig(),
-                 trace_dir: Optional[str] = None) -> None:
+                 trace_dir: Optional[str] = None, prefix_store: bool = False) -> None:
         self.engine = engine
+        #: prefix caching with its checkpoints in the daemon too (module docstring)
+        self.prefix_store = prefix_store and connector is not None
         #: where `run_alone(..., trace=NAME)` writes torch.profiler traces (None: never)
         self.trace_dir = trace_dir
         #: `run_poisson` runs the engine's idle work (queued alone passes and their puts)
@@ -77,6 +82,11 @@ class Harness:
             if self._store_planner is None:
                 self._store_planner = attach_store(self.engine, self.pic_config, self.connector)
             planner = self._store_planner
+        elif method == "prefix" and self.prefix_store:
+            planner = self._planners.get(method)
+            if planner is None or fresh:
+                planner = self._store_prefix_planner()
+                self._planners[method] = planner
         else:
             planner = self._planners.get(method)
             if planner is None or fresh:
@@ -86,6 +96,18 @@ class Harness:
                 self._planners[method] = planner
         self.engine.scheduler.planner = planner
         return planner
+
+    def _store_prefix_planner(self):
+        """A `prefix` planner with a new (empty) tree whose checkpoints go to the daemon,
+        over the PIC planner's store connection, its tree bounded as PIC's exact prefixes
+        are (PicConfig.prefix_cache_bytes)."""
+        from engine.connector.prefix_planner import StorePrefixPlanner
+        from engine.pic.prefix import PrefixTree
+
+        pic = self._store_planner or self.planner("pic")
+        cfg = PicConfig(method="prefix", prefix_cache_bytes=self.pic_config.prefix_cache_bytes)
+        return StorePrefixPlanner(cfg, PrefixTree(cfg.prefix_cache_bytes), self.engine.device, pic.store,
+                                  pic.checkpoints)
 
     def timed_pic_planner(self):
         """A PIC planner through the daemon that synchronises the device at every timing

@@ -36,11 +36,12 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvstore.tiers.registry import TIERS as TIER_REGISTRY
 from tools.servebench.harness import percentile
 from tools.servebench.requests import BenchRequest
 
 REPO = Path(__file__).resolve().parents[2]
-TIERS = ("gpu", "cpu", "nvme")
+TIERS = TIER_REGISTRY.names
 
 
 def _device(gpus: Optional[Sequence[int]], i: int) -> Optional[str]:
@@ -183,7 +184,7 @@ def run_cold_parallel(preset: str, engine_options: dict, requests: Sequence[Benc
                       threads: Optional[int] = None, gpus: Optional[Sequence[int]] = None,
                       timeout: float = 900.0, warm: Optional[dict] = None, put_tier: Optional[str] = None) -> dict:
     """Cold TTFT alone vs helped by an idle engine (module docstring; `put_tier` as run_pair's)."""
-    specs = [{"name": "w0", "role": "cold", "requests": _requests(requests)},
+    specs = [{"name": "w0", "role": "cold", "requests": _requests(requests), "pic": {"miss_path": "alone"}},
              {"name": "w1", "role": "helper", "requests": []}]
     results, wall = run_workers(preset, engine_options, specs, socket, threads, gpus, timeout, stop_after=["w0"],
                                 warm=warm, put_tier=put_tier)

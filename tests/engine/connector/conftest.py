@@ -48,7 +48,7 @@ def store_engine() -> Iterator[Callable[..., Any]]:
     with PIC through the daemon; every cache is closed after the test."""
     planners = []
 
-    def make(daemon: DaemonProcess, preset: str = "qwen3next-tiny", pic: PicConfig = PicConfig(), **overrides):
+    def make(daemon: DaemonProcess, preset: str = "qwen3next-tiny", pic: PicConfig = PicConfig(miss_path="alone"), **overrides):
         engine = new_engine(preset)
         cfg = dict(socket=str(daemon.socket), rpc_timeout_s=5.0, reconnect_min_s=0.05, reconnect_max_s=0.2)
         cfg.update(overrides)
@@ -64,7 +64,7 @@ def store_engine() -> Iterator[Callable[..., Any]]:
 @pytest.fixture
 def memory_engine() -> Callable[..., Any]:
     """memory_engine(preset) -> (engine, planner) with PIC over the in-process cache."""
-    def make(preset: str = "qwen3next-tiny", pic: PicConfig = PicConfig()):
+    def make(preset: str = "qwen3next-tiny", pic: PicConfig = PicConfig(miss_path="alone")):
         engine = new_engine(preset)
         return engine, attach_planner(engine, pic)
     return make

@@ -35,16 +35,25 @@ def kvengine_run(requests: Path, store_args: list[str], env_extra: dict[str, str
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def segments_only(tmp_path: Path) -> str:
+    """A --pic-config file for segment reuse alone: no exact prefixes (test_prefix_store.py;
+    they would restore request a whole), misses computed alone in the request (so each
+    request's record counts what it computed through the store)."""
+    path = tmp_path / "segments-only.toml"
+    path.write_text('[pic]\nexact_prefix = false\nmiss_path = "alone"\n')
+    return str(path)
+
+
 def test_a_second_kvengine_run_process_reuses_segments_the_first_computed(start_daemon, tmp_path):
     d = start_daemon()
     requests = write_requests(tmp_path / "requests.jsonl")
-    # segments only: exact prefixes (test_prefix_store.py) would restore request a whole
-    first = kvengine_run(requests, ["--store", str(d.socket), "--no-exact-prefix"], {})
+    first = kvengine_run(requests, ["--store", str(d.socket), "--pic-config", segments_only(tmp_path)], {})
     assert [r["id"] for r in first] == ["a", "b"]
     assert first[0]["reused_tokens"] == 0 and first[0]["store_computed"] == 2
     assert first[1]["store_hits"] == 1  # doc 1 was computed by request a
     # bare --store: the daemon's default socket, here named by KVSTORE_SOCKET
-    second = kvengine_run(requests, ["--store", "--no-exact-prefix"], {"KVSTORE_SOCKET": str(d.socket)})
+    second = kvengine_run(requests, ["--store", "--pic-config", segments_only(tmp_path)],
+                          {"KVSTORE_SOCKET": str(d.socket)})
     assert all(r["reused_tokens"] > 0 and r["store_computed"] == 0 for r in second)
     assert [r["store_hits_by_tier"]["cpu"] for r in second] == [2, 2]
     assert [r["text"] for r in second] == [r["text"] for r in first]

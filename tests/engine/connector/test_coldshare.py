@@ -3,8 +3,8 @@ coldshare), with a REAL daemon and REAL engine processes: an idle `kvengine serv
 process computes part of another engine's cold segments (its /metrics and the
 requester's say so), the stored signatures are the bytes the requester would have
 computed alone and the output equals in-process PIC; a helper killed while holding a
-claim costs the requester only the claim's expiry; `--no-share-cold` and `dedup=False`
-offer nothing; offers are withdrawn once the request's miss step is done."""
+claim costs the requester only the claim's expiry; `share_cold=False` (`[store]
+share_cold = false` in `--pic-config`) and `dedup=False` offer nothing; offers are withdrawn once the request's miss step is done."""
 from __future__ import annotations
 
 import os

@@ -179,7 +179,7 @@ def test_cold_fallback_serves_by_full_recompute_then_idle_help_stores_the_segmen
     p = prompt((0, 1, 2))
     full_engine, full_planner = memory_engine(pic=PicConfig(method="full"))
     want = run_one(full_engine, full_planner, p, "full")[0].token_ids
-    engine, planner = store_engine(d, pic=PicConfig(cold_full_fraction=0.5))
+    engine, planner = store_engine(d, pic=PicConfig(cold_full_fraction=0.5, miss_path="alone"))
     out1, rep1, st1 = run_one(engine, planner, p, "r1")
     assert out1.token_ids == want  # served by full recompute: the same tokens
     assert rep1.cold_full and rep1.deferred_segments == 3 and rep1.reused_tokens == 0 and st1.computed == 0
@@ -302,7 +302,7 @@ def test_a_bounded_device_cache_leaves_the_rest_of_the_working_set_to_the_daemon
     from engine.connector.errors import ConnectorConfigError
     from engine.pic.config import PicConfig
 
-    no_prefix = PicConfig(exact_prefix=False)
+    no_prefix = PicConfig(exact_prefix=False, miss_path="alone")
     roomy_engine, roomy = store_engine(start_daemon("roomy"), pic=no_prefix, device_cache_bytes=64 << 20)
     run_one(roomy_engine, roomy, prompt((0, 1, 2)), "r1")
     sizes = sorted(sig.nbytes() for sig, _ in roomy.store.near._entries.values())

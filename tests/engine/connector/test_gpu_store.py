@@ -28,11 +28,11 @@ def test_loads_from_the_cpu_arena_and_the_gpu_tier_match_in_process_pic_on_cuda(
 
     d = start_daemon(gpu_capacity="256MiB")
     ref = cuda_engine()
-    ref_planner = attach_planner(ref, PicConfig())
+    ref_planner = attach_planner(ref, PicConfig(miss_path="alone"))
     prompts = [prompt((0, 1, 2)), prompt((2, 0, 1)), prompt((1, 2, 0))]
     want = [run_one(ref, ref_planner, p, f"ref{i}")[0].token_ids for i, p in enumerate(prompts)]
     engine = cuda_engine()
-    planner = attach_store(engine, PicConfig(), StoreConnectorConfig(socket=str(d.socket), device_cache_bytes=0))
+    planner = attach_store(engine, PicConfig(miss_path="alone"), StoreConnectorConfig(socket=str(d.socket), device_cache_bytes=0))
     try:
         got = [run_one(engine, planner, prompts[0], "cold")]
         assert planner.store.flush()
@@ -57,7 +57,7 @@ def test_puts_into_the_gpu_tier_round_trip(start_daemon):
 
     d = start_daemon(gpu_capacity="256MiB")
     engine = cuda_engine()
-    planner = attach_store(engine, PicConfig(), StoreConnectorConfig(socket=str(d.socket), put_tier="gpu", device_cache_bytes=0))
+    planner = attach_store(engine, PicConfig(miss_path="alone"), StoreConnectorConfig(socket=str(d.socket), put_tier="gpu", device_cache_bytes=0))
     try:
         first = run_one(engine, planner, prompt((0, 1)), "a")
         assert planner.store.flush()

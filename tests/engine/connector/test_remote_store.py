@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable
-from test_cli_store import kvengine_run, write_requests
+from test_cli_store import kvengine_run, segments_only, write_requests
 
 _WHY = mooncake_unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
@@ -29,7 +29,7 @@ def test_a_second_engine_on_another_daemon_reuses_segments_from_the_remote_tier(
         d1 = start_daemon("host1", extra_args=args)
         d2 = start_daemon("host2", extra_args=args)
         requests = write_requests(tmp_path / "requests.jsonl")
-        first = kvengine_run(requests, ["--store", str(d1.socket), "--no-exact-prefix"], {})
+        first = kvengine_run(requests, ["--store", str(d1.socket), "--pic-config", segments_only(tmp_path)], {})
         assert first[0]["reused_tokens"] == 0 and first[0]["store_computed"] == 2
         with d1.client() as kv:
             deadline = time.monotonic() + 30
@@ -37,7 +37,7 @@ def test_a_second_engine_on_another_daemon_reuses_segments_from_the_remote_tier(
                 time.sleep(0.05)
             written = kv.stats()["remote"]["objects_written"]
         assert written >= 3  # the three documents' signatures
-        second = kvengine_run(requests, ["--store", str(d2.socket), "--no-exact-prefix"], {})
+        second = kvengine_run(requests, ["--store", str(d2.socket), "--pic-config", segments_only(tmp_path)], {})
         assert all(r["reused_tokens"] > 0 and r["store_computed"] == 0 for r in second)
         assert [r["store_hits_by_tier"]["cpu"] for r in second] == [2, 2]
         assert [r["text"] for r in second] == [r["text"] for r in first]

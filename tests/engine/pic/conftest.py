@@ -30,5 +30,6 @@ def planner_of():
         # step-by-step plans unless told otherwise: the invariants below pin that path, and
         # test_fused.py pins the one-pass path to it
         kw.setdefault("fused", False)
+        kw.setdefault("miss_path", "alone")  # the alone path: a miss computed alone, spliced like a hit
         return make_planner(PicConfig(method=method, **kw), model, fingerprint, FakeTokenizer())
     return factory

@@ -38,7 +38,7 @@ def engine_with_pic(model_dir, **kw):
                kv_cache_tokens=2048)
     cfg.update(kw)
     engine = build_engine(str(model_dir), EngineConfig(**cfg))
-    return engine, attach_planner(engine, PicConfig(method="pic", seam=4))
+    return engine, attach_planner(engine, PicConfig(method="pic", seam=4, miss_path="alone"))
 
 
 def test_concurrent_pic_requests_match_each_alone(model_dir):

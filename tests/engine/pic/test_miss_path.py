@@ -88,8 +88,9 @@ def test_the_cold_fallback_still_takes_requests_above_its_fraction(model_of, run
     assert rep.cold_full and rep.deferred_segments == 3 and rep.reused_tokens == 0
 
 
-def test_the_alone_path_is_the_default_and_miss_path_is_validated(model_of, planner_of):
-    planner = planner_of(model_of(LAYERS), fused=True)
+def test_context_is_the_default_and_miss_path_is_validated(model_of, planner_of):
+    assert PicConfig().miss_path == "context" and PicConfig().cold_full_fraction is None
+    planner = planner_of(model_of(LAYERS), fused=True, miss_path="alone")
     assert planner.config.miss_path == "alone" and planner.idle_poll_s is None
     with pytest.raises(PicConfigError, match="miss_path"):
         planner_of(model_of(LAYERS), fused=True, miss_path="later")

@@ -56,7 +56,7 @@ def staged_engine(model_dir, mode, wrap=None):
     engine = build_engine(str(model_dir), EngineConfig(device="cpu", dtype="float32", max_num_seqs=4,
                                                        max_num_batched_tokens=256, prefill_chunk_size=16,
                                                        kv_cache_tokens=2048))
-    attach_planner(engine, PicConfig(method="pic", seam=4, fused=True))
+    attach_planner(engine, PicConfig(method="pic", seam=4, fused=True, miss_path="alone"))
     engine.runner.prefill_stages = PrefillStages(engine.device, buckets=BUCKETS, capture=False)
     if wrap is None:
         engine.prefill_graphs = prefill_graph_warmup(engine.runner, mode)
@@ -128,7 +128,7 @@ def test_every_mode_gives_the_tokens_of_the_plain_engine_and_idle_captures_only_
     plain = build_engine(str(model_dir), EngineConfig(device="cpu", dtype="float32", max_num_seqs=4,
                                                       max_num_batched_tokens=256, prefill_chunk_size=16,
                                                       kv_cache_tokens=2048))
-    attach_planner(plain, PicConfig(method="pic", seam=4, fused=True))
+    attach_planner(plain, PicConfig(method="pic", seam=4, fused=True, miss_path="alone"))
     expected = [plain.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
 
     for mode in ("upfront", "lazy"):

@@ -21,7 +21,7 @@ def test_pic_with_whole_segment_seams_equals_full_recompute(checkpoint, arch, fu
     engine = H.new_engine(checkpoint(arch))
     tok, runner = engine.tokenizer, engine.runner
     seam = max(len(tok.encode(d)) for d in H.DOCS)
-    planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused), runner.model,
+    planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused, miss_path="alone"), runner.model,
                            engine.loaded_model.fingerprint, tok)
     # cold, then warm: the first segment (the only one a wide seam does not recompute) is a
     # hit and spliced; the others move to new offsets

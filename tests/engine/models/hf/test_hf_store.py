@@ -33,7 +33,7 @@ def test_signatures_round_trip_through_a_real_daemon(checkpoint, arch, tmp_path)
     d = checkpoint(arch)
     prompts = [H.segments((0, 1, 2)), H.segments((2, 1, 0))]
     memory = H.new_engine(d)
-    attach_planner(memory, PicConfig())
+    attach_planner(memory, PicConfig(miss_path="alone"))
     want = [_run(memory, p, f"ref{i}").token_ids for i, p in enumerate(prompts)]
 
     daemon = DaemonProcess(tmp_path / "d", entry="kvstore.server").start()
@@ -41,12 +41,12 @@ def test_signatures_round_trip_through_a_real_daemon(checkpoint, arch, tmp_path)
     try:
         cfg = StoreConnectorConfig(socket=str(daemon.socket), rpc_timeout_s=5.0)
         first = H.new_engine(d)
-        planners.append(attach_store(first, PicConfig(), cfg))
+        planners.append(attach_store(first, PicConfig(miss_path="alone"), cfg))
         assert _run(first, prompts[0], "a").token_ids == want[0]
         assert planners[0].take_report("a").miss_segments == 3
         assert planners[0].store.flush()
         second = H.new_engine(d)  # another engine: only the daemon holds the signatures
-        planners.append(attach_store(second, PicConfig(), cfg))
+        planners.append(attach_store(second, PicConfig(miss_path="alone"), cfg))
         assert second.loaded_model.fingerprint == first.loaded_model.fingerprint
         out = _run(second, prompts[1], "b")
         report, store = planners[1].take_report("b"), planners[1].take_store_report("b")

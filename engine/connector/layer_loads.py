@@ -1,0 +1,158 @@
+"""Layer-by-layer loads of a signature blob into device memory, overlapped with compute.
+
+A signature's blob (engine.connector.codec) holds each layer's parts: as a part of its
+own (`L<i>.<part>`, the part's `layer`), or as row r of a stacked part `S<n>.<part>`
+`[layers, ...]` whose header meta `stacked` names the rows (`L<i>.<part>`). `layer_plan`
+turns a blob header into the byte spans of each layer, in layer order (adjacent spans
+merged). `issue_layered` copies them, layer after layer, on one copy stream and records
+an event after each layer's last copy; since the copies run in order on that stream,
+the event of layer i completes once every layer <= i has landed. The returned
+`LayerEvents` lets the consumer make its compute stream wait for layer i just before it
+first reads layer i (`wait_layer`), so layer i computes while layer i+1's bytes arrive
+(the fused pass's `before_layer` hook, engine.pic.fused; the store planner installs it).
+
+The streams and events are behind a small interface (`CopyQueue`): `CudaCopyQueue` on a
+CUDA device (non_blocking copies from pinned host memory: the daemon's shm arena, mapped
+in place and registered as pinned once per mapping by kvstore.client.regions), and any
+object with the same three methods elsewhere (the tests use a recording fake). On the
+CPU there is nothing to overlap: the loader keeps its zero-copy views.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
+
+from engine.connector.errors import ConnectorError
+
+
+class LayerPlanError(ConnectorError):
+    """A blob header whose parts cannot be split by layer."""
+
+
+@dataclass(frozen=True)
+class LayerSpans:
+    """The bytes of one layer's parts in a blob: (offset, length) pairs, ascending."""
+
+    layer: int
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.spans)
+
+
+def _layer_of(row_name: str) -> int:
+    head = row_name.split(".", 1)[0]
+    if not head.startswith("L") or not head[1:].isdigit():
+        raise LayerPlanError(f"stacked row {row_name!r} does not name a layer (expected L<layer>.<part>)")
+    return int(head[1:])
+
+
+def _merged(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for off, n in sorted(spans):
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += n
+        else:
+            out.append([off, n])
+    return tuple((a, b) for a, b in out)
+
+
+def layer_plan(parts: Sequence[Any], stacked: Optional[dict] = None) -> list[LayerSpans]:
+    """Each layer's byte spans (module docstring), in layer order. `parts`: the blob
+    header's parts (`name`, `layer`, `offset`, `length`); `stacked`: the header meta's
+    `stacked` (part name -> row names)."""
+    stacked = stacked or {}
+    by_layer: dict[int, list[tuple[int, int]]] = {}
+    for p in parts:
+        if not p.length:
+            continue
+        rows = stacked.get(p.name)
+        if rows:
+            if p.length % len(rows):
+                raise LayerPlanError(f"stacked part {p.name!r}: {p.length} bytes do not split into {len(rows)} rows")
+            row = p.length // len(rows)
+            for r, name in enumerate(rows):
+                by_layer.setdefault(_layer_of(name), []).append((p.offset + r * row, row))
+        else:
+            if p.layer is None or p.layer < 0:
+                raise LayerPlanError(f"blob part {p.name!r} has no layer")
+            by_layer.setdefault(int(p.layer), []).append((p.offset, p.length))
+    return [LayerSpans(layer, _merged(spans)) for layer, spans in sorted(by_layer.items())]
+
+
+class CopyQueue(Protocol):
+    """Where the copies go: one ordered queue (a CUDA stream)."""
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """Queue dst <- src (same byte count)."""
+
+    def record(self) -> Any:
+        """An event that completes once every copy queued so far has."""
+
+
+class LayerEvents:
+    """Per-layer completion events of one blob's copies (module docstring)."""
+
+    def __init__(self, events: list[tuple[int, Any]]) -> None:
+        self._events = events  # (layer, event), ascending layers
+        self.waited: set[int] = set()
+
+    @property
+    def layers(self) -> list[int]:
+        return [layer for layer, _ in self._events]
+
+    @property
+    def last(self) -> Optional[Any]:
+        return self._events[-1][1] if self._events else None
+
+    def event_for(self, layer: int) -> Optional[Any]:
+        """The event after which `layer`'s bytes are in place: its own, else the last
+        one of a lower layer (it has no parts of its own; earlier layers' still count
+        as read by the caller's layer loop), None when no layer <= `layer` was copied."""
+        found = None
+        for lay, ev in self._events:
+            if lay > layer:
+                break
+            found = ev
+        return found
+
+    def wait_layer(self, layer: int, wait) -> None:
+        """`wait(event)` (e.g. the compute stream's wait_event) for `layer`'s event, once
+        per layer."""
+        if layer in self.waited:
+            return
+        self.waited.add(layer)
+        ev = self.event_for(layer)
+        if ev is not None:
+            wait(ev)
+
+
+def issue_layered(src: Any, dst: Any, plan: Sequence[LayerSpans], queue: CopyQueue) -> LayerEvents:
+    """Queue the copies of `plan` from `src` to `dst` (sliceable byte buffers of the
+    blob's size), layer by layer, with an event after each layer."""
+    events = []
+    for ls in plan:
+        for off, n in ls.spans:
+            queue.copy(dst[off:off + n], src[off:off + n])
+        events.append((ls.layer, queue.record()))
+    return LayerEvents(events)
+
+
+class CudaCopyQueue:  # pragma: no cover - GPU only
+    """`CopyQueue` on a CUDA stream: non_blocking copies (pinned sources DMA asynchronously).
+    Use it inside `torch.cuda.stream(stream)`: the copies go to the current stream (no
+    stream switch per copy), the events are recorded on `stream`."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def copy(self, dst, src) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record(self):
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev

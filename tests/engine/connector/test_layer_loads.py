@@ -1,0 +1,94 @@
+"""Layer-by-layer copies of a signature blob (engine.connector.layer_loads) on a recording
+fake copy queue: the plan covers every part's bytes once, layer by layer in order; an
+event follows each layer's copies; waiting for layer i makes exactly layers <= i present
+in the destination (the later ones still arriving), so a signature decoded over the
+destination holds layer i's tensors bit for bit when layer i is first read."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.connector.codec import signature_blob, signature_from_blob
+from engine.connector.layer_loads import LayerPlanError, issue_layered, layer_plan
+from engine.models.config import FULL, GDN, MAMBA2, SWA
+from engine.pic.compute import compute_signature
+from kvstore import format as fmt
+
+
+class FakeQueue:
+    """An in-order queue: copies run only when an event recorded after them is waited on."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []  # ("copy", dst, src) | ("event", n)
+        self.done = 0  # ops executed
+
+    def copy(self, dst, src) -> None:
+        assert dst.numel() == src.numel()
+        self.ops.append(("copy", dst, src))
+
+    def record(self) -> int:
+        self.ops.append(("event", len(self.ops)))
+        return len(self.ops) - 1
+
+    def wait(self, event: int) -> None:
+        while self.done <= event:
+            op = self.ops[self.done]
+            if op[0] == "copy":
+                op[1].copy_(op[2])
+            self.done += 1
+
+
+@pytest.fixture
+def blob_of(make_config, make_model):
+    def make(layers):
+        model = make_model(make_config(layers))
+        ids = torch.randint(2, 50, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+        with torch.inference_mode():
+            sig = compute_signature(model, ids, [1], 8)
+        blob = signature_blob(sig, "fp")
+        buf = torch.frombuffer(fmt.encode_tensors(blob.tensors, fingerprint="fp", token_count=blob.token_count,
+                                                  meta=blob.meta, layers=blob.layers), dtype=torch.uint8)
+        return sig, buf
+    return make
+
+
+def test_the_plan_covers_every_part_once_in_layer_order(blob_of):
+    sig, buf = blob_of([GDN, GDN, FULL, GDN, FULL, MAMBA2, SWA])
+    header = fmt.read_header(buf)
+    plan = layer_plan(header.parts, header.meta.get("stacked"))
+    assert [p.layer for p in plan] == list(range(7))
+    spans = sorted(s for p in plan for s in p.spans)
+    assert sum(n for _, n in spans) == sum(p.length for p in header.parts)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # no byte twice
+
+
+def test_waiting_for_layer_i_lands_exactly_layers_up_to_i(blob_of):
+    sig, buf = blob_of([GDN, FULL, GDN, MAMBA2, SWA])
+    header = fmt.read_header(buf)
+    dst = torch.zeros_like(buf)
+    q = FakeQueue()
+    events = issue_layered(buf, dst, layer_plan(header.parts, header.meta.get("stacked")), q)
+    assert q.done == 0 and events.layers == list(range(5))
+    # one event after each layer's copies, in layer order
+    kinds = [op[0] for op in q.ops]
+    assert kinds.count("event") == 5 and kinds[-1] == "event"
+    landed = signature_from_blob(header.meta, fmt.tensors_over(header, dst), "fp", "fp")
+    want, _, layers = sig.to_tensors()
+    for i in range(5):
+        events.wait_layer(i, q.wait)
+        got, _, _ = landed.to_tensors()
+        for name, t in want.items():
+            if layers[name] <= i:
+                assert torch.equal(got[name], t), name
+            elif t.abs().sum() > 0:
+                assert not torch.equal(got[name], t), f"{name} arrived before its layer was waited for"
+    events.wait_layer(2, q.wait)  # once per layer
+    assert q.done == len(q.ops)
+
+
+def test_a_stacked_row_without_a_layer_name_is_refused(blob_of):
+    _, buf = blob_of([GDN, GDN, FULL])
+    header = fmt.read_header(buf)
+    stacked = {name: ["state"] * len(rows) for name, rows in header.meta["stacked"].items()}
+    with pytest.raises(LayerPlanError, match="does not name a layer"):
+        layer_plan(header.parts, stacked)

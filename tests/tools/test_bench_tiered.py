@@ -1,0 +1,140 @@
+"""tools/bench_tiered.py: the QPS bisection on a fake engine, and --quick end to end on
+the CPU in the two-command form the GPU run uses (serve; then qps, which measures its own
+SLO base, and the sweep in a daemon of its own) joined by --merge, with the summary keys
+issue 23 names."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.servebench import tiered
+from tools.servebench.requests import BenchRequest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeHarness:
+    """run_poisson answers a p99 TTFT that grows with the rate: the SLO holds below `limit`."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.rates: list[float] = []
+        self.planners: list[str] = []
+        self.alone = 0
+
+    def planner(self, method, fresh=False):
+        self.planners.append(method)
+
+    def run_alone(self, req):
+        self.alone += 1
+
+    def run_poisson(self, reqs, rate, seed, info=None):
+        self.rates.append(rate)
+        ttft = 100.0 if rate <= self.limit else 1000.0
+        if info is not None:
+            info.update(hit_segments=len(reqs), miss_segments=0)
+        return [ttft] * len(reqs)
+
+
+def _reqs(n: int) -> list[BenchRequest]:
+    return [BenchRequest(f"r{i}", "rag", ({"text": f"doc {i}", "cache": True},)) for i in range(n)]
+
+
+@pytest.mark.parametrize("limit", [0.3, 3.7, 41.0])
+def test_qps_search_brackets_then_bisects_to_within_the_tolerance(limit):
+    h = FakeHarness(limit)
+    got = tiered.qps_search(h, "pic", iter(_reqs(200)), per_trial=2, slo_ms=500.0, start_rate=2.0,
+                            tolerance=0.1, max_trials=30)
+    assert got["converged"] and got["sustainable_qps"] <= limit < got["lowest_failed_qps"]
+    assert (got["lowest_failed_qps"] - got["sustainable_qps"]) / got["lowest_failed_qps"] <= 0.1
+    assert [t["rate"] for t in got["trials"]] == h.rates
+    # bisection, not a ladder: after the bracket every rate lies strictly inside it
+    ok = [t["rate"] for t in got["trials"] if t["ok"]]
+    bad = [t["rate"] for t in got["trials"] if not t["ok"]]
+    assert ok and bad and max(ok) == got["sustainable_qps"] and min(bad) == got["lowest_failed_qps"]
+
+
+def test_qps_search_reports_an_unconverged_search_and_zero_when_nothing_passes():
+    got = tiered.qps_search(FakeHarness(0.0), "prefix", iter(_reqs(20)), per_trial=2, slo_ms=500.0,
+                            start_rate=1.0, max_trials=4)
+    assert got["sustainable_qps"] == 0.0 and not got["converged"] and len(got["trials"]) == 4
+
+
+def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
+    h = FakeHarness(5.0)
+    out = tiered.qps_repeats(h, _reqs(3 * (1 + 2 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+                             max_trials=12, warmup=1)
+    assert len(out["repeats"]) == 3 and out["gain_vs_prefix"]["median"] == pytest.approx(1.0)
+    for m in ("prefix", "pic"):
+        assert out[m]["min"] <= out[m]["median"] <= out[m]["max"] <= 5.0
+    assert h.alone == 6  # one warm-up request per search, then an untimed burst at the start rate
+    assert h.rates.count(1.0) == 12  # per search: the burst and the first trial at the start rate
+    with pytest.raises(ValueError, match="pool holds"):
+        tiered.qps_repeats(h, _reqs(5), per_trial=2, slo_ms=1.0, start_rate=1.0)
+
+
+def test_break_even_is_bytes_per_token_over_recompute_time_per_token():
+    stored = {"gpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},
+              "cpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},
+              "nvme": {"objects": 0, "bytes": 0, "tokens": 0}}
+    work = {"rag": {"full": {"warm": {"ttft_ms_mean": 200.0, "prompt_tokens_mean": 10_000}}}}
+    be = tiered.break_even(stored, work)
+    # 4000 B/token read vs 0.02 ms/token recomputed: 0.2 GB/s
+    assert be["break_even_read_gb_per_s"] == pytest.approx(0.2) and be["signatures"] == 2
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "tools/bench_tiered.py", *args], capture_output=True, text=True,
+                          cwd=str(REPO), env=env, timeout=600)
+
+
+def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
+    a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "serving-tiered.json"
+    p = _run(["--quick", "--phases", "serve", "--workloads", "rag,repeat", "--n", "1", "--json", str(a)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["--quick", "--phases", "qps,sweep", "--qps-repeats", "2", "--qps-max-trials", "3", "--sweep", "0.5,4",
+              "--json", str(b)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(["--merge", str(a), str(b), "--json", str(merged)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "tiered serving summary" in p.stdout
+    run = json.loads(merged.read_text())
+    s = run["summary"]
+    for key in ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft",
+                "qps_gain_vs_prefix_at_slo_median", "qps_repeats", "cpu_to_gpu_fraction_of_pcie_serving",
+                "working_set_sweep"):
+        assert key in s
+    assert s["ttft_vs_best_baseline_avg"] > 0 and s["ttft_vs_best_baseline_min"] <= s["ttft_vs_best_baseline_avg"]
+    assert s["exact_repeat_pic_over_prefix_ttft"] > 0
+    assert len(s["qps_repeats"]) == 2 and all(r["prefix_qps"] >= 0 and r["pic_qps"] >= 0 for r in s["qps_repeats"])
+    assert s["cpu_to_gpu_fraction_of_pcie_serving"] is None  # no PCIe on the CPU: recorded as such
+    pre = run["presets"]["qwen3next-tiny"]
+    # prefix caching ran through the daemon: a cold request stored its checkpoint there
+    w = pre["workloads"]["repeat"]
+    assert w["prefix"]["warm"]["reuse_fraction"] > 0.5 and w["pic"]["warm"]["reuse_fraction"] > 0.5
+    # warm = after the twin only: on rag (documents rotated) prefix caching reuses the system
+    # prompt and nothing more, PIC splices every document from the store
+    rag = pre["workloads"]["rag"]
+    assert rag["prefix_reuse"] < 0.5 < rag["pic"]["warm"]["reuse_fraction"]
+    assert rag["pic"]["warm"]["hit_segments"] > 0 and rag["pic"]["warm"]["miss_segments"] == 0
+    assert rag["pic"]["cold"]["hit_segments"] == 0 and rag["prefix"]["cold"]["reuse_fraction"] == 0
+    assert pre["break_even"]["break_even_read_gb_per_s"] > 0
+    assert sum(pre["break_even"]["signature_bytes_by_part"].values()) > 0  # what a hit reads, by part and dtype
+    # the sweep: the CPU tier stands in for the GPU tier; the corpus outgrows it and the
+    # hits come from the daemon's tiers (the engine's own caches are off), NVMe included
+    pts = s["working_set_sweep"]
+    assert [p["target_x"] for p in pts] == [0.5, 4.0]
+    assert all(p["gpu_tier_stand_in"] == "cpu" for p in pts)
+    assert pts[0]["working_set_x_gpu_tier"] >= 0.5 and pts[1]["working_set_x_gpu_tier"] >= 4.0
+    for p in pts:
+        assert set(p["hits_by_tier"]) == {"gpu", "cpu", "nvme"} and p["ttft_vs_full"] > 0
+        assert sum(p["hits_by_tier"].values()) >= p["requests"] * p["docs_per_request"] - p["miss_segments"] > 0
+        assert sum(p["load_bytes_by_tier"].values()) > 0
+    assert pts[0]["stored_bytes_by_tier"]["nvme"] == 0 < pts[1]["stored_bytes_by_tier"]["nvme"]
+    assert pts[1]["hits_by_tier"]["nvme"] > 0

@@ -1,0 +1,427 @@
+"""Tiered serving benchmark (issue 23): PIC against full recompute and prefix caching with
+its checkpoints in the same daemon tiers, QPS at a p99 SLO by bisection over repeats, and
+a working-set sweep whose corpus outgrows the GPU tier.
+
+    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~1-2 min
+    # on the H200, two commands of < 9 minutes each, then one merge:
+    python tools/bench_tiered.py --phases serve --json /tmp/tiered-a.json
+    python tools/bench_tiered.py --phases qps,sweep --json /tmp/tiered-b.json
+    python tools/bench_tiered.py --merge /tmp/tiered-a.json /tmp/tiered-b.json --json
+
+(the QPS phase without the serve phase in its process measures its SLO base, the idle
+full-recompute rag p99, on three requests of its own first)
+
+Phases (`--phases`, each rewrites the JSON when it ends, so a run stopped by a time
+limit keeps the finished ones):
+
+- `serve`: TTFT per workload (the five document workloads, `repeat`, `chat`, `mix`:
+  tools/servebench/requests.py), cold and warm (tools.servebench.tiered.ttft_after_twin:
+  warm = after the request's twin only, for both caching methods alike), for full
+  recompute, prefix caching through the daemon (`--method prefix --store`: its
+  checkpoints in the daemon's tiers, its tree bounded like PIC's exact prefixes) and PIC
+  through the daemon, with the engine's device cache bounded by
+  `--device-cache-fraction` of the free device memory (StoreConnectorConfig).
+- `qps`: sustainable Poisson rate at p99 TTFT <= SLO (`--slo-factor` x the idle
+  full-recompute rag p99 of the serve phase, or `--slo-ms`), found by bracketing and
+  bisection to within `--qps-tolerance` (10%), `--qps-repeats` (3) times per method
+  (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/tiered.py).
+- `sweep`: a document corpus whose signatures occupy `--sweep` (0.5,2,8,32) times the GPU
+  tier, in a daemon of its own (GPU tier `--sweep-gpu-tier`, puts into it, evictions
+  demoting to CPU then NVMe); without CUDA the daemon's CPU tier stands in for the GPU
+  tier (recorded as `gpu_tier_stand_in: "cpu"`). The engine's device cache and exact
+  prefixes are off there: every hit comes from a daemon tier (hits, bytes and time per
+  tier, device memory; tools/servebench/tiered.py).
+
+Also measured: pinned host -> device bandwidth (CUDA), and per preset the break-even
+disk bandwidth of a hit. `summary` (issue 23's names): `ttft_vs_best_baseline_avg` /
+`_min` (warm TTFT of the faster baseline / PIC's, over workloads),
+`exact_repeat_pic_over_prefix_ttft` (PIC / prefix caching warm TTFT on `repeat`),
+`qps_gain_vs_prefix_at_slo_median` (median over repeats of PIC / prefix sustainable
+rate), `qps_repeats` (each repeat's rates and gain), `cpu_to_gpu_fraction_of_pcie_serving`
+(CPU-tier -> device loads of the PIC planners in this run, bytes / load time, over the
+pinned H2D bandwidth measured in the same run; None without CUDA), `working_set_sweep`
+(the sweep's points), `break_even_read_gb_per_s` (per preset).
+
+`--merge RUN.json ...` joins runs (phases of one preset from separate processes) into one
+and recomputes the summary; with `--json PATH` it is written there (default
+docs/results/serving-tiered-<date>.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PHASES = ("serve", "qps", "sweep")
+WORKLOADS = "fact,twohop,aggregate,fewshot,rag,repeat,chat,mix"
+
+
+def _size(text: str) -> int:
+    from kvstore.config import parse_size
+
+    return parse_size(text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU, tiny preset and sizes")
+    ap.add_argument("--preset", default=None, help="model preset (default qwen3next-bench; quick qwen3next-tiny)")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    ap.add_argument("--workloads", default=WORKLOADS, help="workloads of the serve phase")
+    ap.add_argument("--n", type=int, default=None, help="requests per workload (default 5; quick 2)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (quick 450)")
+    ap.add_argument("--docs", default=None, help="documents per request MIN-MAX (quick 2-3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device-cache-fraction", type=float, default=None,
+                    help="StoreConnectorConfig.device_cache_fraction of the serve and qps phases (default: the "
+                         "connector's default, 0.05 of free memory on CUDA, none on the CPU)")
+    ap.add_argument("--slo-ms", type=float, default=None, help="p99 TTFT SLO of the QPS search")
+    ap.add_argument("--slo-factor", type=float, default=2.0, help="SLO = factor x idle full-recompute rag p99")
+    ap.add_argument("--qps-repeats", type=int, default=3)
+    ap.add_argument("--qps-tolerance", type=float, default=0.1, help="bisection stops within this share")
+    ap.add_argument("--qps-requests", type=int, default=None, help="requests per trial (default 8; quick 3)")
+    ap.add_argument("--qps-max-trials", type=int, default=None, help="trials per search (default 8; quick 6)")
+    ap.add_argument("--qps-warmup", type=int, default=None, help="untimed requests before each search (default 4; "
+                                                                  "quick 1)")
+    ap.add_argument("--sweep", default="0.5,2,8,32", help="working-set sizes, in multiples of the GPU tier")
+    ap.add_argument("--sweep-gpu-tier", default=None,
+                    help="the sweep daemon's GPU tier (default 512MiB; quick: its CPU tier, 2MiB, stands in)")
+    ap.add_argument("--sweep-cpu-capacity", default=None, help="sweep daemon CPU tier (default 4GiB)")
+    ap.add_argument("--sweep-nvme-capacity", default=None, help="sweep daemon NVMe tier (default 24GiB; quick 256MiB)")
+    ap.add_argument("--sweep-requests", type=int, default=None, help="requests per sweep point (default 6; quick 3)")
+    ap.add_argument("--sweep-docs", type=int, default=None, help="documents per sweep request (default 4; quick 3)")
+    ap.add_argument("--cpu-capacity", default=None, help="serve/qps daemon CPU tier (default 32GiB; quick 512MiB)")
+    ap.add_argument("--gpu-capacity", default=None, help="serve/qps daemon GPU tier (default 16GiB with CUDA)")
+    ap.add_argument("--nvme-capacity", default=None, help="serve/qps daemon NVMe tier (default 24GiB; quick 1GiB)")
+    ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="RUN", help="join run JSONs; nothing is measured")
+    ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
+                    help="write the run (default docs/results/serving-tiered-<date>.json)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.phases = [p for p in args.phases.split(",") if p]
+    bad = [p for p in args.phases if p not in PHASES]
+    if bad:
+        ap.error(f"--phases: unknown {bad}; choose from {', '.join(PHASES)}")
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    from tools.servebench.requests import ALL_TASKS
+
+    bad = [w for w in args.workloads if w not in ALL_TASKS]
+    if bad:
+        ap.error(f"--workloads: unknown {bad}; choose from {', '.join(ALL_TASKS)}")
+    try:
+        args.sweep = [float(x) for x in args.sweep.split(",") if x]
+    except ValueError:
+        ap.error(f"--sweep {args.sweep!r}: comma-separated multiples of the GPU tier, e.g. 0.5,2,8,32")
+    if any(x <= 0 for x in args.sweep):
+        ap.error("--sweep: every multiple must be > 0")
+    if not 0 < args.qps_tolerance < 1:
+        ap.error(f"--qps-tolerance {args.qps_tolerance}: must be in (0, 1)")
+    if args.qps_repeats < 1:
+        ap.error(f"--qps-repeats {args.qps_repeats}: must be >= 1")
+    defaults = dict(preset=("qwen3next-tiny", "qwen3next-bench"), n=(2, 5), max_tokens=(450, None),
+                    docs=("2-3", None), qps_requests=(3, 8), qps_max_trials=(6, 8), qps_warmup=(1, 4),
+                    sweep_gpu_tier=("2MiB", "512MiB"), sweep_cpu_capacity=(None, "4GiB"),
+                    sweep_nvme_capacity=("256MiB", "24GiB"), sweep_requests=(3, 6), sweep_docs=(3, 4),
+                    cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "24GiB"), device=("cpu", "auto"))
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    for name in ("sweep_gpu_tier", "sweep_nvme_capacity", "cpu_capacity", "nvme_capacity"):
+        try:
+            _size(getattr(args, name))
+        except Exception:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: not a size like 512MiB")
+    return args
+
+
+def _daemon(root: str, cpu: str, gpu: str, nvme: str):
+    from kvstore.testing import DaemonProcess
+
+    d = DaemonProcess(Path(tempfile.mkdtemp(prefix=root)), cpu_capacity=cpu, nvme_capacity=nvme, gpu_capacity=gpu,
+                      lease_ttl=60.0, entry="kvstore.server")
+    d.start(timeout=300)
+    return d
+
+
+def _harness(args, engine, socket: str, *, sweep: bool):
+    from dataclasses import replace
+
+    from engine.connector.config import StoreConnectorConfig, device_cache_capacity
+    from engine.pic.config import PicConfig
+    from tools.servebench.harness import Harness
+
+    cuda = engine.device.type == "cuda"
+    conn = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
+                                device_cache_fraction=None if sweep else args.device_cache_fraction,
+                                device_cache_bytes=0 if sweep else None,
+                                put_tier=("gpu" if cuda else "cpu") if sweep else None)
+    budget = device_cache_capacity(conn, engine.device)
+    pic = PicConfig(cold_full_fraction=0.5, exact_prefix=not sweep)
+    if budget:  # prefix caching's tree and PIC's exact prefixes: the byte budget of the device cache
+        pic = replace(pic, prefix_cache_bytes=budget)
+    return Harness(engine, conn, pic, prefix_store=True), budget
+
+
+def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
+    from tools.servebench import measure, requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    h, budget = _harness(args, engine, socket, sweep=False)
+    out["device_cache_bytes"] = budget
+    try:
+        if engine.device.type == "cuda":  # compile every kernel variant first (nothing to compile on the CPU)
+            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
+        if "serve" in args.phases:
+            for task in args.workloads:
+                reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
+                w = tiered.ttft_after_twin(h, reqs)
+                out["workloads"][task] = w
+                log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
+                    f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms")
+                save()
+            from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
+
+            out["break_even"] = break_even(stored_by_tier(h), out["workloads"])
+            # what a hit reads, by part and dtype: where the bytes could shrink
+            out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
+            save()
+        if "qps" in args.phases:
+            qps_phase(args, h, out, log, save)
+            save()
+        out["connector_pic"] = h.store.metrics.snapshot()
+        h.purge()
+    finally:
+        h.close()
+
+
+def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:
+    from tools.servebench import requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    rag = out["workloads"].get("rag")
+    if rag is None:  # no serve phase in this process: the idle baseline first
+        h.planner("full")
+        runs = [h.run_alone(r) for r in requests.load("rag", 3, args.seed + 9, scale, args.max_tokens, args.docs)]
+        from tools.servebench.measure import summarize
+
+        base = summarize(runs)
+    else:
+        base = rag["full"]["warm"]
+    slo = args.slo_ms or args.slo_factor * base["ttft_ms_p99"]
+    start = 500.0 / base["ttft_ms_mean"]  # half of what full recompute serves back to back
+    need = (args.qps_warmup + args.qps_requests * (1 + args.qps_max_trials)) * args.qps_repeats
+    pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
+    rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
+
+    def partial(q: dict) -> None:
+        out["qps"] = {**q, "slo_rule": rule, "complete": False}
+        save()
+
+    q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
+                           args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial)
+    q["complete"] = True
+    q["slo_rule"] = rule
+    out["qps"] = q
+    log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}")
+
+
+def sweep_phase(args, preset: str, opts: dict, out: dict, log, save) -> None:
+    import torch
+
+    from engine.builder import EngineConfig, build_engine
+    from tools.servebench import requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    tier = args.sweep_gpu_tier
+    if cuda:
+        daemon = _daemon("bench-tiered-sweep-", args.sweep_cpu_capacity, tier, args.sweep_nvme_capacity)
+    else:  # the CPU tier stands in for the GPU tier
+        daemon = _daemon("bench-tiered-sweep-", tier, "0", args.sweep_nvme_capacity)
+    engine = build_engine(preset, EngineConfig(**opts))
+    h, _ = _harness(args, engine, str(daemon.socket), sweep=True)
+    try:
+        from tools.servebench import measure
+
+        if cuda:
+            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
+        h.purge()
+        load = lambda n, s: requests.load("rag", n, s, scale, args.max_tokens, args.docs)  # noqa: E731
+        out["sweep"] = {"gpu_tier": tier, "gpu_tier_stand_in": None if cuda else "cpu",
+                        "daemon": {"gpu": tier if cuda else "0", "cpu": args.sweep_cpu_capacity if cuda else tier,
+                                   "nvme": args.sweep_nvme_capacity}, "points": []}
+
+        def keep(points):
+            out["sweep"]["points"] = points
+            save()
+
+        tiered.working_set_sweep(h, lambda n: tiered.make_corpus(load, n, args.seed + 50), _size(tier), args.sweep,
+                                 args.sweep_requests, args.sweep_docs, args.seed + 51,
+                                 stand_in=None if cuda else "cpu", log=log, save=keep)
+        out["connector_sweep"] = h.store.metrics.snapshot()
+        save()
+    finally:
+        h.close()
+        daemon.cleanup()
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def summarize(presets: dict, pcie: dict) -> dict:
+    from tools.servebench import report, tiered
+
+    # report.summarize reads bench_serving's qps layout; this run's qps is summarized here
+    base = report.summarize({n: {k: v for k, v in p.items() if k != "qps"} for n, p in presets.items()})
+    gains, repeats, sweep, be = [], [], [], {}
+    snaps = []
+    for name, p in presets.items():
+        q = p.get("qps") or {}
+        if q.get("gain_vs_prefix"):
+            gains.append(q["gain_vs_prefix"]["median"])
+        for j, r in enumerate(q.get("repeats") or []):
+            repeats.append({"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
+                            "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
+                            "converged": r["prefix"]["converged"] and r["pic"]["converged"]})
+        for pt in (p.get("sweep") or {}).get("points") or []:
+            sweep.append({"preset": name, **pt})
+        if p.get("break_even"):
+            be[name] = p["break_even"]["break_even_read_gb_per_s"]
+        snaps += [p[k] for k in ("connector_pic", "connector_sweep") if p.get(k)]
+    serving = tiered.serving_cpu_to_gpu(snaps)
+    h2d = pcie.get("pinned_h2d_gbps")
+    frac = serving["gb_per_s"] / h2d if serving["gb_per_s"] and h2d else None
+    return {"ttft_vs_best_baseline_avg": base["ttft_vs_best_baseline_avg"],
+            "ttft_vs_best_baseline_min": base["ttft_vs_best_baseline_min"],
+            "exact_repeat_pic_over_prefix_ttft": base["exact_repeat_pic_over_prefix_ttft"],
+            "qps_gain_vs_prefix_at_slo_median": statistics.median(gains) if gains else None,
+            "qps_repeats": repeats, "cpu_to_gpu_fraction_of_pcie_serving": frac,
+            "cpu_to_gpu_serving": {**serving, "pinned_h2d_gbps": h2d},
+            "working_set_sweep": sweep, "break_even_read_gb_per_s": be,
+            "ttft_vs_full_avg": base["ttft_reduction_vs_full_avg"],
+            "ttft_vs_prefix_avg": base["ttft_reduction_vs_prefix_avg"],
+            "prefix_reuse_by_workload": base["prefix_reuse_by_workload"]}
+
+
+def write(args, run: dict) -> dict:
+    if args.json is None:
+        return run
+    path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-tiered-{run['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(run, indent=1, default=str) + "\n")
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+    run["path"] = str(path)
+    return run
+
+
+def merge_runs(paths: list[str]) -> dict:
+    runs = []
+    for p in paths:
+        try:
+            runs.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--merge: cannot read run {p}: {exc}")
+        if not isinstance(runs[-1].get("presets"), dict):
+            raise SystemExit(f"--merge: {p} is not a bench_tiered run (no 'presets')")
+    presets: dict = {}
+    for run in runs:
+        for name, pre in run["presets"].items():
+            have = presets.setdefault(name, {})
+            for key, val in pre.items():
+                if key == "workloads":
+                    have.setdefault("workloads", {}).update({w: v for w, v in val.items()
+                                                             if w not in have["workloads"]})
+                elif have.get(key) in (None, {}, []):
+                    have[key] = val
+    pcie = next((r["pcie"] for r in runs if (r.get("pcie") or {}).get("pinned_h2d_gbps")), runs[0].get("pcie") or {})
+    return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in runs),
+            "machine": runs[0].get("machine"), "quick": any(r.get("quick") for r in runs),
+            "config": [r.get("config") for r in runs], "merged_from": [str(p) for p in paths],
+            "complete": all(r.get("complete") for r in runs), "pcie": pcie, "presets": presets,
+            "summary": summarize(presets, pcie), "wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
+
+
+def table(run: dict) -> str:
+    s = run["summary"]
+    lines = ["tiered serving summary"]
+    for k in ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft",
+              "qps_gain_vs_prefix_at_slo_median", "cpu_to_gpu_fraction_of_pcie_serving"):
+        v = s.get(k)
+        lines.append(f"  {k:40s} {v:.3f}" if isinstance(v, float) else f"  {k:40s} {v}")
+    for name, v in (s.get("break_even_read_gb_per_s") or {}).items():
+        lines.append(f"  break-even read bandwidth {name}: {v if v is None else round(v, 3)} GB/s")
+    if s.get("working_set_sweep"):
+        lines.append("  working set (x tier)  ttft vs full  hits gpu/cpu/nvme  misses")
+        for pt in s["working_set_sweep"]:
+            h = pt["hits_by_tier"]
+            lines.append(f"  {pt['working_set_x_gpu_tier']:>18.2f}  {pt['ttft_vs_full'] or 0:>11.2f}  "
+                         f"{h.get('gpu', 0)}/{h.get('cpu', 0)}/{h.get('nvme', 0):<14}  {pt['miss_segments']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        run = write(args, merge_runs(args.merge))
+        print(table(run))
+        return 0
+    import torch
+
+    from engine.builder import EngineConfig, build_engine, resolve_device
+    from tools.bench_serving import engine_options, machine
+    from tools.servebench import tiered
+
+    if args.quick:
+        torch.set_num_threads(1)
+    start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    device = resolve_device(args.device)
+    opts = engine_options(args, device)
+    preset = args.preset
+    out: dict = {"preset": preset, "device": str(device), "engine": opts, "workloads": {}}
+    run = {"date": dt.date.today().isoformat(), "command": " ".join(["python", "tools/bench_tiered.py",
+                                                                    *(argv if argv is not None else sys.argv[1:])]),
+           "machine": machine(), "quick": args.quick, "config": vars(args), "complete": False,
+           "pcie": {"pinned_h2d_gbps": tiered.pinned_h2d_gbps()}, "presets": {preset: out}}
+
+    def save() -> None:
+        run["summary"] = summarize(run["presets"], run["pcie"])
+        run["wall_s"] = time.perf_counter() - start
+        write(args, run)
+
+    if {"serve", "qps"} & set(args.phases):
+        cuda = device.type == "cuda"
+        daemon = _daemon("bench-tiered-", args.cpu_capacity, args.gpu_capacity or ("16GiB" if cuda else "0"),
+                         args.nvme_capacity)
+        engine = build_engine(preset, EngineConfig(**opts))
+        try:
+            serve_phase(args, engine, str(daemon.socket), out, log, save)
+        finally:
+            daemon.cleanup()
+            del engine
+            if cuda:
+                torch.cuda.empty_cache()
+    if "sweep" in args.phases:
+        sweep_phase(args, preset, opts, out, log, save)
+    run["complete"] = True
+    save()
+    if run.get("path"):
+        log(f"wrote {run['path']}")
+    print(table(run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""The measurements of the tiered serving benchmark (tools/bench_tiered.py), each on one
+engine (a `Harness`) over the kvstore daemon:
+
+- `qps_search`: the highest Poisson rate whose p99 TTFT stays within the SLO, found by
+  bracketing (x2 / /2 from a start rate) and then bisection until the bracket
+  [highest pass, lowest failure] is within `tolerance` (relative to the failure);
+  `qps_repeats` runs it `repeats` times per method (fresh requests each time, the same
+  stream for both methods of a repeat) and reports each repeat, the median, min and max.
+- `working_set_sweep`: a document corpus whose signatures occupy `x` times the GPU tier
+  (the daemon's GPU tier; on a machine without one, its CPU tier stands in: `stand_in`),
+  grown point by point (0.5x, 2x, ...) by cold PIC requests of up to `build_docs` new
+  documents (fewer near the target, so each point lands close to its multiple; the
+  point records the multiple reached, `working_set_x_gpu_tier`); at each point requests drawn uniformly over the
+  corpus (`docs_per_request` distinct documents in random order and a new question) run
+  by full recompute and by PIC with every segment in the daemon's tiers. The engine's own
+  device cache is off (StoreConnectorConfig.device_cache_bytes=0) and so are exact
+  prefixes (PicConfig.exact_prefix=False): every hit comes from a daemon tier, counted per
+  tier (`hits_by_tier`), with the bytes each tier moved (`load_bytes_by_tier`), what each
+  tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`).
+- `pinned_h2d_gbps`: pinned host -> device copy bandwidth on this machine (None without
+  CUDA), the reference of `cpu_to_gpu_fraction_of_pcie_serving`.
+- `serving_cpu_to_gpu`: bytes the PIC planners copied from the daemon's CPU tier into the
+  engine's device and the device time of those copies (connector metrics
+  `h2d_copy_bytes` / `h2d_copy_ms_total`), as GB/s (`gb_per_s`); `load_gb_per_s` divides
+  the CPU-tier load bytes by the whole load time (RPCs and decode included).
+- `break_even`: per preset, the disk bandwidth below which reading a hit costs more than
+  recomputing it: signature bytes per token (the daemon's objects) / full-recompute
+  milliseconds per token (the TTFT phase's full runs).
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+from tools.servebench.requests import BenchRequest
+
+if TYPE_CHECKING:  # the harness imports the engine (torch): not needed to summarize a run
+    from tools.servebench.harness import Harness
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    from tools.servebench.harness import percentile as pct
+
+    return pct(values, q)
+
+TIER_NAMES = ("gpu", "cpu", "nvme")
+
+
+# ---------------------------------------------------------------------- TTFT
+def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
+    """TTFT per method (full, prefix, pic) in the layout of measure.ttft_by_method, each
+    cache state set up the same way for prefix caching and PIC: *cold*, the request's
+    segments and checkpoints deleted (daemon, device cache, trees) first; *warm*, the
+    same, then only its twin run (tools.servebench.requests: the documents in another
+    order; the request itself for `repeat`, the previous turn for `chat`), so neither
+    method finds an exact repeat of the request unless the workload is one."""
+    from tools.servebench.measure import mean_store, summarize
+    from tools.servebench.requests import twin
+
+    h.planner("full")
+    full = summarize([h.run_alone(r) for r in reqs])
+    out: dict = {"full": {"cold": full, "warm": full}}
+    for method in ("prefix", "pic"):
+        cold, warm = [], []
+        for r in reqs:
+            h.forget(r)
+            h.planner(method, fresh=True)
+            cold.append(h.run_alone(r))
+        for r in reqs:
+            t = twin(r)
+            h.forget(r)
+            h.forget(t)
+            h.planner(method, fresh=True)
+            h.run_alone(t)
+            warm.append(h.run_alone(r))
+        out[method] = {"cold": summarize(cold), "warm": summarize(warm)}
+        out[method]["warm"]["store"] = mean_store(warm)
+    out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]
+    return out
+
+
+# ---------------------------------------------------------------------- QPS
+def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_trial: int, slo_ms: float,
+               start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0) -> dict:
+    """Sustainable rate of `method` at p99 TTFT <= slo_ms (module docstring). Each trial
+    takes the next `per_trial` requests of `stream`."""
+    h.planner(method)
+    best: Optional[float] = None
+    fail: Optional[float] = None
+    rate = start_rate
+    tried = []
+    for i in range(max_trials):
+        chunk = [next(stream) for _ in range(per_trial)]
+        info: dict = {}
+        ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
+        p99 = percentile(ttfts, 99)
+        ok = p99 is not None and p99 <= slo_ms
+        tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok,
+                      "hit_segments": info.get("hit_segments"), "miss_segments": info.get("miss_segments")})
+        if ok:
+            best = rate if best is None else max(best, rate)
+        else:
+            fail = rate if fail is None else min(fail, rate)
+        if best is not None and fail is not None:
+            if fail <= best or (fail - best) / fail <= tolerance:
+                break
+            rate = (best + fail) / 2
+        elif best is None:
+            rate = rate / 2
+        else:
+            rate = rate * 2
+    converged = best is not None and fail is not None and (fail - best) / fail <= tolerance
+    return {"method": method, "sustainable_qps": best or 0.0, "lowest_failed_qps": fail, "converged": converged,
+            "tolerance": tolerance, "trials": tried}
+
+
+def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_ms: float, start_rate: float,
+                repeats: int = 3, tolerance: float = 0.1, max_trials: int = 12, warmup: int = 0,
+                methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None) -> dict:
+    """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
+    offset (the same requests for every method of that repeat). Before each search
+    `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
+    `start_rate` (untimed: the caches' steady state, and the one-time costs an engine's
+    first concurrent requests pay, which would otherwise fail whichever method meets them
+    first). `on_repeat(result so far)` after each repeat (a run stopped later keeps them)."""
+    need = warmup + per_trial + per_trial * max_trials
+    if len(pool) < need * repeats:
+        raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
+    runs = []
+    for j in range(repeats):
+        one: dict = {}
+        for method in methods:
+            stream = iter(pool[j * need:(j + 1) * need])
+            h.planner(method)
+            for _ in range(warmup):
+                h.run_alone(next(stream))
+            h.run_poisson([next(stream) for _ in range(per_trial)], start_rate, seed + 100 * j - 1)
+            one[method] = qps_search(h, method, stream, per_trial, slo_ms, start_rate, tolerance, max_trials,
+                                     seed + 100 * j)
+        p, c = one.get("prefix", {}).get("sustainable_qps"), one.get("pic", {}).get("sustainable_qps")
+        one["gain_vs_prefix"] = (c / p) if p and c is not None else None
+        runs.append(one)
+        if on_repeat is not None and j + 1 < repeats:
+            on_repeat(_qps_stats(runs, methods, slo_ms, start_rate))
+    return _qps_stats(runs, methods, slo_ms, start_rate)
+
+
+def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: float) -> dict:
+    """Median, min and max over the repeats so far."""
+    out: dict = {"slo_ms": slo_ms, "start_rate": start_rate, "repeats": list(runs)}
+    for method in methods:
+        vals = [r[method]["sustainable_qps"] for r in runs]
+        out[method] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+    gains = [r["gain_vs_prefix"] for r in runs if r["gain_vs_prefix"] is not None]
+    out["gain_vs_prefix"] = ({"median": statistics.median(gains), "min": min(gains), "max": max(gains),
+                              "values": gains} if gains else None)
+    return out
+
+
+# ---------------------------------------------------------------------- working-set sweep
+@dataclass
+class Corpus:
+    """Documents (cacheable segments) and questions drawn from rag requests."""
+
+    docs: list[dict]
+    questions: list[dict]
+
+
+def make_corpus(load, n_docs: int, seed: int) -> Corpus:
+    """At least `n_docs` distinct documents from rag requests (`load(n, seed)` ->
+    BenchRequests; their first cacheable segment, the shared system prompt, left out)."""
+    docs: dict[str, dict] = {}
+    questions: list[dict] = []
+    batch = max(4, n_docs // 2)
+    s = seed
+    while len(docs) < n_docs:
+        for r in load(batch, s):
+            cached = [seg for seg in r.segments if seg["cache"]]
+            for seg in cached[1:]:
+                docs.setdefault(seg["text"], dict(seg))
+            questions += [dict(seg) for seg in r.segments if not seg["cache"]]
+        s += 1
+    return Corpus(list(docs.values()), questions)
+
+
+def corpus_request(corpus: Corpus, idx: Sequence[int], question: int, rid: str) -> BenchRequest:
+    segs = tuple(corpus.docs[i] for i in idx) + (corpus.questions[question % len(corpus.questions)],)
+    return BenchRequest(rid, "corpus", segs)
+
+
+def stored_by_tier(h: "Harness", kind: str = "pic-signature") -> dict:
+    """Bytes, objects and tokens of this model's `kind` objects per daemon tier."""
+    fp = h.engine.loaded_model.fingerprint
+    store = h.store
+    store.flush()
+    objs = store.link.call("list", lambda kv: kv.list(fingerprint=fp))
+    out = {t: {"objects": 0, "bytes": 0, "tokens": 0} for t in TIER_NAMES}
+    for o in objs:
+        if (o.meta.extra or {}).get("kind") != kind:
+            continue
+        t = out.setdefault(o.tier, {"objects": 0, "bytes": 0, "tokens": 0})
+        t["objects"] += 1
+        t["bytes"] += o.size
+        t["tokens"] += o.meta.token_count
+    return out
+
+
+def _total(by_tier: dict, field: str = "bytes") -> int:
+    return sum(v[field] for v in by_tier.values())
+
+
+def _gpu_memory(device) -> Optional[dict]:
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    return {"allocated_bytes": torch.cuda.memory_allocated(device),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device)}
+
+
+def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequence[float], requests_per_point: int,
+                      docs_per_request: int, seed: int, stand_in: Optional[str] = None, build_docs: int = 4,
+                      log=lambda msg: None, save=lambda points: None) -> list[dict]:
+    """The sweep (module docstring). `corpus_docs(n)` -> a Corpus of at least n documents
+    (grown on demand); `h` runs PIC through the daemon with no engine-side caches. After
+    each point `save(points so far)`."""
+    import torch
+
+    rng = random.Random(seed)
+    corpus = corpus_docs(64)
+    built = 0  # documents of the corpus stored so far (computed by cold PIC requests)
+    out: list[dict] = []
+    for x in sorted(points):
+        target = x * tier_bytes
+        while True:
+            held = stored_by_tier(h)
+            have = _total(held)
+            if have >= target:
+                break
+            # up to build_docs documents per cold request, fewer when the gap is smaller
+            # (by the mean signature size so far), so a point lands near its multiple
+            per_doc = have / built if built else None
+            k = 1 if not per_doc else max(1, min(build_docs, math.ceil((target - have) / per_doc)))
+            if built + k > len(corpus.docs):
+                corpus = corpus_docs(2 * len(corpus.docs) + k)
+            h.planner("pic")
+            h.run_alone(corpus_request(corpus, range(built, built + k), built, f"build-{built}"))
+            built += k
+        n_docs = built
+        snap0 = h.store.metrics.snapshot()
+        if getattr(h.engine.device, "type", "cpu") == "cuda":
+            torch.cuda.reset_peak_memory_stats(h.engine.device)
+        hits = {t: 0 for t in TIER_NAMES}
+        misses = 0
+        full_ms, pic_ms = [], []
+        for i in range(requests_per_point):
+            idx = rng.sample(range(n_docs), min(docs_per_request, n_docs))
+            req = corpus_request(corpus, idx, rng.randrange(len(corpus.questions)), f"ws{x}-{i}")
+            h.planner("full")
+            full_ms.append(h.run_alone(req).ttft_ms)
+            h.planner("pic")
+            run = h.run_alone(req)
+            pic_ms.append(run.ttft_ms)
+            for t, n in (run.store.get("store_hits_by_tier") or {}).items():
+                hits[t] = hits.get(t, 0) + n
+            misses += run.miss_segments
+        snap1 = h.store.metrics.snapshot()
+        moved = {t: snap1["load_bytes"].get(t, 0) - snap0["load_bytes"].get(t, 0) for t in TIER_NAMES}
+        load_ms = {t: round(snap1["load_ms"].get(t, 0.0) - snap0["load_ms"].get(t, 0.0), 3) for t in TIER_NAMES}
+        held = stored_by_tier(h)
+        f_mean, p_mean = sum(full_ms) / len(full_ms), sum(pic_ms) / len(pic_ms)
+        point = {"working_set_x_gpu_tier": round(_total(held) / tier_bytes, 3), "target_x": x,
+                 "gpu_tier_bytes": tier_bytes, "gpu_tier_stand_in": stand_in, "corpus_docs": n_docs,
+                 "corpus_bytes": _total(held), "requests": requests_per_point, "docs_per_request": docs_per_request,
+                 "ttft_ms_full_mean": f_mean, "ttft_ms_pic_mean": p_mean,
+                 "ttft_ms_full_p50": percentile(full_ms, 50), "ttft_ms_pic_p50": percentile(pic_ms, 50),
+                 "ttft_ms_pic_p99": percentile(pic_ms, 99), "ttft_vs_full": f_mean / p_mean if p_mean else None,
+                 "hits_by_tier": hits, "miss_segments": misses, "load_bytes_by_tier": moved,
+                 "load_ms_by_tier": load_ms, "stored_bytes_by_tier": {t: v["bytes"] for t, v in held.items()},
+                 "gpu_memory": _gpu_memory(h.engine.device)}
+        out.append(point)
+        log(f"sweep {x}x: corpus {n_docs} docs ({_total(held) / 2**20:.1f} MiB), full {f_mean:.1f} ms, "
+            f"pic {p_mean:.1f} ms, hits {hits}, misses {misses}")
+        save(out)
+    return out
+
+
+# ---------------------------------------------------------------------- PCIe and break-even
+def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> Optional[float]:
+    """Best of `repeats` timed copies of a pinned host buffer to the current CUDA device
+    (GB/s); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = 0.0
+    for _ in range(repeats + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = max(best, nbytes / (a.elapsed_time(b) * 1e-3) / 1e9)
+    return best
+
+
+def serving_cpu_to_gpu(snapshots: Sequence[dict]) -> dict:
+    """CPU-tier loads summed over connector metric snapshots (the PIC planners' loads):
+    bytes, milliseconds (each segment's RPC share, decode and device copy) and GB/s."""
+    nbytes = sum((s.get("load_bytes") or {}).get("cpu", 0) for s in snapshots)
+    ms = sum((s.get("load_ms") or {}).get("cpu", 0.0) for s in snapshots)
+    loads = sum((s.get("loads") or {}).get("cpu", 0) for s in snapshots)
+    copy_bytes = sum(s.get("h2d_copy_bytes", 0) for s in snapshots)
+    copy_ms = sum(s.get("h2d_copy_ms_total", 0.0) for s in snapshots)
+    return {"loads": loads, "bytes": nbytes, "ms": round(ms, 3),
+            "load_gb_per_s": nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None,
+            "copy_bytes": copy_bytes, "copy_ms": round(copy_ms, 3),
+            "gb_per_s": copy_bytes / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else None}
+
+
+def signature_parts(h: "Harness", limit: int = 16) -> dict:
+    """What the bytes of this model's stored signatures are: per part kind (`k`, `v`,
+    `state`, `tail_transition`, `conv_tail`, ...) and dtype, bytes summed over up to
+    `limit` signatures read back from the daemon (their blob headers)."""
+    from kvstore import format as fmt
+
+    fp = h.engine.loaded_model.fingerprint
+    store = h.store
+    store.flush()
+    objs = [o for o in store.link.call("list", lambda kv: kv.list(fingerprint=fp))
+            if (o.meta.extra or {}).get("kind") == "pic-signature"][:limit]
+    out: dict = {}
+    if not objs:
+        return out
+    views = store.link.call("get", lambda kv: kv.get_many([o.key for o in objs], promote=False))
+    for v in views:
+        if v is None:
+            continue
+        try:
+            header = fmt.read_header(v.tensor())
+            for p in header.parts:
+                key = f"{p.name.split('.', 1)[1]}:{p.dtype}"
+                out[key] = out.get(key, 0) + p.length
+        finally:
+            v.release()
+    return out
+
+
+def break_even(stored: dict, workloads: dict) -> dict:
+    """Break-even disk bandwidth of one preset (module docstring): `stored` is
+    `stored_by_tier` of its signatures, `workloads` the TTFT phase's results."""
+    nbytes, tokens = _total(stored), _total(stored, "tokens")
+    ms = [w["full"]["warm"]["ttft_ms_mean"] / w["full"]["warm"]["prompt_tokens_mean"]
+          for w in workloads.values() if w["full"]["warm"].get("prompt_tokens_mean")]
+    per_token_ms = sum(ms) / len(ms) if ms else None
+    per_token_bytes = nbytes / tokens if tokens else None
+    gbps = (per_token_bytes / (per_token_ms * 1e-3) / 1e9) if per_token_bytes and per_token_ms else None
+    return {"signature_bytes_per_token": per_token_bytes, "full_recompute_ms_per_token": per_token_ms,
+            "break_even_read_gb_per_s": gbps, "signatures": _total(stored, "objects"),
+            "rule": "a hit read below this bandwidth costs more than recomputing its tokens in a full pass"}
