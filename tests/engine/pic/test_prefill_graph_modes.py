@@ -217,3 +217,16 @@ def test_not_ready_while_the_last_bucket_is_being_captured():
     warm = PrefillGraphWarmup(stages, lambda b: during.append((warm.ready, list(warm.pending))), "idle")
     assert warm.step() and warm.ready
     assert during == [(False, [4])]
+
+
+def test_fla_import_in_background_leaves_the_answer_cached_for_the_runner():
+    from engine.models.layers import fla_backend
+
+    fla_backend.fla_importable.cache_clear()
+    thread = fla_backend.import_in_background()
+    thread.join(120)
+    assert not thread.is_alive() and thread.daemon
+    assert fla_backend.fla_importable.cache_info().currsize == 1  # resolve_backend does not import again
+    hits = fla_backend.fla_importable.cache_info().hits
+    fla_backend.fla_importable()
+    assert fla_backend.fla_importable.cache_info().hits == hits + 1
