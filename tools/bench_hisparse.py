@@ -348,13 +348,14 @@ class _MassProbe(ExternalKVCache):
     def attend_decode(self, q, k, v, ctx, scale):
         out = self.inner.attend_decode(q, k, v, ctx, scale)
         bs = self.inner.block
+        selected = self.inner.last_selection.lists()
         for b, slot in enumerate(ctx.host_slots):
             kk, _ = self.inner.context_kv(slot)
             group = q.shape[1] // kk.shape[1]
             scores = torch.einsum("hd,lhd->hl", q[b].float(), kk.float().repeat_interleave(group, dim=1)) * scale
             probs = torch.softmax(scores, dim=-1)
             sel = torch.zeros(kk.shape[0], dtype=torch.bool, device=kk.device)
-            for j in self.inner.last_selection[b]:
+            for j in selected[b]:
                 sel[j * bs:(j + 1) * bs] = True
             self.shares.extend((probs * sel).sum(-1).tolist())
         return out

@@ -22,7 +22,7 @@ from engine.hisparse.config import HiSparseConfig
 from engine.hisparse.errors import HiSparseConfigError
 from engine.hisparse.layer_cache import HiSparseLayerCache
 from engine.hisparse.metrics import HiSparseMetrics
-from engine.hisparse.store import BlockStore, MemoryBlockStore
+from engine.hisparse.store import BlockStore
 
 
 class HiSparseOffload:
@@ -34,7 +34,8 @@ class HiSparseOffload:
             raise HiSparseConfigError("HiSparseOffload needs a config with enabled=True")
         self.config = config
         self.metrics = store.metrics if store is not None else HiSparseMetrics()
-        self.store = store if store is not None else MemoryBlockStore(self.metrics)
+        #: where sealed blocks go besides the layer caches' pinned host mirrors (None: nowhere)
+        self.store = store
         self.num_slots = num_slots
         self.max_blocks = math.ceil(max_model_len / config.block_size)
         self.device, self.dtype = torch.device(device), dtype
@@ -50,18 +51,25 @@ class HiSparseOffload:
         self.layers.append(cache)
         return cache
 
+    @property
+    def store_name(self) -> str:
+        """The block store's name, or "mirror" (blocks in the layer caches' host mirrors only)."""
+        return self.store.name if self.store is not None else "mirror"
+
     def device_bytes_per_slot(self) -> int:
         """Device bytes of one sequence's HiSparse state over all full-attention layers."""
         return sum(c.device_bytes_per_slot() for c in self.layers)
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.metrics.snapshot()
-        snap.update(store=self.store.name, block_size=self.config.block_size, topk=self.config.topk,
+        snap.update(store=self.store_name, block_size=self.config.block_size, topk=self.config.topk,
                     hot_blocks=self.config.hot_blocks, min_context=self.config.min_context)
         return snap
 
     def flush(self) -> None:
-        self.store.flush()
+        if self.store is not None:
+            self.store.flush()
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
