@@ -33,7 +33,6 @@ With every block selected, decoding is dense attention over the same K/V.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
