@@ -41,6 +41,7 @@ import torch
 
 from engine.errors import RuntimeStateError
 from engine.hisparse.config import HiSparseConfig
+from engine.hisparse.host_memory import mirror_empty
 from engine.hisparse.metrics import HiSparseMetrics
 from engine.hisparse.residency import HotBufferTable
 from engine.hisparse.store import BlockMeta, BlockStore, HostBlock, block_key
@@ -89,10 +90,9 @@ class HiSparseLayerCache(ExternalKVCache):
         self.k_pool = torch.zeros(shape, device=device, dtype=dtype)
         self.v_pool = torch.zeros(shape, device=device, dtype=dtype)
         self.summaries = torch.zeros(num_slots, max_blocks, 2, num_kv_heads, head_dim, device=device, dtype=dtype)
-        pin = self.device.type == "cuda"
         mshape = (num_slots * max_blocks, self.block, num_kv_heads, head_dim)
-        self.mirror_k = torch.empty(mshape, dtype=dtype, pin_memory=pin)
-        self.mirror_v = torch.empty(mshape, dtype=dtype, pin_memory=pin)
+        self.mirror_k = mirror_empty(mshape, dtype, self.device)
+        self.mirror_v = mirror_empty(mshape, dtype, self.device)
         self.table = HotBufferTable(num_slots, max_blocks, config.hot_blocks, self.rows_per_slot, self.device)
         metrics.add_counters(self.table.counts, self._block_nbytes())
         self.max_blocks = max_blocks
@@ -114,8 +114,9 @@ class HiSparseLayerCache(ExternalKVCache):
     def device_bytes_per_slot(self) -> int:
         """Device bytes one sequence holds in this layer: its pool rows and summaries."""
         esz = self.k_pool.element_size()
+        table = (self.max_blocks + 2 * self.config.hot_blocks) * 8  # block -> row, row -> block, last use
         return (self.rows_per_slot * self._block_nbytes()
-                + self.max_blocks * 2 * self.num_kv_heads * self.head_dim * esz)
+                + self.max_blocks * 2 * self.num_kv_heads * self.head_dim * esz + table)
 
     # ------------------------------------------------------------------ slots
     def reset(self, slot: int) -> None:
