@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="HiSparse block size of the quality phase (4 beat 8 and 16 at a 25%% budget, docs/hisparse.md)")
     p.add_argument("--quality-budget", type=float, default=0.25,
                    help="share of a request's blocks resident in the quality phase (the issue's 25%%)")
+    p.add_argument("--quality-sink", type=int, default=1, help="sink blocks of the quality phase (inside the budget)")
+    p.add_argument("--quality-recent", type=int, default=1,
+                   help="recent blocks of the quality phase (inside the budget)")
+    p.add_argument("--quality-dense-layers", type=int, default=0,
+                   help="first full-attention layers left dense in the quality phase")
+    p.add_argument("--quality-summary", default="minmax", help="block summary of the quality phase (minmax, mean)")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
     p.add_argument("--host-budget-gib", type=float,
@@ -140,6 +146,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_n": args.quality_n or (1 if q else 8),
         "quality_block": args.quality_block,
         "quality_budget": args.quality_budget,
+        "quality_variant": dict(sink_blocks=args.quality_sink, recent_blocks=args.quality_recent,
+                                dense_layers=args.quality_dense_layers, summary=args.quality_summary),
         "phases": args.phases.split(","),
         "memory_budget_gib": args.memory_budget_gib,
         "host_budget_gib": args.host_budget_gib,
@@ -447,13 +455,16 @@ def phase_mass(s: dict[str, Any], out: dict[str, Any]) -> None:
         del model, runner, manager
 
 
-def _quality_one(model, tok, request, block: int, share: float = 0.25) -> dict[str, Any]:
+def _quality_one(model, tok, request, block: int, share: float = 0.25,
+                 variant: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     from tools.workloads.scoring import score
 
     ids = tok.encode(request.prompt, add_bos=True)
     blocks = math.ceil(len(ids) / block)
-    budget = max(2, math.ceil(share * blocks))
-    cfg = HiSparseConfig(enabled=True, block_size=block, topk=max(1, budget - 2), hot_blocks=budget, min_context=0)
+    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", **(variant or {})}
+    pinned = var["sink_blocks"] + var["recent_blocks"]
+    budget = max(pinned + 1, math.ceil(share * blocks))
+    cfg = HiSparseConfig(enabled=True, block_size=block, topk=budget - pinned, hot_blocks=budget, min_context=0, **var)
     max_new = max(8, len(tok.encode(request.answer)) + 4)
     newline = tok.encode("\n")[0]
 
@@ -504,7 +515,7 @@ def phase_quality(s: dict[str, Any], out: dict[str, Any]) -> None:
         per_task = {}
         for task in s["quality_tasks"]:
             overrides = dict(docs="2-3", facts_per_doc=4) if s["quick"] else {}
-            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"])
+            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"], s["quality_variant"])
                     for r in iter_requests(task, s["quality_n"], seed=20, **overrides)]
             kls = [k for r in rows for k in r["kl"]]
             steps = sum(r["steps"] for r in rows)

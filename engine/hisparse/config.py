@@ -28,10 +28,14 @@ class HiSparseConfig:
     recent_blocks: int = 1
     #: block summary: "minmax" (per-channel key min/max, Quest) or "mean" (mean key)
     summary: str = "minmax"
+    #: the first `dense_layers` full-attention layers attend to every block (Quest leaves the
+    #: first layers dense); their hot buffer holds the whole context
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         checks = (("block_size", self.block_size, 1), ("topk", self.topk, 1), ("min_context", self.min_context, 0),
-                  ("sink_blocks", self.sink_blocks, 0), ("recent_blocks", self.recent_blocks, 1))
+                  ("sink_blocks", self.sink_blocks, 0), ("recent_blocks", self.recent_blocks, 1),
+                  ("dense_layers", self.dense_layers, 0))
         for name, value, low in checks:
             if not isinstance(value, int) or value < low:
                 raise HiSparseConfigError(f"hisparse {name} must be an int >= {low}, got {value!r}")

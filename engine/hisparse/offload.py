@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -45,7 +46,11 @@ class HiSparseOffload:
 
     def layer_cache(self, layer: int, spec: Any) -> HiSparseLayerCache:
         """The cache of full-attention layer `layer` (`spec`: its LayerCacheSpec)."""
-        cache = HiSparseLayerCache(layer, spec.num_kv_heads, spec.head_dim, self.config, self.num_slots,
+        cfg = self.config
+        if len(self.layers) < cfg.dense_layers:  # attends to every block: the whole context stays resident
+            hot = max(self.max_blocks, cfg.sink_blocks + cfg.recent_blocks)
+            cfg = replace(cfg, hot_blocks=hot, topk=hot, min_context=self.max_blocks * cfg.block_size + 1)
+        cache = HiSparseLayerCache(layer, spec.num_kv_heads, spec.head_dim, cfg, self.num_slots,
                                    self.max_blocks, self.device, self.dtype, self.store, self.metrics,
                                    self.engine_nonce, self.fingerprint, counts_steps=not self.layers)
         self.layers.append(cache)
