@@ -111,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-dense-layers", type=int, default=0,
                    help="first full-attention layers left dense in the quality phase")
     p.add_argument("--quality-summary", default="minmax", help="block summary of the quality phase (minmax, mean)")
+    p.add_argument("--quality-per-head", action="store_true", help="select blocks per KV head in the quality phase")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
     p.add_argument("--host-budget-gib", type=float,
@@ -147,7 +148,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_block": args.quality_block,
         "quality_budget": args.quality_budget,
         "quality_variant": dict(sink_blocks=args.quality_sink, recent_blocks=args.quality_recent,
-                                dense_layers=args.quality_dense_layers, summary=args.quality_summary),
+                                dense_layers=args.quality_dense_layers, summary=args.quality_summary,
+                                per_kv_head=args.quality_per_head),
         "phases": args.phases.split(","),
         "memory_budget_gib": args.memory_budget_gib,
         "host_budget_gib": args.host_budget_gib,
@@ -408,16 +410,17 @@ class _MassProbe(ExternalKVCache):
     def attend_decode(self, q, k, v, ctx, scale):
         out = self.inner.attend_decode(q, k, v, ctx, scale)
         bs = self.inner.block
-        selected = self.inner.last_selection.lists()
+        selected = self.inner.last_selection.head_lists(self.inner.num_kv_heads)
         for b, slot in enumerate(ctx.host_slots):
             kk, _ = self.inner.context_kv(slot)
             group = q.shape[1] // kk.shape[1]
             scores = torch.einsum("hd,lhd->hl", q[b].float(), kk.float().repeat_interleave(group, dim=1)) * scale
             probs = torch.softmax(scores, dim=-1)
-            sel = torch.zeros(kk.shape[0], dtype=torch.bool, device=kk.device)
-            for j in selected[b]:
-                sel[j * bs:(j + 1) * bs] = True
-            self.shares.extend((probs * sel).sum(-1).tolist())
+            sel = torch.zeros(kk.shape[1], kk.shape[0], dtype=torch.bool, device=kk.device)  # [Hkv, L]
+            for h, blocks in enumerate(selected[b]):
+                for j in blocks:
+                    sel[h, j * bs:(j + 1) * bs] = True
+            self.shares.extend((probs * sel.repeat_interleave(group, dim=0)).sum(-1).tolist())
         return out
 
     def reset(self, slot):
@@ -461,7 +464,8 @@ def _quality_one(model, tok, request, block: int, share: float = 0.25,
 
     ids = tok.encode(request.prompt, add_bos=True)
     blocks = math.ceil(len(ids) / block)
-    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", **(variant or {})}
+    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", "per_kv_head": False,
+           **(variant or {})}
     pinned = var["sink_blocks"] + var["recent_blocks"]
     budget = max(pinned + 1, math.ceil(share * blocks))
     cfg = HiSparseConfig(enabled=True, block_size=block, topk=budget - pinned, hot_blocks=budget, min_context=0, **var)

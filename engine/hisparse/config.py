@@ -31,6 +31,9 @@ class HiSparseConfig:
     #: the first `dense_layers` full-attention layers attend to every block (Quest leaves the
     #: first layers dense); their hot buffer holds the whole context
     dense_layers: int = 0
+    #: select the top-k blocks per KV head (Quest) instead of one set per sequence; the hot
+    #: buffer then admits the union, and each KV head attends to its own blocks
+    per_kv_head: bool = False
 
     def __post_init__(self) -> None:
         checks = (("block_size", self.block_size, 1), ("topk", self.topk, 1), ("min_context", self.min_context, 0),

@@ -66,10 +66,19 @@ class Selection:
 
     blocks: torch.Tensor
     valid: torch.Tensor
+    #: per KV head, which entries it attends to `[B, Hkv, K]` (None: every head all of them)
+    heads: Optional[torch.Tensor] = None
 
     def lists(self) -> list[list[int]]:
         """Per sequence the selected blocks, ascending (a host read)."""
         return [row[ok].tolist() for row, ok in zip(self.blocks.cpu(), self.valid.cpu())]
+
+    def head_lists(self, num_kv_heads: int) -> list[list[list[int]]]:
+        """Per sequence and KV head the blocks it attends to, ascending (a host read)."""
+        if self.heads is None:
+            return [[row] * num_kv_heads for row in self.lists()]
+        blocks, heads = self.blocks.cpu(), self.heads.cpu()
+        return [[blocks[b][heads[b, h]].tolist() for h in range(heads.shape[1])] for b in range(blocks.shape[0])]
 
 
 class HiSparseLayerCache(ExternalKVCache):
@@ -83,8 +92,9 @@ class HiSparseLayerCache(ExternalKVCache):
         self.config = config
         self.block = config.block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.rows_per_slot = config.hot_blocks + config.staging_blocks
-        self.width = config.max_selected  # blocks one decode step attends to at most (fixed shape)
+        union = config.sink_blocks + config.recent_blocks + (num_kv_heads if config.per_kv_head else 1) * config.topk
+        self.width = max(config.max_selected, union)  # blocks one decode step attends to at most (fixed shape)
+        self.rows_per_slot = config.hot_blocks + max(0, self.width - config.hot_blocks)
         self.device = torch.device(device)
         shape = (num_slots * self.rows_per_slot, self.block, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, device=device, dtype=dtype)
@@ -363,10 +373,22 @@ class HiSparseLayerCache(ExternalKVCache):
         src = (slots[:, None] * self.max_blocks + sel.blocks.clamp(min=0)).flatten()
         copy_blocks(self.mirror_k, src, self.k_pool, grow.flatten(), adm.missing.flatten())
         copy_blocks(self.mirror_v, src, self.v_pool, grow.flatten(), adm.missing.flatten())
-        tables = torch.where(sel.valid, grow, 0).to(torch.int32)
-        lens = ((sel.valid.sum(1) - 1) * bs + off + 1).to(torch.int32)
-        return paged_decode_attention(q, self.k_pool, self.v_pool, tables, lens, scale,
-                                      force_triton=None if q.is_cuda else False)
+        force = None if q.is_cuda else False
+        if sel.heads is None:
+            tables = torch.where(sel.valid, grow, 0).to(torch.int32)
+            lens = ((sel.valid.sum(1) - 1) * bs + off + 1).to(torch.int32)
+            return paged_decode_attention(q, self.k_pool, self.v_pool, tables, lens, scale, force_triton=force)
+        g = q.shape[1] // self.num_kv_heads
+        ar = torch.arange(self.width, device=self.device)[None, :]
+        outs = []
+        for h in range(self.num_kv_heads):  # each KV head over its own blocks, in position order
+            m = sel.heads[:, h]
+            order = torch.where(m, ar, ar + self.width).argsort(1)
+            tables = torch.where(m.gather(1, order), grow.gather(1, order), 0).to(torch.int32)
+            lens = ((m.sum(1) - 1) * bs + off + 1).to(torch.int32)
+            outs.append(paged_decode_attention(q[:, h * g:(h + 1) * g], self.k_pool[:, :, h:h + 1],
+                                               self.v_pool[:, :, h:h + 1], tables, lens, scale, force_triton=force))
+        return torch.cat(outs, 1)
 
     def _select(self, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, score_cols: int) -> Selection:
         """Blocks each sequence attends to this step `[B, width]`, ascending (current last):
@@ -384,17 +406,33 @@ class HiSparseLayerCache(ExternalKVCache):
         lo = nb.clamp(max=c.sink_blocks)
         hi = torch.maximum(lo, nb - c.recent_blocks)
         selecting = (positions + 1 >= c.min_context) & (hi - lo > c.topk)
-        scores = block_scores(q, self.summaries, slots, lo, torch.minimum(hi, torch.full_like(hi, score_cols)),
-                              score_cols, c.summary)
-        top = topk_blocks(scores, c.topk)
-        sink = torch.arange(c.sink_blocks, device=self.device)[None, :].expand(positions.shape[0], -1)
+        hi_cols = torch.minimum(hi, torch.full_like(hi, score_cols))
+        if c.per_kv_head:
+            g = q.shape[1] // self.num_kv_heads
+            tops = [topk_blocks(block_scores(q[:, h * g:(h + 1) * g], self.summaries[:, :, :, h:h + 1], slots, lo,
+                                             hi_cols, score_cols, c.summary), c.topk)
+                    for h in range(self.num_kv_heads)]
+        else:
+            tops = [topk_blocks(block_scores(q, self.summaries, slots, lo, hi_cols, score_cols, c.summary), c.topk)]
+        B = positions.shape[0]
+        big = torch.iinfo(torch.int64).max
+        sink = torch.arange(c.sink_blocks, device=self.device)[None, :].expand(B, -1)
         recent = nb[:, None] - c.recent_blocks + torch.arange(c.recent_blocks, device=self.device)[None, :]
-        picked = torch.cat([sink, top, recent], 1).sort(1).values
+        picked = torch.cat([sink, *tops, recent], 1).sort(1).values
+        if len(tops) > 1:  # the union: duplicates out, then to the end
+            dup = torch.cat([torch.zeros_like(picked[:, :1], dtype=torch.bool), picked[:, 1:] == picked[:, :-1]], 1)
+            picked = picked.masked_fill(dup, big).sort(1).values
         pad = self.width - picked.shape[1]
-        picked_valid = torch.ones_like(picked, dtype=torch.bool)
         if pad > 0:
-            picked = torch.cat([picked, picked.new_zeros(picked.shape[0], pad)], 1)
-            picked_valid = torch.cat([picked_valid, picked_valid.new_zeros(picked.shape[0], pad)], 1)
+            picked = torch.cat([picked, picked.new_full((B, pad), big)], 1)
+        picked_valid = picked != big
+        picked = picked.masked_fill(~picked_valid, 0)
         blocks = torch.where(selecting[:, None], picked, every)
         valid = torch.where(selecting[:, None], picked_valid, every_valid)
-        return Selection(blocks, valid)
+        heads = None
+        if c.per_kv_head:
+            pinned = (picked < c.sink_blocks) | (picked >= nb[:, None] - c.recent_blocks)
+            own = torch.stack([(picked[:, :, None] == t[:, None, :]).any(-1) for t in tops], 1)  # [B, Hkv, W]
+            picked_heads = (own | pinned[:, None]) & picked_valid[:, None]
+            heads = torch.where(selecting[:, None, None], picked_heads, every_valid[:, None].expand_as(picked_heads))
+        return Selection(blocks, valid, heads)

@@ -72,6 +72,30 @@ def test_decode_attends_to_sink_recent_and_the_reference_top_k_blocks(summary):
     assert snap["blocks_attended"] == 4 and snap["decode_steps"] == 1
 
 
+def test_per_kv_head_selection_attends_each_head_to_its_own_reference_top_k():
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=3, min_context=0, per_kv_head=True)
+    cache, _ = make_cache(cfg)
+    gen = torch.Generator().manual_seed(9)
+    k, v = torch.randn(41, HKV, D, generator=gen), torch.randn(41, HKV, D, generator=gen)
+    q = torch.randn(1, H, D, generator=gen)
+    cache.reset(0)
+    prefill(cache, 0, k[:40], v[:40])
+    out = decode(cache, [0], [40], q, k[40:41], v[40:41])
+    blocks = k[:40].view(10, 4, HKV, D)
+    summ = torch.stack([blocks.amin(1), blocks.amax(1)], 1)[None]
+    g = H // HKV
+    heads = cache.last_selection.head_lists(HKV)[0]
+    for h in range(HKV):
+        ref = block_scores_reference(q[:, h * g:(h + 1) * g], summ[:, :, :, h:h + 1], torch.tensor([0]),
+                                     torch.tensor([1]), torch.tensor([10]), 10)
+        want = sorted({0, 10, *topk_blocks_reference(ref, 2)[0].tolist()})
+        assert heads[h] == want
+        pos = torch.cat([torch.arange(j * 4, min(41, j * 4 + 4)) for j in want])
+        exact = attention(q[0], k[pos], v[pos]).view(HKV, g, D)[h]  # this head group over its own blocks
+        torch.testing.assert_close(out[0, h * g:(h + 1) * g].double(), exact, rtol=1e-5, atol=1e-5)
+    assert cache.last_selection.lists()[0] == sorted(set(heads[0]) | set(heads[1]))  # the hot buffer admits the union
+
+
 def test_prefill_streams_sealed_blocks_out_and_keeps_the_hot_buffer_bounded():
     cfg = HiSparseConfig(enabled=True, block_size=8, topk=4, hot_blocks=3, min_context=0)
     cache, store = make_cache(cfg)
