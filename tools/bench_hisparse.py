@@ -15,7 +15,8 @@ each one, `complete` false until the end):
    measured as the bytes of the cache tensors allocated for one sequence (on CUDA also
    the allocator's delta); sequences that fit = the device budget (free memory after the
    model, times 0.9, less a 4 GiB activation reserve, as the engine sizes its cache; on
-   the CPU `--memory-budget-gib`) over those bytes.
+   the CPU `--memory-budget-gib`) over those bytes; for HiSparse also with the host
+   budget over its host mirror's bytes (`hisparse_seqs_fit_with_host`).
 2. decode: tokens/s of `ModelRunner.decode` at batch 1, at the largest dense batch that
    fits, at the largest HiSparse batch that fits and at the smaller of the two (equal
    batch) for both. Largest batch: the device budget (as in the memory phase) over the
@@ -223,6 +224,7 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
     for preset in s["presets"]:
         model = _model(preset, device, dtype, max(s["lengths"]) + 64)
         budget, how = _budget(s, device)
+        host_budget, host_how = _host_budget(s)
         rows = {}
         for length in s["lengths"]:
             row: dict[str, Any] = {}
@@ -240,9 +242,12 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
                 row[f"{name}_seqs_fit"] = max(0, budget // nbytes)
                 del manager
             row["reduction"] = row["dense_bytes_per_seq"] / row["hisparse_bytes_per_seq"]
+            host = _offloaded_bytes_per_seq(model, s, length)
+            row["hisparse_host_bytes_per_seq"] = host
+            row["hisparse_seqs_fit_with_host"] = min(row["hisparse_seqs_fit"], host_budget // host)
             rows[str(length)] = row
         entry = out.setdefault("memory", {}).setdefault(preset, {"lengths": {}})
-        entry.update(budget_bytes=budget, budget=how)
+        entry.update(budget_bytes=budget, budget=how, host_budget_bytes=host_budget, host_budget=host_how)
         entry["lengths"].update(rows)  # --merge keeps lengths measured by an earlier command
         del model
 
