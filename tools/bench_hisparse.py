@@ -112,7 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-dense-layers", type=int, default=0,
                    help="first full-attention layers left dense in the quality phase")
     p.add_argument("--quality-summary", default="minmax", help="block summary of the quality phase (minmax, mean)")
-    p.add_argument("--quality-per-head", action="store_true", help="select blocks per KV head in the quality phase")
+    p.add_argument("--quality-per-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="select blocks per KV head in the quality phase (default; --no-quality-per-head: one set)")
+    p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="select blocks per KV head in the memory, decode and mass phases (default)")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
     p.add_argument("--host-budget-gib", type=float,
@@ -148,6 +151,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_n": args.quality_n or (1 if q else 8),
         "quality_block": args.quality_block,
         "quality_budget": args.quality_budget,
+        "per_kv_head": args.per_kv_head,
         "quality_variant": dict(sink_blocks=args.quality_sink, recent_blocks=args.quality_recent,
                                 dense_layers=args.quality_dense_layers, summary=args.quality_summary,
                                 per_kv_head=args.quality_per_head),
@@ -169,7 +173,8 @@ def _model(preset: str, device: torch.device, dtype: torch.dtype, max_len: int):
 
 
 def _hs_config(s: dict[str, Any], **kw: Any) -> HiSparseConfig:
-    base = dict(enabled=True, block_size=s["block"], topk=s["topk"], hot_blocks=s["hot"], min_context=0)
+    base = dict(enabled=True, block_size=s["block"], topk=s["topk"], hot_blocks=s["hot"], min_context=0,
+                per_kv_head=s["per_kv_head"])
     base.update(kw)
     return HiSparseConfig(**base)
 
@@ -469,7 +474,7 @@ def _quality_one(model, tok, request, block: int, share: float = 0.25,
 
     ids = tok.encode(request.prompt, add_bos=True)
     blocks = math.ceil(len(ids) / block)
-    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", "per_kv_head": False,
+    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", "per_kv_head": True,
            **(variant or {})}
     pinned = var["sink_blocks"] + var["recent_blocks"]
     budget = max(pinned + 1, math.ceil(share * blocks))

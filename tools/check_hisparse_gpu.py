@@ -3,9 +3,9 @@ of qwen3next-bench's shape (16 query heads, 2 KV heads, head dim 256, bf16):
 
 1. `exact`: a batch of sequences with a tiny hot buffer (blocks evicted and fetched back
    from the pinned host mirror every step, staging rows in use) decodes several steps; each
-   step's output is compared with exact attention (float64, on the host) over the blocks the
-   cache selected, and the selection with the torch reference scoring (summaries from the
-   true keys, `block_scores_reference` + `topk_blocks_reference`).
+   step's output is compared, per KV head, with exact attention (float64, on the host) over
+   the blocks that head selected, and each head's selection with the torch reference
+   scoring (summaries from the true keys, `block_scores_reference` + `topk_blocks_reference`).
 2. `graph`: `decode_step` captured in a CUDA graph and replayed against a twin cache run
    eagerly with the same inputs (outputs and selections must match).
 3. `timing`: ms per decode step of the layer at 32k and 128k context, batch `--batch`:
@@ -78,19 +78,23 @@ def check_exact(device, dtype, p: dict[str, Any]) -> dict[str, Any]:
         cols = max(x // bs + 1 for x in pos)
         out = cache.decode_step(q.to(device), kn.to(device), vn.to(device), torch.arange(batch, device=device),
                                 torch.tensor(pos, device=device), d ** -0.5, cols).cpu()
-        chosen = cache.last_selection.lists()
+        chosen = cache.last_selection.head_lists(hkv)  # per sequence and KV head (selection per KV head)
+        g = heads // hkv
         for b in range(batch):
             nb = pos[b] // bs + 1
             blocks = ks[b, :(nb - 1) * bs].float().view(nb - 1, bs, hkv, d)  # the full ones
             summ = torch.stack([blocks.amin(1), blocks.amax(1)], 1)[None]
-            ref = block_scores_reference(q[b:b + 1].float(), summ, torch.tensor([0]), torch.tensor([1]),
-                                         torch.tensor([nb - 1]), nb - 1)
-            want = sorted({0, nb - 1, *topk_blocks_reference(ref, min(cfg.topk, max(1, nb - 2)))[0].tolist()})
-            sel_agree += len(set(want) & set(chosen[b]))
-            sel_total += len(want)
-            idx = torch.cat([torch.arange(j * bs, min(pos[b] + 1, j * bs + bs)) for j in chosen[b]])
-            exact = _attention(q[b].float(), ks[b, idx].float(), vs[b, idx].float())
-            worst = max(worst, float((out[b].double() - exact).abs().max()))
+            for h in range(hkv):
+                ref = block_scores_reference(q[b:b + 1, h * g:(h + 1) * g].float(), summ[:, :, :, h:h + 1],
+                                             torch.tensor([0]), torch.tensor([1]), torch.tensor([nb - 1]), nb - 1)
+                k_ref = min(cfg.topk, max(1, nb - 2))
+                want = sorted({0, nb - 1, *topk_blocks_reference(ref, k_ref)[0].tolist()})
+                sel_agree += len(set(want) & set(chosen[b][h]))
+                sel_total += len(want)
+                idx = torch.cat([torch.arange(j * bs, min(pos[b] + 1, j * bs + bs)) for j in chosen[b][h]])
+                exact = _attention(q[b, h * g:(h + 1) * g].float(), ks[b, idx][:, h:h + 1].float(),
+                                   vs[b, idx][:, h:h + 1].float())
+                worst = max(worst, float((out[b, h * g:(h + 1) * g].double() - exact).abs().max()))
     snap = cache.metrics.snapshot()
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     agree = sel_agree / sel_total
@@ -174,7 +178,7 @@ def check_graph(device, dtype, p: dict[str, Any]) -> dict[str, Any]:
                 ob = sb.run().clone()
             torch.cuda.synchronize()
             worst = max(worst, float((oa.float() - ob.float()).abs().max()))
-            same_sel &= a.last_selection.lists() == b.last_selection.lists()
+            same_sel &= a.last_selection.head_lists(p["hkv"]) == b.last_selection.head_lists(p["hkv"])
     except Exception as exc:  # noqa: BLE001 - the verdict is the record
         return {"capturable": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
     return {"capturable": True, "max_abs_diff_vs_eager": worst, "pass": worst <= 1e-2 and same_sel}

@@ -48,7 +48,8 @@ def attention(q, k, v):
 
 @pytest.mark.parametrize("summary", ["minmax", "mean"])
 def test_decode_attends_to_sink_recent_and_the_reference_top_k_blocks(summary):
-    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=4, min_context=8, summary=summary)
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=4, min_context=8, summary=summary,
+                         per_kv_head=False)
     cache, _ = make_cache(cfg)
     gen = torch.Generator().manual_seed(5)
     k, v = torch.randn(41, HKV, D, generator=gen), torch.randn(41, HKV, D, generator=gen)
@@ -145,7 +146,7 @@ def test_tiny_hot_buffer_evicts_unselected_rows_and_refetches_exactly_over_many_
     """hot 3 (sink, recent, one more), top-2 over 10-15 blocks: every step some selected block
     is missing, evicted rows get reused and staging rows hold the overflow; each step's output
     is exact attention over the blocks the reference scoring picks."""
-    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=3, min_context=0)
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=3, min_context=0, per_kv_head=False)
     cache, _ = make_cache(cfg, num_slots=2, max_len=64)
     gen = torch.Generator().manual_seed(11)
     n0, steps = 40, 20
