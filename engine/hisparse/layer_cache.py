@@ -25,10 +25,12 @@ Memory, per slot:
   host contributes the step's positions it already has): write the token, update its
   block's summary, seal full blocks into the mirror (masked copy); select blocks (sink,
   recent, and the `topk` best-scoring others once the context holds `min_context` tokens
-  and there are more than `topk` candidates; else every block), admit them to the hot
+  and there are more than `topk` candidates, per KV head when `per_kv_head`; else every
+  block), admit them (the union over KV heads) to the hot
   buffer (evicting rows not selected this step, least recently used first, else staging
   rows), copy the missing ones in from the mirror, and attend with the paged decode kernel
-  over the selected rows in position order (the current, partial block last).
+  over the selected rows in position order (the current, partial block last; per KV head
+  one call over that head's blocks).
 With every block selected, decoding is dense attention over the same K/V.
 """
 from __future__ import annotations
