@@ -61,7 +61,9 @@ class HiSparseConfig:
     @property
     def staging_blocks(self) -> int:
         """Device rows per sequence for selected blocks the hot buffer cannot keep (a step
-        that attends to more blocks than `hot_blocks` reads the rest into these rows)."""
+        that attends to more blocks than `hot_blocks` reads the rest into these rows), with
+        one block set per sequence; per KV head the layer cache sizes them for the union
+        (`HiSparseLayerCache.width`)."""
         return max(0, self.max_selected - self.hot_blocks)
 
 
