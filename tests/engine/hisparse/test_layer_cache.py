@@ -214,3 +214,23 @@ def test_block_keys_are_unguessable_per_engine_and_per_sequence():
     a.release(0)
     a.reset(0)
     assert a.key_of(0, 0) != first  # the slot's next sequence never names the previous one's blocks
+
+
+def test_dense_layers_leave_the_first_full_layers_attending_to_every_block():
+    from engine.cache.manager import LayerCacheSpec
+    from engine.hisparse import HiSparseOffload
+
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=3, min_context=0, dense_layers=1)
+    off = HiSparseOffload(cfg, None, 1, 64, torch.device("cpu"), torch.float32)
+    first, second = (off.layer_cache(i, LayerCacheSpec("paged", HKV, D)) for i in (3, 7))
+    gen = torch.Generator().manual_seed(6)
+    k, v = torch.randn(41, HKV, D, generator=gen), torch.randn(41, HKV, D, generator=gen)
+    q = torch.randn(1, H, D, generator=gen)
+    for cache in (first, second):
+        cache.reset(0)
+        prefill(cache, 0, k[:40], v[:40])
+    out = decode(first, [0], [40], q, k[40:], v[40:])
+    decode(second, [0], [40], q, k[40:], v[40:])
+    assert first.last_selection.lists() == [list(range(11))] and len(first.resident_blocks(0)) == 11
+    torch.testing.assert_close(out[0].double(), attention(q[0], k, v), rtol=1e-5, atol=1e-5)
+    assert len(second.last_selection.lists()[0]) < 11  # the second full layer selects
