@@ -189,10 +189,10 @@ def build_engine(
         offload = build_hisparse(config, max_model_len, device, dtype, loaded.fingerprint)
         cache_cfg = CacheConfig(block_size=config.block_size, num_blocks=0, num_slots=config.max_num_seqs)
         manager = CacheManager(cache_specs(model), cache_cfg, device, dtype, external_kv=offload.layer_cache)
-        runner = ModelRunner(model, manager, cuda_graphs=False)  # selection and fetches are host-driven
+        runner = ModelRunner(model, manager, cuda_graphs=False)  # the runner's graphs do not cover HiSparse decode
         hs = config.hisparse
         log.info("hisparse on: blocks of %d, top-%d, hot buffer %d, from %d tokens; %s; %.1f MiB per sequence on %s",
-                 hs.block_size, hs.topk, hs.hot_blocks, hs.min_context, offload.store.name,
+                 hs.block_size, hs.topk, hs.hot_blocks, hs.min_context, offload.store_name,
                  offload.device_bytes_per_slot() / 2**20, device)
     else:
         tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)
