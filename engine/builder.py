@@ -23,8 +23,10 @@ from engine.cache.manager import CacheConfig, CacheManager, cache_specs
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.hisparse.config import HiSparseConfig
+from engine.models.layers import fla_backend
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import PrefillPlanner
+from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES, PrefillGraphWarmup
 from engine.runtime.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,11 @@ class EngineConfig:
     #: kvstore daemon socket for HiSparse blocks ("" the default socket); None: this
     #: process's memory
     hisparse_store: Optional[str] = None
+    #: when the prefill-stage CUDA graphs are captured (engine.runtime.prefill_graphs):
+    #: "upfront" before the engine is returned, "idle" by the server's engine loop while no
+    #: request runs (`kvengine serve`'s default: ready without waiting for them), "lazy" on
+    #: first use. Upfront here: an engine driven without the server loop has no idle time
+    prefill_graphs: str = "upfront"
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -134,6 +141,14 @@ def model_tokenizer(preset_or_dir: str):
     return load_tokenizer("byte")
 
 
+def prefill_graph_warmup(runner, mode: str) -> PrefillGraphWarmup:
+    """The runner's prefill-stage graphs in `mode` (EngineConfig.prefill_graphs): upfront
+    ones are captured here, one placeholder pass per bucket on a scratch sequence."""
+    from engine.pic.fused import capture_prefill_stages
+
+    return PrefillGraphWarmup(runner.prefill_stages, lambda b: capture_prefill_stages(runner, buckets=(b,)), mode)
+
+
 def build_engine(
     preset_or_dir: str,
     config: EngineConfig = EngineConfig(),
@@ -144,9 +159,14 @@ def build_engine(
     from engine.models.weights import load_model
     from engine.runtime.runner import ModelRunner
 
+    if config.prefill_graphs not in PREFILL_GRAPH_MODES:
+        raise InvalidRequestError("prefill_graphs", f"{config.prefill_graphs!r} is not one of "
+                                  f"{', '.join(PREFILL_GRAPH_MODES)}")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     apply_host_threads(config.host_threads, device)
+    # fla's import (seconds) overlaps the model load; joined before the runner picks its backend
+    fla_import = fla_backend.import_in_background() if device.type == "cuda" else None
     t_load = time.perf_counter()
     loaded = load_model(preset_or_dir, device=device, dtype=dtype)
     model, mcfg = loaded.model, loaded.config
@@ -157,6 +177,10 @@ def build_engine(
         raise InvalidRequestError(
             "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings {mcfg.max_position_embeddings}"
         )
+    if fla_import is not None:
+        t_join = time.perf_counter()
+        fla_import.join()
+        log.info("fla import joined after the load (waited %.2f s)", time.perf_counter() - t_join)
     offload = None
     if config.hisparse.enabled:
         if planner is not None:
@@ -165,23 +189,17 @@ def build_engine(
         offload = build_hisparse(config, max_model_len, device, dtype, loaded.fingerprint)
         cache_cfg = CacheConfig(block_size=config.block_size, num_blocks=0, num_slots=config.max_num_seqs)
         manager = CacheManager(cache_specs(model), cache_cfg, device, dtype, external_kv=offload.layer_cache)
-        runner = ModelRunner(model, manager, cuda_graphs=False)  # selection and fetches are host-driven
+        runner = ModelRunner(model, manager, cuda_graphs=False)  # the runner's graphs do not cover HiSparse decode
         hs = config.hisparse
         log.info("hisparse on: blocks of %d, top-%d, hot buffer %d, from %d tokens; %s; %.1f MiB per sequence on %s",
-                 hs.block_size, hs.topk, hs.hot_blocks, hs.min_context, offload.store.name,
+                 hs.block_size, hs.topk, hs.hot_blocks, hs.min_context, offload.store_name,
                  offload.device_bytes_per_slot() / 2**20, device)
     else:
         tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)
         cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
         manager = CacheManager.for_model(model, cache_cfg)
         runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
-    if runner.prefill_stages is not None:
-        from engine.pic.fused import capture_prefill_stages
-
-        t0 = time.perf_counter()
-        graphs = capture_prefill_stages(runner)
-        log.info("captured %d prefill-stage graphs (buckets %s) in %.1f s", graphs, runner.prefill_stages.buckets,
-                 time.perf_counter() - t0)
+    prefill_graphs = prefill_graph_warmup(runner, config.prefill_graphs)
     pool = ManagedCachePool(manager)
     log.info(
         "engine for %s on %s/%s: %d KV blocks of %d, %d slots",
@@ -197,6 +215,7 @@ def build_engine(
         loaded_model=loaded,
         max_model_len=max_model_len,
         kv_offload=offload,
+        prefill_graphs=prefill_graphs,
     )
 
 

@@ -9,6 +9,7 @@ refused (exit 2) rather than ignored.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -33,6 +34,10 @@ def serve(
     kernel_cache: Optional[str] = typer.Option(
         None, "--kernel-cache", help="Directory of compiled GPU kernels and autotuning results, kept between runs "
         "(default: $TRITON_CACHE_DIR, else ~/.cache/hypercache/triton); a warm one skips kernel compilation at start."),
+    prefill_graphs: str = typer.Option(
+        "idle", "--prefill-graphs", help="When the prefill-stage CUDA graphs are captured: upfront (before the "
+        "server answers), idle (after it answers, one bucket at a time while no request runs), lazy (by the first "
+        "request of each bucket)."),
     served_model_name: Optional[str] = typer.Option(
         None, "--served-model-name", help="The model's name in /v1/models and the `model` field requests must "
         "match (default: the preset's name or the --model directory's name)."),
@@ -47,6 +52,10 @@ def serve(
     if served_model_name is not None and not served_model_name.strip():
         fail("--served-model-name: must not be empty")
     _use_kernel_cache(kernel_cache)
+    from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES
+
+    if prefill_graphs not in PREFILL_GRAPH_MODES:
+        fail(f"--prefill-graphs: {prefill_graphs!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
     if opts.store is None:
         given = [name for name, value in (("--pic-config", opts.pic_config), ("--seam", opts.seam))
                  if value is not None]
@@ -67,8 +76,9 @@ def serve(
              "prompt segments through a kvstore daemon")
     else:
         check_store_answers(connector, opts.start_without_store)
-    engine = build(source, engine_config(opts.device, opts.dtype, max_batch, max_batched_tokens, opts.chunk_size,
-                                         kv_cache_tokens, max_model_len, cuda_graphs, host_threads, hs))
+    config = engine_config(opts.device, opts.dtype, max_batch, max_batched_tokens, opts.chunk_size, kv_cache_tokens,
+                           max_model_len, cuda_graphs, host_threads, hs)
+    engine = build(source, dataclasses.replace(config, prefill_graphs=prefill_graphs))
     note_cache_size(kv_cache_tokens, max_batch)
     planner = attach_store(engine, settings.pic, connector) if connector is not None else None
     try:

@@ -91,8 +91,12 @@ class LLMEngine:
         loaded_model: Any = None,
         max_model_len: Optional[int] = None,
         kv_offload: Any = None,
+        prefill_graphs: Any = None,
     ) -> None:
         self.runner = runner
+        # engine.runtime.prefill_graphs.PrefillGraphWarmup: the prefill-stage graphs still to
+        # capture while idle (`capture_idle_graphs`) and whether they are ready; None: none
+        self.prefill_graphs = prefill_graphs
         # engine.hisparse.HiSparseOffload when full-attention KV is offloaded (HiSparse):
         # its metrics go to --json output and /metrics; lost blocks fail over to recompute
         self.kv_offload = kv_offload
@@ -298,6 +302,19 @@ class LLMEngine:
         if fn is None or self.has_unfinished():
             return 0
         return int(fn(self.runner, should_stop=should_stop))
+
+    @property
+    def prefill_graphs_pending(self) -> bool:
+        """Prefill-stage graphs are left for `capture_idle_graphs` (EngineConfig.prefill_graphs "idle")."""
+        return self.prefill_graphs is not None and bool(self.prefill_graphs.pending)
+
+    def capture_idle_graphs(self) -> bool:
+        """Capture one bucket of the pending prefill-stage graphs; only while no request is
+        in the engine (so a capture never shares the device with a request). True when a
+        bucket was captured."""
+        if not self.prefill_graphs_pending or self.has_unfinished():
+            return False
+        return self.prefill_graphs.step()
 
     # ---- the step -------------------------------------------------------------------
 

@@ -15,10 +15,15 @@ each one, `complete` false until the end):
    measured as the bytes of the cache tensors allocated for one sequence (on CUDA also
    the allocator's delta); sequences that fit = the device budget (free memory after the
    model, times 0.9, less a 4 GiB activation reserve, as the engine sizes its cache; on
-   the CPU `--memory-budget-gib`) over those bytes.
+   the CPU `--memory-budget-gib`) over those bytes; for HiSparse also with the host
+   budget over its host mirror's bytes (`hisparse_seqs_fit_with_host`).
 2. decode: tokens/s of `ModelRunner.decode` at batch 1, at the largest dense batch that
-   fits and at the largest HiSparse batch that fits (both capped by `--max-batch`),
-   HiSparse vs dense at equal batch. Contexts are filled with random K/V (dense: written
+   fits, at the largest HiSparse batch that fits and at the smaller of the two (equal
+   batch) for both. Largest batch: the device budget (as in the memory phase) over the
+   device bytes per sequence; for HiSparse also the host budget (`--host-budget-gib`,
+   default 0.7 x MemAvailable) over the bytes of its host mirror per sequence (every
+   full-layer block); no fixed cap unless `--max-batch`. A point that runs out of memory
+   is retried with 15% fewer sequences (recorded). Contexts are filled with random K/V (dense: written
    into the paged pool; HiSparse: appended through the layer caches, so blocks are sealed
    and stored as in a prefill); linear states stay zero. Timing: `--decode-steps` steps
    after two untimed ones, device synchronised. The model's max positions are raised to
@@ -34,8 +39,8 @@ each one, `complete` false until the end):
    of free greedy generation, HiSparse minus dense, in points.
 
 `summary`: `kv_memory_reduction_128k` (dense / HiSparse bytes per sequence at 131072),
-`decode_throughput_ratio_equal_batch_128k` (HiSparse / dense tokens/s at the largest
-dense batch), `total_throughput_gain_128k` (HiSparse tokens/s at its largest batch /
+`decode_throughput_ratio_equal_batch_128k` (HiSparse / dense tokens/s at the equal
+batch, the smaller of the two largest batches), `total_throughput_gain_128k` (HiSparse tokens/s at its largest batch /
 dense tokens/s at its largest batch), `quality_delta_points` (mean task score delta);
 null where not measured (e.g. `--quick` measures no 128k point). Figures are only ever
 measured, never estimated. Blocks go to this process's pinned memory unless `--store
@@ -76,6 +81,8 @@ QUICK_LENGTHS = (256, 512)
 QUICK_PRESETS = ("qwen3next-tiny",)
 QUALITY_PRESETS = ("qwen3next-tiny", "ring-tiny", "gemma3-tiny", "nemotronh-tiny")
 ACTIVATION_RESERVE_BYTES = 4 << 30
+#: share of the host's available memory the HiSparse mirrors of one decode point may take
+HOST_SHARE = 0.7
 LENGTH_128K = 131072
 
 
@@ -87,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, help="HiSparse block size (default 64; quick 16)")
     p.add_argument("--topk", type=int, help="HiSparse top-k blocks (default 32; quick 4)")
     p.add_argument("--hot", type=int, help="HiSparse hot-buffer blocks (default 64; quick 8)")
-    p.add_argument("--max-batch", type=int, help="largest decode batch tried (default 64; quick 4)")
-    p.add_argument("--decode-steps", type=int, help="timed decode steps (default 16; quick 2)")
+    p.add_argument("--max-batch", type=int,
+                   help="cap on the decode batch (default 0: none, the largest that fits; quick 2)")
+    p.add_argument("--decode-steps", type=int, help="timed decode steps (default 8; quick 2)")
     p.add_argument("--mass-length", type=int, help="prompt tokens of the attention-mass phase (default 8192)")
     p.add_argument("--mass-steps", type=int, default=4, help="decode steps of the attention-mass phase")
     p.add_argument("--quality-presets", help="trained tiny models (default: those under models/)")
@@ -98,10 +106,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="HiSparse block size of the quality phase (4 beat 8 and 16 at a 25%% budget, docs/hisparse.md)")
     p.add_argument("--quality-budget", type=float, default=0.25,
                    help="share of a request's blocks resident in the quality phase (the issue's 25%%)")
+    p.add_argument("--quality-sink", type=int, default=1, help="sink blocks of the quality phase (inside the budget)")
+    p.add_argument("--quality-recent", type=int, default=1,
+                   help="recent blocks of the quality phase (inside the budget)")
+    p.add_argument("--quality-dense-layers", type=int, default=0,
+                   help="first full-attention layers left dense in the quality phase")
+    p.add_argument("--quality-summary", default="minmax", help="block summary of the quality phase (minmax, mean)")
+    p.add_argument("--quality-per-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="select blocks per KV head in the quality phase (default; --no-quality-per-head: one set)")
+    p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="select blocks per KV head in the memory, decode and mass phases (default)")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
-    p.add_argument("--host-budget-gib", type=float, default=64.0,
-                   help="host memory the offloaded blocks of one decode point may take (caps the HiSparse batch)")
+    p.add_argument("--host-budget-gib", type=float,
+                   help="host memory the HiSparse mirrors of one decode point may take (caps the HiSparse batch; "
+                        f"default {HOST_SHARE} x MemAvailable)")
     p.add_argument("--store", help="kvstore daemon socket for the blocks (default: this process's memory)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present; quick: cpu)")
     p.add_argument("--json-path", help="output file (default docs/results/hisparse-<date>.json)")
@@ -122,8 +141,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "block": args.block or (16 if q else 64),
         "topk": args.topk or (4 if q else 32),
         "hot": args.hot or (8 if q else 64),
-        "max_batch": args.max_batch or (2 if q else 64),
-        "decode_steps": args.decode_steps or (2 if q else 16),
+        "max_batch": (args.max_batch if args.max_batch is not None else (2 if q else 0)) or None,
+        "decode_steps": args.decode_steps or (2 if q else 8),
         "mass_length": args.mass_length or (128 if q else 8192),
         "mass_steps": args.mass_steps if not q else 2,
         "quality_presets": (args.quality_presets or ",".join(
@@ -132,6 +151,10 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_n": args.quality_n or (1 if q else 8),
         "quality_block": args.quality_block,
         "quality_budget": args.quality_budget,
+        "per_kv_head": args.per_kv_head,
+        "quality_variant": dict(sink_blocks=args.quality_sink, recent_blocks=args.quality_recent,
+                                dense_layers=args.quality_dense_layers, summary=args.quality_summary,
+                                per_kv_head=args.quality_per_head),
         "phases": args.phases.split(","),
         "memory_budget_gib": args.memory_budget_gib,
         "host_budget_gib": args.host_budget_gib,
@@ -150,7 +173,8 @@ def _model(preset: str, device: torch.device, dtype: torch.dtype, max_len: int):
 
 
 def _hs_config(s: dict[str, Any], **kw: Any) -> HiSparseConfig:
-    base = dict(enabled=True, block_size=s["block"], topk=s["topk"], hot_blocks=s["hot"], min_context=0)
+    base = dict(enabled=True, block_size=s["block"], topk=s["topk"], hot_blocks=s["hot"], min_context=0,
+                per_kv_head=s["per_kv_head"])
     base.update(kw)
     return HiSparseConfig(**base)
 
@@ -167,7 +191,8 @@ def _cache_tensor_bytes(manager: CacheManager) -> int:
     total = 0
     for layer in manager.layers:
         if isinstance(layer, HiSparseLayerCache):
-            tensors = (layer.k_pool, layer.v_pool, layer.summaries)
+            t = layer.table
+            tensors = (layer.k_pool, layer.v_pool, layer.summaries, t.row_of, t.row_block, t.last_use)
         else:
             tensors = [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         total += sum(t.numel() * t.element_size() for t in tensors)
@@ -204,6 +229,7 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
     for preset in s["presets"]:
         model = _model(preset, device, dtype, max(s["lengths"]) + 64)
         budget, how = _budget(s, device)
+        host_budget, host_how = _host_budget(s)
         rows = {}
         for length in s["lengths"]:
             row: dict[str, Any] = {}
@@ -221,9 +247,12 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
                 row[f"{name}_seqs_fit"] = max(0, budget // nbytes)
                 del manager
             row["reduction"] = row["dense_bytes_per_seq"] / row["hisparse_bytes_per_seq"]
+            host = _offloaded_bytes_per_seq(model, s, length)
+            row["hisparse_host_bytes_per_seq"] = host
+            row["hisparse_seqs_fit_with_host"] = min(row["hisparse_seqs_fit"], host_budget // host)
             rows[str(length)] = row
         entry = out.setdefault("memory", {}).setdefault(preset, {"lengths": {}})
-        entry.update(budget_bytes=budget, budget=how)
+        entry.update(budget_bytes=budget, budget=how, host_budget_bytes=host_budget, host_budget=host_how)
         entry["lengths"].update(rows)  # --merge keeps lengths measured by an earlier command
         del model
 
@@ -306,30 +335,73 @@ def _decode_point(model, s: dict[str, Any], kind: str, batch: int, length: int) 
     return point
 
 
+def _host_budget(s: dict[str, Any]) -> tuple[int, str]:
+    """Host bytes the offloaded blocks (the layer caches' mirrors) of one decode point may take."""
+    if s["host_budget_gib"] is not None:
+        return int(s["host_budget_gib"] * (1 << 30)), f"--host-budget-gib {s['host_budget_gib']}"
+    avail = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(avail * HOST_SHARE), f"{HOST_SHARE} x MemAvailable"
+
+
+def _largest_point(model, s: dict[str, Any], kind: str, batch: int, length: int) -> dict[str, Any]:
+    """The decode point at `batch`, or at the largest batch below it that runs (out of
+    memory: 15% fewer sequences, at most 3 times; each failure is recorded)."""
+    failures = []
+    for _ in range(4):
+        try:
+            point = _decode_point(model, s, kind, batch, length)
+            if failures:
+                point["out_of_memory_at"] = failures
+            return point
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # recorded, never guessed
+            if "out of memory" not in str(exc).lower() and not isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise
+            failures.append(batch)
+            if s["device"] == "cuda":
+                torch.cuda.empty_cache()
+            batch = max(1, int(batch * 0.85))
+    return {"batch": batch, "error": f"out of memory at batches {failures}"}
+
+
 def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
     device = torch.device(s["device"])
     dtype = getattr(torch, s["dtype"])
-    mem = out.get("memory", {})
+    host_budget, host_how = _host_budget(s)
     for preset in s["presets"]:
         model = _model(preset, device, dtype, max(s["lengths"]) + s["decode_steps"] + 64)
+        budget, _ = _budget(s, device)
         res: dict[str, Any] = out.setdefault("decode", {}).setdefault(preset, {})
         for length in s["lengths"]:
-            m = mem.get(preset, {}).get("lengths", {}).get(str(length))
-            dense_max = min(s["max_batch"], m["dense_seqs_fit"]) if m else 1
+            # the largest batches: device budget over device bytes per sequence (the memory
+            # phase's measurement, taken again here), HiSparse also host budget over its mirror
+            dense_bytes = _cache_tensor_bytes(_dense_manager(model, 1, length))
+            hs_bytes = _cache_tensor_bytes(_hs_manager(model, _hs_config(s), 1, length)[0])
             host_per_seq = _offloaded_bytes_per_seq(model, s, length)
-            host_cap = max(1, int(s["host_budget_gib"] * (1 << 30) // max(1, host_per_seq)))
-            hs_max = min(s["max_batch"], m["hisparse_seqs_fit"], host_cap) if m else 1
+            cap = s["max_batch"] or 1 << 30
+            dense_max = max(1, min(cap, budget // dense_bytes))
+            host_cap = max(1, host_budget // max(1, host_per_seq))
+            hs_max = max(1, min(cap, budget // hs_bytes, host_cap))
+            equal = min(dense_max, hs_max)
             row: dict[str, Any] = {"dense": {}, "hisparse": {}}
-            for kind, batches in (("dense", {1, dense_max}), ("hisparse", {1, dense_max, hs_max})):
-                for batch in sorted(b for b in batches if b >= 1):
-                    try:
-                        row[kind][str(batch)] = _decode_point(model, s, kind, batch, length)
-                    except torch.cuda.OutOfMemoryError as exc:  # recorded, never guessed
-                        row[kind][str(batch)] = {"batch": batch, "error": f"out of memory: {exc}"[:200]}
+            for kind, batches in (("dense", (1, equal, dense_max)), ("hisparse", (1, equal, hs_max))):
+                for batch in sorted(set(batches)):
+                    big = batch == (dense_max if kind == "dense" else hs_max) and batch > 1
+                    point = (_largest_point if big else _decode_point)(model, s, kind, batch, length)
+                    row[kind][str(batch)] = point
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-            row["dense_max_batch"], row["hisparse_max_batch"] = dense_max, hs_max
-            row["offloaded_bytes_per_seq"], row["hisparse_host_cap"] = host_per_seq, host_cap
+                    save()
+            row.update(dense_max_batch=dense_max, hisparse_max_batch=hs_max, equal_batch=equal,
+                       dense_bytes_per_seq=dense_bytes, hisparse_bytes_per_seq=hs_bytes,
+                       offloaded_bytes_per_seq=host_per_seq, hisparse_host_cap=host_cap, host_budget_bytes=host_budget,
+                       host_budget=host_how, device_budget_bytes=budget,
+                       batch_cap=s["max_batch"])
             res[str(length)] = row
             save()
         del model
@@ -348,15 +420,17 @@ class _MassProbe(ExternalKVCache):
     def attend_decode(self, q, k, v, ctx, scale):
         out = self.inner.attend_decode(q, k, v, ctx, scale)
         bs = self.inner.block
+        selected = self.inner.last_selection.head_lists(self.inner.num_kv_heads)
         for b, slot in enumerate(ctx.host_slots):
             kk, _ = self.inner.context_kv(slot)
             group = q.shape[1] // kk.shape[1]
             scores = torch.einsum("hd,lhd->hl", q[b].float(), kk.float().repeat_interleave(group, dim=1)) * scale
             probs = torch.softmax(scores, dim=-1)
-            sel = torch.zeros(kk.shape[0], dtype=torch.bool, device=kk.device)
-            for j in self.inner.last_selection[b]:
-                sel[j * bs:(j + 1) * bs] = True
-            self.shares.extend((probs * sel).sum(-1).tolist())
+            sel = torch.zeros(kk.shape[1], kk.shape[0], dtype=torch.bool, device=kk.device)  # [Hkv, L]
+            for h, blocks in enumerate(selected[b]):
+                for j in blocks:
+                    sel[h, j * bs:(j + 1) * bs] = True
+            self.shares.extend((probs * sel.repeat_interleave(group, dim=0)).sum(-1).tolist())
         return out
 
     def reset(self, slot):
@@ -394,13 +468,17 @@ def phase_mass(s: dict[str, Any], out: dict[str, Any]) -> None:
         del model, runner, manager
 
 
-def _quality_one(model, tok, request, block: int, share: float = 0.25) -> dict[str, Any]:
+def _quality_one(model, tok, request, block: int, share: float = 0.25,
+                 variant: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     from tools.workloads.scoring import score
 
     ids = tok.encode(request.prompt, add_bos=True)
     blocks = math.ceil(len(ids) / block)
-    budget = max(2, math.ceil(share * blocks))
-    cfg = HiSparseConfig(enabled=True, block_size=block, topk=max(1, budget - 2), hot_blocks=budget, min_context=0)
+    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", "per_kv_head": True,
+           **(variant or {})}
+    pinned = var["sink_blocks"] + var["recent_blocks"]
+    budget = max(pinned + 1, math.ceil(share * blocks))
+    cfg = HiSparseConfig(enabled=True, block_size=block, topk=budget - pinned, hot_blocks=budget, min_context=0, **var)
     max_new = max(8, len(tok.encode(request.answer)) + 4)
     newline = tok.encode("\n")[0]
 
@@ -451,7 +529,7 @@ def phase_quality(s: dict[str, Any], out: dict[str, Any]) -> None:
         per_task = {}
         for task in s["quality_tasks"]:
             overrides = dict(docs="2-3", facts_per_doc=4) if s["quick"] else {}
-            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"])
+            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"], s["quality_variant"])
                     for r in iter_requests(task, s["quality_n"], seed=20, **overrides)]
             kls = [k for r in rows for k in r["kl"]]
             steps = sum(r["steps"] for r in rows)
@@ -477,13 +555,14 @@ def summarize(out: dict[str, Any]) -> dict[str, Optional[float]]:
             summary["kv_memory_reduction_128k"] = m["lengths"][key]["reduction"]
             d = out.get("decode", {}).get(preset, {}).get(key)
             if d:
-                eq = str(d["dense_max_batch"])
+                eq = str(d.get("equal_batch", d["dense_max_batch"]))
                 dense_eq, hs_eq = d["dense"].get(eq, {}), d["hisparse"].get(eq, {})
                 hs_max = d["hisparse"].get(str(d["hisparse_max_batch"]), {})
                 if "tokens_per_s" in dense_eq and "tokens_per_s" in hs_eq:
                     summary["decode_throughput_ratio_equal_batch_128k"] = hs_eq["tokens_per_s"] / dense_eq["tokens_per_s"]
-                if "tokens_per_s" in dense_eq and "tokens_per_s" in hs_max:
-                    summary["total_throughput_gain_128k"] = hs_max["tokens_per_s"] / dense_eq["tokens_per_s"]
+                dense_max = d["dense"].get(str(d["dense_max_batch"]), {})
+                if "tokens_per_s" in dense_max and "tokens_per_s" in hs_max:
+                    summary["total_throughput_gain_128k"] = hs_max["tokens_per_s"] / dense_max["tokens_per_s"]
             break
     deltas = [t["delta_points"] for q in out.get("quality", {}).values() for t in q.get("tasks", {}).values()]
     if deltas:

@@ -1,8 +1,9 @@
 """Model benchmark of the real-shape presets (engine/models/presets.py): how long one
 loads and what GPU memory it leaves for KV, prefill tokens/s and model FLOP utilisation
 (MFU) at 4k/16k/64k, decode tokens/s at batch 1 and 32, and the time from `kvengine
-serve --preset P` start to ready (first /v1/models answer) as a subprocess, kernel
-compilation included: once with an empty kernel cache (a fresh machine) and once again
+serve --preset P` start to ready (first /v1/models answer; and to /health saying the
+prefill-stage graphs are captured, which `--prefill-graphs idle`, serve's default and
+this tool's, does after ready) as a subprocess, kernel compilation included: once with an empty kernel cache (a fresh machine) and once again
 with the cache that run filled (`--kernel-cache`, engine/kernel_cache.py).
 
     python tools/bench_models.py                 # GPU: both real-shape presets, <= 9 min wall
@@ -261,11 +262,13 @@ def measure_matmul_peak() -> dict:
     return {"tflops": round(best, 1), "shape": [n, n, n]}
 
 
-def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) -> dict:
-    """Seconds from starting `kvengine serve --preset P --port 0` to its first /v1/models
-    answer (HTTP 200)."""
+def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float, prefill_graphs: str = "idle") -> dict:
+    """Seconds from starting `kvengine serve --preset P --port 0 --prefill-graphs MODE` to
+    its first /v1/models answer (HTTP 200, `ready_s`), and to /health saying its
+    prefill-stage graphs are captured (`graphs_ready_s`: later than ready in idle mode;
+    None in lazy mode, or when the limit came first)."""
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--preset", serve_preset, "--port", "0", "--log-level",
-           "info", "--kernel-cache", str(cache_dir)]
+           "info", "--kernel-cache", str(cache_dir), "--prefill-graphs", prefill_graphs]
     if quick:
         cmd += ["--device", "cpu", "--dtype", "float32", "--max-batch", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -298,9 +301,11 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) ->
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.05)
         ready_s = time.perf_counter() - t0
+        graphs = {"graphs_ready_s": None} if prefill_graphs == "lazy" else graphs_ready(m.group(1) + "/health", t0, limit)
         files = sum(1 for p in cache_dir.rglob("*") if p.is_file())
         log.seek(0)
         return {"ready_s": round(ready_s, 3), "listening_s": round(listening_s, 3), "serve_preset": serve_preset,
+                "prefill_graphs_mode": prefill_graphs, **graphs,
                 "models": [d.get("id") for d in body.get("data", [])], "kernel_cache_files": files,
                 "breakdown": serve_log_timings(log.read()), "command": " ".join(cmd[1:])}
     finally:
@@ -315,14 +320,33 @@ def ready_time(serve_preset: str, cache_dir: Path, quick: bool, limit: float) ->
         log.close()
 
 
+def graphs_ready(health_url: str, t0: float, limit: float) -> dict:
+    """Poll /health until it reports the prefill-stage graphs ready: `graphs_ready_s`,
+    seconds from t0 (None: not within `limit` seconds of t0, or the capture failed), and
+    /health's `prefill_graphs` at the first poll (`graphs_at_ready`) and the last."""
+    first = last = None
+    while time.perf_counter() - t0 < limit:
+        with urllib.request.urlopen(health_url, timeout=max(1.0, limit)) as resp:
+            last = json.loads(resp.read()).get("prefill_graphs")
+        first = last if first is None else first
+        if last is None or last["ready"]:
+            return {"graphs_ready_s": round(time.perf_counter() - t0, 3), "graphs_at_ready": first,
+                    "graphs_final": last}
+        if last.get("failed"):
+            break
+        time.sleep(0.1)
+    return {"graphs_ready_s": None, "graphs_at_ready": first, "graphs_final": last}
+
+
 def serve_log_timings(text: str) -> dict[str, float]:
     """The start-up steps engine/builder.py logs with their durations: model load and
-    prefill-stage graph capture (which compiles and autotunes the kernels at each bucket)."""
+    prefill-stage graph capture (which compiles and autotunes the kernels at each bucket;
+    before ready with --prefill-graphs upfront, after it with idle)."""
     out: dict[str, float] = {}
     m = re.search(r"loaded model .* in ([0-9.]+) s", text)
     if m:
         out["model_load_s"] = float(m.group(1))
-    m = re.search(r"captured (\d+) prefill-stage graphs .* in ([0-9.]+) s", text)
+    m = re.search(r"prefill-stage graphs ready \(\w+\): (\d+) graphs .* captured in ([0-9.]+) s", text)
     if m:
         out["prefill_graphs"] = int(m.group(1))
         out["prefill_graph_capture_s"] = float(m.group(2))
@@ -492,7 +516,8 @@ def bench_ready(name: str, args, report: Report, budget: Budget, run: str, cache
     ready = report.preset(name).setdefault("ready", {})
     serve_preset = QUICK_SERVE[name] if quick else name
     lim = min(PHASE_LIMITS[f"ready_{run}"] if not quick else 60.0, max(budget.left() * limit_share, 1.0))
-    run_phase(report, ready, run, lim, budget, lambda: ready_time(serve_preset, cache, quick, lim))
+    run_phase(report, ready, run, lim, budget,
+              lambda: ready_time(serve_preset, cache, quick, lim, args.prefill_graphs))
 
 
 def _versions() -> dict[str, Optional[str]]:
@@ -521,6 +546,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=None, help="whole run (default 510; --quick 50)")
     ap.add_argument("--matmul-peak-tflops", type=float, default=H200_MEASURED_MATMUL_TFLOPS)
     ap.add_argument("--skip-ready", action="store_true", help="no `kvengine serve` start-to-ready runs")
+    ap.add_argument("--prefill-graphs", default="idle", choices=("upfront", "idle", "lazy"),
+                    help="serve's --prefill-graphs in the start-to-ready runs (default idle, serve's own)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/models-<date>.json)")
     args = ap.parse_args(argv)
 

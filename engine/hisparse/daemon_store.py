@@ -70,6 +70,11 @@ class DaemonBlockStore(BlockStore):
             self._pending[key] = (hb, meta)
         self._jobs.put(("put", key))
 
+    def put_host(self, key: bytes, block: HostBlock, meta: BlockMeta) -> None:
+        with self._lock:
+            self._pending[key] = (block, meta)
+        self._jobs.put(("put", key))
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -138,6 +143,8 @@ class DaemonBlockStore(BlockStore):
         try:
             t0 = time.perf_counter()
             if local:
+                for i in local:
+                    hosts[i].wait()
                 scatter_rows([hosts[i].k for i in local], [hosts[i].v for i in local], k_dst, v_dst,
                              [rows[i] for i in local])
                 self.metrics.add_read(self.LOCAL_TIER, sum(hosts[i].nbytes for i in local), time.perf_counter() - t0)

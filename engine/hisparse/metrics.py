@@ -6,7 +6,9 @@ store of one engine; `snapshot()` is what `--json` output and the Prometheus exp
 - hot_hit_rate: share of the blocks attended to that were already in the hot buffer;
 - read/write bytes per second per tier ("cpu", "nvme" for the daemon's tiers, "process"
   for blocks still queued for their put or kept in this process): bytes over the seconds
-  spent reading (writing) them.
+  spent reading (writing) them; "mirror" read bytes (decode fetches and prefill reads from
+  the pinned host mirror) are counted on the device, without a per-step clock, so they
+  have no rate.
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ class HiSparseMetrics:
     write_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     write_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: device-side counters of the layer caches (engine/hisparse/residency.py COUNTER_NAMES)
+    #: with each layer's block bytes; read (one device sync) by `snapshot` only
+    _device: list[tuple[Any, int]] = field(default_factory=list, repr=False)
+
+    def add_counters(self, counts: Any, block_nbytes: int) -> None:
+        """Register a layer's device counters `[attended, hits, fetched, staged, evicted]`."""
+        self._device.append((counts, block_nbytes))
 
     def add_read(self, tier: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -46,21 +55,32 @@ class HiSparseMetrics:
             self.blocks_stored += 1
 
     def snapshot(self) -> dict[str, Any]:
+        dev = [0] * 5
+        fetched_bytes = 0
+        for counts, nbytes in self._device:
+            vals = counts.tolist()
+            dev = [a + b for a, b in zip(dev, vals)]
+            fetched_bytes += vals[2] * nbytes
         with self._lock:
             steps = self.decode_steps
+            attended, hits = self.blocks_attended + dev[0], self.hot_hits + dev[1]
+            fetched = self.blocks_fetched + dev[2]
+            read_bytes = dict(self.read_bytes)
+            if fetched_bytes:
+                read_bytes["mirror"] = read_bytes.get("mirror", 0) + fetched_bytes
             return {
                 "decode_steps": steps,
-                "blocks_attended": self.blocks_attended,
-                "blocks_fetched": self.blocks_fetched,
-                "blocks_fetched_per_step": self.blocks_fetched / steps if steps else 0.0,
-                "blocks_staged": self.blocks_staged,
-                "blocks_evicted": self.blocks_evicted,
+                "blocks_attended": attended,
+                "blocks_fetched": fetched,
+                "blocks_fetched_per_step": fetched / steps if steps else 0.0,
+                "blocks_staged": self.blocks_staged + dev[3],
+                "blocks_evicted": self.blocks_evicted + dev[4],
                 "blocks_stored": self.blocks_stored,
-                "hot_hit_rate": self.hot_hits / self.blocks_attended if self.blocks_attended else None,
+                "hot_hit_rate": hits / attended if attended else None,
                 "put_failures": self.put_failures,
                 "blocks_lost": self.blocks_lost,
                 "recomputes": self.recomputes,
-                "read_bytes": dict(self.read_bytes),
+                "read_bytes": read_bytes,
                 "write_bytes": dict(self.write_bytes),
                 "read_bytes_per_s": {t: b / self.read_seconds[t] for t, b in self.read_bytes.items()
                                      if self.read_seconds[t] > 0},

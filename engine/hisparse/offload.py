@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,7 @@ from engine.hisparse.config import HiSparseConfig
 from engine.hisparse.errors import HiSparseConfigError
 from engine.hisparse.layer_cache import HiSparseLayerCache
 from engine.hisparse.metrics import HiSparseMetrics
-from engine.hisparse.store import BlockStore, MemoryBlockStore
+from engine.hisparse.store import BlockStore
 
 
 class HiSparseOffload:
@@ -34,7 +35,8 @@ class HiSparseOffload:
             raise HiSparseConfigError("HiSparseOffload needs a config with enabled=True")
         self.config = config
         self.metrics = store.metrics if store is not None else HiSparseMetrics()
-        self.store = store if store is not None else MemoryBlockStore(self.metrics)
+        #: where sealed blocks go besides the layer caches' pinned host mirrors (None: nowhere)
+        self.store = store
         self.num_slots = num_slots
         self.max_blocks = math.ceil(max_model_len / config.block_size)
         self.device, self.dtype = torch.device(device), dtype
@@ -44,11 +46,20 @@ class HiSparseOffload:
 
     def layer_cache(self, layer: int, spec: Any) -> HiSparseLayerCache:
         """The cache of full-attention layer `layer` (`spec`: its LayerCacheSpec)."""
-        cache = HiSparseLayerCache(layer, spec.num_kv_heads, spec.head_dim, self.config, self.num_slots,
+        cfg = self.config
+        if len(self.layers) < cfg.dense_layers:  # attends to every block: the whole context stays resident
+            hot = max(self.max_blocks, cfg.sink_blocks + cfg.recent_blocks)
+            cfg = replace(cfg, hot_blocks=hot, topk=hot, min_context=self.max_blocks * cfg.block_size + 1)
+        cache = HiSparseLayerCache(layer, spec.num_kv_heads, spec.head_dim, cfg, self.num_slots,
                                    self.max_blocks, self.device, self.dtype, self.store, self.metrics,
                                    self.engine_nonce, self.fingerprint, counts_steps=not self.layers)
         self.layers.append(cache)
         return cache
+
+    @property
+    def store_name(self) -> str:
+        """The block store's name, or "mirror" (blocks in the layer caches' host mirrors only)."""
+        return self.store.name if self.store is not None else "mirror"
 
     def device_bytes_per_slot(self) -> int:
         """Device bytes of one sequence's HiSparse state over all full-attention layers."""
@@ -56,12 +67,14 @@ class HiSparseOffload:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.metrics.snapshot()
-        snap.update(store=self.store.name, block_size=self.config.block_size, topk=self.config.topk,
+        snap.update(store=self.store_name, block_size=self.config.block_size, topk=self.config.topk,
                     hot_blocks=self.config.hot_blocks, min_context=self.config.min_context)
         return snap
 
     def flush(self) -> None:
-        self.store.flush()
+        if self.store is not None:
+            self.store.flush()
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()

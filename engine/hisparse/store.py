@@ -8,6 +8,10 @@ Contract of a `BlockStore` (all calls from the engine thread unless stated):
   pinned memory), so the caller may overwrite the device rows right after. From the
   moment `put` returns the block is readable (a block still queued for its write is
   served from its host copy).
+- `put_host(key, block, meta)` is `put` of a block already on the host (a `HostBlock`
+  whose `event`, if any, marks when its bytes are complete; the layer caches pass views of
+  their pinned mirror). The store may keep the views: the caller leaves those bytes alone
+  until it discards the key.
 - `read_into(keys, k_dst, v_dst, rows)` copies block `keys[i]` into the rows
   `k_dst[rows[i]]`, `v_dst[rows[i]]` of device tensors `[N, block, Hkv, D]`, all of them
   or none: a block it cannot read raises `BlocksLost` naming every missing key, and then
@@ -115,6 +119,12 @@ class BlockStore(ABC):
     def put(self, key: bytes, k: torch.Tensor, v: torch.Tensor, meta: BlockMeta) -> None:
         """Queue block `key` (module docstring)."""
 
+    def put_host(self, key: bytes, block: HostBlock, meta: BlockMeta) -> None:
+        """Queue a block already on the host (module docstring); by default a `put` once its
+        bytes are complete."""
+        block.wait()
+        self.put(key, block.k, block.v, meta)
+
     @abstractmethod
     def read_into(self, keys: Sequence[bytes], k_dst: torch.Tensor, v_dst: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy blocks into rows of device tensors, all or none (module docstring)."""
@@ -153,6 +163,10 @@ class MemoryBlockStore(BlockStore):
         self._blocks[key] = hb
         self.metrics.add_write(self.TIER, hb.nbytes, time.perf_counter() - t0)
 
+    def put_host(self, key: bytes, block: HostBlock, meta: BlockMeta) -> None:
+        self._blocks[key] = block  # the caller's host bytes, kept as they are (no copy)
+        self.metrics.add_write(self.TIER, block.nbytes, 0.0)
+
     def read_into(self, keys: Sequence[bytes], k_dst: torch.Tensor, v_dst: torch.Tensor, rows: Sequence[int]) -> None:
         missing = [key for key in keys if key not in self._blocks]
         if missing:
@@ -160,6 +174,8 @@ class MemoryBlockStore(BlockStore):
             raise BlocksLost(missing, "not in this process's block store")
         t0 = time.perf_counter()
         blocks = [self._blocks[key] for key in keys]
+        for b in blocks:
+            b.wait()
         scatter_rows([b.k for b in blocks], [b.v for b in blocks], k_dst, v_dst, rows)
         self.metrics.add_read(self.TIER, sum(b.nbytes for b in blocks), time.perf_counter() - t0)
 

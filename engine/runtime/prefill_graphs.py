@@ -29,10 +29,19 @@ compare it with the plain pass.
 Contract (as for decode graphs): parameters must not be reallocated after a capture, and
 the outputs returned by `run` are valid until the same stage runs again (the next pass):
 callers copy what they keep.
+
+When the graphs are captured is a setting (`PREFILL_GRAPH_MODES`, EngineConfig.prefill_graphs,
+`kvengine serve --prefill-graphs`): `upfront` captures every bucket before the engine is
+returned (today's library default), `idle` leaves them to `PrefillGraphWarmup`, which the
+server's engine loop steps one bucket at a time while no request is in the engine (the
+server answers before they exist), `lazy` captures a (stage, bucket) on its first use by a
+request. Whatever the mode, a bucket not yet captured is captured by the first pass that
+uses it, so results never depend on the mode.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -44,6 +53,9 @@ log = logging.getLogger("engine.runtime")
 #: is GPU-bound anyway). Graph memory grows with the sum of the buckets (every layer's
 #: stage outputs stay allocated: ~2 MB per bucket token for a 2B model of 24 layers).
 BUCKETS = (32, 64, 128, 256, 512)
+
+#: when the prefill-stage graphs are captured (module docstring)
+PREFILL_GRAPH_MODES = ("upfront", "idle", "lazy")
 
 
 class _Stage:
@@ -81,6 +93,10 @@ class PrefillStages:
     @property
     def captured(self) -> int:
         return sum(1 for s in self._stages.values() if s.graph is not None)
+
+    def has_bucket(self, b: int) -> bool:
+        """Whether any stage of bucket b is laid out (captured, or set up eagerly off CUDA)."""
+        return any(key[1] == b for key in self._stages)
 
     # ------------------------------------------------------------------ running
     def run(self, name: Any, fn: Callable[..., Any], inputs: Sequence[Optional[torch.Tensor]], n: int) -> Any:
@@ -174,3 +190,66 @@ class PrefillStages:
     @staticmethod
     def _cut(stage: _Stage, n: int) -> Any:
         return pytree.tree_unflatten([x[:n] if isinstance(x, torch.Tensor) else x for x in stage.outputs], stage.spec)
+
+
+class PrefillGraphWarmup:
+    """The prefill-stage graphs of one engine and when they are captured (`mode`, one of
+    `PREFILL_GRAPH_MODES`). `capture_bucket(b)` runs one placeholder pass of bucket b
+    (engine.pic.fused.capture_prefill_stages for that bucket). `upfront` captures every
+    bucket in the constructor; `idle` keeps them `pending` for `step`, which the engine
+    loop calls while no request is in the engine, one bucket a call (a request arriving
+    meanwhile waits for one bucket at most); `lazy` leaves every capture to first use.
+    `stages` None: nothing to capture (off CUDA, or CUDA graphs off)."""
+
+    def __init__(self, stages: Optional[PrefillStages], capture_bucket: Callable[[int], Any], mode: str) -> None:
+        if mode not in PREFILL_GRAPH_MODES:
+            raise ValueError(f"prefill graphs mode {mode!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
+        self.stages, self.mode, self._capture = stages, mode, capture_bucket
+        self.pending: list[int] = list(stages.buckets) if stages is not None and mode != "lazy" else []
+        #: seconds spent capturing (upfront or idle), None until every bucket is done
+        self.capture_s: Optional[float] = None
+        #: why an idle capture failed (the buckets left are then captured on first use)
+        self.failed: Optional[str] = None
+        self._spent = 0.0
+        if mode == "upfront":
+            while self.step():
+                pass
+
+    @property
+    def ready(self) -> bool:
+        """Every bucket captured (always true without stages; never in lazy mode, where
+        buckets are captured by the requests that first use them)."""
+        return self.stages is None or (self.mode != "lazy" and not self.pending and self.failed is None)
+
+    @property
+    def captured(self) -> int:
+        return 0 if self.stages is None else self.stages.captured
+
+    def step(self) -> bool:
+        """Capture the next pending bucket; False when none was pending."""
+        if not self.pending:
+            return False
+        b = self.pending[0]  # popped once captured: `ready` never holds while a capture runs
+        t0 = time.perf_counter()
+        try:
+            self._capture(b)
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: the server goes on without them)
+            if self.mode == "upfront":
+                raise
+            log.warning("capturing prefill-stage graphs of bucket %d failed (%s); buckets %s are left to first use",
+                        b, exc, self.pending, exc_info=True)
+            self.failed = f"bucket {b}: {exc}"
+            self.pending = []
+            return True
+        self.pending = self.pending[1:]
+        self._spent += time.perf_counter() - t0
+        if not self.pending:
+            self.capture_s = self._spent
+            log.info("prefill-stage graphs ready (%s): %d graphs of buckets %s captured in %.1f s", self.mode,
+                     self.captured, self.stages.buckets, self._spent)
+        return True
+
+    def snapshot(self) -> dict:
+        """For /health: mode, ready, graphs captured, buckets left, capture seconds, failure."""
+        return {"mode": self.mode, "ready": self.ready, "captured": self.captured, "pending_buckets": list(self.pending),
+                "capture_s": None if self.capture_s is None else round(self.capture_s, 3), "failed": self.failed}

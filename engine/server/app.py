@@ -17,7 +17,9 @@ Routes:
   `finish_reason`, the optional usage chunk, `data: [DONE]`.
 - GET /v1/models: the one served model (its name: `--served-model-name`, else the
   preset's name or the checkpoint directory's name; `created`: when this server started).
-- GET /health: 200 `{"status": "ok"}` while the engine loop runs, else 503.
+- GET /health: 200 `{"status": "ok", "model", "prefill_graphs"}` while the engine loop runs
+  (`prefill_graphs`: mode, ready, captured, pending_buckets, capture_s; null without
+  stages), else 503.
 - GET /metrics: Prometheus text format (engine.server.metrics).
 
 Every error is OpenAI-shaped JSON (`{"error": {message, type, param, code}}`), also an
@@ -318,12 +320,16 @@ async def _stream_response(
 async def handle_health(request: web.Request) -> web.Response:
     loop = request.app[ENGINE_LOOP_KEY]
     if loop.alive:
-        return web.json_response({"status": "ok", "model": request.app[MODEL_NAME_KEY]})
+        graphs = loop.engine.prefill_graphs
+        return web.json_response({"status": "ok", "model": request.app[MODEL_NAME_KEY],
+                                  "prefill_graphs": None if graphs is None else graphs.snapshot()})
     return web.json_response({"status": "error", "error": str(loop.error or "engine loop stopped")}, status=503)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS_KEY].render()
+    metrics = request.app[METRICS_KEY]
+    metrics.observe_prefill_graphs(request.app[ENGINE_LOOP_KEY].engine)
+    body = metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -58,6 +58,11 @@ class ServerMetrics:
         self.waiting = Gauge("kvengine_num_requests_waiting", "Requests queued for admission.", registry=r)
         self.cache_usage = Gauge("kvengine_cache_usage_ratio", "Fraction of the limiting cache in use.", registry=r)
         self.preemptions = Counter("kvengine_preemptions", "Requests preempted for lack of cache.", registry=r)
+        self.graphs_ready = Gauge("kvengine_prefill_graphs_ready",
+                                  "1 once every prefill-stage CUDA graph bucket is captured (or none is needed).",
+                                  registry=r)
+        self.graphs_captured = Gauge("kvengine_prefill_graphs_captured", "Prefill-stage CUDA graphs held.",
+                                     registry=r)
         self.steps = Counter("kvengine_engine_steps", "Scheduler steps run.", registry=r)
         # HiSparse offload (engine/hisparse/): set from its metrics snapshot after each step
         self.hs_fetched = Counter("kvengine_hisparse_blocks_fetched", "HiSparse blocks read back to the device.",
@@ -105,9 +110,15 @@ class ServerMetrics:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.cache_usage.set(engine.cache_usage())
+        self.observe_prefill_graphs(engine)
         offload = getattr(engine, "kv_offload", None)
         if offload is not None:
             self.observe_hisparse(offload.snapshot())
+
+    def observe_prefill_graphs(self, engine: "LLMEngine") -> None:
+        graphs = getattr(engine, "prefill_graphs", None)
+        self.graphs_ready.set(1 if graphs is None or graphs.ready else 0)
+        self.graphs_captured.set(0 if graphs is None else graphs.captured)
 
     def observe_hisparse(self, snap: dict) -> None:
         """HiSparse metrics from `HiSparseOffload.snapshot()`."""

@@ -5,7 +5,10 @@ Other threads never touch the engine. They send commands through a queue:
 `InvalidRequestError`/`CapacityError`) and `abort`. The loop drains commands, runs one
 `engine.step()` while any request is unfinished (and blocks on the queue while idle;
 with a planner that has idle work, e.g. computing cold segments other engines offered
-through the store, it calls `engine.help_idle()` every `engine.idle_poll_s`),
+through the store, it calls `engine.help_idle()` every `engine.idle_poll_s`; before
+that, while prefill-stage graphs are pending (`--prefill-graphs idle`), it captures them
+one bucket per idle turn, `engine.capture_idle_graphs()`, checking for commands between
+buckets),
 and hands each `RequestOutput` to the callback registered with its request, on the
 loop thread. `AsyncEngineClient` wraps this for asyncio code (the HTTP server): an
 async iterator of a request's outputs that aborts the request if the consumer stops
@@ -106,15 +109,20 @@ class EngineLoop:
         try:
             while True:
                 busy = self.engine.has_unfinished()
+                warming = self.engine.prefill_graphs_pending
                 poll = self.engine.idle_poll_s
                 wait = self.idle_wait_s if poll is None else min(self.idle_wait_s, poll)
-                if not self._drain(block=not busy, timeout=wait):
+                if not self._drain(block=not (busy or warming), timeout=wait):
                     return
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
                     if self.metrics is not None:
                         self.metrics.observe_step(self.engine, outputs)
                     self._deliver(outputs)
+                elif warming:  # one bucket, then commands again: a request waits one bucket at most
+                    self.engine.capture_idle_graphs()
+                    if self.metrics is not None:
+                        self.metrics.observe_gauges(self.engine)
                 else:
                     if poll is not None:  # idle work gives way as soon as a command (a request) arrives
                         self.engine.help_idle(should_stop=lambda: not self._commands.empty())

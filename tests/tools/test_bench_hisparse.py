@@ -50,3 +50,32 @@ def test_merge_keeps_the_phases_and_lengths_of_an_earlier_command(tmp_path):
     doc = json.loads(out.read_text())
     assert set(doc["results"]["memory"]["qwen3next-tiny"]["lengths"]) == {"256", "512"}
     assert len(doc["runs"]) == 1 and "--lengths 256" in doc["runs"][0]["command"]
+
+
+def test_decode_finds_the_largest_batches_from_the_budgets_not_a_fixed_cap(tmp_path):
+    out = tmp_path / "batches.json"
+    assert main(["--quick", "--phases", "decode", "--lengths", "256", "--max-batch", "0", "--decode-steps", "1",
+                 "--memory-budget-gib", "0.0025", "--host-budget-gib", "0.004", "--json-path", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    row = doc["results"]["decode"]["qwen3next-tiny"]["256"]
+    budget = row["device_budget_bytes"]
+    assert row["batch_cap"] is None
+    assert row["dense_max_batch"] == budget // row["dense_bytes_per_seq"] > 2
+    host_cap = row["host_budget_bytes"] // row["offloaded_bytes_per_seq"]
+    assert row["hisparse_host_cap"] == host_cap
+    assert row["hisparse_max_batch"] == min(budget // row["hisparse_bytes_per_seq"], host_cap) > 2
+    assert row["equal_batch"] == min(row["dense_max_batch"], row["hisparse_max_batch"])
+    for kind, big in (("dense", row["dense_max_batch"]), ("hisparse", row["hisparse_max_batch"])):
+        assert row[kind][str(big)]["tokens_per_s"] > 0 and row[kind][str(row["equal_batch"])]["tokens_per_s"] > 0
+
+
+def test_summary_gains_compare_each_kind_at_its_own_largest_batch():
+    from tools.bench_hisparse import summarize
+
+    dec = {"dense": {"4": {"tokens_per_s": 100.0}, "10": {"tokens_per_s": 200.0}},
+           "hisparse": {"4": {"tokens_per_s": 90.0}, "25": {"tokens_per_s": 500.0}},
+           "dense_max_batch": 10, "hisparse_max_batch": 25, "equal_batch": 4}
+    out = {"memory": {"p": {"lengths": {"131072": {"reduction": 14.0}}}}, "decode": {"p": {"131072": dec}}}
+    summary = summarize(out)
+    assert summary["decode_throughput_ratio_equal_batch_128k"] == 0.9
+    assert summary["total_throughput_gain_128k"] == 2.5

@@ -50,6 +50,16 @@ def fla_importable() -> bool:
     return True
 
 
+def import_in_background() -> threading.Thread:
+    """Start importing fla (`fla_importable`) in a daemon thread and return it: the import
+    takes seconds (fla.ops pulls in torch._dynamo and every op family), which a caller
+    overlaps with other start-up work (engine.builder: the model load) and then joins
+    before anything asks `resolve_backend`."""
+    thread = threading.Thread(target=fla_importable, name="fla-import", daemon=True)
+    thread.start()
+    return thread
+
+
 def resolve_backend(requested: str, device: torch.device) -> str:
     """'torch' or 'fla' for a request of 'auto' | 'torch' | 'fla' on `device`."""
     if requested not in BACKENDS:
