@@ -211,8 +211,8 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
             measure.warm_kernels(h, scale, args.max_tokens, args.docs)
         kernels_s = time.perf_counter() - t0
         # untimed: each timed workload's procedure on throwaway requests of its size class
-        # (mix is made of the others' requests); the qps phase alone: rag, what it serves
-        tasks = [t for t in args.workloads if t != "mix"] if "serve" in args.phases else ["rag"]
+        # (mix stands for the workloads it is made of); the qps phase alone: rag, what it serves
+        tasks = warmup_tasks(args.workloads) if "serve" in args.phases else ["rag"]
         load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
                                              args.docs)
         out["warmup"] = {"kernels_s": round(kernels_s, 3), **tiered.warm_up(h, load, tasks, args.warmup_n)}
@@ -250,6 +250,17 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
         h.purge()
     finally:
         h.close()
+
+
+def warmup_tasks(workloads: list[str]) -> list[str]:
+    """The workloads the warm-up runs for these timed ones: each but `mix`, which stands
+    for the workloads its requests come from (tools.servebench.requests)."""
+    from tools.servebench.requests import ALL_TASKS
+
+    want = [t for t in workloads if t != "mix"]
+    if "mix" in workloads:
+        want += [t for t in ALL_TASKS if t != "mix" and t not in want]
+    return want
 
 
 def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:

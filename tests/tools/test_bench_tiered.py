@@ -125,6 +125,14 @@ def test_hits_by_source_separates_the_engine_device_cache_from_the_daemon_tiers(
     assert tiered.format_hits(h) == "2/1/1/1 +prefix engine:1,store_cpu:1"
 
 
+def test_warmup_covers_every_timed_workload_and_what_mix_is_made_of():
+    from tools import bench_tiered
+    from tools.servebench.requests import ALL_TASKS
+
+    assert bench_tiered.warmup_tasks(["rag", "repeat"]) == ["rag", "repeat"]
+    assert bench_tiered.warmup_tasks(["chat", "mix"]) == ["chat"] + [t for t in ALL_TASKS if t not in ("chat", "mix")]
+
+
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "tools/bench_tiered.py", *args], capture_output=True, text=True,

@@ -17,6 +17,11 @@ engine (a `Harness`) over the kvstore daemon:
   prefixes (PicConfig.exact_prefix=False): every hit comes from a daemon tier, counted per
   tier (`hits_by_tier`), with the bytes each tier moved (`load_bytes_by_tier`), what each
   tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`).
+- `warm_up`: the TTFT procedure untimed on throwaway requests of each workload, so no
+  timed request pays kernel compilation; `hits_by_source`: a set of runs' hits by where
+  they came from (the engine's device cache, a daemon tier, exact prefixes).
+- `cpu_tier_loads`: requests served with every hit loaded from the daemon's CPU tier
+  (device cache off, puts into the CPU tier): the serving path's CPU -> GPU copies.
 - `pinned_h2d_gbps`: pinned host -> device copy bandwidth on this machine (None without
   CUDA), the reference of `cpu_to_gpu_fraction_of_pcie_serving`.
 - `serving_cpu_to_gpu`: bytes the PIC planners copied from the daemon's CPU tier into the
