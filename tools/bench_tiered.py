@@ -2,7 +2,7 @@
 its checkpoints in the same daemon tiers, QPS at a p99 SLO by bisection over repeats, and
 a working-set sweep whose corpus outgrows the GPU tier.
 
-    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~1-2 min
+    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~2 min
     # on the H200, every summary key in one command meant to fit in 9 minutes on a fresh
     # box (kernels compile 60-120 s there; the budget is an estimate from the phases'
     # earlier separate runs, not yet timed as one command):
