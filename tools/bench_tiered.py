@@ -2,14 +2,29 @@
 its checkpoints in the same daemon tiers, QPS at a p99 SLO by bisection over repeats, and
 a working-set sweep whose corpus outgrows the GPU tier.
 
-    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~1-2 min
-    # on the H200, two commands of < 9 minutes each, then one merge:
+    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~2 min
+    # on the H200, every summary key in one command meant to fit in 9 minutes on a fresh
+    # box (kernels compile 60-120 s there; the budget is an estimate from the phases'
+    # earlier separate runs, not yet timed as one command):
+    python tools/bench_tiered.py --n 2 --qps-repeats 3 --qps-requests 6 --qps-max-trials 5 \
+        --qps-warmup 2 --sweep 0.5,2,8,32 --sweep-requests 3 --json
+    # or in two commands, then one merge:
     python tools/bench_tiered.py --phases serve --json /tmp/tiered-a.json
     python tools/bench_tiered.py --phases qps,sweep --json /tmp/tiered-b.json
     python tools/bench_tiered.py --merge /tmp/tiered-a.json /tmp/tiered-b.json --json
 
 (the QPS phase without the serve phase in its process measures its SLO base, the idle
 full-recompute rag p99, on three requests of its own first)
+
+Warm-up (`warmup` in the JSON: seconds, and the throwaway requests' TTFTs): before any
+timed request, untimed, on CUDA `measure.warm_kernels`, then the serve procedure itself
+(tools.servebench.tiered.warm_up: full, prefix and PIC, cold and after the twin) on
+`--warmup-n` throwaway requests of each timed workload's size class (mix excepted: it is
+made of the others' requests; rag alone when the process runs the qps phase without the
+serve phase), so no timed request pays kernel compilation. Each workload records its
+hits by source (`hits_by_source` of each method and state: the engine's device cache,
+the daemon's gpu / cpu / nvme tiers, exact prefixes restored) and the log line prints
+the warm ones.
 
 Phases (`--phases`, each rewrites the JSON when it ends, so a run stopped by a time
 limit keeps the finished ones):
@@ -38,8 +53,15 @@ disk bandwidth of a hit. `summary` (issue 23's names): `ttft_vs_best_baseline_av
 `exact_repeat_pic_over_prefix_ttft` (PIC / prefix caching warm TTFT on `repeat`),
 `qps_gain_vs_prefix_at_slo_median` (median over repeats of PIC / prefix sustainable
 rate), `qps_repeats` (each repeat's rates and gain), `cpu_to_gpu_fraction_of_pcie_serving`
-(CPU-tier -> device loads of the PIC planners in this run, bytes / load time, over the
-pinned H2D bandwidth measured in the same run; None without CUDA), `working_set_sweep`
+(CPU-tier -> device copies of the PIC planners in this run, bytes / copy time, over the
+pinned H2D bandwidth measured in the same run; None without CUDA). In the serve phase
+the engine's device cache and the daemon's GPU tier hold every warm hit, so the serve
+phase ends with a measured step of its own (`cpu_tier_step`,
+tools.servebench.tiered.cpu_tier_loads: its rag requests once more with the device
+cache off and puts into the CPU tier, so every hit loads from the CPU tier); the sweep's
+CPU-tier loads (points past 1x, where the GPU tier overflows) count too.
+`summary.cpu_to_gpu_serving` says which: `source` (the phases whose copies make the
+figure), `by_phase` (bytes, ms and GB/s of each). `working_set_sweep`
 (the sweep's points), `break_even_read_gb_per_s` (per preset).
 
 `--merge RUN.json ...` joins runs (phases of one preset from separate processes) into one
@@ -82,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (quick 450)")
     ap.add_argument("--docs", default=None, help="documents per request MIN-MAX (quick 2-3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-n", type=int, default=1,
+                    help="untimed requests per workload before the timed ones (compiles their kernel shapes)")
     ap.add_argument("--device-cache-fraction", type=float, default=None,
                     help="StoreConnectorConfig.device_cache_fraction of the serve and qps phases (default: the "
                          "connector's default, 0.05 of free memory on CUDA, none on the CPU)")
@@ -127,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--sweep: every multiple must be > 0")
     if not 0 < args.qps_tolerance < 1:
         ap.error(f"--qps-tolerance {args.qps_tolerance}: must be in (0, 1)")
+    if args.warmup_n < 1:
+        ap.error(f"--warmup-n {args.warmup_n}: must be >= 1")
     if args.qps_repeats < 1:
         ap.error(f"--qps-repeats {args.qps_repeats}: must be >= 1")
     defaults = dict(preset=("qwen3next-tiny", "qwen3next-bench"), n=(2, 5), max_tokens=(450, None),
@@ -180,21 +206,42 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
     h, budget = _harness(args, engine, socket, sweep=False)
     out["device_cache_bytes"] = budget
     try:
+        t0 = time.perf_counter()
         if engine.device.type == "cuda":  # compile every kernel variant first (nothing to compile on the CPU)
             measure.warm_kernels(h, scale, args.max_tokens, args.docs)
+        kernels_s = time.perf_counter() - t0
+        # untimed: each timed workload's procedure on throwaway requests of its size class
+        # (mix stands for the workloads it is made of); the qps phase alone: rag, what it serves
+        tasks = warmup_tasks(args.workloads) if "serve" in args.phases else ["rag"]
+        load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
+                                             args.docs)
+        out["warmup"] = {"kernels_s": round(kernels_s, 3), **tiered.warm_up(h, load, tasks, args.warmup_n)}
+        out["warmup"]["total_s"] = round(kernels_s + out["warmup"]["s"], 3)
+        log(f"warm-up (untimed): {out['warmup']['total_s']:.1f} s over {', '.join(tasks)}")
+        save()
         if "serve" in args.phases:
             for task in args.workloads:
                 reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
                 w = tiered.ttft_after_twin(h, reqs)
                 out["workloads"][task] = w
                 log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
-                    f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms")
+                    f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms"
+                    f"; warm hits dev/gpu/cpu/nvme: prefix {tiered.format_hits(w['prefix']['warm']['hits_by_source'])}"
+                    f", pic {tiered.format_hits(w['pic']['warm']['hits_by_source'])}")
                 save()
             from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
 
             out["break_even"] = break_even(stored_by_tier(h), out["workloads"])
             # what a hit reads, by part and dtype: where the bytes could shrink
             out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
+            save()
+            # the serve phase's hits come from the device cache and the GPU tier: its rag
+            # requests once more with every hit loaded from the CPU tier (tiered.cpu_tier_loads)
+            step = tiered.cpu_tier_loads(h, requests.load("rag", args.n, args.seed, scale, args.max_tokens, args.docs))
+            out["cpu_tier_step"] = step
+            log(f"cpu-tier step (rag x{step['requests']}): hits dev/gpu/cpu/nvme "
+                f"{tiered.format_hits(step['hits_by_source'])}, h2d {step['connector']['h2d_copy_bytes'] / 2**20:.1f} "
+                f"MiB at {step['gb_per_s'] or 0:.1f} GB/s")
             save()
         if "qps" in args.phases:
             qps_phase(args, h, out, log, save)
@@ -203,6 +250,17 @@ def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
         h.purge()
     finally:
         h.close()
+
+
+def warmup_tasks(workloads: list[str]) -> list[str]:
+    """The workloads the warm-up runs for these timed ones: each but `mix`, which stands
+    for the workloads its requests come from (tools.servebench.requests)."""
+    from tools.servebench.requests import ALL_TASKS
+
+    want = [t for t in workloads if t != "mix"]
+    if "mix" in workloads:
+        want += [t for t in ALL_TASKS if t != "mix" and t not in want]
+    return want
 
 
 def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:
@@ -298,8 +356,15 @@ def summarize(presets: dict, pcie: dict) -> dict:
             sweep.append({"preset": name, **pt})
         if p.get("break_even"):
             be[name] = p["break_even"]["break_even_read_gb_per_s"]
-        snaps += [p[k] for k in ("connector_pic", "connector_sweep") if p.get(k)]
-    serving = tiered.serving_cpu_to_gpu(snaps)
+        snaps += [(f"{name}:{phase}", p[k]) for phase, k in (("serve", "connector_pic"), ("sweep", "connector_sweep"))
+                  if p.get(k)]
+        if (p.get("cpu_tier_step") or {}).get("connector"):
+            snaps.append((f"{name}:cpu_tier_step", p["cpu_tier_step"]["connector"]))
+    serving = tiered.serving_cpu_to_gpu([s for _, s in snaps])
+    # which phases' CPU-tier copies the figure is made of (module docstring)
+    serving["by_phase"] = {n: {"copy_bytes": s.get("h2d_copy_bytes", 0), "copy_ms": s.get("h2d_copy_ms_total", 0.0),
+                               "gb_per_s": tiered.serving_cpu_to_gpu([s])["gb_per_s"]} for n, s in snaps}
+    serving["source"] = [n for n, s in snaps if s.get("h2d_copy_bytes")]
     h2d = pcie.get("pinned_h2d_gbps")
     frac = serving["gb_per_s"] / h2d if serving["gb_per_s"] and h2d else None
     return {"ttft_vs_best_baseline_avg": base["ttft_vs_best_baseline_avg"],

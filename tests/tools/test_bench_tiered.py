@@ -1,7 +1,8 @@
-"""tools/bench_tiered.py: the QPS bisection on a fake engine, and --quick end to end on
-the CPU in the two-command form the GPU run uses (serve; then qps, which measures its own
-SLO base, and the sweep in a daemon of its own) joined by --merge, with the summary keys
-issue 23 names."""
+"""tools/bench_tiered.py: the QPS bisection on a fake engine, hits by source and the
+sources of the CPU -> GPU fraction on fixed inputs, and --quick end to end on the CPU in
+the two-command form (serve, with its untimed warm-up and its CPU-tier step; then qps,
+which measures its own SLO base, and the sweep in a daemon of its own) joined by
+--merge, with the summary keys issue 23 names."""
 from __future__ import annotations
 
 import json
@@ -88,6 +89,50 @@ def test_break_even_is_bytes_per_token_over_recompute_time_per_token():
     assert be["break_even_read_gb_per_s"] == pytest.approx(0.2) and be["signatures"] == 2
 
 
+def _snap(copy_bytes: int, copy_ms: float) -> dict:
+    return {"h2d_copy_bytes": copy_bytes, "h2d_copy_ms_total": copy_ms, "loads": {"cpu": 1},
+            "load_bytes": {"cpu": copy_bytes}, "load_ms": {"cpu": copy_ms}}
+
+
+def test_cpu_to_gpu_fraction_names_the_phases_its_copies_came_from():
+    from tools import bench_tiered
+
+    pre = {"workloads": {}, "connector_pic": _snap(0, 0.0), "connector_sweep": _snap(1_000_000_000, 50.0),
+           "cpu_tier_step": {"connector": _snap(2_000_000_000, 50.0)}}
+    s = bench_tiered.summarize({"m": pre}, {"pinned_h2d_gbps": 50.0})
+    # 3 GB in 100 ms of copies: 30 GB/s over 50 GB/s pinned
+    assert s["cpu_to_gpu_fraction_of_pcie_serving"] == pytest.approx(0.6)
+    c = s["cpu_to_gpu_serving"]
+    assert c["source"] == ["m:sweep", "m:cpu_tier_step"]  # the serve phase copied nothing
+    assert c["by_phase"]["m:cpu_tier_step"]["gb_per_s"] == pytest.approx(40.0)
+    assert c["by_phase"]["m:serve"]["gb_per_s"] is None
+    assert bench_tiered.summarize({"m": {"workloads": {}}}, {"pinned_h2d_gbps": 50.0})[
+        "cpu_to_gpu_fraction_of_pcie_serving"] is None
+
+
+def test_hits_by_source_separates_the_engine_device_cache_from_the_daemon_tiers():
+    from tools.servebench.harness import Run
+
+    runs = [Run("a", 1.0, 10, 5, 3, 0, store={"store_near_hits": 2, "store_hits_by_tier": {"gpu": 0, "cpu": 1,
+                                                                                           "nvme": 0}}),
+            Run("b", 1.0, 10, 5, 2, 0, store={"store_near_hits": 0, "store_hits_by_tier": {"gpu": 1, "cpu": 0,
+                                                                                           "nvme": 1},
+                                              "store_prefix_source": "store", "store_prefix_tier": "cpu"}),
+            Run("c", 1.0, 10, 5, 0, 0, store={"store_prefix_source": "engine"})]
+    h = tiered.hits_by_source(runs)
+    assert h == {"engine_device_cache": 2, "gpu": 1, "cpu": 1, "nvme": 1,
+                 "exact_prefixes": {"store_cpu": 1, "engine": 1}}
+    assert tiered.format_hits(h) == "2/1/1/1 +prefix engine:1,store_cpu:1"
+
+
+def test_warmup_covers_every_timed_workload_and_what_mix_is_made_of():
+    from tools import bench_tiered
+    from tools.servebench.requests import ALL_TASKS
+
+    assert bench_tiered.warmup_tasks(["rag", "repeat"]) == ["rag", "repeat"]
+    assert bench_tiered.warmup_tasks(["chat", "mix"]) == ["chat"] + [t for t in ALL_TASKS if t not in ("chat", "mix")]
+
+
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "tools/bench_tiered.py", *args], capture_output=True, text=True,
@@ -101,6 +146,8 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     p = _run(["--quick", "--phases", "qps,sweep", "--qps-repeats", "2", "--qps-max-trials", "3", "--sweep", "0.5,4",
               "--json", str(b)])
     assert p.returncode == 0, p.stderr[-3000:]
+    qps_only = json.loads(b.read_text())["presets"]["qwen3next-tiny"]
+    assert qps_only["warmup"]["workloads"] == ["rag"]  # the qps phase alone warms up on what it serves
     p = _run(["--merge", str(a), str(b), "--json", str(merged)])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tiered serving summary" in p.stdout
@@ -124,6 +171,21 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     assert rag["prefix_reuse"] < 0.5 < rag["pic"]["warm"]["reuse_fraction"]
     assert rag["pic"]["warm"]["hit_segments"] > 0 and rag["pic"]["warm"]["miss_segments"] == 0
     assert rag["pic"]["cold"]["hit_segments"] == 0 and rag["prefix"]["cold"]["reuse_fraction"] == 0
+    # untimed warm-up first: the serve procedure on throwaway requests of every timed workload
+    warm = pre["warmup"]
+    assert warm["workloads"] == ["rag", "repeat"] and warm["total_s"] >= warm["s"] > 0
+    assert all(len(warm["ttft_ms"][t][m]["warm_ms"]) == 1 for t in ("rag", "repeat") for m in ("full", "prefix", "pic"))
+    # hits by source: without a device cache (CPU) rag's warm PIC hits all come from the daemon's CPU tier
+    hs = rag["pic"]["warm"]["hits_by_source"]
+    assert hs["engine_device_cache"] == 0 and hs["cpu"] == rag["pic"]["warm"]["hit_segments"] > 0
+    assert sum(v for k, v in w["pic"]["warm"]["hits_by_source"].items() if k != "exact_prefixes") + sum(
+        w["pic"]["warm"]["hits_by_source"]["exact_prefixes"].values()) > 0
+    # the CPU-tier step: every hit loaded from the CPU tier, bytes moved; no PCIe copies on the CPU
+    step = pre["cpu_tier_step"]
+    assert step["hits_by_source"]["cpu"] > 0 and step["hits_by_source"]["engine_device_cache"] == 0
+    assert step["hits_by_source"]["gpu"] == step["hits_by_source"]["nvme"] == 0
+    assert step["connector"]["load_bytes"]["cpu"] > 0 and step["gb_per_s"] is None
+    assert "qwen3next-tiny:cpu_tier_step" in s["cpu_to_gpu_serving"]["by_phase"]
     assert pre["break_even"]["break_even_read_gb_per_s"] > 0
     assert sum(pre["break_even"]["signature_bytes_by_part"].values()) > 0  # what a hit reads, by part and dtype
     # the sweep: the CPU tier stands in for the GPU tier; the corpus outgrows it and the

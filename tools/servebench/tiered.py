@@ -17,6 +17,11 @@ engine (a `Harness`) over the kvstore daemon:
   prefixes (PicConfig.exact_prefix=False): every hit comes from a daemon tier, counted per
   tier (`hits_by_tier`), with the bytes each tier moved (`load_bytes_by_tier`), what each
   tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`).
+- `warm_up`: the TTFT procedure untimed on throwaway requests of each workload, so no
+  timed request pays kernel compilation; `hits_by_source`: a set of runs' hits by where
+  they came from (the engine's device cache, a daemon tier, exact prefixes).
+- `cpu_tier_loads`: requests served with every hit loaded from the daemon's CPU tier
+  (device cache off, puts into the CPU tier): the serving path's CPU -> GPU copies.
 - `pinned_h2d_gbps`: pinned host -> device copy bandwidth on this machine (None without
   CUDA), the reference of `cpu_to_gpu_fraction_of_pcie_serving`.
 - `serving_cpu_to_gpu`: bytes the PIC planners copied from the daemon's CPU tier into the
@@ -35,7 +40,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
-from tools.servebench.requests import BenchRequest
+from tools.servebench.requests import BenchRequest, twin
 
 if TYPE_CHECKING:  # the harness imports the engine (torch): not needed to summarize a run
     from tools.servebench.harness import Harness
@@ -58,7 +63,6 @@ def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
     order; the request itself for `repeat`, the previous turn for `chat`), so neither
     method finds an exact repeat of the request unless the workload is one."""
     from tools.servebench.measure import mean_store, summarize
-    from tools.servebench.requests import twin
 
     h.planner("full")
     full = summarize([h.run_alone(r) for r in reqs])
@@ -78,8 +82,66 @@ def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
             warm.append(h.run_alone(r))
         out[method] = {"cold": summarize(cold), "warm": summarize(warm)}
         out[method]["warm"]["store"] = mean_store(warm)
+        out[method]["cold"]["hits_by_source"] = hits_by_source(cold)
+        out[method]["warm"]["hits_by_source"] = hits_by_source(warm)
     out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]
     return out
+
+
+#: where a hit came from (`hits_by_source`): the engine's own device cache, a daemon tier
+HIT_SOURCES = ("engine_device_cache",) + TIER_NAMES
+
+
+def hits_by_source(runs: Sequence) -> dict:
+    """Segment hits of `runs` (harness Runs) by where they were served from: the engine's
+    own device cache (StoreReport.near_hits, no daemon round trip) or the daemon tier that
+    held them at lookup (`gpu`, `cpu`, `nvme`); and exact prefixes restored, by source
+    (`engine` tree, or the daemon tier of a stored checkpoint)."""
+    out = dict.fromkeys(HIT_SOURCES, 0)
+    prefixes: dict[str, int] = {}
+    for r in runs:
+        s = r.store or {}
+        out["engine_device_cache"] += int(s.get("store_near_hits") or 0)
+        for t, n in (s.get("store_hits_by_tier") or {}).items():
+            out[t] = out.get(t, 0) + int(n)
+        src = s.get("store_prefix_source")
+        if src:
+            name = src if src != "store" else f"store_{s.get('store_prefix_tier')}"
+            prefixes[name] = prefixes.get(name, 0) + 1
+    out["exact_prefixes"] = prefixes
+    return out
+
+
+def format_hits(hits: Optional[dict]) -> str:
+    """`hits_by_source` in one log field: dev/gpu/cpu/nvme (+ exact prefixes)."""
+    if not hits:
+        return "-"
+    text = "/".join(str(hits.get(k, 0)) for k in HIT_SOURCES)
+    pre = hits.get("exact_prefixes") or {}
+    return text + (" +prefix " + ",".join(f"{k}:{v}" for k, v in sorted(pre.items())) if pre else "")
+
+
+def warm_up(h: "Harness", load, tasks: Sequence[str], n: int = 1) -> dict:
+    """Untimed: `ttft_after_twin` on `n` throwaway requests of each of `tasks` (`load(task,
+    n)` -> requests from a seed no measurement uses, the same size class as the timed
+    ones), so every kernel shape the timed full, prefix and PIC requests use (cold, after
+    a twin, exact prefixes, seams) is compiled before them; their segments and
+    checkpoints are deleted afterwards. Returns the seconds it took and per task its
+    requests' TTFTs (the compile cost a timed request would otherwise have paid)."""
+    import time
+
+    t0 = time.perf_counter()
+    per: dict = {}
+    for task in tasks:
+        reqs = load(task, n)
+        w = ttft_after_twin(h, reqs)
+        per[task] = {m: {"cold_ms": w[m]["cold"]["ttft_ms"], "warm_ms": w[m]["warm"]["ttft_ms"]}
+                     for m in ("full", "prefix", "pic")}
+        for r in reqs:
+            h.forget(r)
+            h.forget(twin(r))
+    return {"s": round(time.perf_counter() - t0, 3), "requests_per_workload": n, "workloads": list(tasks),
+            "ttft_ms": per}
 
 
 # ---------------------------------------------------------------------- QPS
@@ -364,3 +426,44 @@ def break_even(stored: dict, workloads: dict) -> dict:
     return {"signature_bytes_per_token": per_token_bytes, "full_recompute_ms_per_token": per_token_ms,
             "break_even_read_gb_per_s": gbps, "signatures": _total(stored, "objects"),
             "rule": "a hit read below this bandwidth costs more than recomputing its tokens in a full pass"}
+
+
+def cpu_tier_loads(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
+    """The serving path's CPU tier -> device loads, measured on purpose: in the serve
+    phase the engine's device cache and the daemon's GPU tier hold every warm hit, so
+    this step runs `reqs` through a PIC planner of its own over the same daemon with no
+    device cache (device_cache_bytes=0), no exact prefixes and puts into the CPU tier:
+    each request cold (its segments deleted first, then computed and stored in the CPU
+    tier), once warm untimed (compiles this path's kernels), once warm measured (every
+    hit loads from the CPU tier, layer by layer where the connector does). Returns the
+    measured pass's connector-metric deltas (`h2d_copy_bytes`, `h2d_copy_ms_total`, loads
+    and bytes per tier), its hits by source and TTFTs; the planner's segments are deleted
+    afterwards."""
+    from dataclasses import replace
+
+    from engine.connector.attach import attach_store
+
+    for r in reqs:
+        h.forget(r)
+    planner = attach_store(h.engine, replace(h.pic_config, exact_prefix=False),
+                           replace(h.connector, put_tier="cpu", device_cache_bytes=0, device_cache_fraction=None))
+    try:
+        for r in reqs:
+            h.run_alone(r)  # cold: computed, stored in the CPU tier
+        for r in reqs:
+            h.run_alone(r)  # untimed warm pass
+        m0 = planner.store.metrics.snapshot()
+        runs = [h.run_alone(r) for r in reqs]
+        m1 = planner.store.metrics.snapshot()
+    finally:
+        planner.store.close()
+        h.planner("pic")
+    for r in reqs:
+        h.forget(r)
+    delta = {k: m1.get(k, 0) - m0.get(k, 0) for k in ("h2d_copy_bytes", "h2d_copy_ms_total", "hits", "misses")}
+    for k in ("loads", "load_bytes", "load_ms"):
+        delta[k] = {t: m1[k].get(t, 0) - m0[k].get(t, 0) for t in TIER_NAMES}
+    return {"requests": len(reqs), "connector": delta, "hits_by_source": hits_by_source(runs),
+            "ttft_ms": [round(r.ttft_ms, 3) for r in runs],
+            "gb_per_s": (delta["h2d_copy_bytes"] / (delta["h2d_copy_ms_total"] * 1e-3) / 1e9
+                         if delta["h2d_copy_ms_total"] > 0 else None)}
