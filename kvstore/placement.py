@@ -18,11 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -545,14 +544,3 @@ class BackingJob:
     dst: Tier
     slot: Slot
     error: Optional[BaseException] = None
-
-
-class StoreInternals(Protocol):
-    """What kvstore.remote's RemoteTier reads of the Store that owns it: its tiers,
-    placement, lock and open flag. kvstore.store imports the remote tier, so it names
-    this protocol instead of the Store."""
-
-    tiers: dict[str, Tier]
-    _place: Placement
-    _lock: threading.Lock
-    _open: bool

@@ -112,13 +112,15 @@ class StoreSignatureCache(SignatureCache):
         #: device_cache_fraction): the working set beyond it comes from the daemon's tiers
         self.near = InMemorySignatureCache(device_cache_capacity(self.config, self.device))
         if self.device.type == "cuda":  # pragma: no cover - GPU only
-            self.link.on_connect(self._map_arenas_soon)
+            self.link.on_connect(self.map_arenas_soon)
         if connect:
             self.link.start()
 
-    def _map_arenas_soon(self) -> None:
-        """Map and pin the daemon's CPU arena in the background after connecting, so the
-        first CPU-tier load does not pay it (pinning a 24 GiB arena takes seconds)."""
+    def map_arenas_soon(self) -> None:
+        """Map and pin the daemon's CPU arena in the background (called on connecting when
+        the engine runs on CUDA), so the first CPU-tier load does not pay it (pinning a
+        24 GiB arena takes seconds). The mapping is the process's
+        (kvstore.client.regions.mapped_arenas); failures are logged, the first load maps it."""
         def run() -> None:
             try:
                 self.link.call("map_arenas", lambda kv: kv.map_arenas())

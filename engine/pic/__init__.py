@@ -11,6 +11,11 @@
 - `report`: per-request token and time accounting;
 - `run`: `kvengine run`.
 See docs/pic.md for the algorithm and the choices made.
+
+A layer kind's PIC behaviour is found by the cache the kind keeps, in one table per
+pass: `splice.SPLICE_LAYERS` (writing signatures at an offset) and
+`fused.FUSED_LAYERS` (the fused compute-and-splice prefill); a new family adds its
+entry to each.
 """
 from engine.pic.config import METHODS, PicConfig
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature

@@ -22,11 +22,17 @@ A `SplicePiece` places one signature. Its *placement*:
 `seq.num_computed_tokens` onwards; only the first piece may be `first`), all layers,
 batching each layer's rows into one kernel call and each linear family's states into one
 composition; then advances `seq.num_computed_tokens` to the end of the run.
+
+Layer kinds: each kind's part of a splice is one function, found by the cache the kind
+keeps in `SPLICE_LAYERS` (the one dispatch on layer kind here; engine.pic.fused's
+`FUSED_LAYERS` is the same table for the fused pass). A new layer kind registers its
+splice behaviour there; a linear kind whose states compose adds its layers to
+`_Splice.families` and they are composed per family after the per-layer pass.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -115,20 +121,47 @@ def splice(manager: CacheManager, model: HybridDecoder, seq: CacheSequence, piec
                 f"signature has {len(p.signature.layers)} layers, the model {len(manager.layers)}")
         pos = p.end
     manager.ensure_capacity(seq, pos)
-    force = force_triton_for(kernel, manager.device)
-    families: dict[str, list[int]] = {}
+    sp = _Splice(manager, model, seq, pieces, force_triton_for(kernel, manager.device))
     for i, cache in enumerate(manager.layers):
-        mixer = model.mixer(i)
-        if isinstance(cache, PagedKVCache):
-            _splice_full(manager, seq, cache, mixer, i, pieces, force)
-        elif isinstance(cache, WindowRingCache):
-            _splice_window(seq, cache, mixer, i, pieces, force)
-        elif isinstance(cache, StateSlotCache):
-            families.setdefault(mixer.family, []).append(i)
-            _splice_conv(seq, cache, i, pieces)
-    for layer_ids in families.values():
-        _splice_states(manager, seq, layer_ids, pieces, force, {i: model.mixer(i) for i in layer_ids})
+        layer = SPLICE_LAYERS.get(type(cache))
+        if layer is None:
+            raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} has no splice (SPLICE_LAYERS)")
+        layer(sp, i, cache, model.mixer(i))
+    for layer_ids in sp.families.values():
+        _splice_states(manager, seq, layer_ids, pieces, sp.force, {i: model.mixer(i) for i in layer_ids})
     seq.num_computed_tokens = pos
+
+
+@dataclass
+class _Splice:
+    """What every layer of one splice run shares."""
+
+    manager: CacheManager
+    model: HybridDecoder
+    seq: CacheSequence
+    pieces: Sequence[SplicePiece]
+    force: Optional[bool]
+    families: dict[str, list[int]] = field(default_factory=dict)  # linear layers by family, composed last
+
+
+def _full_layer(sp: _Splice, layer: int, cache: PagedKVCache, mixer) -> None:
+    _splice_full(sp.manager, sp.seq, cache, mixer, layer, sp.pieces, sp.force)
+
+
+def _window_layer(sp: _Splice, layer: int, cache: WindowRingCache, mixer) -> None:
+    _splice_window(sp.seq, cache, mixer, layer, sp.pieces, sp.force)
+
+
+def _linear_layer(sp: _Splice, layer: int, cache: StateSlotCache, mixer) -> None:
+    """Conv tails now; the layer's states are composed with its family's after the pass."""
+    sp.families.setdefault(mixer.family, []).append(layer)
+    _splice_conv(sp.seq, cache, layer, sp.pieces)
+
+
+#: each layer kind's part of a splice, by the cache the kind keeps: the one place splice
+#: dispatches on layer kind (a new family adds its entry here, and in fused.FUSED_LAYERS)
+SPLICE_LAYERS: dict[type, Callable[[_Splice, int, object, object], None]] = {
+    PagedKVCache: _full_layer, WindowRingCache: _window_layer, StateSlotCache: _linear_layer}
 
 
 # ----------------------------------------------------------------------- attention layers

@@ -15,6 +15,8 @@ Buffers come back as numpy uint8 arrays that alias the mapping. Whatever is deri
 one (a memoryview, `torch.from_numpy`, slices) keeps that array, and so the mapping, alive;
 `ObjectView` ties its lease to the same array, so a lease is held while any view of its
 bytes exists.
+
+`mapped_arenas()` reports the process's arena mappings (path, size, pinned, users).
 """
 
 from __future__ import annotations
@@ -114,6 +116,24 @@ class _ArenaTable:
 
 
 _TABLE = _ArenaTable()
+
+
+@dataclass(frozen=True)
+class ArenaMapping:
+    """One shm arena as this process maps it now (a snapshot: `mapped_arenas`)."""
+
+    path: str
+    nbytes: int
+    pinned: bool  # the read-only mapping is pinned with cudaHostRegister
+    users: int  # clients of this process that have used it
+    mapping_id: int  # the same number while the same mapping lives (a re-map gets another)
+
+
+def mapped_arenas() -> dict[str, ArenaMapping]:
+    """The shm arenas this process has mapped, by path (shared by every client here)."""
+    with _TABLE.lock:
+        return {path: ArenaMapping(path, a.array.size, a.pinned, len(_TABLE.users.get(path, ())), id(a))
+                for path, a in _TABLE.arenas.items()}
 
 
 class RegionMapper:

@@ -7,16 +7,16 @@ adapter).
 
 Writes: `offer(key, size, meta)` after a commit queues the key when the policy says so
 (kvstore.remote.policy); a writer thread takes batches, pins each object (`busy`), and
-submits one put per batch straight from the object's bytes in the CPU arena (NVMe-tier
-objects through a staging copy), each behind a 4 KiB envelope header
+submits one put per batch straight from the object's bytes in host memory (objects in a
+file or device tier through a staging copy), each behind a 4 KiB envelope header
 (kvstore.remote.envelope) recording the key, meta and the store checksum. The pin is
 released when the put has ended, even when the writer stopped waiting for it.
 
 Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker thread, and
 `Store.get`) asks `fill(keys)`: one stat of the missing names, then for each present
-object a CPU-tier slot is allocated (making room as a put would) and one get reads the
+object a memory-tier slot is allocated (making room as a put would) and one get reads the
 header and the bytes into it; the header is checked and the bytes hashed before the
-object is committed to the CPU tier as verified, so the usual zero-copy read serves it.
+object is committed to the memory tier as verified, so the usual zero-copy read serves it.
 A damaged object is freed, counted in `corrupt_dropped` and removed from the remote
 store; it is never served.
 
@@ -25,25 +25,28 @@ the adapter's worker, or the client's own timeouts when the adapter runs it inli
 and the caller sees a miss (local tiers keep serving). A timeout also makes the adapter
 suspect the store (a hung master): while the adapter reports the store unreachable,
 fills and writes are skipped at once and counted; its probe reconnects by itself. A get that timed out keeps its slot until the get has ended.
+
+The Store is reached through its public seam only (`StoreSeam`: pin/unpin committed
+objects, allocate/adopt/free memory-tier slots); tiers are known by role, not name.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from kvstore.errors import BadObject, KVStoreError
-from kvstore.placement import StoredObject, StoreInternals, object_name
+from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
 from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, header_fits, remote_name
 from kvstore.remote.policy import RemotePolicy, parse_policy
+from kvstore.tiers.base import Slot, Tier
 
 
 
@@ -103,6 +106,26 @@ class _Latency:
         return {"count": self.count, "seconds_total": self.total, "p50_s": pick(0.5), "p99_s": pick(0.99)}
 
 
+class StoreSeam(Protocol):
+    """The public calls of kvstore.store.Store that a RemoteTier makes (kvstore.store
+    imports this module, so it names this protocol instead of the Store)."""
+
+    tiers: dict[str, Tier]
+
+    @property
+    def memory_tier(self) -> Optional[Tier]: ...
+
+    def pin_objects(self, keys: Sequence[bytes]) -> list[StoredObject]: ...
+
+    def unpin_objects(self, objs: Sequence[StoredObject]) -> None: ...
+
+    def allocate_memory(self, key: bytes, size: int) -> Optional[Slot]: ...
+
+    def adopt_memory(self, key: bytes, slot: Slot, checksum: int, meta: ObjectMeta) -> str: ...
+
+    def free_memory(self, slots: Sequence[Slot]) -> None: ...
+
+
 @dataclass
 class _Fill:
     key: bytes
@@ -115,7 +138,7 @@ class _Fill:
 class RemoteTier:
     """The remote tier of `store` over `adapter` (module docstring). Thread-safe."""
 
-    def __init__(self, store: StoreInternals, settings: RemoteSettings, adapter: RemoteAdapter) -> None:
+    def __init__(self, store: StoreSeam, settings: RemoteSettings, adapter: RemoteAdapter) -> None:
         if not settings.timeout_s > 0:
             raise RemoteConfigError(f"remote_timeout must be > 0 seconds, got {settings.timeout_s!r}")
         self.store = store
@@ -205,16 +228,7 @@ class RemoteTier:
             self._written(len(keys))
             return
         s = self.store
-        jobs: list[StoredObject] = []
-        with s._lock:
-            if not s._open:
-                self._written(len(keys))
-                return
-            for k in keys:
-                o = s._place.objects.get(k)
-                if o is not None and not o.removed:
-                    o.busy += 1
-                    jobs.append(o)
+        jobs = s.pin_objects(keys)  # [] once the store closed
         self._written(len(keys) - len(jobs))
         items: list[PutItem] = []
         keep: list[Any] = []  # buffers that must live until the put has ended
@@ -223,7 +237,7 @@ class RemoteTier:
             try:
                 tier = s.tiers[o.tier]
                 data = tier.view(o.slot)
-                if data is None or data.device.type != "cpu":  # a file or GPU tier: stage the bytes in host memory
+                if data is None or not data.is_cpu:  # a file or GPU tier: stage the bytes in host memory
                     data = torch.empty(o.size, dtype=torch.uint8)
                     tier.read_into(o.slot, data)
                 if not o.verified and tier.checksum(o.slot) != o.checksum:
@@ -261,17 +275,12 @@ class RemoteTier:
             settle(res)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
-        s = self.store
-        with s._lock:
-            for o in objs:
-                o.busy -= 1
-                if s._open:
-                    s._place.release_slot_if_unpinned(o)
+        self.store.unpin_objects(objs)
         self._written(len(objs))
 
     # ------------------------------------------------------------------ fills
     def fill(self, keys: Sequence[bytes]) -> int:
-        """Bring the remote copies of `keys` (absent locally) into the CPU tier, verified;
+        """Bring the remote copies of `keys` (absent locally) into the memory tier, verified;
         returns how many now sit there. Never raises for remote trouble (counted)."""
         keys = list(dict.fromkeys(keys))
         if not keys:
@@ -298,24 +307,22 @@ class RemoteTier:
         if not found:
             return 0
         s = self.store
+        mem = s.memory_tier
+        if mem is None:
+            return 0
         plans: list[_Fill] = []
-        with s._lock:
-            if not s._open or "cpu" not in s.tiers:
-                return 0
-            for k, n, size in found:
-                if k in s._place.objects:
-                    continue
-                try:
-                    slot = s._place.allocate("cpu", size - HEADER_BYTES, k)
-                except KVStoreError as exc:
-                    log.info("no CPU-tier room for remote object %r: %s", k, exc)
-                    self._count("fill_no_room")
-                    continue
+        for k, n, size in found:
+            try:
+                slot = s.allocate_memory(k, size - HEADER_BYTES)
+            except KVStoreError as exc:
+                log.info("no memory-tier room for remote object %r: %s", k, exc)
+                self._count("fill_no_room")
+                continue
+            if slot is not None:  # None: committed meanwhile, or the store closed
                 plans.append(_Fill(k, n, size, slot, torch.empty(HEADER_BYTES, dtype=torch.uint8)))
-            cpu = s.tiers["cpu"]
         if not plans:
             return 0
-        views = [cpu.view(p.slot) for p in plans]
+        views = [mem.view(p.slot) for p in plans]
         items = [GetItem(p.name, ((p.header.data_ptr(), HEADER_BYTES), (v.data_ptr(), p.size - HEADER_BYTES)))
                  for p, v in zip(plans, views)]
         res = self.adapter.call("get", items, self.settings.timeout_s,
@@ -335,7 +342,7 @@ class RemoteTier:
                 continue
             try:
                 h = decode_header(memoryview(p.header.numpy()), p.key, p.size)
-                actual = cpu.checksum(p.slot)
+                actual = mem.checksum(p.slot)
                 if actual != h.checksum:
                     raise BadObject(f"remote object of {p.key!r}: payload hashes to {actual:#x}, "
                                     f"its header records {h.checksum:#x}")
@@ -348,31 +355,19 @@ class RemoteTier:
         return self._commit(done)
 
     def _commit(self, done: list[tuple[_Fill, int, ObjectMeta]]) -> int:
-        s = self.store
         n = 0
-        with s._lock:
-            cpu = s.tiers.get("cpu")
-            for p, checksum, meta in done:
-                if not s._open or cpu is None:
-                    return n
-                if p.key in s._place.objects:  # filled or put meanwhile: keep that one
-                    cpu.free(p.slot)
-                    n += 1
-                    continue
-                slot = cpu.seal(p.slot, object_name(p.key))
-                now = time.time()
-                s._place.objects[p.key] = StoredObject(p.key, "cpu", slot, checksum, meta, now, now, verified=True)
+        for p, checksum, meta in done:
+            outcome = self.store.adopt_memory(p.key, p.slot, checksum, meta)
+            if outcome == "closed":
+                return n
+            if outcome == "adopted":  # else filled or put meanwhile: that copy is kept
                 self._count("hits")
-                self._count("bytes_read", slot.size)
-                n += 1
+                self._count("bytes_read", p.size - HEADER_BYTES)
+            n += 1
         return n
 
-    def _free(self, slots: Sequence[Any], views: Any) -> None:
-        s = self.store
-        with s._lock:
-            if s._open and "cpu" in s.tiers:
-                for slot in slots:
-                    s.tiers["cpu"].free(slot)
+    def _free(self, slots: Sequence[Slot], views: Any) -> None:
+        self.store.free_memory(slots)
 
     def _timed_out(self, what: str) -> None:
         """A remote call ran out of time: counted, and the store suspected (fail fast)."""

@@ -41,9 +41,9 @@ def _pair(tmp_path, remote=None, faults=None, policy="all", timeout=1.0, **kw):
 
 def _drain(s, timeout=10.0):
     deadline = time.monotonic() + timeout
-    while s._remote.pending() and time.monotonic() < deadline:
+    while s.stats()["remote"]["pending_writes"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert s._remote.pending() == 0
+    assert s.stats()["remote"]["pending_writes"] == 0
 
 
 def _remote_stats(s):

@@ -1,7 +1,7 @@
 """kvstore.tiers.registry: the ordered tier table the Store, Placement and WriteBack ask
 for roles instead of naming tiers; a Store built from it on real media (shared-memory
 arena, files, LMDB) with one tier or two; and a source check that the store's logic
-names no tier."""
+(the remote tier's included) names no tier."""
 from __future__ import annotations
 
 import ast
@@ -103,6 +103,23 @@ def _names_in_logic(path: Path) -> list[str]:
             if isinstance(n, ast.Constant) and n.value in TIERS.names and id(n) not in docstrings]
 
 
-@pytest.mark.parametrize("module", ["store.py", "placement.py", "writeback.py", "storemedia.py", "reservations.py"])
+REMOTE = sorted(str(p.relative_to(ROOT / "kvstore")) for p in (ROOT / "kvstore" / "remote").glob("*.py"))
+
+
+@pytest.mark.parametrize("module", ["store.py", "placement.py", "writeback.py", "storemedia.py", "reservations.py",
+                                    *REMOTE])
 def test_the_store_logic_names_no_tier(module):
     assert _names_in_logic(ROOT / "kvstore" / module) == []
+
+
+def test_the_remote_tier_reaches_the_store_through_public_names_only():
+    """kvstore/remote/ uses no private attribute of the Store (`store._x`)."""
+    bad = []
+    for rel in REMOTE:
+        tree = ast.parse((ROOT / "kvstore" / rel).read_text())
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                    and isinstance(n.value, (ast.Name, ast.Attribute))
+                    and (n.value.id if isinstance(n.value, ast.Name) else n.value.attr) in ("store", "s")):
+                bad.append(f"{rel}:{n.lineno}: .{n.attr}")
+    assert REMOTE and bad == []

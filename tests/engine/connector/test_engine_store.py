@@ -101,22 +101,25 @@ def test_a_killed_daemon_costs_recomputation_and_a_restarted_one_is_found_with_i
 
 def test_the_connector_maps_the_daemons_cpu_arena_ahead_of_the_first_load(start_daemon, store_engine):
     """On CUDA the connector maps and pins the CPU arena in the background on connecting
-    (StoreSignatureCache._map_arenas_soon); the mapping is the process's, shared with
-    every other client (kvstore.client.regions._ArenaTable)."""
-    from kvstore.client.regions import _TABLE
+    (StoreSignatureCache.map_arenas_soon); the mapping is the process's, shared with
+    every other client (kvstore.client.regions.mapped_arenas)."""
+    from kvstore.client.regions import mapped_arenas
 
     d = start_daemon()
     _, planner = store_engine(d)
     with d.client() as kv:
         (path,) = [t["path"] for t in kv.stats()["tiers"] if t["name"] == "cpu"]
-    planner.store.cache._map_arenas_soon()
-    wait_until(lambda: path in _TABLE.arenas, what="the arena mapped by the background thread")
-    arena = _TABLE.arenas[path]
-    assert arena.array.size > 0 and not arena.pinned  # no CUDA here: mapped, not pinned
+    assert path not in mapped_arenas()  # nothing has read the arena yet
+    planner.store.cache.map_arenas_soon()
+    wait_until(lambda: path in mapped_arenas(), what="the arena mapped by the background thread")
+    arena = mapped_arenas()[path]
+    assert arena.nbytes > 0 and not arena.pinned  # no CUDA here: mapped, not pinned
     with d.client() as kv:  # another client of this process reads through the same mapping
         kv.put(b"arena/shared", b"y" * 4096, tier="cpu")
         with kv.get(b"arena/shared") as view:
-            assert bytes(view.tensor().numpy()[:2]) == b"yy" and _TABLE.arenas[path] is arena
+            assert bytes(view.tensor().numpy()[:2]) == b"yy"
+            now = mapped_arenas()[path]
+            assert now.mapping_id == arena.mapping_id and now.users >= 2
 
 
 def test_a_frozen_daemon_is_bypassed_within_the_timeouts_then_used_again(start_daemon, store_engine):

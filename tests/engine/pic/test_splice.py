@@ -1,6 +1,6 @@
 """Splicing a signature into a request's caches: re-rotated keys equal keys computed at the
 true position, the Triton kernels (interpreter) write what the torch references write,
-models without RoPE, and placement errors."""
+models without RoPE, placement errors, and the one dispatch table by layer kind."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,8 @@ from engine.cache.manager import CacheConfig, CacheManager
 from engine.models.config import FULL, GDN, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from engine.pic.errors import SplicePlacementError
-from engine.pic.splice import SplicePiece, splice
+from engine.pic.fused import FUSED_LAYERS
+from engine.pic.splice import SPLICE_LAYERS, SplicePiece, splice
 from engine.runtime.sequence import Sequence
 from kernels import apply_rope_reference
 from kernels.backend import INTERPRET
@@ -97,3 +98,25 @@ def test_splice_refuses_pieces_that_do_not_start_where_the_caches_end(model_of):
     short = compute_signature(model, rand_ids(2, 1), [256], 2)
     with pytest.raises(SplicePlacementError, match="tail is empty"):
         splice(manager, model, seq, [SplicePiece(short, 10)])
+
+
+def test_splice_and_the_fused_pass_dispatch_on_the_same_layer_kinds(model_of):
+    model = model_of([FULL, SWA, GDN, MAMBA2])
+    manager = CacheManager.for_model(model, CacheConfig(block_size=4, num_blocks=16, num_slots=1))
+    kinds = {type(c) for c in manager.layers}
+    assert len(kinds) == 3 and set(SPLICE_LAYERS) == set(FUSED_LAYERS) == kinds
+
+
+def test_a_layer_cache_without_a_splice_entry_is_refused_by_name(model_of):
+    class OddCache:
+        pass
+
+    model = model_of([FULL, GDN])
+    sig = compute_signature(model, rand_ids(10, 1), [256], 2)
+    manager = CacheManager.for_model(model, CacheConfig(block_size=4, num_blocks=16, num_slots=1))
+    seq = manager.allocate(Sequence("s"))
+    seq.num_computed_tokens = 12
+    manager.layers[1] = OddCache()
+    with pytest.raises(SplicePlacementError, match="layer 1: cache OddCache has no splice"):
+        splice(manager, model, seq, [SplicePiece(sig, 10)])
+    assert seq.num_computed_tokens == 12
