@@ -104,9 +104,8 @@ class _ArenaTable:
     """The shm arena mappings of this process, shared by every RegionMapper (client): an
     arena is mapped, and pinned with cudaHostRegister, once per process however many
     clients read it. Pinning a 24 GiB arena takes seconds (every page is locked), which a
-    per-client mapping paid again in the first load of each new connection (session 7:
-    2.2-4.5 s "NVMe" hits in the serving benchmark's breakdown were a fresh connection
-    pinning the CPU arena). Each mapping counts the clients using it; the last one to
+    per-client mapping would pay again in the first load of each new connection (seconds
+    that look like slow hits). Each mapping counts the clients using it; the last one to
     close drops it."""
 
     def __init__(self) -> None:
