@@ -28,7 +28,7 @@ bounded wait before it is served by recomputation:
 - `share_wait_s`: most time to wait for an offered segment a helper claimed before
   computing it here; also the lifetime of an offer. 5 s: a helper's packed pass of
   `share_pack_tokens` takes well under a second on a GPU; this bounds a stuck one (30 s
-  before session 6, far above any TTFT SLO).
+  would be far above any TTFT SLO).
 - `share_keep`: share of a request's cold tokens its own engine computes before it
   turns to the rest: the smallest run of its first cold segments holding at least this
   share (one segment at least, all but one at most) is kept and computed (packed); only

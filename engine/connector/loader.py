@@ -387,7 +387,7 @@ class SegmentLoader:
             if buf.device.type == "cuda" and self._stream is not None:  # pragma: no cover - GPU tier only
                 # the header read (and checksum) of device bytes copies to the host: on this
                 # thread's default stream that copy would wait for every kernel the engine
-                # queued before it (session 5's GPU-tier loads ran at 1.8 GB/s); the side
+                # queued before it (GPU-tier loads then crawl at a few GB/s); the side
                 # stream does not synchronise with the compute stream
                 with torch.cuda.stream(self._stream):
                     header, tensors = fmt.decode_tensors(buf, check=self.verify)
