@@ -227,7 +227,8 @@ def time_decode(device, dtype, p: dict[str, Any], length: int) -> dict[str, Any]
         st.run()
         st.pos += 1
 
-    row: dict[str, Any] = {"batch": batch, "length": length}
+    row: dict[str, Any] = {"batch": batch, "length": length, "hot_blocks": cache.hot,
+                           "staging_blocks": cache.rows_per_slot - cache.hot}
     if device.type == "cuda":  # one step with host synchronisations turned into errors
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -247,6 +248,7 @@ def time_decode(device, dtype, p: dict[str, Any], length: int) -> dict[str, Any]
     row["hisparse_eager_ms"] = _time(step, p["iters"], device)
     row["blocks_fetched_per_seq_step"] = (cache.metrics.snapshot()["blocks_fetched"] - fetched0) / (
         batch * (p["iters"] + 3))
+    row["hot_hit_rate"] = cache.metrics.snapshot()["hot_hit_rate"]
     if device.type == "cuda":
         try:
             st.capture()
@@ -274,6 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", help="output file (default: print only)")
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hot", type=int, default=0, help="timing: hot-buffer blocks (0: auto, the step's union)")
     args = ap.parse_args(argv)
     if args.quick:
         device, dtype = torch.device("cpu"), torch.float32
@@ -285,7 +288,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("check_hisparse_gpu: no CUDA device (use --quick on the CPU)", file=sys.stderr)
             return 2
         device, dtype = torch.device("cuda"), torch.bfloat16
-        p = dict(block=64, topk=32, hot=64, hkv=HKV, d=D, heads=H, exact_batch=4, exact_len=4096, exact_steps=6,
+        p = dict(block=64, topk=32, hot=args.hot, hkv=HKV, d=D, heads=H, exact_batch=4, exact_len=4096, exact_steps=6,
                  batch=args.batch, iters=20)
         lengths = [int(x) for x in args.lengths.split(",")]
     doc: dict[str, Any] = {"tool": "tools/check_hisparse_gpu.py", "device": str(device), "dtype": str(dtype),
