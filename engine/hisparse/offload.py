@@ -65,6 +65,12 @@ class HiSparseOffload:
         return cache
 
     @property
+    def hot_blocks(self) -> int:
+        """The hot buffer's blocks per sequence in the selecting layers (the auto size
+        resolved once a layer exists; the configured value before)."""
+        return self.layers[-1].hot if self.layers else self.config.hot_blocks
+
+    @property
     def store_name(self) -> str:
         """The block store's name, or "mirror" (blocks in the layer caches' host mirrors only)."""
         return self.store.name if self.store is not None else "mirror"
@@ -76,7 +82,7 @@ class HiSparseOffload:
     def snapshot(self) -> dict[str, Any]:
         snap = self.metrics.snapshot()
         snap.update(store=self.store_name, block_size=self.config.block_size, topk=self.config.topk,
-                    hot_blocks=self.layers[-1].hot if self.layers else self.config.hot_blocks, min_context=self.config.min_context)
+                    hot_blocks=self.hot_blocks, min_context=self.config.min_context)
         return snap
 
     def flush(self) -> None:
