@@ -244,6 +244,7 @@ def time_decode(device, dtype, p: dict[str, Any], length: int) -> dict[str, Any]
     with HostSyncGuard(host_tensors=[cache.mirror_k, cache.mirror_v]) as guard:
         step()
     row["host_sync_guard"] = [str(r) for r in guard.records]
+    row["aten_ops_per_step"] = guard.ops  # eager launch overhead: what a CUDA graph replay removes
     fetched0 = cache.metrics.snapshot()["blocks_fetched"]
     row["hisparse_eager_ms"] = _time(step, p["iters"], device)
     row["blocks_fetched_per_seq_step"] = (cache.metrics.snapshot()["blocks_fetched"] - fetched0) / (

@@ -18,7 +18,8 @@ Two torch modes watch the code:
 Not recorded: operations run by the Triton interpreter (TRITON_INTERPRET=1 moves kernel
 arguments itself) and frames listed in `exempt` (functions whose host reads run on the CPU
 only, e.g. the kernels' CPU range checks, `CPU_ONLY_CHECKS`). Each record carries the last
-frames of project code that led to it.
+frames of project code that led to it. `ops` counts the non-view aten ops the code ran
+(outside the interpreter): on CUDA roughly its kernel launches, the cost of an eager step.
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ class _Aten(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if not func.is_view and not self.guard._in_interpreter():
+            self.guard.ops += 1
         reason = self._reason(func, name, args, kwargs)
         if reason is not None:
             self.guard._note(f"aten::{name}", reason)
@@ -142,6 +145,7 @@ class HostSyncGuard:
         self._host_ptrs = {t.untyped_storage().data_ptr() for t in host_tensors}
         self.exempt = exempt
         self.records: list[SyncRecord] = []
+        self.ops = 0
         self._modes: list[Any] = []
 
     def __enter__(self) -> "HostSyncGuard":
@@ -154,6 +158,15 @@ class HostSyncGuard:
         for m in reversed(self._modes):
             m.__exit__(*exc)
         self._modes = []
+
+    @staticmethod
+    def _in_interpreter() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if any(s in frame.f_code.co_filename.replace("\\", "/") for s in _SKIP_FRAMES):
+                return True
+            frame = frame.f_back
+        return False
 
     def _note(self, op: str, reason: str) -> None:
         frame = sys._getframe(2)

@@ -98,3 +98,4 @@ def test_decode_step_records_no_host_sync_and_no_host_copy(per_kv_head, summary)
     snap = cache.metrics.snapshot()
     assert snap["blocks_fetched"] > 0 and snap["blocks_evicted"] > 0  # the paths under watch ran
     assert [str(r) for r in records] == []
+    assert guard.ops > 50  # the step's own aten ops were seen (the interpreter's are not counted)
