@@ -192,7 +192,7 @@ def build_engine(
         runner = ModelRunner(model, manager, cuda_graphs=False)  # the runner's graphs do not cover HiSparse decode
         hs = config.hisparse
         log.info("hisparse on: blocks of %d, top-%d, hot buffer %d, from %d tokens; %s; %.1f MiB per sequence on %s",
-                 hs.block_size, hs.topk, hs.hot_blocks, hs.min_context, offload.store_name,
+                 hs.block_size, hs.topk, offload.hot_blocks, hs.min_context, offload.store_name,
                  offload.device_bytes_per_slot() / 2**20, device)
     else:
         tokens = _kv_cache_tokens(model, config, max_model_len, device, dtype)

@@ -43,8 +43,9 @@ HiSparseOpt = typer.Option(False, "--hisparse/--no-hisparse",
 HiSparseBlockOpt = typer.Option(64, "--hisparse-block", min=1, help="HiSparse block size in tokens.")
 HiSparseTopkOpt = typer.Option(32, "--hisparse-topk", min=1, help="HiSparse: blocks selected per step and layer "
                                "besides the sink and recent blocks.")
-HiSparseHotOpt = typer.Option(64, "--hisparse-hot", min=2, help="HiSparse: hot-buffer blocks per sequence and layer "
-                              "on the device (sink and recent blocks included).")
+HiSparseHotOpt = typer.Option(0, "--hisparse-hot", min=0, help="HiSparse: hot-buffer blocks per sequence and layer "
+                              "on the device (sink and recent blocks included); 0: auto, the blocks one step "
+                              "attends to (sink + recent + KV heads x top-k).")
 HiSparseMinOpt = typer.Option(4096, "--hisparse-min-context", min=0,
                               help="HiSparse selects blocks from this context length on (below: every block).")
 HiSparseStoreOpt = typer.Option(None, "--hisparse-store", metavar="SOCKET",

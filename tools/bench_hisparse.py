@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", help="comma list of context lengths (default 32768,131072,262144)")
     p.add_argument("--block", type=int, help="HiSparse block size (default 64; quick 16)")
     p.add_argument("--topk", type=int, help="HiSparse top-k blocks (default 32; quick 4)")
-    p.add_argument("--hot", type=int, help="HiSparse hot-buffer blocks (default 64; quick 8)")
+    p.add_argument("--hot", type=int, help="HiSparse hot-buffer blocks (default 0: auto, sink + recent + KV heads x top-k; quick 8)")
     p.add_argument("--max-batch", type=int,
                    help="cap on the decode batch (default 0: none, the largest that fits; quick 2)")
     p.add_argument("--decode-steps", type=int, help="timed decode steps (default 8; quick 2)")
@@ -140,7 +140,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "lengths": [int(x) for x in (args.lengths or ",".join(map(str, QUICK_LENGTHS if q else FULL_LENGTHS))).split(",")],
         "block": args.block or (16 if q else 64),
         "topk": args.topk or (4 if q else 32),
-        "hot": args.hot or (8 if q else 64),
+        "hot": args.hot if args.hot is not None else (8 if q else 0),
         "max_batch": (args.max_batch if args.max_batch is not None else (2 if q else 0)) or None,
         "decode_steps": args.decode_steps or (2 if q else 8),
         "mass_length": args.mass_length or (128 if q else 8192),

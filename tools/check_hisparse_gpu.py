@@ -12,7 +12,12 @@ of qwen3next-bench's shape (16 query heads, 2 KV heads, head dim 256, bf16):
    HiSparse `decode_step` (eager, and replayed from a graph when capture worked) vs dense
    `paged_decode_attention` over the whole context; the step includes the fetches of
    missing blocks (random queries: the selection changes every step); first one step under
-   `torch.cuda.set_sync_debug_mode("error")` (`no_host_sync`: no device->host sync in it).
+   `torch.cuda.set_sync_debug_mode("error")` (`no_host_sync`: no device->host sync in it),
+   and one step under engine/hisparse/sync_guard.py's `HostSyncGuard` (`host_sync_guard`:
+   every synchronising or host<->device op it records, with the frames that led to it).
+
+Every error recorded (host sync, graph capture) comes with `*_frames`: the last frames of
+its traceback ("file:line in function"), so a failure is localised from the JSON alone.
 
     PYTHONPATH=. python tools/check_hisparse_gpu.py --json /tmp/check_hisparse.json   # H200, < 3 min
     PYTHONPATH=. python tools/check_hisparse_gpu.py --quick                             # CPU, small (CI)
@@ -27,6 +32,7 @@ import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,6 +45,7 @@ if str(ROOT) not in sys.path:
 from engine.hisparse import HiSparseConfig  # noqa: E402
 from engine.hisparse.layer_cache import HiSparseLayerCache  # noqa: E402
 from engine.hisparse.metrics import HiSparseMetrics  # noqa: E402
+from engine.hisparse.sync_guard import HostSyncGuard  # noqa: E402
 from kernels.hisparse_select import block_scores_reference, topk_blocks_reference  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 
@@ -49,6 +56,16 @@ def _cache(cfg: HiSparseConfig, slots: int, max_len: int, device: torch.device, 
            hkv: int, d: int) -> HiSparseLayerCache:
     return HiSparseLayerCache(3, hkv, d, cfg, slots, math.ceil(max_len / cfg.block_size), device, dtype, None,
                               HiSparseMetrics(), b"c" * 16)
+
+
+def _frames(exc: BaseException, n: int = 8) -> list[str]:
+    """The last `n` frames of `exc`'s traceback outside torch, then the innermost one (where
+    torch raised), innermost last."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in tb if "/torch/" not in f.filename.replace("\\", "/")][-n:]
+    if tb and (not own or own[-1] is not tb[-1]):
+        own.append(tb[-1])
+    return [f"{f.filename}:{f.lineno} in {f.name}" for f in own]
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -181,7 +198,7 @@ def check_graph(device, dtype, p: dict[str, Any]) -> dict[str, Any]:
             worst = max(worst, float((oa.float() - ob.float()).abs().max()))
             same_sel &= a.last_selection.head_lists(p["hkv"]) == b.last_selection.head_lists(p["hkv"])
     except Exception as exc:  # noqa: BLE001 - the verdict is the record
-        return {"capturable": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        return {"capturable": False, "error": f"{type(exc).__name__}: {exc}"[:400], "error_frames": _frames(exc)}
     return {"capturable": True, "max_abs_diff_vs_eager": worst, "pass": worst <= 1e-2 and same_sel}
 
 
@@ -210,7 +227,8 @@ def time_decode(device, dtype, p: dict[str, Any], length: int) -> dict[str, Any]
         st.run()
         st.pos += 1
 
-    row: dict[str, Any] = {"batch": batch, "length": length}
+    row: dict[str, Any] = {"batch": batch, "length": length, "hot_blocks": cache.hot,
+                           "staging_blocks": cache.rows_per_slot - cache.hot}
     if device.type == "cuda":  # one step with host synchronisations turned into errors
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -220,18 +238,25 @@ def time_decode(device, dtype, p: dict[str, Any], length: int) -> dict[str, Any]
         except RuntimeError as exc:
             row["no_host_sync"] = False
             row["host_sync_error"] = str(exc)[:300]
+            row["host_sync_error_frames"] = _frames(exc)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    with HostSyncGuard(host_tensors=[cache.mirror_k, cache.mirror_v]) as guard:
+        step()
+    row["host_sync_guard"] = [str(r) for r in guard.records]
+    row["aten_ops_per_step"] = guard.ops  # eager launch overhead: what a CUDA graph replay removes
     fetched0 = cache.metrics.snapshot()["blocks_fetched"]
     row["hisparse_eager_ms"] = _time(step, p["iters"], device)
     row["blocks_fetched_per_seq_step"] = (cache.metrics.snapshot()["blocks_fetched"] - fetched0) / (
         batch * (p["iters"] + 3))
+    row["hot_hit_rate"] = cache.metrics.snapshot()["hot_hit_rate"]
     if device.type == "cuda":
         try:
             st.capture()
             row["hisparse_graph_ms"] = _time(step, p["iters"], device)
         except Exception as exc:  # noqa: BLE001
             row["hisparse_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["hisparse_graph_error_frames"] = _frames(exc)
     del cache, st
     # dense: paged attention over the whole context (the work a dense full layer does per step)
     pages = length // 16 + 8
@@ -252,6 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", help="output file (default: print only)")
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hot", type=int, default=0, help="timing: hot-buffer blocks (0: auto, the step's union)")
     args = ap.parse_args(argv)
     if args.quick:
         device, dtype = torch.device("cpu"), torch.float32
@@ -263,7 +289,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("check_hisparse_gpu: no CUDA device (use --quick on the CPU)", file=sys.stderr)
             return 2
         device, dtype = torch.device("cuda"), torch.bfloat16
-        p = dict(block=64, topk=32, hot=64, hkv=HKV, d=D, heads=H, exact_batch=4, exact_len=4096, exact_steps=6,
+        p = dict(block=64, topk=32, hot=args.hot, hkv=HKV, d=D, heads=H, exact_batch=4, exact_len=4096, exact_steps=6,
                  batch=args.batch, iters=20)
         lengths = [int(x) for x in args.lengths.split(",")]
     doc: dict[str, Any] = {"tool": "tools/check_hisparse_gpu.py", "device": str(device), "dtype": str(dtype),
@@ -287,7 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.cuda.empty_cache()
     doc["seconds"] = time.perf_counter() - t0
     doc["pass"] = bool(doc["exact"]["pass"] and doc["graph"].get("pass", True)
-                       and all(r.get("no_host_sync", True) for r in doc["timing"].values()))
+                       and all(r.get("no_host_sync", True) and not r["host_sync_guard"]
+                               for r in doc["timing"].values()))
     save()
     print(json.dumps(doc, indent=1))
     return 0 if doc["pass"] else 1

@@ -11,7 +11,9 @@ synchronisation (kernels/hisparse_gather.py).
 - residency.py: `HotBufferTable`, the device-side block -> row table and eviction;
 - host_memory.py: the page-locked host mirror of sealed blocks;
 - offload.py: `HiSparseOffload`, an engine's store, metrics and layer caches;
-- metrics.py: `HiSparseMetrics`; errors.py: the exceptions.
+- metrics.py: `HiSparseMetrics`; errors.py: the exceptions;
+- sync_guard.py: `HostSyncGuard`, records host syncs and host<->device copies of a step
+  (tests and tools/check_hisparse_gpu.py).
 """
 from engine.hisparse.config import HiSparseConfig
 from engine.hisparse.errors import BlocksLost, HiSparseConfigError, HiSparseError

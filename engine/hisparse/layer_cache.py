@@ -2,7 +2,7 @@
 sequence slot of an engine (an `ExternalKVCache`, engine/models/layers/base.py).
 
 Memory, per slot:
-- device: a hot buffer of `hot_blocks` block rows and `staging_blocks` rows for a step that
+- device: a hot buffer of `hot` block rows (`HiSparseConfig.hot_rows`) and staging rows for a step that
   attends to more blocks than the hot buffer keeps (one pool `[num_slots * rows_per_slot,
   block, Hkv, D]`, the paged decode kernel's layout), a summary per block `[num_slots,
   max_blocks, 2, Hkv, D]` (kernels/hisparse_select.py) and the block -> row table
@@ -94,9 +94,9 @@ class HiSparseLayerCache(ExternalKVCache):
         self.config = config
         self.block = config.block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        union = config.sink_blocks + config.recent_blocks + (num_kv_heads if config.per_kv_head else 1) * config.topk
-        self.width = max(config.max_selected, union)  # blocks one decode step attends to at most (fixed shape)
-        self.rows_per_slot = config.hot_blocks + max(0, self.width - config.hot_blocks)
+        self.width = config.step_blocks(num_kv_heads)  # blocks one decode step attends to at most (fixed shape)
+        self.hot = config.hot_rows(num_kv_heads)
+        self.rows_per_slot = self.hot + config.staging_blocks(num_kv_heads)
         self.device = torch.device(device)
         shape = (num_slots * self.rows_per_slot, self.block, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, device=device, dtype=dtype)
@@ -105,7 +105,7 @@ class HiSparseLayerCache(ExternalKVCache):
         mshape = (num_slots * max_blocks, self.block, num_kv_heads, head_dim)
         self.mirror_k = mirror_empty(mshape, dtype, self.device)
         self.mirror_v = mirror_empty(mshape, dtype, self.device)
-        self.table = HotBufferTable(num_slots, max_blocks, config.hot_blocks, self.rows_per_slot, self.device)
+        self.table = HotBufferTable(num_slots, max_blocks, self.hot, self.rows_per_slot, self.device)
         metrics.add_counters(self.table.counts, self._block_nbytes())
         self.max_blocks = max_blocks
         self.store = store
@@ -126,7 +126,7 @@ class HiSparseLayerCache(ExternalKVCache):
     def device_bytes_per_slot(self) -> int:
         """Device bytes one sequence holds in this layer: its pool rows and summaries."""
         esz = self.k_pool.element_size()
-        table = (self.max_blocks + 2 * self.config.hot_blocks) * 8  # block -> row, row -> block, last use
+        table = (self.max_blocks + 2 * self.hot) * 8  # block -> row, row -> block, last use
         return (self.rows_per_slot * self._block_nbytes()
                 + self.max_blocks * 2 * self.num_kv_heads * self.head_dim * esz + table)
 
@@ -257,7 +257,7 @@ class HiSparseLayerCache(ExternalKVCache):
             self.mirror_k[m0 + first:m0 + full_hi].copy_(kb[:full_hi - first], non_blocking=True)
             self.mirror_v[m0 + first:m0 + full_hi].copy_(vb[:full_hi - first], non_blocking=True)
         # the hot buffer after the chunk: sink blocks, then the newest blocks, then earlier ones
-        h = c.hot_blocks
+        h = self.hot
         before = {blk: row for row, blk in enumerate(rb) if blk >= 0}
         sinks = [j for j in range(min(c.sink_blocks, last + 1))]
         chunk = [j for j in range(last, first - 1, -1) if j >= c.sink_blocks]

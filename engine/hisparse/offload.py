@@ -12,6 +12,7 @@ see each other's blocks (engine/hisparse/store.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import replace
@@ -24,6 +25,8 @@ from engine.hisparse.errors import HiSparseConfigError
 from engine.hisparse.layer_cache import HiSparseLayerCache
 from engine.hisparse.metrics import HiSparseMetrics
 from engine.hisparse.store import BlockStore
+
+log = logging.getLogger("engine.hisparse")
 
 
 class HiSparseOffload:
@@ -47,6 +50,11 @@ class HiSparseOffload:
     def layer_cache(self, layer: int, spec: Any) -> HiSparseLayerCache:
         """The cache of full-attention layer `layer` (`spec`: its LayerCacheSpec)."""
         cfg = self.config
+        if not self.layers and 0 < cfg.hot_blocks < cfg.step_blocks(spec.num_kv_heads):
+            log.warning("hisparse: hot buffer of %d blocks < the %d a step may attend to (sink %d + recent %d + "
+                        "%d KV head(s) x top-%d): the rest are staged and fetched again every step (0: auto size)",
+                        cfg.hot_blocks, cfg.step_blocks(spec.num_kv_heads), cfg.sink_blocks, cfg.recent_blocks,
+                        spec.num_kv_heads if cfg.per_kv_head else 1, cfg.topk)
         if len(self.layers) < cfg.dense_layers:  # attends to every block: the whole context stays resident
             hot = max(self.max_blocks, cfg.sink_blocks + cfg.recent_blocks)
             cfg = replace(cfg, hot_blocks=hot, topk=hot, min_context=self.max_blocks * cfg.block_size + 1)
@@ -55,6 +63,12 @@ class HiSparseOffload:
                                    self.engine_nonce, self.fingerprint, counts_steps=not self.layers)
         self.layers.append(cache)
         return cache
+
+    @property
+    def hot_blocks(self) -> int:
+        """The hot buffer's blocks per sequence in the selecting layers (the auto size
+        resolved once a layer exists; the configured value before)."""
+        return self.layers[-1].hot if self.layers else self.config.hot_blocks
 
     @property
     def store_name(self) -> str:
@@ -68,7 +82,7 @@ class HiSparseOffload:
     def snapshot(self) -> dict[str, Any]:
         snap = self.metrics.snapshot()
         snap.update(store=self.store_name, block_size=self.config.block_size, topk=self.config.topk,
-                    hot_blocks=self.config.hot_blocks, min_context=self.config.min_context)
+                    hot_blocks=self.hot_blocks, min_context=self.config.min_context)
         return snap
 
     def flush(self) -> None:

@@ -4,7 +4,9 @@ without reading anything back to the host: the row of a sequence's new block, an
 of the blocks selected this step (the missing ones get evicted rows, else staging rows).
 
 Tensors (flat, each with one trailing *trash* entry that masked updates write to, so every
-update has a fixed shape and no data-dependent indexing):
+update has a fixed shape and no data-dependent indexing; constants are written with
+`index_fill_`, never `t[index] = scalar`, whose index_put_ copies the scalar from pageable
+host memory: a synchronising copy that CUDA-graph capture refuses):
 - `row_of[slot * max_blocks + block]`: the block's hot row, or -1;
 - `row_block[slot * hot + row]`: the row's block, or -1 (free);
 - `last_use[slot * hot + row]`: the step counter when the row was last attended to;
@@ -113,7 +115,7 @@ class HotBufferTable:
         take = need & (cur < 0)
         old = rb.gather(1, victim[:, None])[:, 0]
         evict = take & (old >= 0)
-        self.row_of[torch.where(evict, base + old.clamp(min=0), self._trash_of)] = -1
+        self.row_of.index_fill_(0, torch.where(evict, base + old.clamp(min=0), self._trash_of).flatten(), -1)
         self.row_of[torch.where(take, base + blocks, self._trash_of)] = victim
         flat_row = torch.where(take, slots * h + victim, self._trash_rb)
         self.row_block[flat_row] = blocks
@@ -147,7 +149,7 @@ class HotBufferTable:
         rows = torch.where(resident, cur, torch.where(use_hot, victim, h + rank - n_free))
         old = rb.gather(1, victim)
         evict = use_hot & (old >= 0)
-        self.row_of[torch.where(evict, base + old.clamp(min=0), self._trash_of)] = -1
+        self.row_of.index_fill_(0, torch.where(evict, base + old.clamp(min=0), self._trash_of).flatten(), -1)
         self.row_of[torch.where(use_hot, base + selc, self._trash_of)] = victim
         self.row_block[torch.where(use_hot, (slots * h)[:, None] + victim, self._trash_rb)] = sel
         in_hot = valid & (rows < h)

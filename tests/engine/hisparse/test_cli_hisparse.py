@@ -57,3 +57,10 @@ def test_prometheus_metrics_carry_the_hisparse_figures():
     assert "kvengine_hisparse_hot_hit_ratio 0.6" in text
     assert 'kvengine_hisparse_read_bytes_per_second{tier="cpu"} 8192.0' in text
     assert 'kvengine_hisparse_write_bytes_per_second{tier="nvme"} 500.0' in text
+
+
+def test_default_hot_buffer_is_sized_for_the_step_and_reported_resolved():
+    hs = _generate("--hisparse", "--hisparse-block", "8", "--hisparse-topk", "64", "--hisparse-min-context", "0")
+    assert hs.exit_code == 0, hs.output
+    m = json.loads(hs.output.strip().splitlines()[-1])["hisparse"]
+    assert m["hot_blocks"] >= 1 + 1 + 64 and m["blocks_staged"] == 0  # auto: sink + recent + KV heads x top-k

@@ -196,7 +196,26 @@ def test_bad_settings_are_refused_naming_the_setting(kwargs, field):
 
 def test_staging_rows_cover_a_step_wider_than_the_hot_buffer():
     cfg = HiSparseConfig(enabled=True, block_size=64, topk=8, hot_blocks=4, min_context=1024)
-    assert cfg.max_selected == 16 and cfg.staging_blocks == 12  # 1023 tokens: 16 blocks before selection
+    assert cfg.max_selected == 16 and cfg.staging_blocks(1) == 12  # 1023 tokens: 16 blocks before selection
+    assert cfg.step_blocks(2) == 18 and cfg.staging_blocks(2) == 14  # per KV head: the union of two top-8s
+
+
+def test_auto_hot_buffer_holds_the_union_of_the_kv_heads_picks_at_no_extra_device_rows():
+    auto = HiSparseConfig(enabled=True)  # block 64, top-32, sink 1, recent 1, hot 0 (auto)
+    assert auto.hot_blocks == 0 and auto.hot_rows(2) == 66 and auto.hot_rows(8) == 258
+    assert auto.staging_blocks(2) == 0
+    one_set = HiSparseConfig(enabled=True, per_kv_head=False)
+    assert one_set.hot_rows(2) == 64  # max(min_context 4096 / 64 blocks, 1 + 1 + 32)
+    explicit = HiSparseConfig(enabled=True, hot_blocks=64)
+    assert explicit.hot_rows(2) == 64 and explicit.staging_blocks(2) == 2
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, min_context=8)
+    small = HiSparseConfig(enabled=True, block_size=4, topk=2, min_context=8, hot_blocks=3)
+    a, _ = make_cache(cfg)
+    b, _ = make_cache(small)
+    assert a.hot == a.width == a.rows_per_slot == 6  # 1 + 1 + 2 heads x 2
+    assert b.hot == 3 and b.rows_per_slot == a.rows_per_slot  # the same device rows: 3 of them staging
+    with pytest.raises(HiSparseConfigError, match="hot_blocks"):
+        HiSparseConfig(enabled=True, hot_blocks=-1)
 
 
 def test_block_keys_are_unguessable_per_engine_and_per_sequence():
