@@ -35,9 +35,14 @@ per call) and caches them, so later requests hit them.
 Exact prefixes (`PicConfig.exact_prefix`, `pic` only; engine.pic.exact_prefix): before
 the layout, the request's leading cached segments are matched against the planner's
 prefix tree of exact checkpoints; the deepest usable one is restored by a `load` step at
-its boundary and the layout starts there (no seam, no composition before it). After the
-prefill, a prefix that was not exact yet is queued for an idle-time pass (`help_idle`,
-after the queued alone passes); the cold fallback's pass takes the checkpoints itself.
+its boundary and the layout starts there (no seam, no composition before it). When the
+restored prefix leaves nothing to splice (an exact repeat: only the uncached rest is
+left), everything after the restore is prefix caching's path: its one pass
+(engine.pic.prefix.fill_with_checkpoints), and no lookup, claim, take, layer hook,
+capture, look-ahead hint or publishing of earlier captures on the request's path (those
+wait for the next request that splices, or for idle time). After the prefill, a prefix
+that was not exact yet is queued for an idle-time pass (`help_idle`, after the queued
+alone passes); the cold fallback's pass takes the checkpoints itself.
 
 Where signatures come from and go to is the planner's `SegmentStore` (engine.pic.
 segment_store: its call order): lookup at the `lookup` step, claim at the `miss` step
@@ -186,7 +191,6 @@ class PicPlanner(ReportingPlanner):
         return u.num_tokens + len(self.anchor_ids) if u.first else u.num_tokens - u.split
 
     def plan(self, request: Request) -> PrefillPlan:
-        self.keep_captured()  # earlier requests' context signatures, before this one looks up
         ids = list(request.prefill_token_ids())
         b = self._new_builder(request)
         bounds = prefix_bounds(request.prefill_segments()) if self.exact is not None else []
@@ -199,6 +203,11 @@ class PicPlanner(ReportingPlanner):
         items = self._layout(ids, request.prefill_segments(), start)
         units = splice_units(items)
         state = _RequestState(b, units, ids, bounds=bounds, prefix=prefix)
+        # an exact prefix that leaves nothing to splice: prefix caching's path after the
+        # restore (module docstring); no store work on this request's path
+        prefix_only = bool(start) and not units and self.config.fused
+        if not prefix_only:
+            self.keep_captured()  # earlier requests' context signatures, before this one looks up
         if units:  # nothing to look up after an exact prefix that covers every cached segment
             b.apply(0, self._lookup, "lookup")
             b.apply(0, self._compute_misses, "miss")
@@ -209,7 +218,10 @@ class PicPlanner(ReportingPlanner):
                 b.report.add_hit(cp.end - cp.start)
             b.report.prefix_tokens = start
             self.exact.restored += 1
-        if self.config.fused:
+        if prefix_only:
+            _, kinds, end = fused_spec(items, b.position)
+            b.fused(end, lambda runner, req, **kw: self._run_prefix_only(runner, req, **kw), kinds)
+        elif self.config.fused:
             spec, kinds, end = fused_spec(items, b.position)
             b.fused(end, lambda runner, req, _s=tuple(spec), _a=b.position, **kw: self._run_fused(
                 runner, req, _s, _a, **kw), kinds)
@@ -225,7 +237,8 @@ class PicPlanner(ReportingPlanner):
         request.planner_state[STATE_KEY] = state
         request.planner_state[HINTED_KEY] = True
         self.store.admit(request.request_id, list(dict.fromkeys(u.key for u in units)), prefix)
-        self._hint_queued()
+        if not prefix_only:
+            self._hint_queued()
         return b.build()
 
     def _hint_queued(self) -> None:
@@ -268,6 +281,22 @@ class PicPlanner(ReportingPlanner):
                              all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
                              captures=captures, batch_long_ranges=self.config.batch_long_ranges,
                              before_layer=self._layer_hook(request))
+
+    def _run_prefix_only(self, runner, request: Request, all_logits: bool = False):
+        """The rest of a request whose restored exact prefix leaves nothing to splice:
+        the pass prefix caching runs after its restore (PrefixPlanner's fused step,
+        engine.pic.prefix.fill_with_checkpoints: the same call, the same checkpoints of
+        any further boundary, put in the tree), with no store take, layer hook or
+        captures. A checkpoint deeper than the restored one goes to the store too."""
+        state: _RequestState = request.planner_state[STATE_KEY]
+        m = state.prefix
+        restored_tip = m.tree_tip
+        logits, tip = self.exact.fill_request(runner, request.seq, state.token_ids, state.bounds, m,
+                                              state.prefix_pinned, all_logits)
+        state.prefix_done = True
+        if tip is not None and tip is not restored_tip:
+            self.store.put_prefix(state.token_ids, tip)
+        return logits
 
     def _captures(self, state: _RequestState) -> Optional[CaptureSet]:
         """The fused step's captures (miss_signatures="context"), kept in the request state
@@ -458,8 +487,9 @@ class PicPlanner(ReportingPlanner):
     def keep_captured(self) -> int:
         """Turn the captures of finished prefills into signatures and publish them in the
         store; how many. Deferred from `on_prefill_done`, which the engine calls before it
-        samples the request's first token, to the next `plan()` (before any lookup) or
-        idle call, so that a request's TTFT does not carry its signatures' bookkeeping."""
+        samples the request's first token, to the next `plan()` that looks segments up
+        (before its lookup) or idle call, so that a request's TTFT does not carry its
+        signatures' bookkeeping (an exact repeat's plan leaves them for later)."""
         n = 0
         while self.captured:
             caps = self.captured.popleft()

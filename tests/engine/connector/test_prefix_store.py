@@ -37,10 +37,15 @@ def test_an_exact_repeat_is_restored_from_the_engine_then_from_the_daemon_in_ano
         pass
     assert planner.store.flush(30.0)
     assert planner.store.metrics.snapshot()["prefix_puts"] == 1
+    before = planner.store.metrics.snapshot()
     out2, rep2, sr2 = run_one(engine, planner, LAYOUT, "b")
     question = rep2.prompt_tokens - rep2.prefix_tokens
     assert sr2.prefix_source == "engine" and rep2.recomputed_tokens == question
     assert sr2.segments == 0  # no segment left to splice after the restored prefix
+    # prefix caching's path after the restore: nothing asked of or given to the daemon
+    after = planner.store.metrics.snapshot()
+    for name in ("lookup_rpcs", "lookup_keys", "prefix_lookups", "prefix_puts", "puts_queued", "claims", "captured"):
+        assert after[name] == before[name], name
     # a second engine on the same daemon: its tree is empty, the daemon has the checkpoint
     engine2, planner2 = store_engine(d)
     out3, rep3, sr3 = run_one(engine2, planner2, LAYOUT, "c")
