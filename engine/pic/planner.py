@@ -73,8 +73,9 @@ from engine.pic.errors import AlonePassStopped, PicConfigError
 from engine.pic.exact_prefix import ExactPrefixes, PrefixMatch, unpin
 from engine.pic.full import FullPlanner, full_pass
 from engine.pic.fused import fused_prefill
-from engine.pic.layout import (LayoutItem, Splice, SpliceUnit, first_placements, fused_items, fused_spec, layout,
+from engine.pic.layout import (LayoutItem, Splice, SpliceUnit, fused_items, fused_spec, layout,
                                seal_tails, splice_units)
+from engine.pic.miss_routing import fall_back_to_full, misses_in_context
 from engine.pic.prefix import PrefixNode, PrefixTree, prefix_bounds, restore_checkpoints
 from engine.pic.report import STATE_KEY, PlanBuilder, ReportingPlanner
 from engine.pic.segment_store import ClaimedJob, InProcessSegmentStore, SegmentJob, SegmentStore
@@ -385,47 +386,14 @@ class PicPlanner(ReportingPlanner):
         pieces = [SplicePiece(state.signatures[u.key], u.offset, u.first, self.linear_mode) for u in units]
         splice(runner.cache, runner.model, request.seq, pieces, kernel=self.config.kernel)
 
-    # ------------------------------------------------------------ cold fallback
+    # ------------------------------------------------------------ where misses go
     def _fall_back_to_full(self, state: _RequestState) -> bool:
-        """Cold fallback (module docstring): True when this request's misses hold at
-        least `cold_full_fraction` of its prompt; they are then queued for `help_idle`,
-        and the request's fused step computes the whole prompt."""
-        f = self.cold_full_threshold()
-        if f is None or not state.missing or not self.config.fused:
-            return False
-        if sum(u.num_tokens for u in state.missing) < f * len(state.token_ids):
-            return False
-        if self.config.miss_signatures == "context":
-            state.to_capture = first_placements(state.missing)
-            state.builder.report.set_cold_full(0, len(state.to_capture))
-        else:
-            self.deferred.add([self._job(state.token_ids, u) for u in state.missing])
-            state.builder.report.set_cold_full(len(state.missing))
-        if state.prefix is not None:  # the restored exact prefix stays reused; the rest is computed
-            r = state.builder.report
-            r.reused_tokens, r.hit_segments = state.prefix.end, len(state.prefix.path)
-            r.suffix_tokens = r.recomputed_tokens = r.prompt_tokens - state.prefix.end
-        state.missing = []
-        state.full = True
-        return True
+        """Cold fallback (module docstring; engine.pic.miss_routing.fall_back_to_full)."""
+        return fall_back_to_full(self.config, self.cold_full_threshold(), state, self.deferred, self._job)
 
     def _misses_in_context(self, state: _RequestState) -> bool:
-        """miss_path="context": the fused step computes this request's misses in context
-        (each where its splice would be: tail, or anchor + segment when placed first);
-        they are queued for `help_idle`. True when there were misses to take."""
-        if self.config.miss_path != "context" or not state.missing or not self.config.fused:
-            return False
-        capture = self.config.miss_signatures == "context"
-        if not capture:
-            self.deferred.add([self._job(state.token_ids, u) for u in state.missing])
-        state.in_context.update(u.key for u in state.missing)
-        if capture:
-            state.to_capture = first_placements(state.missing)
-        for key in dict.fromkeys(u.key for u in state.missing):  # every placement of each miss
-            state.builder.report.add_in_context_miss(
-                sum(u.end - u.splice_start for u in state.units if u.key == key), captured=capture)
-        state.missing = []
-        return True
+        """miss_path="context" (engine.pic.miss_routing.misses_in_context)."""
+        return misses_in_context(self.config, state, self.deferred, self._job)
 
     def cold_full_threshold(self) -> Optional[float]:
         """The share of a prompt's tokens in misses from which the cold fallback takes the
