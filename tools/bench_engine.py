@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
 import math
-import os
 import platform
 import re
 import statistics
@@ -51,6 +49,7 @@ from engine.models.presets import list_presets  # noqa: E402
 from engine.models.weights import load_model  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.runtime.sequence import Sequence  # noqa: E402
+from tools.results import write_json  # noqa: E402
 
 FULL_LENGTHS = (4096, 8192, 16384, 32768, 65536)
 FULL_BATCHES = (1, 32)
@@ -370,10 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "results": [asdict(r) for r in rows],
             "wall_s": time.perf_counter() - started,
         }
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_json(path, doc, indent=2)
     results: list[PresetResult] = []
     for i, cfg in enumerate(presets):
         preset_budget = Budget((total_budget - (time.perf_counter() - started)) / (len(presets) - i), hard_deadline)

@@ -52,7 +52,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -74,6 +73,7 @@ from engine.models.presets import get_preset  # noqa: E402
 from engine.models.weights import build_model, load_model  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.runtime.sequence import Sequence  # noqa: E402
+from tools.results import write_json  # noqa: E402
 
 FULL_LENGTHS = (32768, 131072, 262144)
 FULL_PRESETS = ("qwen3next-bench",)
@@ -584,10 +584,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save() -> None:
         doc["summary"] = summarize(doc["results"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
-        os.replace(tmp, path)
+        write_json(path, doc)
 
     if args.merge and path.exists():
         old = json.loads(path.read_text())

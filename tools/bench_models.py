@@ -68,6 +68,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.kernel_cache import kernel_cache_dir, use_kernel_cache  # noqa: E402
+from tools.results import write_json  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
 H200_MEASURED_MATMUL_TFLOPS = 790.0
@@ -184,10 +185,7 @@ class Report:
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(time.perf_counter() - self.t0, 2)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=2, sort_keys=False) + "\n")
-        os.replace(tmp, self.path)
+        write_json(self.path, self.doc, indent=2)
 
 
 class Budget:

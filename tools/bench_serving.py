@@ -63,6 +63,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from engine.connector.settings import PicSettings, PicSettingsError  # noqa: E402 (after the path fix)
+from tools.results import write_json  # noqa: E402
 
 GPU_PRESETS = "qwen3next-bench,ring-bench"
 QUICK_PRESETS = "qwen3next-tiny,ring-tiny"
@@ -436,11 +437,7 @@ def write_run(args, argv, start: float, presets: dict, complete: bool) -> dict:
            "wall_s": time.perf_counter() - start}
     if args.json is not None:
         path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(run, indent=1, default=str) + "\n")
-        os.replace(tmp, path)  # a reader (or a kill) never sees half a file
-        run["path"] = str(path)
+        run["path"] = str(write_json(path, run))
     return run
 
 

@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -83,6 +82,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from tools.results import write_json  # noqa: E402
 
 PHASES = ("serve", "qps", "sweep")
 WORKLOADS = "fact,twohop,aggregate,fewshot,rag,repeat,chat,mix"
@@ -383,11 +383,7 @@ def write(args, run: dict) -> dict:
     if args.json is None:
         return run
     path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-tiered-{run['date']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(run, indent=1, default=str) + "\n")
-    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
-    run["path"] = str(path)
+    run["path"] = str(write_json(path, run))
     return run
 
 

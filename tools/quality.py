@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import shlex
@@ -62,6 +61,7 @@ from tools.quality_measure import (METHODS, QualityError, expand_specs, open_ses
 from tools.quality_report import add_deltas, make_row, print_report, summarize  # noqa: E402
 from tools.train.evaluate import max_new_tokens  # noqa: E402
 from tools.workloads import TASKS, WorkloadError, iter_requests  # noqa: E402
+from tools.results import write_json as write_json_file  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PRESETS = ("qwen3next-tiny", "ring-tiny", "gemma3-tiny", "nemotronh-tiny", "gla-tiny")
@@ -450,10 +450,7 @@ def write_json(args: argparse.Namespace, argv: list[str], config: dict, rows: li
            "command": "python -m tools.quality " + shlex.join(argv), "config": config,
            "environment": environment(config["device"]), "seconds": seconds, "complete": complete, "rows": rows,
            "summary": summarize(rows, args.tolerance)}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_file(path, doc)
 
 
 if __name__ == "__main__":
