@@ -59,16 +59,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from kvstore.errors import (
-    BadObject,
-    CapacityExhausted,
-    InvalidRequest,
-    StorageError,
-    UnknownKey,
-)
+from kvstore.errors import BadObject, CapacityExhausted, InvalidRequest, StorageError, UnknownKey
 from kvstore.eviction import make_policy
 from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable
+from kvstore.memory_seam import MemorySeam
 from kvstore.objheader import ObjectHeader
 from kvstore.writeback import WriteBack
 from kvstore.remote.base import RemoteAdapter
@@ -85,7 +80,7 @@ from kvstore.records import (  # noqa: F401  (re-exported: the Store API's recor
     StoreSettings,
 )
 from kvstore.storemedia import StoreMedia
-from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.base import Tier
 from kvstore.tiers.registry import TIERS, TierRoles
 
 TIER_NAMES = TIERS.names  # (re-exported) fastest first; demotion goes left to right
@@ -115,6 +110,8 @@ class Store:
         self.tiers: dict[str, Tier] = self._media.tiers  # enabled tiers, fastest first (filled by open)
         self._place = Placement(self.tiers, None, self._policy, self._counters, self.dir / "objects")
         self._place.verify_moves = s.verify_memory == "always"
+        #: what the remote tier does to the objects (kvstore.memory_seam); locks self._lock
+        self.remote_seam = MemorySeam(self._lock, self._place, self.tiers, lambda: self.roles, lambda: self._open)
         self._leases = LeaseTable(s.lease_ttl_s)
         self._reservations = Reservations(s.lease_ttl_s, self._cond)
         self._index: Optional[ObjectIndex] = None
@@ -164,7 +161,7 @@ class Store:
             if self.roles.memory is None:
                 raise InvalidRequest("the remote tier needs a CPU tier (remote hits land there): give --cpu-capacity a size")
             adapter = self._remote_adapter if self._remote_adapter is not None else make_adapter(s.remote_url)
-            self._remote = RemoteTier(self, RemoteSettings(s.remote_url or f"({adapter.kind})", s.remote_policy,
+            self._remote = RemoteTier(self.remote_seam, RemoteSettings(s.remote_url or f"({adapter.kind})", s.remote_policy,
                                                            s.remote_timeout_s), adapter)
         except BaseException:
             self.close()
@@ -540,76 +537,6 @@ class Store:
                 self._cond.wait(0.05)  # lets the write-back settle its copies
                 n += self._place.evict_tier(tier)
             return n
-
-    # ------------------------------------------------------------------ remote tier's seam
-    # What kvstore.remote.tier.RemoteTier does to the Store: read committed objects out
-    # (pinned, outside the lock), and fill remote hits into the memory tier. Each call
-    # takes the lock itself; all of them are no-ops (None / [] / False) once closed.
-    @property
-    def memory_tier(self) -> Optional[Tier]:
-        """The memory tier (`roles.memory`: remote hits land there), None without one."""
-        name = self.roles.memory
-        return self.tiers.get(name) if name is not None else None
-
-    def pin_objects(self, keys: Sequence[bytes]) -> list[StoredObject]:
-        """Pin the committed objects among `keys` against moves and frees, so their
-        bytes can be read outside the lock (`tiers[o.tier]`, `o.slot`); absent keys are
-        left out; [] when closed. Give each back with `unpin_objects`."""
-        with self._lock:
-            if not self._open:
-                return []
-            out = []
-            for k in keys:
-                o = self._place.objects.get(k)
-                if o is not None and not o.removed:
-                    o.busy += 1
-                    out.append(o)
-            return out
-
-    def unpin_objects(self, objs: Sequence[StoredObject]) -> None:
-        """End `pin_objects` pins (a dropped object's slot is freed at its last pin)."""
-        with self._lock:
-            for o in objs:
-                o.busy -= 1
-                if self._open:
-                    self._place.release_slot_if_unpinned(o)
-
-    def allocate_memory(self, key: bytes, size: int) -> Optional[Slot]:
-        """A memory-tier slot of `size` bytes to fill `key`'s bytes into, making room
-        as a put would; None when closed, without a memory tier, or when `key` is
-        already committed. KVStoreError (CapacityExhausted) when no room can be made.
-        The slot ends in `adopt_memory` or `free_memory`."""
-        with self._lock:
-            name = self.roles.memory
-            if not self._open or name is None or key in self._place.objects:
-                return None
-            return self._place.allocate(name, size, key)
-
-    def adopt_memory(self, key: bytes, slot: Slot, checksum: int, meta: ObjectMeta) -> str:
-        """Commit a filled `allocate_memory` slot, whose bytes the caller has checked
-        hash to `checksum`, as `key`'s verified memory-tier object: "adopted"; "exists"
-        when `key` was committed meanwhile (the slot is freed, that object kept);
-        "closed" when the store closed (nothing done)."""
-        with self._lock:
-            t = self.memory_tier
-            if not self._open or t is None:
-                return "closed"
-            if key in self._place.objects:
-                t.free(slot)
-                return "exists"
-            slot = t.seal(slot, object_name(key))
-            now = time.time()
-            self._place.objects[key] = StoredObject(key, self.roles.memory, slot, checksum, meta, now, now,
-                                                    verified=True)
-            return "adopted"
-
-    def free_memory(self, slots: Sequence[Slot]) -> None:
-        """Give `allocate_memory` slots back unused (nothing once closed)."""
-        with self._lock:
-            t = self.memory_tier
-            if self._open and t is not None:
-                for slot in slots:
-                    t.free(slot)
 
     def stats(self) -> dict[str, Any]:
         """{"tiers": [{"name", "capacity_bytes", "used_bytes", "objects", ...}], "hits",

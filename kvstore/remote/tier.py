@@ -107,8 +107,9 @@ class _Latency:
 
 
 class StoreSeam(Protocol):
-    """The public calls of kvstore.store.Store that a RemoteTier makes (kvstore.store
-    imports this module, so it names this protocol instead of the Store)."""
+    """The calls a RemoteTier makes on its Store: kvstore.memory_seam.MemorySeam, which
+    each Store builds (`Store.remote_seam`; kvstore.store imports this module, so it
+    names this protocol instead)."""
 
     tiers: dict[str, Tier]
 
