@@ -59,7 +59,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from kvstore.errors import BadObject, CapacityExhausted, InvalidRequest, StorageError, UnknownKey
+from kvstore.errors import BadObject, InvalidRequest, StorageError, UnknownKey
 from kvstore.eviction import make_policy
 from kvstore.index import ObjectIndex
 from kvstore.leases import LeaseEntry, LeaseTable

@@ -70,9 +70,10 @@ from engine.hisparse import HiSparseConfig, HiSparseOffload  # noqa: E402
 from engine.hisparse.layer_cache import HiSparseLayerCache  # noqa: E402
 from engine.models.layers.base import ExternalKVCache  # noqa: E402
 from engine.models.presets import get_preset  # noqa: E402
-from engine.models.weights import build_model, load_model  # noqa: E402
+from engine.models.weights import build_model  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.runtime.sequence import Sequence  # noqa: E402
+from tools.hisparse_quality import dense_manager, hisparse_manager, phase_quality  # noqa: E402
 from tools.results import write_json  # noqa: E402
 
 FULL_LENGTHS = (32768, 131072, 262144)
@@ -199,17 +200,6 @@ def _cache_tensor_bytes(manager: CacheManager) -> int:
     return total
 
 
-def _dense_manager(model, slots: int, length: int) -> CacheManager:
-    return CacheManager.for_model(model, CacheConfig.for_tokens(length * slots, num_slots=slots, block_size=16))
-
-
-def _hs_manager(model, cfg: HiSparseConfig, slots: int, length: int, store=None):
-    off = HiSparseOffload(cfg, store, slots, length, model.device, model.dtype)
-    manager = CacheManager(cache_specs(model), CacheConfig(block_size=16, num_blocks=0, num_slots=slots),
-                           model.device, model.dtype, external_kv=off.layer_cache)
-    return manager, off
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -237,9 +227,9 @@ def phase_memory(s: dict[str, Any], out: dict[str, Any]) -> None:
                 _sync(device)
                 before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 if name == "dense":
-                    manager = _dense_manager(model, 1, length)
+                    manager = dense_manager(model, 1, length)
                 else:
-                    manager, _off = _hs_manager(model, _hs_config(s), 1, length)
+                    manager, _off = hisparse_manager(model, _hs_config(s), 1, length)
                 nbytes = _cache_tensor_bytes(manager)
                 row[f"{name}_bytes_per_seq"] = nbytes
                 if device.type == "cuda":
@@ -317,9 +307,9 @@ def _decode_point(model, s: dict[str, Any], kind: str, batch: int, length: int) 
     gen = torch.Generator().manual_seed(batch * 7 + length)
     off = None
     if kind == "dense":
-        manager = _dense_manager(model, batch, length + s["decode_steps"] + 2)
+        manager = dense_manager(model, batch, length + s["decode_steps"] + 2)
     else:
-        manager, off = _hs_manager(model, _hs_config(s), batch, length + s["decode_steps"] + 2, _store(s))
+        manager, off = hisparse_manager(model, _hs_config(s), batch, length + s["decode_steps"] + 2, _store(s))
     runner = ModelRunner(model, manager, cuda_graphs=None if kind == "dense" else False)
     seqs = [manager.allocate(Sequence(f"{kind}{i}")) for i in range(batch)]
     (_fill_dense if kind == "dense" else _fill_hisparse)(runner, seqs, length, gen)
@@ -380,8 +370,8 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
         for length in s["lengths"]:
             # the largest batches: device budget over device bytes per sequence (the memory
             # phase's measurement, taken again here), HiSparse also host budget over its mirror
-            dense_bytes = _cache_tensor_bytes(_dense_manager(model, 1, length))
-            hs_bytes = _cache_tensor_bytes(_hs_manager(model, _hs_config(s), 1, length)[0])
+            dense_bytes = _cache_tensor_bytes(dense_manager(model, 1, length))
+            hs_bytes = _cache_tensor_bytes(hisparse_manager(model, _hs_config(s), 1, length)[0])
             host_per_seq = _offloaded_bytes_per_seq(model, s, length)
             cap = s["max_batch"] or 1 << 30
             dense_max = max(1, min(cap, budget // dense_bytes))
@@ -466,82 +456,6 @@ def phase_mass(s: dict[str, Any], out: dict[str, Any]) -> None:
             "mean_share": sum(shares) / len(shares), "min_share": min(shares), "samples": len(shares)}
         manager.free(seq)
         del model, runner, manager
-
-
-def _quality_one(model, tok, request, block: int, share: float = 0.25,
-                 variant: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    from tools.workloads.scoring import score
-
-    ids = tok.encode(request.prompt, add_bos=True)
-    blocks = math.ceil(len(ids) / block)
-    var = {"sink_blocks": 1, "recent_blocks": 1, "dense_layers": 0, "summary": "minmax", "per_kv_head": True,
-           **(variant or {})}
-    pinned = var["sink_blocks"] + var["recent_blocks"]
-    budget = max(pinned + 1, math.ceil(share * blocks))
-    cfg = HiSparseConfig(enabled=True, block_size=block, topk=budget - pinned, hot_blocks=budget, min_context=0, **var)
-    max_new = max(8, len(tok.encode(request.answer)) + 4)
-    newline = tok.encode("\n")[0]
-
-    def runner(kind):
-        if kind == "dense":
-            return ModelRunner(model, _dense_manager(model, 1, len(ids) + max_new + 1), cuda_graphs=False), None
-        manager, off = _hs_manager(model, cfg, 1, len(ids) + max_new + 1)
-        return ModelRunner(model, manager, cuda_graphs=False), off
-
-    def generate(kind, forced=None):
-        r, _ = runner(kind)
-        seq = r.cache.allocate(Sequence(kind))
-        logits = [r.prefill(seq, ids)]
-        out = []
-        for i in range(max_new):
-            nxt = forced[i] if forced is not None else int(logits[-1].argmax())
-            out.append(nxt)
-            if forced is None and nxt == newline:
-                break
-            if forced is not None and i + 1 >= len(forced):
-                break
-            logits.append(r.decode([seq], [nxt])[0])
-        return out, logits
-
-    dense_tokens, dense_logits = generate("dense")
-    _, hs_logits = generate("hisparse", dense_tokens)
-    kls, agree = [], 0
-    for d, h in zip(dense_logits[1:len(dense_tokens)], hs_logits[1:len(dense_tokens)]):  # decode steps only
-        lp, lq = torch.log_softmax(d.double(), -1), torch.log_softmax(h.double(), -1)
-        kls.append(float((lp.exp() * (lp - lq)).sum()))
-        agree += int(d.argmax() == h.argmax())
-    hs_free, _ = generate("hisparse")
-    return {"blocks": blocks, "resident_budget": budget, "kl": kls, "top1_agree": agree, "steps": len(kls),
-            "dense_score": score(request, tok.decode(dense_tokens)), "hisparse_score": score(request, tok.decode(hs_free))}
-
-
-def phase_quality(s: dict[str, Any], out: dict[str, Any]) -> None:
-    from engine.tokenizer import load_tokenizer
-    from tools.workloads.generate import iter_requests
-
-    tok = load_tokenizer("byte")
-    res = {}
-    for preset in s["quality_presets"]:
-        loaded = load_model(preset, device="cpu" if s["quick"] else s["device"], dtype=torch.float32)
-        if not str(loaded.source).startswith("weights") and not s["quick"]:
-            res[preset] = {"skipped": f"no trained weights under models/{preset} (source {loaded.source})"}
-            continue
-        per_task = {}
-        for task in s["quality_tasks"]:
-            overrides = dict(docs="2-3", facts_per_doc=4) if s["quick"] else {}
-            rows = [_quality_one(loaded.model, tok, r, s["quality_block"], s["quality_budget"], s["quality_variant"])
-                    for r in iter_requests(task, s["quality_n"], seed=20, **overrides)]
-            kls = [k for r in rows for k in r["kl"]]
-            steps = sum(r["steps"] for r in rows)
-            per_task[task] = {
-                "requests": len(rows), "mean_blocks": sum(r["blocks"] for r in rows) / len(rows),
-                "mean_kl": sum(kls) / len(kls) if kls else None,
-                "top1_agreement": sum(r["top1_agree"] for r in rows) / steps if steps else None,
-                "dense_score": sum(r["dense_score"] for r in rows) / len(rows),
-                "hisparse_score": sum(r["hisparse_score"] for r in rows) / len(rows)}
-            per_task[task]["delta_points"] = per_task[task]["hisparse_score"] - per_task[task]["dense_score"]
-        res[preset] = {"source": loaded.source, "tasks": per_task}
-    out["quality"] = res
 
 
 # --------------------------------------------------------------------------- report

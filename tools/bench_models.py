@@ -59,7 +59,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -68,6 +67,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.kernel_cache import kernel_cache_dir, use_kernel_cache  # noqa: E402
+from tools.model_flops import flop_model  # noqa: E402
 from tools.results import write_json  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
@@ -106,69 +106,6 @@ def phase_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-
-
-# --------------------------------------------------------------------------- FLOPs
-@dataclass(frozen=True)
-class FlopModel:
-    """Per-token and per-prompt FLOPs of one config (see the module docstring)."""
-
-    dense_per_token: int  # every projection, active experts, convs; no LM head
-    lm_head_per_row: int
-    full_layers_heads_dim: int  # sum over full layers of heads x head_dim
-    swa_terms: list  # (heads x head_dim, window) per sliding-window layer
-    linear_per_token: int  # state update + read-out, all linear layers
-    linear_chunk_terms: int  # sum over linear layers of v_heads x (dk + dv)
-    chunk: int
-
-    def prefill(self, length: int) -> dict[str, float]:
-        dense = self.dense_per_token * length + self.lm_head_per_row
-        attn = 2 * self.full_layers_heads_dim * length ** 2
-        attn += sum(4 * hd * length * min(length, w) for hd, w in self.swa_terms)
-        lin = self.linear_per_token * length + self.linear_chunk_terms * self.chunk * length
-        return {"dense": float(dense), "attention": float(attn), "linear": float(lin),
-                "total": float(dense + attn + lin)}
-
-
-def flop_model(cfg) -> FlopModel:
-    import torch
-    from torch import nn
-
-    from engine.models.config import FULL, GDN, LINEAR_KINDS, SWA
-    from engine.models.decoder import HybridDecoder
-    from engine.models.layers.moe import SparseMoE
-
-    with torch.device("meta"):
-        model = HybridDecoder(cfg)
-
-    def linears(module) -> int:
-        return sum(2 * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
-
-    def convs(module) -> int:
-        return sum(2 * m.weight.numel() for m in module.modules() if type(m).__name__ == "ShortConv")
-
-    dense = 0
-    for block in model.blocks:
-        dense += linears(block.mixer) + convs(block.mixer)
-        mlp = block.mlp
-        if isinstance(mlp, SparseMoE):
-            per_expert = (mlp.experts_gate_up[0].numel() + mlp.experts_down[0].numel()) * 2
-            dense += linears(mlp.router) + mlp.top_k * per_expert
-            dense += (linears(mlp.shared) if mlp.shared is not None else 0)
-            dense += (linears(mlp.shared_gate) if mlp.shared_gate is not None else 0)
-        elif mlp is not None:
-            dense += linears(mlp)
-    a, lin = cfg.attention, cfg.linear
-    n_full = len(cfg.layer_indices(FULL))
-    swa = [(a.num_heads * a.head_dim, a.sliding_window) for _ in cfg.layer_indices(SWA)]
-    lin_tok, lin_chunk = 0, 0
-    for kind in cfg.layers:
-        if kind in LINEAR_KINDS:
-            lin_tok += (6 if kind == GDN else 4) * lin.num_v_heads * lin.key_dim * lin.value_dim
-            lin_chunk += lin.num_v_heads * (lin.key_dim + lin.value_dim)
-    return FlopModel(dense_per_token=dense, lm_head_per_row=2 * cfg.hidden_size * cfg.vocab_size,
-                     full_layers_heads_dim=n_full * a.num_heads * a.head_dim, swa_terms=swa,
-                     linear_per_token=lin_tok, linear_chunk_terms=lin_chunk, chunk=lin.chunk_size)
 
 
 # ----------------------------------------------------------------------- the run
