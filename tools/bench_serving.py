@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import sys
@@ -63,7 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from engine.connector.settings import PicSettings, PicSettingsError  # noqa: E402 (after the path fix)
-from tools.results import write_json  # noqa: E402
+from tools.results import merge_presets, read_runs, write_json  # noqa: E402
 
 GPU_PRESETS = "qwen3next-bench,ring-bench"
 QUICK_PRESETS = "qwen3next-tiny,ring-tiny"
@@ -445,25 +444,8 @@ def merge_runs(paths: list[str]) -> dict:
     """One run from several run JSONs (module docstring)."""
     from tools.servebench import report
 
-    runs = []
-    for p in paths:
-        try:
-            runs.append(json.loads(Path(p).read_text()))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--merge: cannot read run {p}: {exc}")
-        if not isinstance(runs[-1].get("presets"), dict):
-            raise SystemExit(f"--merge: {p} is not a bench_serving run (no 'presets')")
-    presets: dict = {}
-    for run in runs:
-        for name, pre in run["presets"].items():
-            have = presets.setdefault(name, {})
-            for key, val in pre.items():
-                if key == "workloads":
-                    have.setdefault("workloads", {})
-                    for w, v in val.items():
-                        have["workloads"].setdefault(w, v)
-                elif have.get(key) in (None, {}, []):
-                    have[key] = val
+    runs = read_runs(paths, "bench_serving")
+    presets = merge_presets(runs)
     return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in runs),
             "machine": runs[0].get("machine"), "quick": any(r.get("quick") for r in runs),
             "config": [r.get("config") for r in runs], "merged_from": [str(p) for p in paths],
@@ -478,9 +460,7 @@ def main(argv=None) -> int:
 
         run = merge_runs(args.merge)
         if args.json is not None:
-            path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(run, indent=1, default=str) + "\n")
+            write_json(Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-{run['date']}.json", run)
         print(report.tables(run["presets"], run["summary"]))
         return 0
     import torch

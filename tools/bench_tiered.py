@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 import tempfile
@@ -82,7 +81,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from tools.results import write_json  # noqa: E402
+from tools.results import merge_presets, read_runs, write_json  # noqa: E402
 
 PHASES = ("serve", "qps", "sweep")
 WORKLOADS = "fact,twohop,aggregate,fewshot,rag,repeat,chat,mix"
@@ -388,24 +387,8 @@ def write(args, run: dict) -> dict:
 
 
 def merge_runs(paths: list[str]) -> dict:
-    runs = []
-    for p in paths:
-        try:
-            runs.append(json.loads(Path(p).read_text()))
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--merge: cannot read run {p}: {exc}")
-        if not isinstance(runs[-1].get("presets"), dict):
-            raise SystemExit(f"--merge: {p} is not a bench_tiered run (no 'presets')")
-    presets: dict = {}
-    for run in runs:
-        for name, pre in run["presets"].items():
-            have = presets.setdefault(name, {})
-            for key, val in pre.items():
-                if key == "workloads":
-                    have.setdefault("workloads", {}).update({w: v for w, v in val.items()
-                                                             if w not in have["workloads"]})
-                elif have.get(key) in (None, {}, []):
-                    have[key] = val
+    runs = read_runs(paths, "bench_tiered")
+    presets = merge_presets(runs)
     pcie = next((r["pcie"] for r in runs if (r.get("pcie") or {}).get("pinned_h2d_gbps")), runs[0].get("pcie") or {})
     return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in runs),
             "machine": runs[0].get("machine"), "quick": any(r.get("quick") for r in runs),
