@@ -1,0 +1,174 @@
+"""Where a prefill's device time goes, by kernel family: one warm prefill profiled.
+
+    python tools/profile_prefill.py --presets qwen3.5-35b-a3b-real,ring-mini-linear-2.0-real \
+        --length 16384 --out docs/results/prefill-profile-<date>.json          # H200, ~2 min
+    python tools/profile_prefill.py --quick                                      # CPU, seconds
+
+For each preset: the model is built as tools/bench_models.py builds it (meta-device init,
+bf16 on the GPU), one untimed prefill of `--length` random tokens warms the kernels, one
+timed prefill gives the wall time, and one prefill under torch.profiler gives every
+device kernel's time. Kernels are grouped by family (dense GEMM, grouped expert GEMM,
+linear attention, softmax attention, norms, routing/permutation, elementwise, other;
+the regexes are `FAMILIES` below) and reported with their share of the profiled prefill,
+next to the analytic FLOPs of tools/model_flops.py split the same way where it can be
+(`matmul` FLOPs vs the GEMM families' time gives their own utilisation). `device_idle`
+is the wall time the GPU spent with no kernel running (launch-bound host code shows up
+there). The JSON is rewritten after each preset.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.results import write_json  # noqa: E402
+
+#: kernel family -> regex over the kernel's name (first match wins, in this order).
+FAMILIES: list[tuple[str, str]] = [
+    ("grouped_gemm", r"grouped|group_gemm|GroupedGemm|grouped_mm"),
+    ("dense_gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm100_|matmul|Gemm"),
+    ("softmax_attention", r"flash|fmha|attn_fwd|_attn|attention|sdpa|paged"),
+    ("linear_attention", r"chunk|recurrent|delta|kda|gla|lightning|simple_gla|solve_tril|wy|cumsum|l2norm"),
+    ("conv", r"conv"),
+    ("norm", r"norm"),
+    ("routing", r"sort|topk|scatter|gather|index|bincount|histogram|radix|cumsum|offsets"),
+    ("copy", r"copy|Memcpy|memcpy|Memset|cat_|CatArray"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|silu|sigmoid|softplus|exp|mul|add"),
+]
+
+
+def family(name: str) -> str:
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def _kernel_rows(prof) -> list[tuple[str, float, int]]:
+    """(kernel name, device microseconds, calls) for every device kernel the profile saw."""
+    import torch
+
+    rows = []
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(evt, "self_cuda_time_total", 0.0)
+        is_kernel = getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if dev_us and (is_kernel or evt.key.startswith("Memcpy") or evt.key.startswith("Memset")):
+            rows.append((evt.key, float(dev_us), int(evt.count)))
+    return rows
+
+
+def _cpu_rows(prof, top: int) -> list[dict[str, Any]]:
+    """Host ops by self CPU time (the quick path's only time, and launch costs on a GPU)."""
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": int(e.count)} for e in ops]
+
+
+def profile_preset(name: str, length: int, quick: bool, top: int) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.cache.manager import CacheConfig, CacheManager
+    from engine.models.presets import get_preset
+    from engine.models.weights import build_model
+    from engine.runtime.runner import ModelRunner
+    from engine.runtime.sequence import Sequence
+    from tools.bench_models import scaled_down
+    from tools.model_flops import flop_model
+
+    cuda = torch.cuda.is_available() and not quick
+    cfg = scaled_down(name) if quick else get_preset(name)
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build_model(cfg, device, dtype)
+    mgr = CacheManager.for_model(model, CacheConfig.for_tokens(length + 16, num_slots=1, block_size=16))
+    runner = ModelRunner(model, mgr)
+    ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def once(tag: str) -> float:
+        seq = mgr.allocate(Sequence(tag))
+        sync()
+        t0 = time.perf_counter()
+        runner.prefill(seq, ids, 0)
+        sync()
+        secs = time.perf_counter() - t0
+        mgr.free(seq)
+        return secs
+
+    warm = once("warm")
+    timed = once("timed")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        profiled = once("profiled")
+    kernels = _kernel_rows(prof) if cuda else []
+    by_family: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "calls": 0})
+    for kname, us, calls in kernels:
+        f = by_family[family(kname)]
+        f["ms"] += us / 1e3
+        f["kernels"] += 1
+        f["calls"] += calls
+    busy_ms = sum(us for _, us, _ in kernels) / 1e3
+    flops = flop_model(cfg).prefill(length)
+    out: dict[str, Any] = {
+        "length": length, "device": str(device), "dtype": str(dtype),
+        "warmup_s": round(warm, 4), "prefill_s": round(timed, 4), "tokens_per_s": round(length / timed, 1),
+        "profiled_prefill_s": round(profiled, 4), "flops": flops,
+        "kernel_busy_ms": round(busy_ms, 3),
+        "device_idle_ms": round(max(0.0, profiled * 1e3 - busy_ms), 3) if cuda else None,
+        "by_family": {k: {"ms": round(v["ms"], 3), "share": round(v["ms"] / busy_ms, 4) if busy_ms else None,
+                          "kernels": v["kernels"], "calls": v["calls"]}
+                      for k, v in sorted(by_family.items(), key=lambda kv: -kv[1]["ms"])},
+        "top_kernels": [{"kernel": k[:160], "family": family(k), "ms": round(us / 1e3, 3), "calls": c}
+                        for k, us, c in sorted(kernels, key=lambda r: -r[1])[:top]],
+        "top_host_ops": _cpu_rows(prof, top),
+    }
+    gemm_ms = sum(out["by_family"].get(f, {}).get("ms", 0.0) for f in ("dense_gemm", "grouped_gemm"))
+    if cuda and gemm_ms:
+        out["gemm_tflops_achieved"] = round(flops["dense"] / (gemm_ms / 1e3) / 1e12, 1)
+    del runner, mgr, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="qwen3.5-35b-a3b-real,ring-mini-linear-2.0-real")
+    ap.add_argument("--length", type=int, default=None, help="prompt tokens (default 16384; --quick 256)")
+    ap.add_argument("--top", type=int, default=25, help="rows of the top-kernel and host-op tables")
+    ap.add_argument("--quick", action="store_true", help="CPU, scaled-down presets")
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = ap.parse_args(argv)
+    length = args.length or (256 if args.quick else 16384)
+    report: dict[str, Any] = {"tool": "tools/profile_prefill.py", "argv": sys.argv[1:], "presets": {}}
+    status = 0
+    for name in [p for p in args.presets.split(",") if p]:
+        try:
+            res = profile_preset(name, length, args.quick, args.top)
+        except Exception as exc:  # one preset failing must not lose the others
+            res = {"failed": f"{type(exc).__name__}: {exc}"}
+            status = 1
+        report["presets"][name] = res
+        if args.out:
+            write_json(Path(args.out), report)
+        fams = {k: v["ms"] for k, v in res.get("by_family", {}).items()}
+        print(f"{name}: prefill {res.get('prefill_s')} s, idle {res.get('device_idle_ms')} ms, families {fams}"
+              if "failed" not in res else f"{name}: {res['failed']}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
