@@ -13,7 +13,9 @@ the regexes are `FAMILIES` below) and reported with their share of the profiled 
 next to the analytic FLOPs of tools/model_flops.py split the same way where it can be
 (`matmul` FLOPs vs the GEMM families' time gives their own utilisation). `device_idle`
 is the wall time the GPU spent with no kernel running (launch-bound host code shows up
-there). The JSON is rewritten after each preset.
+there). `--decode-batch B` adds decode at batch B over 1024-token contexts: ms per step
+replayed from the runner's CUDA graphs and eager, and an eager step's kernels by family.
+The JSON is rewritten after each preset.
 """
 from __future__ import annotations
 
@@ -73,7 +75,72 @@ def _cpu_rows(prof, top: int) -> list[dict[str, Any]]:
     return [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": int(e.count)} for e in ops]
 
 
-def profile_preset(name: str, length: int, quick: bool, top: int) -> dict[str, Any]:
+def _families(kernels: list[tuple[str, float, int]], steps: int = 1) -> dict[str, dict[str, Any]]:
+    busy = sum(us for _, us, _ in kernels) / 1e3 / steps
+    fams: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "calls": 0})
+    for kname, us, calls in kernels:
+        f = fams[family(kname)]
+        f["ms"] += us / 1e3 / steps
+        f["kernels"] += 1
+        f["calls"] += calls // steps
+    return {k: {"ms": round(v["ms"], 3), "share": round(v["ms"] / busy, 4) if busy else None,
+                "kernels": v["kernels"], "calls": v["calls"]}
+            for k, v in sorted(fams.items(), key=lambda kv: -kv[1]["ms"])}
+
+
+def profile_decode(model, cfg, batch: int, cuda: bool, top: int, context: int = 1024,
+                   steps: int = 4) -> dict[str, Any]:
+    """Decode at `batch` over `context` tokens each: ms per step replayed from CUDA graphs
+    (as bench_models measures) and eager, and one eager step's kernels by family (per step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.cache.manager import CacheConfig, CacheManager
+    from engine.runtime.runner import ModelRunner
+    from engine.runtime.sequence import Sequence
+
+    gen = torch.Generator().manual_seed(1)
+    res: dict[str, Any] = {"batch": batch, "context": context}
+    for mode in ("graphs", "eager"):
+        mgr = CacheManager.for_model(model, CacheConfig.for_tokens((context + 4 * steps + 8) * batch,
+                                                                    num_slots=batch, block_size=16))
+        runner = ModelRunner(model, mgr, cuda_graphs=(None if mode == "graphs" else False))
+        seqs = [mgr.allocate(Sequence(f"{mode}{i}")) for i in range(batch)]
+        for seq in seqs:
+            runner.prefill(seq, torch.randint(0, cfg.vocab_size, (context,), generator=gen), 0)
+        tok = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(model_device(model))
+        for _ in range(2):
+            tok = runner.decode(seqs, tok).argmax(-1)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = runner.decode(seqs, tok).argmax(-1)
+        if cuda:
+            torch.cuda.synchronize()
+        res[f"{mode}_ms_per_step"] = round((time.perf_counter() - t0) / steps * 1e3, 3)
+        if mode == "eager" and cuda:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    tok = runner.decode(seqs, tok).argmax(-1)
+                torch.cuda.synchronize()
+            kernels = _kernel_rows(prof)
+            res["eager_kernel_busy_ms_per_step"] = round(sum(us for _, us, _ in kernels) / 1e3 / steps, 3)
+            res["eager_by_family_per_step"] = _families(kernels, steps)
+            res["eager_top_kernels_per_step"] = [
+                {"kernel": k[:160], "family": family(k), "ms": round(us / 1e3 / steps, 4), "calls": c // steps}
+                for k, us, c in sorted(kernels, key=lambda r: -r[1])[:top]]
+        for seq in seqs:
+            mgr.free(seq)
+        del runner, mgr
+    return res
+
+
+def model_device(model):
+    return next(model.parameters()).device
+
+
+def profile_preset(name: str, length: int, quick: bool, top: int, decode_batch: int = 0) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,6 +202,8 @@ def profile_preset(name: str, length: int, quick: bool, top: int) -> dict[str, A
                         for k, us, c in sorted(kernels, key=lambda r: -r[1])[:top]],
         "top_host_ops": _cpu_rows(prof, top),
     }
+    if decode_batch:
+        out["decode"] = profile_decode(model, cfg, decode_batch, cuda, top)
     gemm_ms = sum(out["by_family"].get(f, {}).get("ms", 0.0) for f in ("dense_gemm", "grouped_gemm"))
     if cuda and gemm_ms:
         out["gemm_tflops_achieved"] = round(flops["dense"] / (gemm_ms / 1e3) / 1e12, 1)
@@ -150,6 +219,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--length", type=int, default=None, help="prompt tokens (default 16384; --quick 256)")
     ap.add_argument("--top", type=int, default=25, help="rows of the top-kernel and host-op tables")
     ap.add_argument("--quick", action="store_true", help="CPU, scaled-down presets")
+    ap.add_argument("--decode-batch", type=int, default=0,
+                    help="also decode at this batch: graph vs eager ms per step, eager kernels by family")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
     length = args.length or (256 if args.quick else 16384)
@@ -157,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     status = 0
     for name in [p for p in args.presets.split(",") if p]:
         try:
-            res = profile_preset(name, length, args.quick, args.top)
+            res = profile_preset(name, length, args.quick, args.top, args.decode_batch)
         except Exception as exc:  # one preset failing must not lose the others
             res = {"failed": f"{type(exc).__name__}: {exc}"}
             status = 1

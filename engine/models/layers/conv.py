@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.causal_conv import causal_conv1d
+
 
 class ShortConv(nn.Module):
     def __init__(self, channels: int, width: int, bias: bool = False, activation: str | None = "silu") -> None:
@@ -32,11 +34,23 @@ class ShortConv(nn.Module):
     def _act(self, y: torch.Tensor) -> torch.Tensor:
         return F.silu(y) if self.activation == "silu" else y
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[B, T, C]`, tail `[B, C, width-1]` or None (zeros) -> (y `[B, T, C]`, new tail)."""
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None,
+                force_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, C]`, tail `[B, C, width-1]` or None (zeros) -> (y `[B, T, C]`, new tail).
+        On CUDA (or with `force_kernel`) through kernels/causal_conv.py's time-first kernel;
+        elsewhere the channel-first `F.conv1d` below, its reference."""
         b, t, c = x.shape
         if tail is None:
             tail = self.zero_tail(b, x.device, x.dtype)
+        if x.is_cuda or force_kernel:
+            y = causal_conv1d(x, self.weight, self.bias, tail, self.activation == "silu",
+                              force_triton=True if force_kernel else None)
+            w1 = self.width - 1
+            if t >= w1:
+                new = x[:, t - w1:].transpose(1, 2)
+            else:
+                new = torch.cat([tail[:, :, t:].to(x.dtype), x.transpose(1, 2)], dim=2)
+            return y, new.contiguous()
         xx = torch.cat([tail.to(x.dtype), x.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
         y = F.conv1d(xx, self.weight[:, None, :].to(x.dtype), self.bias, groups=c)  # [B, C, T]
         new_tail = xx[:, :, xx.shape[2] - (self.width - 1):]

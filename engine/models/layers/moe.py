@@ -12,7 +12,8 @@ groups are eligible); the chosen unbiased scores renormalised and times
 Expert compute is grouped, not a loop over experts: the (token, choice) pairs are sorted
 by expert, and two grouped GEMMs (`torch.nn.functional.grouped_mm`, one per projection,
 with per-expert row offsets computed on the device) run every expert's rows in one call
-each; the outputs are weighted and summed back per token with one `index_add_`. No value
+each; each row's routing weight scales its expert intermediate, and the rows are put back in
+token order by one gather and summed over the k choices (`combine_choices`). No value
 is read back to the host, so the layer can be captured in a CUDA graph. Where grouped_mm
 cannot take the operands (strides not 16-byte aligned, or fp32 on CUDA) the experts run
 one by one (`loop`, which reads the per-expert counts back), or, while a CUDA graph is
@@ -39,6 +40,16 @@ def grouped_gemm_ok(a: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     item = a.element_size()
     return all((w.shape[-1] * item) % 16 == 0 and (w.shape[-2] * item) % 16 == 0 for w in weights)
+
+
+def combine_choices(y: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Rows `y [n*k, D]` in expert order (row i belongs to (token, choice) pair `order[i]`)
+    -> the sum over each token's k choices `[n, D]`: the rows put back in pair order by one
+    gather, then summed over k (accumulated in float32, rounded once). No atomics, no host
+    read."""
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
+    return y.index_select(0, inv).view(n, k, y.shape[-1]).sum(dim=1)
 
 
 class SparseMoE(nn.Module):
@@ -99,19 +110,24 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k  # token of each sorted (token, choice) pair
         xs = x[token]
+        w_sorted = weights.reshape(-1)[order, None]
         w_gu, w_down = self.experts_gate_up, self.experts_down
+        sorted_ids = flat[order]
         if grouped_gemm_ok(xs, w_gu, w_down):
-            ends = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device), right=True)
+            ends = torch.searchsorted(sorted_ids, torch.arange(self.num_experts, device=x.device), right=True)
             offs = ends.to(torch.int32)
             h = F.grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)
             gate, up = h.chunk(2, dim=-1)
-            y = F.grouped_mm(self.act(gate) * up, w_down.transpose(1, 2), offs=offs)
-        elif xs.is_cuda and torch.cuda.is_current_stream_capturing():
-            y = self.gathered(xs, flat[order])
+            # the routing weight scales the expert's intermediate (the down projection is
+            # linear), a product over [rows, I] instead of [rows, D]
+            y = F.grouped_mm(self.act(gate) * up * w_sorted, w_down.transpose(1, 2), offs=offs)
         else:
-            y = self.loop(xs, flat[order])
-        y = y * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+            if xs.is_cuda and torch.cuda.is_current_stream_capturing():
+                y = self.gathered(xs, sorted_ids)
+            else:
+                y = self.loop(xs, sorted_ids)
+            y = y * w_sorted
+        return combine_choices(y.to(x.dtype), order, n, k)
 
     def loop(self, xs: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
         """The experts one by one over rows sorted by expert (the fallback of `experts`)."""

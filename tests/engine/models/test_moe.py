@@ -109,3 +109,17 @@ def test_moe_on_cuda_matches_the_definition_and_replays_in_a_cuda_graph(dtype):
     static.copy_(torch.randn_like(static))
     graph.replay()
     torch.testing.assert_close(out.float(), moe(static).float(), rtol=tol, atol=tol)
+
+
+def test_combine_choices_equals_the_per_token_sum_in_expert_order():
+    """combine_choices (a gather back to pair order, then a sum over k) against index_add_
+    of each sorted row onto its token, on fresh random routing."""
+    from engine.models.layers.moe import combine_choices
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    n, k, d, experts = 37, 4, 24, 9
+    ids = torch.randint(0, experts, (n, k), generator=gen)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    y = torch.randn(n * k, d, generator=gen, dtype=torch.float64)
+    want = torch.zeros(n, d, dtype=torch.float64).index_add_(0, order // k, y)
+    torch.testing.assert_close(combine_choices(y, order, n, k), want, rtol=1e-12, atol=1e-12)
