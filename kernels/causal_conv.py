@@ -78,12 +78,17 @@ if HAS_TRITON:
             src = tt64 + (j - (W - 1))  # input position; < 0: the tail's entry W-1+src
             wj = tl.load(w_ptr + cc64 * s_wc + j * s_ww, mask=cmask, other=0.0).to(tl.float32)
             in_x = tmask & (src >= 0)
-            in_tail = tmask & (src < 0)
             xv = tl.load(x_ptr + b * s_xb + src[:, None] * s_xt + cc64[None, :] * s_xc,
                          mask=in_x[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            tv = tl.load(tail_ptr + b * s_tb + cc64[None, :] * s_tc + (src + (W - 1))[:, None] * s_tw,
-                         mask=in_tail[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            acc += (xv + tv) * wj[None, :]
+            acc += xv * wj[None, :]
+        if tl.program_id(1) == 0:  # only the first time tile reaches back into the tail
+            for j in tl.static_range(W - 1):
+                src = tt64 + (j - (W - 1))
+                wj = tl.load(w_ptr + cc64 * s_wc + j * s_ww, mask=cmask, other=0.0).to(tl.float32)
+                in_tail = tmask & (src < 0)
+                tv = tl.load(tail_ptr + b * s_tb + cc64[None, :] * s_tc + (src + (W - 1))[:, None] * s_tw,
+                             mask=in_tail[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                acc += tv * wj[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + cc64, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if SILU:

@@ -3,12 +3,16 @@
 
 Both go through `torch.nn.functional.rms_norm` (one fused kernel on CUDA in recent torch;
 it upcasts to float32 inside, so the result equals the explicit float32 form), and
-`l2_normalize` is the same op with a constant weight."""
+`l2_normalize` is the same op with a constant weight. On CUDA the gated norms and
+`l2_normalize` run as one fused kernel each (kernels/fused_norms.py), the torch forms here
+being their reference."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.fused_norms import gated_rms_norm_rows, l2_normalize_rows
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +41,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel (kernels/fused_norms.py); the lines below are its reference
+            return gated_rms_norm_rows(x, gate, self.weight, self.eps, self.activation, self.weight.numel())
         xf = F.rms_norm(x.to(torch.float32), self.weight.shape, self.weight.to(torch.float32), self.eps)
         g = gate.to(torch.float32)
         g = F.silu(g) if self.activation == "silu" else torch.sigmoid(g)
@@ -76,6 +82,8 @@ class GroupRMSNormGate(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel (kernels/fused_norms.py); the lines below are its reference
+            return gated_rms_norm_rows(x, gate, self.weight, self.eps, "sigmoid", x.shape[-1] // self.groups)
         lead = x.shape[:-1]
         g = x.to(torch.float32).reshape(*lead, self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -89,6 +97,8 @@ _L2_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim, as fla's in-kernel l2norm does, in float32:
     rms_norm with eps/d and the constant float32 weight d^-1/2 (one fused op)."""
+    if x.is_cuda:  # one fused kernel (kernels/fused_norms.py); the lines below are its reference
+        return l2_normalize_rows(x, eps)
     d = x.shape[-1]
     w = _L2_WEIGHTS.get((d, x.device))
     if w is None:
