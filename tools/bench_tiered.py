@@ -71,7 +71,9 @@ docs/results/serving-tiered-<date>.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import gc
 import statistics
 import sys
 import tempfile
@@ -82,8 +84,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from tools.results import merge_presets, read_runs, write_json  # noqa: E402
+from tools.servebench.phase_clock import PhaseClock, parse_limits  # noqa: E402
 
-PHASES = ("serve", "qps", "sweep")
+#: the phases, in the order a command runs them (serve, pcie and qps share one engine and daemon)
+PHASES = ("serve", "pcie", "qps", "sweep")
+ENGINE_PHASES = ("serve", "pcie", "qps")
 WORKLOADS = "fact,twohop,aggregate,fewshot,rag,repeat,chat,mix"
 
 
@@ -98,6 +103,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="CPU, tiny preset and sizes")
     ap.add_argument("--preset", default=None, help="model preset (default qwen3next-bench; quick qwen3next-tiny)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    ap.add_argument("--limit-s", default=None, metavar="LIMITS",
+                    help="wall-clock limit per phase: SECONDS (each phase) or PHASE=SECONDS,... (e.g. serve=300,qps=200);"
+                         " a phase past it stops after its current unit of work and records \"stopped\": \"time limit\"")
+    ap.add_argument("--sync-timings", action="store_true",
+                    help="diagnostic: synchronise the device at every prefill step (exact per-step device times in "
+                         "each request's breakdown; the TTFTs include the syncs)")
+    ap.add_argument("--check-warmup", action="store_true",
+                    help="record every kernel specialisation launched (tools.servebench.kernel_keys) and list those a "
+                         "timed request launched first (warmup.cold_launches)")
     ap.add_argument("--workloads", default=WORKLOADS, help="workloads of the serve phase")
     ap.add_argument("--n", type=int, default=None, help="requests per workload (default 5; quick 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (quick 450)")
@@ -127,15 +141,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-capacity", default=None, help="serve/qps daemon GPU tier (default 16GiB with CUDA)")
     ap.add_argument("--nvme-capacity", default=None, help="serve/qps daemon NVMe tier (default 24GiB; quick 1GiB)")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="RUN", help="join run JSONs; nothing is measured")
+    ap.add_argument("--pic-kernel", default="auto", choices=("auto", "triton", "torch"),
+                    help="PicConfig.kernel: auto (Triton on CUDA, torch references on the CPU); triton on the CPU runs "
+                         "PIC's kernels under TRITON_INTERPRET (what --check-warmup can see there)")
+    ap.add_argument("--merge", nargs="*", default=None, metavar="RUN",
+                    help="with RUN paths: join those run JSONs, nothing is measured; alone: measure the phases and keep "
+                         "the earlier phases' results of the --json file (this run's phases replace theirs)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="write the run (default docs/results/serving-tiered-<date>.json)")
     args = ap.parse_args(argv)
     q = args.quick
-    args.phases = [p for p in args.phases.split(",") if p]
-    bad = [p for p in args.phases if p not in PHASES]
+    want = [p for p in args.phases.split(",") if p]
+    bad = [p for p in want if p not in PHASES]
     if bad:
         ap.error(f"--phases: unknown {bad}; choose from {', '.join(PHASES)}")
+    args.phases = [p for p in PHASES if p in want]
+    try:
+        args.limits = parse_limits(args.limit_s, PHASES)
+    except ValueError as exc:
+        ap.error(f"--limit-s: {exc}")
+    if args.merge == [] and args.json is None:
+        ap.error("--merge without runs keeps the earlier phases of the --json file: give --json")
     args.workloads = [w for w in args.workloads.split(",") if w]
     from tools.servebench.requests import ALL_TASKS
 
@@ -192,63 +218,124 @@ def _harness(args, engine, socket: str, *, sweep: bool):
                                 device_cache_bytes=0 if sweep else None,
                                 put_tier=("gpu" if cuda else "cpu") if sweep else None)
     budget = device_cache_capacity(conn, engine.device)
-    pic = PicConfig(cold_full_fraction=0.5, exact_prefix=not sweep)
+    pic = PicConfig(cold_full_fraction=0.5, exact_prefix=not sweep, kernel=args.pic_kernel)
     if budget:  # prefix caching's tree and PIC's exact prefixes: the byte budget of the device cache
         pic = replace(pic, prefix_cache_bytes=budget)
     return Harness(engine, conn, pic, prefix_store=True), budget
 
 
-def serve_phase(args, engine, socket: str, out: dict, log, save) -> None:
+def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, phase) -> None:
+    """The phases of `args.phases` that share one engine and daemon (ENGINE_PHASES), in
+    order, each under `phase(name)` (its PhaseClock). The untimed warm-up runs first, in
+    the first phase's time: every timed workload's procedure (warmup_tasks), rag for the
+    pcie and qps phases."""
     from tools.servebench import measure, requests, tiered
 
     scale = "tiny" if args.quick else "bench"
     h, budget = _harness(args, engine, socket, sweep=False)
     out["device_cache_bytes"] = budget
-    try:
-        t0 = time.perf_counter()
-        if engine.device.type == "cuda":  # compile every kernel variant first (nothing to compile on the CPU)
-            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
-        kernels_s = time.perf_counter() - t0
-        # untimed: each timed workload's procedure on throwaway requests of its size class
-        # (mix stands for the workloads it is made of); the qps phase alone: rag, what it serves
-        tasks = warmup_tasks(args.workloads) if "serve" in args.phases else ["rag"]
-        load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
-                                             args.docs)
-        out["warmup"] = {"kernels_s": round(kernels_s, 3), **tiered.warm_up(h, load, tasks, args.warmup_n)}
-        out["warmup"]["total_s"] = round(kernels_s + out["warmup"]["s"], 3)
-        log(f"warm-up (untimed): {out['warmup']['total_s']:.1f} s over {', '.join(tasks)}")
-        save()
-        if "serve" in args.phases:
-            for task in args.workloads:
-                reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
-                w = tiered.ttft_after_twin(h, reqs)
-                out["workloads"][task] = w
-                log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
-                    f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms"
-                    f"; warm hits dev/gpu/cpu/nvme: prefix {tiered.format_hits(w['prefix']['warm']['hits_by_source'])}"
-                    f", pic {tiered.format_hits(w['pic']['warm']['hits_by_source'])}")
-                save()
-            from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
+    load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
+                                         args.docs)
+    launches = None
+    if args.check_warmup:
+        from tools.servebench.kernel_keys import KernelLaunches
 
-            out["break_even"] = break_even(stored_by_tier(h), out["workloads"])
-            # what a hit reads, by part and dtype: where the bytes could shrink
-            out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
-            save()
-            # the serve phase's hits come from the device cache and the GPU tier: its rag
-            # requests once more with every hit loaded from the CPU tier (tiered.cpu_tier_loads)
-            step = tiered.cpu_tier_loads(h, requests.load("rag", args.n, args.seed, scale, args.max_tokens, args.docs))
-            out["cpu_tier_step"] = step
-            log(f"cpu-tier step (rag x{step['requests']}): hits dev/gpu/cpu/nvme "
-                f"{tiered.format_hits(step['hits_by_source'])}, h2d {step['connector']['h2d_copy_bytes'] / 2**20:.1f} "
-                f"MiB at {step['gb_per_s'] or 0:.1f} GB/s")
-            save()
-        if "qps" in args.phases:
-            qps_phase(args, h, out, log, save)
+        launches = KernelLaunches()
+    try:
+        with contextlib.ExitStack() as stack:
+            if launches is not None:
+                stack.enter_context(launches.recording())
+            first = True
+            for name in (p for p in ENGINE_PHASES if p in args.phases):
+                with phase(name) as clock:
+                    if first:
+                        t0 = time.perf_counter()
+                        if launches is not None:
+                            launches.label = "warm-up"
+                        if engine.device.type == "cuda":  # compile every kernel variant first
+                            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
+                        kernels_s = time.perf_counter() - t0
+                        tasks = warmup_tasks(args.workloads) if "serve" in args.phases else []
+                        tasks += ["rag"] if {"pcie", "qps"} & set(args.phases) and "rag" not in tasks else []
+                        mark = None if launches is None else (
+                            lambda t, m, s: setattr(launches, "label", "warm-up"))
+                        out["warmup"] = {"kernels_s": round(kernels_s, 3),
+                                         **tiered.warm_up(h, load, tasks, args.warmup_n, mark=mark)}
+                        out["warmup"]["total_s"] = round(kernels_s + out["warmup"]["s"], 3)
+                        log(f"warm-up (untimed): {out['warmup']['total_s']:.1f} s over {', '.join(tasks)}")
+                        if launches is not None:
+                            launches.seal()
+                        save()
+                        first = False
+                    {"serve": serve_phase, "pcie": pcie_phase, "qps": qps_phase}[name](
+                        args, h, run, out, log, save, clock, launches)
+        if launches is not None:
+            out["warmup"]["cold_launches"] = launches.cold()
+            out["warmup"]["kernel_specialisations"] = launches.count()
             save()
         out["connector_pic"] = h.store.metrics.snapshot()
         h.purge()
     finally:
         h.close()
+
+
+def serve_phase(args, h, run, out: dict, log, save, clock, launches=None) -> None:
+    """TTFT per workload (module docstring), the break-even bandwidth and what a hit reads."""
+    from tools.servebench import requests, tiered
+    from tools.servebench.breakdown import mean_breakdown
+
+    scale = "tiny" if args.quick else "bench"
+    for task in args.workloads:
+        if clock():
+            log(f"serve: {clock.stopped} after {clock.elapsed_s():.0f} s; workloads not run: "
+                f"{', '.join(t for t in args.workloads if t not in out['workloads'])}")
+            break
+        t0 = time.perf_counter()
+        reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
+        mark = (lambda m, s: None) if launches is None else (
+            lambda m, s, _t=task: setattr(launches, "label", f"{_t}/{m}/{s}"))
+        w = tiered.ttft_after_twin(h, reqs, mark)
+        w["wall_s"] = round(time.perf_counter() - t0, 3)
+        out["workloads"][task] = w
+        log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
+            f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms"
+            f"; warm hits dev/gpu/cpu/nvme: prefix {tiered.format_hits(w['prefix']['warm']['hits_by_source'])}"
+            f", pic {tiered.format_hits(w['pic']['warm']['hits_by_source'])}")
+        if task in ("repeat", "chat"):
+            for m in ("prefix", "pic"):
+                b = mean_breakdown(w[m]["warm"]["breakdown"])
+                log(f"  {task} {m} warm breakdown (ms): " + ", ".join(
+                    f"{k[:-3]} {b[k]:.1f}" for k in ("lookup_ms", "restore_ms", "miss_ms", "forward_ms", "drain_ms",
+                                                     "other_ms")) + f"; store rpcs {b['store_rpcs_per_request']}")
+        save()
+    if out["workloads"]:
+        from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
+
+        out["break_even"] = break_even(stored_by_tier(h), out["workloads"])
+        # what a hit reads, by part and dtype: where the bytes could shrink
+        out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
+        save()
+
+
+def pcie_phase(args, h, run, out: dict, log, save, clock, launches=None) -> None:
+    """Pinned host -> device bandwidth (CUDA), then the serving path's CPU-tier loads: the
+    serve phase's hits come from the device cache and the GPU tier, so rag requests run
+    once more with every hit loaded from the CPU tier (tiered.cpu_tier_loads)."""
+    from tools.servebench import requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    run["pcie"] = {"pinned_h2d_gbps": tiered.pinned_h2d_gbps()}
+    save()
+    if clock():
+        return
+    if launches is not None:
+        launches.label = "pcie/cpu-tier-step"
+    step = tiered.cpu_tier_loads(h, requests.load("rag", args.n, args.seed, scale, args.max_tokens, args.docs))
+    out["cpu_tier_step"] = step
+    log(f"cpu-tier step (rag x{step['requests']}): hits dev/gpu/cpu/nvme "
+        f"{tiered.format_hits(step['hits_by_source'])}, h2d {step['connector']['h2d_copy_bytes'] / 2**20:.1f} "
+        f"MiB at {step['gb_per_s'] or 0:.1f} GB/s")
+    save()
 
 
 def warmup_tasks(workloads: list[str]) -> list[str]:
@@ -262,7 +349,8 @@ def warmup_tasks(workloads: list[str]) -> list[str]:
     return want
 
 
-def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:
+def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launches=None) -> None:
+    """Sustainable rate at the p99 SLO, per method, over repeats (module docstring)."""
     from tools.servebench import requests, tiered
 
     scale = "tiny" if args.quick else "bench"
@@ -285,15 +373,20 @@ def qps_phase(args, h, out: dict, log, save=lambda: None) -> None:
         out["qps"] = {**q, "slo_rule": rule, "complete": False}
         save()
 
+    if launches is not None:
+        launches.label = "qps"
     q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
-                           args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial)
-    q["complete"] = True
+                           args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
+                           stop=clock or tiered.never)
+    q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule
     out["qps"] = q
-    log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}")
+    log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}"
+        + (f" ({q['stopped']} after {len(q['repeats'])} repeats)" if q["stopped"] else ""))
+    save()
 
 
-def sweep_phase(args, preset: str, opts: dict, out: dict, log, save) -> None:
+def sweep_phase(args, preset: str, opts: dict, out: dict, log, save, clock=None) -> None:
     import torch
 
     from engine.builder import EngineConfig, build_engine
@@ -325,13 +418,15 @@ def sweep_phase(args, preset: str, opts: dict, out: dict, log, save) -> None:
 
         tiered.working_set_sweep(h, lambda n: tiered.make_corpus(load, n, args.seed + 50), _size(tier), args.sweep,
                                  args.sweep_requests, args.sweep_docs, args.seed + 51,
-                                 stand_in=None if cuda else "cpu", log=log, save=keep)
+                                 stand_in=None if cuda else "cpu", log=log, save=keep, stop=clock or tiered.never)
+        out["sweep"]["stopped"] = clock() if clock else None
         out["connector_sweep"] = h.store.metrics.snapshot()
         save()
     finally:
         h.close()
         daemon.cleanup()
-        del engine
+        del engine, h
+        gc.collect()  # the model's memory back before another engine is built
         if cuda:
             torch.cuda.empty_cache()
 
@@ -378,22 +473,42 @@ def summarize(presets: dict, pcie: dict) -> dict:
             "prefix_reuse_by_workload": base["prefix_reuse_by_workload"]}
 
 
+def json_path(args, date: str) -> Path:
+    return Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-tiered-{date}.json"
+
+
 def write(args, run: dict) -> dict:
     if args.json is None:
         return run
-    path = Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-tiered-{run['date']}.json"
-    run["path"] = str(write_json(path, run))
+    run["path"] = str(write_json(json_path(args, run["date"]), run))
     return run
 
 
 def merge_runs(paths: list[str]) -> dict:
-    runs = read_runs(paths, "bench_tiered")
+    doc = merge_docs(read_runs(paths, "bench_tiered"))
+    doc["merged_from"] = [str(p) for p in paths]
+    return doc
+
+
+def merge_docs(runs: list[dict]) -> dict:
+    """Runs (each a run JSON, maybe itself merged) joined into one: per preset, each key
+    from the first run that has it (tools.results.merge_presets; workloads one by one),
+    the phases' records one by one, the pinned PCIe figure from the first run that
+    measured one; the summary recomputed from the joined presets."""
     presets = merge_presets(runs)
+    for name, pre in presets.items():
+        phases: dict = {}
+        for r in runs:
+            for ph, rec in ((r["presets"].get(name) or {}).get("phases") or {}).items():
+                phases.setdefault(ph, rec)
+        pre["phases"] = phases
     pcie = next((r["pcie"] for r in runs if (r.get("pcie") or {}).get("pinned_h2d_gbps")), runs[0].get("pcie") or {})
-    return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in runs),
+    configs = []
+    for r in runs:
+        configs += r["config"] if isinstance(r.get("config"), list) else [r.get("config")]
+    return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in reversed(runs)),
             "machine": runs[0].get("machine"), "quick": any(r.get("quick") for r in runs),
-            "config": [r.get("config") for r in runs], "merged_from": [str(p) for p in paths],
-            "complete": all(r.get("complete") for r in runs), "pcie": pcie, "presets": presets,
+            "config": configs, "complete": all(r.get("complete") for r in runs), "pcie": pcie, "presets": presets,
             "summary": summarize(presets, pcie), "wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
 
 
@@ -425,7 +540,6 @@ def main(argv=None) -> int:
 
     from engine.builder import EngineConfig, build_engine, resolve_device
     from tools.bench_serving import engine_options, machine
-    from tools.servebench import tiered
 
     if args.quick:
         torch.set_num_threads(1)
@@ -434,36 +548,59 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     opts = engine_options(args, device)
     preset = args.preset
-    out: dict = {"preset": preset, "device": str(device), "engine": opts, "workloads": {}}
-    run = {"date": dt.date.today().isoformat(), "command": " ".join(["python", "tools/bench_tiered.py",
-                                                                    *(argv if argv is not None else sys.argv[1:])]),
+    date = dt.date.today().isoformat()
+    earlier = None
+    if args.merge == [] and json_path(args, date).is_file():  # keep the earlier phases of the file
+        earlier = read_runs([str(json_path(args, date))], "bench_tiered")[0]
+        log(f"--merge: keeping the phases of {json_path(args, date)} this run does not measure")
+    out: dict = {"preset": preset, "device": str(device), "engine": opts, "workloads": {}, "phases": {}}
+    run = {"date": date, "command": " ".join(["python", "tools/bench_tiered.py",
+                                              *(argv if argv is not None else sys.argv[1:])]),
            "machine": machine(), "quick": args.quick, "config": vars(args), "complete": False,
-           "pcie": {"pinned_h2d_gbps": tiered.pinned_h2d_gbps()}, "presets": {preset: out}}
+           "pcie": {}, "presets": {preset: out}}
 
     def save() -> None:
         run["summary"] = summarize(run["presets"], run["pcie"])
         run["wall_s"] = time.perf_counter() - start
-        write(args, run)
+        if earlier is None:
+            write(args, run)
+        else:
+            merged = write(args, merge_docs([run, earlier]))
+            run["path"] = merged.get("path")
 
-    if {"serve", "qps"} & set(args.phases):
+    @contextlib.contextmanager
+    def phase(name: str):
+        """The phase's clock; its record (limit, wall time, why it stopped) in out["phases"]."""
+        clock = PhaseClock(name, args.limits.get(name))
+        out["phases"][name] = clock.record(complete=False)
+        save()
+        yield clock
+        out["phases"][name] = clock.record(complete=True)
+        log(f"phase {name}: {clock.elapsed_s():.1f} s" + (f", stopped: {clock.stopped}" if clock.stopped else ""))
+        save()
+
+    if set(ENGINE_PHASES) & set(args.phases):
         cuda = device.type == "cuda"
         daemon = _daemon("bench-tiered-", args.cpu_capacity, args.gpu_capacity or ("16GiB" if cuda else "0"),
                          args.nvme_capacity)
         engine = build_engine(preset, EngineConfig(**opts))
+        engine.sync_timings = args.sync_timings
         try:
-            serve_phase(args, engine, str(daemon.socket), out, log, save)
+            engine_phases(args, engine, str(daemon.socket), run, out, log, save, phase)
         finally:
             daemon.cleanup()
             del engine
+            gc.collect()  # the model's memory back before the sweep builds its own engine
             if cuda:
                 torch.cuda.empty_cache()
     if "sweep" in args.phases:
-        sweep_phase(args, preset, opts, out, log, save)
+        with phase("sweep") as clock:
+            sweep_phase(args, preset, opts, out, log, save, clock)
     run["complete"] = True
     save()
     if run.get("path"):
         log(f"wrote {run['path']}")
-    print(table(run))
+    print(table(run if earlier is None else merge_docs([run, earlier])))
     return 0
 
 
