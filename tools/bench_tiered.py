@@ -2,16 +2,62 @@
 its checkpoints in the same daemon tiers, QPS at a p99 SLO by bisection over repeats, and
 a working-set sweep whose corpus outgrows the GPU tier.
 
-    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~2 min
-    # on the H200, every summary key in one command meant to fit in 9 minutes on a fresh
-    # box (kernels compile 60-120 s there; the budget is an estimate from the phases'
-    # earlier separate runs, not yet timed as one command):
-    python tools/bench_tiered.py --n 2 --qps-repeats 3 --qps-requests 6 --qps-max-trials 5 \
-        --qps-warmup 2 --sweep 0.5,2,8,32 --sweep-requests 3 --json
-    # or in two commands, then one merge:
-    python tools/bench_tiered.py --phases serve --json /tmp/tiered-a.json
-    python tools/bench_tiered.py --phases qps,sweep --json /tmp/tiered-b.json
-    python tools/bench_tiered.py --merge /tmp/tiered-a.json /tmp/tiered-b.json --json
+    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~3 min
+
+On the H200: one command per 10-minute call, each phase under a wall-clock limit, the
+JSON rewritten after every unit of work, and each command keeping the earlier phases of
+the same file (`--merge` alone), so the calls add up to one run and a timeout loses at
+most the unit under way:
+
+    OUT=/root/out/serving-tiered.json
+    # 1. serve + pcie: ~2 min on a box whose Triton cache is warm, ~4 min fresh
+    python tools/bench_tiered.py --phases serve,pcie --n 2 --limit-s serve=360,pcie=60 --json $OUT --merge
+    # 2. qps: ~2.5 min warm, ~4 min fresh
+    python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 5 \
+        --qps-warmup 2 --limit-s qps=330 --json $OUT --merge
+    # 3. sweep: ~2 min warm, ~4 min fresh
+    python tools/bench_tiered.py --phases sweep --sweep 0.5,2,8,32 --limit-s sweep=360 --json $OUT --merge
+    # the real-shape presets' TTFT and QPS tables, one call each (a file of their own, so the
+    # headline summary stays qwen3next-bench's): ~6.5 min (qwen3.5, 65 GiB bf16), ~4.5 min (ring)
+    python tools/bench_tiered.py --preset qwen3.5-35b-a3b-real --phases serve,qps --n 2 --qps-repeats 3 \
+        --qps-requests 6 --qps-max-trials 5 --qps-warmup 2 --limit-s serve=240,qps=240 \
+        --json /root/out/serving-tiered-real.json --merge
+    python tools/bench_tiered.py --preset ring-mini-linear-2.0-real --phases serve,qps --n 2 --qps-repeats 3 \
+        --qps-requests 6 --qps-max-trials 5 --qps-warmup 2 --limit-s serve=240,qps=240 \
+        --json /root/out/serving-tiered-real.json --merge
+    # diagnostics, not for the figures (they change the TTFTs they explain): exact per-step
+    # device times in the breakdowns; kernel specialisations a timed request compiled
+    python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 3 --sync-timings --json /root/out/sync.json
+    python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
+
+Time estimates, from the code and the 2026-12-02 H200 run (qwen3next-bench: full rag
+~14k tokens 150-310 ms, warm PIC 20-40 ms, 50 KB of signature per token): every command
+pays a preamble of ~30 s (imports, fla, model build, upfront prefill-graph capture,
+daemon start) and, on a box whose Triton cache is cold, 60-120 s of kernel compilation in
+`measure.warm_kernels` (seconds when an earlier command on the box compiled them).
+- serve (`--n 2`, 8 workloads): untimed warm-up of 7 workloads x 1 request x 7 runs (full;
+  prefix and PIC each cold, twin, warm) ~10 s; timed 7 x 2 x 7 runs + mix 7 x 7 ~ 100
+  runs ~20-30 s with their idle exact-prefix passes and puts; break-even read-back ~2 s.
+- pcie: 6 pinned 256 MiB copies (< 1 s), `--n` rag requests x 3 passes through the CPU
+  tier (~2 s).
+- qps: per repeat and method `--qps-warmup` requests alone, one burst, then up to
+  `--qps-max-trials` trials of `--qps-requests` Poisson arrivals near the sustainable
+  rate (3-10/s, a trial ~1.5-3 s with its drain): ~12 s a search with 2/6/5, ~25 s with
+  the defaults 4/8/8; x 2 methods x `--qps-repeats`; alone in its process it first runs
+  3 rag requests for its SLO base and warms up on rag.
+- sweep (0.5,2,8,32 x a 512 MiB GPU tier): its own engine and daemon (~30 s); the corpus
+  grows to 16 GiB (~190 documents of ~85 MB, ~48 cold build requests with their puts and
+  ~12 GiB demoted to NVMe: ~40 s); 4 points x `--sweep-requests` (6) x (full + PIC
+  loading from the tiers, <= 0.5 s) ~15 s.
+- real shapes: prefill ~2.3x qwen3next-bench's per token on qwen3.5-35b-a3b-real (16k
+  tokens in 0.59 s, docs/results/models-2026-12-02.json), ~0.8x on ring; the model is
+  built on the device from meta-device modules (bench_models measured 0.4 s), its kernels
+  compile anew (head dims differ).
+Limits are cooperative: a phase past its limit finishes the unit under way (a workload
+~5 s; a QPS trial ~3 s; a sweep request ~1 s) and stops, recording
+`"stopped": "time limit"` (per phase in `phases`, and in `qps` / `sweep`); the untimed
+warm-up (and its compilation) runs inside the first engine phase and is not cut, so give
+that phase a limit above it. A run killed from outside keeps what its last rewrite held.
 
 (the QPS phase without the serve phase in its process measures its SLO base, the idle
 full-recompute rag p99, on three requests of its own first)
@@ -21,13 +67,21 @@ timed request, untimed, on CUDA `measure.warm_kernels`, then the serve procedure
 (tools.servebench.tiered.warm_up: full, prefix and PIC, cold and after the twin) on
 `--warmup-n` throwaway requests of each timed workload's size class (mix excepted: it is
 made of the others' requests; rag alone when the process runs the qps phase without the
-serve phase), so no timed request pays kernel compilation. Each workload records its
+serve phase), so no timed request pays kernel compilation (prefill-graph buckets are
+captured when the engine is built: EngineConfig.prefill_graphs "upfront";
+`--check-warmup` records the specialisation key of every Triton launch and lists in
+`warmup.cold_launches` those a timed request launched first, each a compilation on a GPU:
+tools.servebench.kernel_keys; on the CPU it sees PIC's own kernels under
+TRITON_INTERPRET with `--pic-kernel triton`, not the model's, which run as torch there).
+Each workload records its
 hits by source (`hits_by_source` of each method and state: the engine's device cache,
 the daemon's gpu / cpu / nvme tiers, exact prefixes restored) and the log line prints
 the warm ones.
 
-Phases (`--phases`, each rewrites the JSON when it ends, so a run stopped by a time
-limit keeps the finished ones):
+Phases (`--phases`, run in this order whatever the order given; serve, pcie and qps
+share one engine and daemon, whose GPU tier is sized once the model is loaded:
+`--gpu-capacity`, default 16 GiB or a quarter of the free device memory, the smaller;
+`phases` in the JSON: each one's limit, wall time, `stopped` and `complete`):
 
 - `serve`: TTFT per workload (the five document workloads, `repeat`, `chat`, `mix`:
   tools/servebench/requests.py), cold and warm (tools.servebench.tiered.ttft_after_twin:
@@ -35,7 +89,12 @@ limit keeps the finished ones):
   recompute, prefix caching through the daemon (`--method prefix --store`: its
   checkpoints in the daemon's tiers, its tree bounded like PIC's exact prefixes) and PIC
   through the daemon, with the engine's device cache bounded by
-  `--device-cache-fraction` of the free device memory (StoreConnectorConfig).
+  `--device-cache-fraction` of the free device memory (StoreConnectorConfig). Every
+  warm request of prefix caching and PIC records where its TTFT went (`breakdown`:
+  lookup, restore, miss, forward, drain, other ms and the daemon calls it made;
+  tools.servebench.breakdown), the log prints the means for repeat and chat.
+- `pcie`: pinned host -> device bandwidth (`pcie.pinned_h2d_gbps`; None without CUDA),
+  then the serving path's CPU-tier loads (`cpu_tier_step`, below).
 - `qps`: sustainable Poisson rate at p99 TTFT <= SLO (`--slo-factor` x the idle
   full-recompute rag p99 of the serve phase, or `--slo-ms`), found by bracketing and
   bisection to within `--qps-tolerance` (10%), `--qps-repeats` (3) times per method
@@ -47,16 +106,15 @@ limit keeps the finished ones):
   prefixes are off there: every hit comes from a daemon tier (hits, bytes and time per
   tier, device memory; tools/servebench/tiered.py).
 
-Also measured: pinned host -> device bandwidth (CUDA), and per preset the break-even
-disk bandwidth of a hit. `summary` (issue 23's names): `ttft_vs_best_baseline_avg` /
+Also measured, in the serve phase: per preset the break-even disk bandwidth of a hit. `summary` (issue 23's names): `ttft_vs_best_baseline_avg` /
 `_min` (warm TTFT of the faster baseline / PIC's, over workloads),
 `exact_repeat_pic_over_prefix_ttft` (PIC / prefix caching warm TTFT on `repeat`),
 `qps_gain_vs_prefix_at_slo_median` (median over repeats of PIC / prefix sustainable
 rate), `qps_repeats` (each repeat's rates and gain), `cpu_to_gpu_fraction_of_pcie_serving`
 (CPU-tier -> device copies of the PIC planners in this run, bytes / copy time, over the
-pinned H2D bandwidth measured in the same run; None without CUDA). In the serve phase
-the engine's device cache and the daemon's GPU tier hold every warm hit, so the serve
-phase ends with a measured step of its own (`cpu_tier_step`,
+pinned H2D bandwidth of the pcie phase; None without CUDA). In the serve phase
+the engine's device cache and the daemon's GPU tier hold every warm hit, so the pcie
+phase has a measured step of its own (`cpu_tier_step`,
 tools.servebench.tiered.cpu_tier_loads: its rag requests once more with the device
 cache off and puts into the CPU tier, so every hit loads from the CPU tier); the sweep's
 CPU-tier loads (points past 1x, where the GPU tier overflows) count too.
@@ -64,9 +122,20 @@ CPU-tier loads (points past 1x, where the GPU tier overflows) count too.
 figure), `by_phase` (bytes, ms and GB/s of each). `working_set_sweep`
 (the sweep's points), `break_even_read_gb_per_s` (per preset).
 
-`--merge RUN.json ...` joins runs (phases of one preset from separate processes) into one
-and recomputes the summary; with `--json PATH` it is written there (default
-docs/results/serving-tiered-<date>.json).
+`--merge` alone keeps, in the `--json` file it rewrites, the earlier runs' results this
+run does not measure (per preset: each workload, each key, each phase's record; this
+run's replace theirs), so the summary is computed over every phase present.
+`--merge RUN.json ...` joins runs (phases or presets from separate processes) into one
+and recomputes the summary (the first run that has a key wins); with `--json PATH` it is
+written there (default docs/results/serving-tiered-<date>.json).
+
+Real-shape presets (`--preset qwen3.5-35b-a3b-real` / `ring-mini-linear-2.0-real`,
+engine/models/published.py): on the GPU the model is built in bf16 on the device (no
+host or float32 copy, engine.models.weights.build_model), one engine at a time (the
+sweep's is built after the first is freed), the device cache and the daemon's GPU tier
+sized from the memory left; with `--quick` the scaled-down variant runs on the CPU
+(tools.bench_models.scaled_down: the same layer families and routing), `model` in the
+JSON names it.
 """
 from __future__ import annotations
 
@@ -79,6 +148,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -101,7 +171,10 @@ def _size(text: str) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, tiny preset and sizes")
-    ap.add_argument("--preset", default=None, help="model preset (default qwen3next-bench; quick qwen3next-tiny)")
+    ap.add_argument("--preset", default=None,
+                    help="model preset (default qwen3next-bench; quick qwen3next-tiny); a real-shape preset "
+                         "(qwen3.5-35b-a3b-real, ring-mini-linear-2.0-real) runs with --quick as its scaled-down "
+                         "variant (tools.bench_models.scaled_down)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     ap.add_argument("--limit-s", default=None, metavar="LIMITS",
                     help="wall-clock limit per phase: SECONDS (each phase) or PHASE=SECONDS,... (e.g. serve=300,qps=200);"
@@ -138,7 +211,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-requests", type=int, default=None, help="requests per sweep point (default 6; quick 3)")
     ap.add_argument("--sweep-docs", type=int, default=None, help="documents per sweep request (default 4; quick 3)")
     ap.add_argument("--cpu-capacity", default=None, help="serve/qps daemon CPU tier (default 32GiB; quick 512MiB)")
-    ap.add_argument("--gpu-capacity", default=None, help="serve/qps daemon GPU tier (default 16GiB with CUDA)")
+    ap.add_argument("--gpu-capacity", default=None,
+                    help="serve/qps daemon GPU tier (default with CUDA: 16GiB, at most a quarter of the device memory "
+                         "free once the model and its KV cache are loaded)")
     ap.add_argument("--nvme-capacity", default=None, help="serve/qps daemon NVMe tier (default 24GiB; quick 1GiB)")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
     ap.add_argument("--pic-kernel", default="auto", choices=("auto", "triton", "torch"),
@@ -194,6 +269,40 @@ def parse_args(argv=None) -> argparse.Namespace:
         except Exception:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: not a size like 512MiB")
     return args
+
+
+def model_source(args) -> tuple[str, Optional[str]]:
+    """What build_engine loads for `args.preset`, and how it differs from the preset: with
+    --quick a real-shape preset is its scaled-down variant (the same layer families and
+    routing at CPU size), initialised once and saved to a temporary directory (None: the
+    preset itself)."""
+    from engine.models.presets import REAL_SHAPE_PRESETS
+
+    if not (args.quick and args.preset in REAL_SHAPE_PRESETS):
+        return args.preset, None
+    import torch
+
+    from engine.models.weights import build_model, save_model
+    from tools.bench_models import scaled_down
+
+    cfg = scaled_down(args.preset)
+    d = tempfile.mkdtemp(prefix="bench-tiered-model-")
+    save_model(build_model(cfg, "cpu", torch.float32), d)
+    return d, cfg.name
+
+
+def daemon_gpu_capacity(args, device) -> str:
+    """The serve daemon's GPU tier: --gpu-capacity, else none without CUDA, else 16 GiB
+    or a quarter of the device memory free now (after the model and its KV cache), the
+    smaller (a real-shape model leaves less)."""
+    if args.gpu_capacity:
+        return args.gpu_capacity
+    if device.type != "cuda":
+        return "0"
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return f"{max(1, min(16 << 10, int(free / 4) >> 20))}MiB"
 
 
 def _daemon(root: str, cpu: str, gpu: str, nvme: str):
@@ -386,7 +495,7 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     save()
 
 
-def sweep_phase(args, preset: str, opts: dict, out: dict, log, save, clock=None) -> None:
+def sweep_phase(args, source: str, opts: dict, out: dict, log, save, clock=None) -> None:
     import torch
 
     from engine.builder import EngineConfig, build_engine
@@ -399,7 +508,7 @@ def sweep_phase(args, preset: str, opts: dict, out: dict, log, save, clock=None)
         daemon = _daemon("bench-tiered-sweep-", args.sweep_cpu_capacity, tier, args.sweep_nvme_capacity)
     else:  # the CPU tier stands in for the GPU tier
         daemon = _daemon("bench-tiered-sweep-", tier, "0", args.sweep_nvme_capacity)
-    engine = build_engine(preset, EngineConfig(**opts))
+    engine = build_engine(source, EngineConfig(**opts))
     h, _ = _harness(args, engine, str(daemon.socket), sweep=True)
     try:
         from tools.servebench import measure
@@ -553,7 +662,9 @@ def main(argv=None) -> int:
     if args.merge == [] and json_path(args, date).is_file():  # keep the earlier phases of the file
         earlier = read_runs([str(json_path(args, date))], "bench_tiered")[0]
         log(f"--merge: keeping the phases of {json_path(args, date)} this run does not measure")
-    out: dict = {"preset": preset, "device": str(device), "engine": opts, "workloads": {}, "phases": {}}
+    source, variant = model_source(args)
+    out: dict = {"preset": preset, "model": variant or preset, "device": str(device), "engine": opts, "workloads": {},
+                 "phases": {}}
     run = {"date": date, "command": " ".join(["python", "tools/bench_tiered.py",
                                               *(argv if argv is not None else sys.argv[1:])]),
            "machine": machine(), "quick": args.quick, "config": vars(args), "complete": False,
@@ -581,10 +692,14 @@ def main(argv=None) -> int:
 
     if set(ENGINE_PHASES) & set(args.phases):
         cuda = device.type == "cuda"
-        daemon = _daemon("bench-tiered-", args.cpu_capacity, args.gpu_capacity or ("16GiB" if cuda else "0"),
-                         args.nvme_capacity)
-        engine = build_engine(preset, EngineConfig(**opts))
+        t0 = time.perf_counter()
+        engine = build_engine(source, EngineConfig(**opts))
+        out["engine_build_s"] = round(time.perf_counter() - t0, 3)
         engine.sync_timings = args.sync_timings
+        gpu_tier = daemon_gpu_capacity(args, device)  # sized once the model is on the device
+        daemon = _daemon("bench-tiered-", args.cpu_capacity, gpu_tier, args.nvme_capacity)
+        out["daemon"] = {"gpu": gpu_tier, "cpu": args.cpu_capacity, "nvme": args.nvme_capacity}
+        log(f"engine {out['model']} built in {out['engine_build_s']:.1f} s; daemon tiers {out['daemon']}")
         try:
             engine_phases(args, engine, str(daemon.socket), run, out, log, save, phase)
         finally:
@@ -595,7 +710,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     if "sweep" in args.phases:
         with phase("sweep") as clock:
-            sweep_phase(args, preset, opts, out, log, save, clock)
+            sweep_phase(args, source, opts, out, log, save, clock)
     run["complete"] = True
     save()
     if run.get("path"):

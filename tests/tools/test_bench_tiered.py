@@ -335,3 +335,32 @@ def test_kernel_launches_flag_a_specialisation_first_launched_after_the_warm_up(
         "_rope_scatter_kernel"}
     launch(9, heads=5)  # outside recording(): not seen
     assert rec.count() == 3
+
+
+def test_quick_real_shape_preset_runs_its_scaled_down_variant_through_the_serving_path(tmp_path):
+    out = tmp_path / "real.json"
+    p = _run(["--quick", "--preset", "qwen3.5-35b-a3b-real", "--phases", "serve,pcie", "--workloads", "rag,repeat",
+              "--n", "1", "--json", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(out.read_text())
+    pre = run["presets"]["qwen3.5-35b-a3b-real"]
+    assert pre["model"] == "qwen3.5-35b-a3b-real:scaled-down" and pre["daemon"]["gpu"] == "0"
+    assert set(pre["workloads"]) == {"rag", "repeat"} and pre["phases"]["serve"]["complete"]
+    rag, rep = pre["workloads"]["rag"], pre["workloads"]["repeat"]
+    assert rag["pic"]["warm"]["hit_segments"] > 0 and rag["pic"]["warm"]["miss_segments"] == 0
+    assert rep["pic"]["warm"]["reuse_fraction"] > 0.5 and rep["prefix"]["warm"]["reuse_fraction"] > 0.5
+    assert pre["cpu_tier_step"]["hits_by_source"]["cpu"] > 0
+    assert run["summary"]["exact_repeat_pic_over_prefix_ttft"] > 0
+
+
+def test_the_serve_daemon_gpu_tier_is_the_flag_or_none_off_cuda():
+    import torch
+
+    from tools import bench_tiered
+
+    args = bench_tiered.parse_args(["--quick"])
+    assert bench_tiered.daemon_gpu_capacity(args, torch.device("cpu")) == "0"
+    args = bench_tiered.parse_args(["--quick", "--gpu-capacity", "2GiB"])
+    assert bench_tiered.daemon_gpu_capacity(args, torch.device("cpu")) == "2GiB"
+    with pytest.raises(SystemExit):
+        bench_tiered.parse_args(["--merge", "--phases", "serve"])  # --merge alone needs the --json file it keeps
