@@ -68,13 +68,16 @@ timed request, untimed, on CUDA `measure.warm_kernels`, then the serve procedure
 `--warmup-n` throwaway requests of each timed workload's size class (mix excepted: it is
 made of the others' requests; rag alone when the process runs the qps phase without the
 serve phase), so no timed request pays kernel compilation (prefill-graph buckets are
-captured when the engine is built: EngineConfig.prefill_graphs "upfront";
-`--check-warmup` records the specialisation key of every Triton launch and lists in
-`warmup.cold_launches` those a timed request launched first, each a compilation on a GPU:
-tools.servebench.kernel_keys; on the CPU it sees PIC's own kernels under
-TRITON_INTERPRET with `--pic-kernel triton`, not the model's, which run as torch there).
-Each workload records its
-hits by source (`hits_by_source` of each method and state: the engine's device cache,
+captured when the engine is built: EngineConfig.prefill_graphs "upfront"). After the
+warm-up, between units of work, the kernels Triton holds compiled are counted
+(tools.servebench.kernel_keys.CompileCounter, no cost inside a timed request): any unit
+that compiled one is listed in `warmup.compiled_after` (per serve workload, pcie, qps;
+empty on the CPU, which compiles nothing) and logged. `--check-warmup` records the
+specialisation key of every Triton launch and lists in `warmup.cold_launches` those a
+timed request launched first, each a compilation on a GPU (tools.servebench.kernel_keys;
+on the CPU it sees PIC's own kernels under TRITON_INTERPRET with `--pic-kernel triton`,
+not the model's, which run as torch there; it costs host time at every launch, so it is
+a diagnostic run). Each workload records its hits by source (`hits_by_source` of each method and state: the engine's device cache,
 the daemon's gpu / cpu / nvme tiers, exact prefixes restored) and the log line prints
 the warm ones.
 
@@ -339,17 +342,15 @@ def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, ph
     the first phase's time: every timed workload's procedure (warmup_tasks), rag for the
     pcie and qps phases."""
     from tools.servebench import measure, requests, tiered
+    from tools.servebench.kernel_keys import CompileCounter, KernelLaunches
 
     scale = "tiny" if args.quick else "bench"
     h, budget = _harness(args, engine, socket, sweep=False)
     out["device_cache_bytes"] = budget
     load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
                                          args.docs)
-    launches = None
-    if args.check_warmup:
-        from tools.servebench.kernel_keys import KernelLaunches
-
-        launches = KernelLaunches()
+    launches = KernelLaunches() if args.check_warmup else None
+    compiles = None
     try:
         with contextlib.ExitStack() as stack:
             if launches is not None:
@@ -374,10 +375,15 @@ def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, ph
                         log(f"warm-up (untimed): {out['warmup']['total_s']:.1f} s over {', '.join(tasks)}")
                         if launches is not None:
                             launches.seal()
+                        compiles = CompileCounter()  # from here on, a kernel compiled is one the warm-up missed
+                        out["warmup"]["compiled_after"] = {}
                         save()
                         first = False
+                    kw = {"compiles": compiles} if name == "serve" else {}
                     {"serve": serve_phase, "pcie": pcie_phase, "qps": qps_phase}[name](
-                        args, h, run, out, log, save, clock, launches)
+                        args, h, run, out, log, save, clock, launches, **kw)
+                    if name != "serve":  # serve counts per workload
+                        note_compiles(out, name, compiles.since(), log)
         if launches is not None:
             out["warmup"]["cold_launches"] = launches.cold()
             out["warmup"]["kernel_specialisations"] = launches.count()
@@ -388,7 +394,15 @@ def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, ph
         h.close()
 
 
-def serve_phase(args, h, run, out: dict, log, save, clock, launches=None) -> None:
+def note_compiles(out: dict, unit: str, grew: dict, log) -> None:
+    """Kernels compiled during `unit` after the warm-up (kernel_keys.CompileCounter): kept in
+    warmup.compiled_after[unit] and logged; nothing when none was."""
+    if grew:
+        out["warmup"].setdefault("compiled_after", {})[unit] = grew
+        log(f"{unit}: {sum(grew.values())} kernel(s) compiled after the warm-up: {grew}")
+
+
+def serve_phase(args, h, run, out: dict, log, save, clock, launches=None, compiles=None) -> None:
     """TTFT per workload (module docstring), the break-even bandwidth and what a hit reads."""
     from tools.servebench import requests, tiered
     from tools.servebench.breakdown import mean_breakdown
@@ -406,6 +420,7 @@ def serve_phase(args, h, run, out: dict, log, save, clock, launches=None) -> Non
         w = tiered.ttft_after_twin(h, reqs, mark)
         w["wall_s"] = round(time.perf_counter() - t0, 3)
         out["workloads"][task] = w
+        note_compiles(out, f"serve/{task}", compiles.since() if compiles else {}, log)
         log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
             f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms"
             f"; warm hits dev/gpu/cpu/nvme: prefix {tiered.format_hits(w['prefix']['warm']['hits_by_source'])}"

@@ -364,3 +364,25 @@ def test_the_serve_daemon_gpu_tier_is_the_flag_or_none_off_cuda():
     assert bench_tiered.daemon_gpu_capacity(args, torch.device("cpu")) == "2GiB"
     with pytest.raises(SystemExit):
         bench_tiered.parse_args(["--merge", "--phases", "serve"])  # --merge alone needs the --json file it keeps
+
+
+def _toy_kernel(x_ptr, n):  # a kernel body is never run here: only its compiled-kernel cache is read
+    return None
+
+
+def test_compile_counter_reports_the_kernels_whose_compiled_count_grew():
+    from triton.runtime.jit import JITFunction
+
+    from tools.servebench.kernel_keys import CompileCounter, compiled_kernels
+
+    jit = JITFunction(_toy_kernel)  # Triton's own kernel object; its per-device cache filled by hand
+    for dev in (0, 1):  # the (kernel cache, key cache, target, backend, binder) of each device
+        jit.device_caches[dev] = ({}, {}, None, None, None)
+    counter = CompileCounter()
+    assert counter.since() == {}
+    jit.device_caches[0][0]["spec-a"] = object()  # what JITFunction.run does when it compiles
+    jit.device_caches[0][0]["spec-b"] = object()
+    assert compiled_kernels()["_toy_kernel"] == 2
+    assert counter.since() == {"_toy_kernel": 2} and counter.since() == {}
+    jit.device_caches[1][0]["spec-a"] = object()  # another device
+    assert counter.since() == {"_toy_kernel": 1}

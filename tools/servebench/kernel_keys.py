@@ -10,12 +10,21 @@ a GPU and `InterpretedFunction.run` under TRITON_INTERPRET, so the same check ru
 the CPU), with the label of what was running (`label`, set by the caller: a warm-up,
 or `workload/method/state`). `seal()` ends the warm-up; `cold()` lists the keys first
 launched after it: on a GPU each is a compilation (and, for autotuned kernels, a tuning
-sweep) that a timed request paid.
+sweep) that a timed request paid. Computing a key at every launch costs host time, so
+the recorder is a diagnostic.
+
+`CompileCounter` is the check that costs a timed request nothing: between units of work
+(never inside one) it counts the kernels Triton holds compiled in this process (each
+`JITFunction`'s per-device kernel cache), so a count that grew across a unit means that
+unit met a specialisation first (compiled it, or loaded it from the on-disk cache). On
+the CPU nothing is compiled (the interpreter keeps no kernel cache): the counts stay 0.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -129,6 +138,42 @@ class KernelLaunches:
         finally:
             for cls, real in patched:
                 cls.run = real
+
+
+def compiled_kernels() -> dict[str, int]:
+    """Kernels held compiled by Triton in this process, per kernel name (the entries of
+    every JITFunction's per-device kernel caches); {} without Triton."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover
+        return {}
+    out: dict[str, int] = {}
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        found = [obj for obj in gc.get_objects() if isinstance(obj, JITFunction)]
+    for obj in found:
+        n = 0
+        for entry in list(getattr(obj, "device_caches", {}).values()):
+            cache = entry[0] if isinstance(entry, tuple) and entry else None
+            n += len(cache) if isinstance(cache, dict) else 0
+        if n:
+            name = getattr(getattr(obj, "fn", None), "__name__", repr(obj))
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+class CompileCounter:
+    """Kernels compiled between two calls (module docstring): `since()` answers the kernels
+    whose compiled count grew since the last call (or construction), by name."""
+
+    def __init__(self) -> None:
+        self._last = compiled_kernels()
+
+    def since(self) -> dict[str, int]:
+        now = compiled_kernels()
+        grew = {k: n - self._last.get(k, 0) for k, n in now.items() if n > self._last.get(k, 0)}
+        self._last = now
+        return grew
 
 
 def _kernel_classes() -> list:
