@@ -77,9 +77,9 @@ specialisation key of every Triton launch and lists in `warmup.cold_launches` th
 timed request launched first, each a compilation on a GPU (tools.servebench.kernel_keys;
 on the CPU it sees PIC's own kernels under TRITON_INTERPRET with `--pic-kernel triton`,
 not the model's, which run as torch there; it costs host time at every launch, so it is
-a diagnostic run). Each workload records its hits by source (`hits_by_source` of each method and state: the engine's device cache,
-the daemon's gpu / cpu / nvme tiers, exact prefixes restored) and the log line prints
-the warm ones.
+a diagnostic run). Each workload records its hits by source (`hits_by_source` of each
+method and state: the engine's device cache, the daemon's gpu / cpu / nvme tiers, exact
+prefixes restored) and the log line prints the warm ones.
 
 Phases (`--phases`, run in this order whatever the order given; serve, pcie and qps
 share one engine and daemon, whose GPU tier is sized once the model is loaded:
@@ -109,21 +109,21 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
   prefixes are off there: every hit comes from a daemon tier (hits, bytes and time per
   tier, device memory; tools/servebench/tiered.py).
 
-Also measured, in the serve phase: per preset the break-even disk bandwidth of a hit. `summary` (issue 23's names): `ttft_vs_best_baseline_avg` /
-`_min` (warm TTFT of the faster baseline / PIC's, over workloads),
-`exact_repeat_pic_over_prefix_ttft` (PIC / prefix caching warm TTFT on `repeat`),
-`qps_gain_vs_prefix_at_slo_median` (median over repeats of PIC / prefix sustainable
-rate), `qps_repeats` (each repeat's rates and gain), `cpu_to_gpu_fraction_of_pcie_serving`
-(CPU-tier -> device copies of the PIC planners in this run, bytes / copy time, over the
-pinned H2D bandwidth of the pcie phase; None without CUDA). In the serve phase
-the engine's device cache and the daemon's GPU tier hold every warm hit, so the pcie
-phase has a measured step of its own (`cpu_tier_step`,
-tools.servebench.tiered.cpu_tier_loads: its rag requests once more with the device
-cache off and puts into the CPU tier, so every hit loads from the CPU tier); the sweep's
+Also measured, in the serve phase: per preset the break-even disk bandwidth of a hit.
+`summary` (issue 23's names): `ttft_vs_best_baseline_avg` / `_min` (warm TTFT of the
+faster baseline / PIC's, over workloads), `exact_repeat_pic_over_prefix_ttft` (PIC /
+prefix caching warm TTFT on `repeat`), `qps_gain_vs_prefix_at_slo_median` (median over
+repeats of PIC / prefix sustainable rate), `qps_repeats` (each repeat's rates and gain),
+`cpu_to_gpu_fraction_of_pcie_serving` (CPU-tier -> device copies of the PIC planners in
+this run, bytes / copy time, over the pinned H2D bandwidth of the pcie phase; None
+without CUDA). In the serve phase the engine's device cache and the daemon's GPU tier
+hold every warm hit, so the pcie phase has a measured step of its own (`cpu_tier_step`,
+tools.servebench.tiered.cpu_tier_loads: its rag requests once more with the device cache
+off and puts into the CPU tier, so every hit loads from the CPU tier); the sweep's
 CPU-tier loads (points past 1x, where the GPU tier overflows) count too.
 `summary.cpu_to_gpu_serving` says which: `source` (the phases whose copies make the
-figure), `by_phase` (bytes, ms and GB/s of each). `working_set_sweep`
-(the sweep's points), `break_even_read_gb_per_s` (per preset).
+figure), `by_phase` (bytes, ms and GB/s of each). `working_set_sweep` (the sweep's
+points), `break_even_read_gb_per_s` (per preset).
 
 `--merge` alone keeps, in the `--json` file it rewrites, the earlier runs' results this
 run does not measure (per preset: each workload, each key, each phase's record; this
@@ -180,8 +180,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "variant (tools.bench_models.scaled_down)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
     ap.add_argument("--limit-s", default=None, metavar="LIMITS",
-                    help="wall-clock limit per phase: SECONDS (each phase) or PHASE=SECONDS,... (e.g. serve=300,qps=200);"
-                         " a phase past it stops after its current unit of work and records \"stopped\": \"time limit\"")
+                    help="wall-clock limit per phase: SECONDS (each phase) or PHASE=SECONDS,... (e.g. "
+                         "serve=300,qps=200); a phase past it stops after its current unit of work and records "
+                         "\"stopped\": \"time limit\"")
     ap.add_argument("--sync-timings", action="store_true",
                     help="diagnostic: synchronise the device at every prefill step (exact per-step device times in "
                          "each request's breakdown; the TTFTs include the syncs)")
@@ -223,8 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="PicConfig.kernel: auto (Triton on CUDA, torch references on the CPU); triton on the CPU runs "
                          "PIC's kernels under TRITON_INTERPRET (what --check-warmup can see there)")
     ap.add_argument("--merge", nargs="*", default=None, metavar="RUN",
-                    help="with RUN paths: join those run JSONs, nothing is measured; alone: measure the phases and keep "
-                         "the earlier phases' results of the --json file (this run's phases replace theirs)")
+                    help="with RUN paths: join those run JSONs, nothing is measured; alone: measure the phases and "
+                         "keep the earlier phases' results of the --json file (this run's phases replace theirs)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                     help="write the run (default docs/results/serving-tiered-<date>.json)")
     args = ap.parse_args(argv)

@@ -242,8 +242,8 @@ class Harness:
         if hasattr(planner, "store"):
             planner.store.flush()
         d = rep.as_dict() if rep is not None else {}
-        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms", "fused_ms",
-                                            "checkpoint_ms")}
+        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms",
+                                            "fused_ms", "checkpoint_ms")}
         tl = final.timeline
         timeline = {}
         if tl.scheduled is not None and tl.first_token is not None:
