@@ -167,10 +167,17 @@ class CompileCounter:
     whose compiled count grew since the last call (or construction), by name."""
 
     def __init__(self) -> None:
-        self._last = compiled_kernels()
+        self._last = self._count()
+
+    @staticmethod
+    def _count() -> dict[str, int]:
+        try:
+            return compiled_kernels()
+        except Exception:  # noqa: BLE001  (a check that cannot read Triton's caches must not end the run)
+            return {}
 
     def since(self) -> dict[str, int]:
-        now = compiled_kernels()
+        now = self._count()
         grew = {k: n - self._last.get(k, 0) for k, n in now.items() if n > self._last.get(k, 0)}
         self._last = now
         return grew
