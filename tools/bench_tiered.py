@@ -2,7 +2,7 @@
 its checkpoints in the same daemon tiers, QPS at a p99 SLO by bisection over repeats, and
 a working-set sweep whose corpus outgrows the GPU tier.
 
-    python tools/bench_tiered.py --quick --json PATH            # CPU, tiny preset, ~3 min
+    python tools/bench_tiered.py --quick --json PATH    # CPU, tiny preset, every phase: ~1.5 min on 2 cores
 
 On the H200: one command per 10-minute call, each phase under a wall-clock limit, the
 JSON rewritten after every unit of work, and each command keeping the earlier phases of
