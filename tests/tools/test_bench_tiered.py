@@ -1,8 +1,11 @@
-"""tools/bench_tiered.py: the QPS bisection on a fake engine, hits by source and the
-sources of the CPU -> GPU fraction on fixed inputs, and --quick end to end on the CPU in
-the two-command form (serve, with its untimed warm-up and its CPU-tier step; then qps,
-which measures its own SLO base, and the sweep in a daemon of its own) joined by
---merge, with the summary keys issue 23 names."""
+"""tools/bench_tiered.py: the QPS bisection on a fake engine (and its stop between
+trials), phase limits, hits by source and the sources of the CPU -> GPU fraction on fixed
+inputs, the per-request TTFT breakdown, the kernel-launch recorder, and --quick end to end
+on the CPU in the split form a GPU run uses (serve and pcie, with the untimed warm-up
+checked to cover every kernel specialisation a timed request launches; then qps, which
+measures its own SLO base, and the sweep in a daemon of its own, kept in the same file by
+--merge; a phase stopped by its limit; runs joined by --merge RUN...), with the summary
+keys issue 23 names."""
 from __future__ import annotations
 
 import json
@@ -139,19 +142,25 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
                           cwd=str(REPO), env=env, timeout=600)
 
 
-def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
-    a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "serving-tiered.json"
-    p = _run(["--quick", "--phases", "serve", "--workloads", "rag,repeat", "--n", "1", "--json", str(a)])
+def test_quick_split_run_merged_in_place_and_joined_writes_the_issue_summary(tmp_path):
+    merged, stopped, joined = tmp_path / "serving-tiered.json", tmp_path / "stopped.json", tmp_path / "joined.json"
+    # serve and pcie; PIC's kernels through Triton (the interpreter) so the warm-up check sees their launches
+    p = _run(["--quick", "--phases", "serve,pcie", "--workloads", "rag,repeat,chat", "--n", "1", "--check-warmup",
+              "--pic-kernel", "triton", "--json", str(merged)])
     assert p.returncode == 0, p.stderr[-3000:]
+    first = json.loads(merged.read_text())["presets"]["qwen3next-tiny"]
+    assert set(first["phases"]) == {"serve", "pcie"} and "qps" not in first
+    # the next command keeps them (--merge alone: the phases of the --json file it does not measure)
     p = _run(["--quick", "--phases", "qps,sweep", "--qps-repeats", "2", "--qps-max-trials", "3", "--sweep", "0.5,4",
-              "--json", str(b)])
-    assert p.returncode == 0, p.stderr[-3000:]
-    qps_only = json.loads(b.read_text())["presets"]["qwen3next-tiny"]
-    assert qps_only["warmup"]["workloads"] == ["rag"]  # the qps phase alone warms up on what it serves
-    p = _run(["--merge", str(a), str(b), "--json", str(merged)])
+              "--json", str(merged), "--merge"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tiered serving summary" in p.stdout
     run = json.loads(merged.read_text())
+    pre = run["presets"]["qwen3next-tiny"]
+    assert pre["warmup"]["workloads"] == ["rag"]  # the qps phase alone warms up on what it serves
+    assert set(pre["phases"]) == {"serve", "pcie", "qps", "sweep"}
+    assert all(ph["complete"] and ph["stopped"] is None and ph["wall_s"] > 0 for ph in pre["phases"].values())
+    assert len(run["config"]) == 2 and "--merge" in run["command"]
     s = run["summary"]
     for key in ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft",
                 "qps_gain_vs_prefix_at_slo_median", "qps_repeats", "cpu_to_gpu_fraction_of_pcie_serving",
@@ -161,26 +170,39 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     assert s["exact_repeat_pic_over_prefix_ttft"] > 0
     assert len(s["qps_repeats"]) == 2 and all(r["prefix_qps"] >= 0 and r["pic_qps"] >= 0 for r in s["qps_repeats"])
     assert s["cpu_to_gpu_fraction_of_pcie_serving"] is None  # no PCIe on the CPU: recorded as such
-    pre = run["presets"]["qwen3next-tiny"]
     # prefix caching ran through the daemon: a cold request stored its checkpoint there
     w = pre["workloads"]["repeat"]
     assert w["prefix"]["warm"]["reuse_fraction"] > 0.5 and w["pic"]["warm"]["reuse_fraction"] > 0.5
+    # each warm request's TTFT broken down, for both methods; the parts add up to the TTFT
+    for task in ("repeat", "chat"):
+        for m in ("prefix", "pic"):
+            rows = pre["workloads"][task][m]["warm"]["breakdown"]
+            assert len(rows) == 1 and rows[0]["synced"] is False
+            r = rows[0]
+            parts = sum(r[k] for k in ("lookup_ms", "restore_ms", "miss_ms", "forward_ms", "drain_ms", "other_ms"))
+            assert parts == pytest.approx(r["ttft_ms"], abs=0.01) and r["forward_ms"] > 0
+            assert r["prefix_source"] == "engine" and r["restore_ms"] > 0  # an exact prefix restored
+    # the repeat restores its exact prefix from the engine's tree: no daemon call on its path
+    assert pre["workloads"]["repeat"]["pic"]["warm"]["breakdown"][0]["store_rpcs"] == {}
     # warm = after the twin only: on rag (documents rotated) prefix caching reuses the system
     # prompt and nothing more, PIC splices every document from the store
     rag = pre["workloads"]["rag"]
     assert rag["prefix_reuse"] < 0.5 < rag["pic"]["warm"]["reuse_fraction"]
     assert rag["pic"]["warm"]["hit_segments"] > 0 and rag["pic"]["warm"]["miss_segments"] == 0
     assert rag["pic"]["cold"]["hit_segments"] == 0 and rag["prefix"]["cold"]["reuse_fraction"] == 0
-    # untimed warm-up first: the serve procedure on throwaway requests of every timed workload
-    warm = pre["warmup"]
-    assert warm["workloads"] == ["rag", "repeat"] and warm["total_s"] >= warm["s"] > 0
+    assert rag["pic"]["warm"]["breakdown"][0]["store_rpcs"].get("lookup", 0) >= 1
+    # the first command's untimed warm-up: the serve procedure on throwaway requests of every
+    # timed workload; every kernel specialisation a timed request launched, the warm-up launched first
+    warm = first["warmup"]
+    assert warm["workloads"] == ["rag", "repeat", "chat"] and warm["total_s"] >= warm["s"] > 0
     assert all(len(warm["ttft_ms"][t][m]["warm_ms"]) == 1 for t in ("rag", "repeat") for m in ("full", "prefix", "pic"))
+    assert warm["kernel_specialisations"] >= 1 and warm["cold_launches"] == []
     # hits by source: without a device cache (CPU) rag's warm PIC hits all come from the daemon's CPU tier
     hs = rag["pic"]["warm"]["hits_by_source"]
     assert hs["engine_device_cache"] == 0 and hs["cpu"] == rag["pic"]["warm"]["hit_segments"] > 0
     assert sum(v for k, v in w["pic"]["warm"]["hits_by_source"].items() if k != "exact_prefixes") + sum(
         w["pic"]["warm"]["hits_by_source"]["exact_prefixes"].values()) > 0
-    # the CPU-tier step: every hit loaded from the CPU tier, bytes moved; no PCIe copies on the CPU
+    # the pcie phase's CPU-tier step: every hit loaded from the CPU tier, bytes moved; no PCIe copies on the CPU
     step = pre["cpu_tier_step"]
     assert step["hits_by_source"]["cpu"] > 0 and step["hits_by_source"]["engine_device_cache"] == 0
     assert step["hits_by_source"]["gpu"] == step["hits_by_source"]["nvme"] == 0
@@ -192,7 +214,7 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
     # hits come from the daemon's tiers (the engine's own caches are off), NVMe included
     pts = s["working_set_sweep"]
     assert [p["target_x"] for p in pts] == [0.5, 4.0]
-    assert all(p["gpu_tier_stand_in"] == "cpu" for p in pts)
+    assert all(p["gpu_tier_stand_in"] == "cpu" and p["stopped"] is None for p in pts)
     assert pts[0]["working_set_x_gpu_tier"] >= 0.5 and pts[1]["working_set_x_gpu_tier"] >= 4.0
     for p in pts:
         assert set(p["hits_by_tier"]) == {"gpu", "cpu", "nvme"} and p["ttft_vs_full"] > 0
@@ -200,3 +222,167 @@ def test_quick_two_commands_and_merge_write_the_issue_summary(tmp_path):
         assert sum(p["load_bytes_by_tier"].values()) > 0
     assert pts[0]["stored_bytes_by_tier"]["nvme"] == 0 < pts[1]["stored_bytes_by_tier"]["nvme"]
     assert pts[1]["hits_by_tier"]["nvme"] > 0
+
+    # a phase past its limit stops, says so, and keeps what it has (here: nothing yet)
+    p = _run(["--quick", "--phases", "qps", "--limit-s", "qps=0.001", "--json", str(stopped)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    q = json.loads(stopped.read_text())["presets"]["qwen3next-tiny"]
+    assert q["phases"]["qps"]["stopped"] == "time limit" and q["phases"]["qps"]["complete"]
+    assert q["qps"]["stopped"] == "time limit" and q["qps"]["repeats"] == [] and not q["qps"]["complete"]
+    # runs joined: each key from the first run that has it, the phases' records one by one
+    p = _run(["--merge", str(merged), str(stopped), "--json", str(joined)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    j = json.loads(joined.read_text())
+    assert j["presets"]["qwen3next-tiny"]["phases"]["qps"]["stopped"] is None
+    assert len(j["summary"]["qps_repeats"]) == 2 and j["merged_from"] == [str(merged), str(stopped)]
+
+
+def test_phase_limits_parse_per_phase_or_for_every_phase_and_name_what_is_wrong():
+    from tools.servebench.phase_clock import PhaseClock, parse_limits
+
+    phases = ("serve", "pcie", "qps", "sweep")
+    assert parse_limits("serve=240,qps=90.5", phases) == {"serve": 240.0, "qps": 90.5}
+    assert parse_limits("300", phases) == dict.fromkeys(phases, 300.0)
+    assert parse_limits(None, phases) == {}
+    for bad, what in (("serv=3", "unknown phase 'serv'"), ("qps=x", "'x' is not a number"), ("qps=0", "> 0")):
+        with pytest.raises(ValueError, match=what):
+            parse_limits(bad, phases)
+    clock = PhaseClock("qps", limit_s=1e-9)
+    assert clock() == "time limit" and clock.record(complete=True)["stopped"] == "time limit"
+    assert PhaseClock("qps")() is None and PhaseClock("qps", 3600.0)() is None
+
+
+class Countdown:
+    """A stop that answers "time limit" from its n-th question on."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self):
+        self.n -= 1
+        return "time limit" if self.n < 0 else None
+
+
+def test_qps_repeats_stopped_by_the_limit_keep_the_finished_repeats_only():
+    h = FakeHarness(5.0)
+    pool = _reqs(3 * (1 + 2 + 2 * 4))
+    full = tiered.qps_repeats(h, pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3, max_trials=4,
+                              warmup=1)
+    # asked before each search and each of its trials, and after each repeat: 2 * (1 + 4) + 1 per repeat
+    out = tiered.qps_repeats(FakeHarness(5.0), pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+                             max_trials=4, warmup=1, stop=Countdown(11 + 3))
+    assert full["stopped"] is None and len(full["repeats"]) == 3
+    assert out["stopped"] == "time limit" and len(out["repeats"]) == 1
+    assert out["repeats"][0] == full["repeats"][0] and out["pic"]["values"] == full["pic"]["values"][:1]
+    # stopped inside the first repeat's second search: nothing complete to keep
+    none = tiered.qps_repeats(FakeHarness(5.0), pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+                              max_trials=4, warmup=1, stop=Countdown(6))
+    assert none["repeats"] == [] and none["pic"]["median"] is None and none["gain_vs_prefix"] is None
+
+
+def test_a_search_stopped_between_trials_reports_its_bracket_so_far():
+    got = tiered.qps_search(FakeHarness(3.7), "pic", iter(_reqs(200)), per_trial=2, slo_ms=500.0, start_rate=2.0,
+                            max_trials=30, stop=Countdown(2))
+    assert got["stopped"] == "time limit" and len(got["trials"]) == 2 and not got["converged"]
+    assert got["sustainable_qps"] == 2.0  # the rates passed before the stop
+
+
+def test_ttft_breakdown_parts_add_up_to_the_ttft():
+    from tools.servebench.breakdown import mean_breakdown, ttft_breakdown
+    from tools.servebench.harness import Run
+
+    run = Run("a", 30.0, 100, 90, 2, 0, split={"lookup_ms": 1.0, "load_compose_ms": 2.0, "miss_ms": 0.0,
+                                               "fused_ms": 20.0, "seam_ms": 0.0, "suffix_ms": 0.0,
+                                               "checkpoint_ms": 1.5},
+              store={"store_prefix_source": "engine"}, timeline={"queue_ms": 1.0, "prefill_host_ms": 24.5,
+                                                                 "after_ms": 4.0}, rpcs={"lookup": 2})
+    b = ttft_breakdown(run)
+    assert (b["lookup_ms"], b["restore_ms"], b["forward_ms"], b["drain_ms"]) == (1.0, 2.0, 21.5, 4.0)
+    assert b["other_ms"] == pytest.approx(1.5) and b["store_rpcs"] == {"lookup": 2} and not b["synced"]
+    m = mean_breakdown([b, {**b, "ttft_ms": 40.0, "other_ms": 11.5, "store_rpcs": {}}])
+    assert m["ttft_ms"] == 35.0 and m["other_ms"] == 6.5 and m["store_rpcs_per_request"] == {"lookup": 1.0}
+
+
+def test_kernel_launches_flag_a_specialisation_first_launched_after_the_warm_up():
+    import torch
+
+    from kernels import rope_scatter
+    from kernels.backend import INTERPRET
+    from tools.servebench.kernel_keys import KernelLaunches
+
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("Triton kernels run only on CUDA or under TRITON_INTERPRET")
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+
+    def launch(n: int, heads: int = 2, shift: int = 0) -> None:
+        k = torch.randn(n * heads * 8 + shift, device=dev)[shift:].view(n, heads, 8)
+        v = torch.randn(n, heads, 8, device=dev)
+        kp, vp = torch.zeros(4, 16, heads, 8, device=dev), torch.zeros(4, 16, heads, 8, device=dev)
+        rope_scatter(k, v, kp, vp, torch.arange(n, device=dev), 3, force_triton=True)
+
+    rec = KernelLaunches()
+    with rec.recording():
+        rec.label = "warm-up"
+        launch(5)
+        rec.seal()
+        rec.label = "rag/pic/warm"
+        launch(7)  # the token count is the grid, not a specialisation: warm
+        assert rec.cold() == [] and rec.count() == 1
+        launch(5, heads=3)  # another constexpr block (and strides): compiled here on a GPU
+        launch(5, shift=1, heads=3)  # a 16-byte-misaligned key pointer: another specialisation
+    cold = rec.cold()
+    assert [c["label"] for c in cold] == ["rag/pic/warm"] * 2 and {c["kernel"] for c in cold} == {
+        "_rope_scatter_kernel"}
+    launch(9, heads=5)  # outside recording(): not seen
+    assert rec.count() == 3
+
+
+def test_quick_real_shape_preset_runs_its_scaled_down_variant_through_the_serving_path(tmp_path):
+    out = tmp_path / "real.json"
+    p = _run(["--quick", "--preset", "qwen3.5-35b-a3b-real", "--phases", "serve,pcie", "--workloads", "rag,repeat",
+              "--n", "1", "--json", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(out.read_text())
+    pre = run["presets"]["qwen3.5-35b-a3b-real"]
+    assert pre["model"] == "qwen3.5-35b-a3b-real:scaled-down" and pre["daemon"]["gpu"] == "0"
+    assert set(pre["workloads"]) == {"rag", "repeat"} and pre["phases"]["serve"]["complete"]
+    rag, rep = pre["workloads"]["rag"], pre["workloads"]["repeat"]
+    assert rag["pic"]["warm"]["hit_segments"] > 0 and rag["pic"]["warm"]["miss_segments"] == 0
+    assert rep["pic"]["warm"]["reuse_fraction"] > 0.5 and rep["prefix"]["warm"]["reuse_fraction"] > 0.5
+    assert pre["cpu_tier_step"]["hits_by_source"]["cpu"] > 0
+    assert run["summary"]["exact_repeat_pic_over_prefix_ttft"] > 0
+
+
+def test_the_serve_daemon_gpu_tier_is_the_flag_or_none_off_cuda():
+    import torch
+
+    from tools import bench_tiered
+
+    args = bench_tiered.parse_args(["--quick"])
+    assert bench_tiered.daemon_gpu_capacity(args, torch.device("cpu")) == "0"
+    args = bench_tiered.parse_args(["--quick", "--gpu-capacity", "2GiB"])
+    assert bench_tiered.daemon_gpu_capacity(args, torch.device("cpu")) == "2GiB"
+    with pytest.raises(SystemExit):
+        bench_tiered.parse_args(["--merge", "--phases", "serve"])  # --merge alone needs the --json file it keeps
+
+
+def _toy_kernel(x_ptr, n):  # a kernel body is never run here: only its compiled-kernel cache is read
+    return None
+
+
+def test_compile_counter_reports_the_kernels_whose_compiled_count_grew():
+    from triton.runtime.jit import JITFunction
+
+    from tools.servebench.kernel_keys import CompileCounter, compiled_kernels
+
+    jit = JITFunction(_toy_kernel)  # Triton's own kernel object; its per-device cache filled by hand
+    for dev in (0, 1):  # the (kernel cache, key cache, target, backend, binder) of each device
+        jit.device_caches[dev] = ({}, {}, None, None, None)
+    counter = CompileCounter()
+    assert counter.since() == {}
+    jit.device_caches[0][0]["spec-a"] = object()  # what JITFunction.run does when it compiles
+    jit.device_caches[0][0]["spec-b"] = object()
+    assert compiled_kernels()["_toy_kernel"] == 2
+    assert counter.since() == {"_toy_kernel": 2} and counter.since() == {}
+    jit.device_caches[1][0]["spec-a"] = object()  # another device
+    assert counter.since() == {"_toy_kernel": 1}

@@ -20,6 +20,7 @@ measurement.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import deque
@@ -47,12 +48,16 @@ class Run:
     reused_tokens: int
     hit_segments: int
     miss_segments: int
-    split: dict[str, float] = field(default_factory=dict)  # lookup/miss/load_compose/seam/suffix/fused ms
+    split: dict[str, float] = field(default_factory=dict)  # lookup/miss/load_compose/seam/suffix/fused/checkpoint ms
     store: dict[str, Any] = field(default_factory=dict)
     #: where the TTFT went on the host's clock: queue_ms (arrival -> admission: planning
     #: included), prefill_host_ms (the plan's steps as the host ran them; the device may
     #: still be working), after_ms (the rest: device drain, first token sampled)
     timeline: dict[str, float] = field(default_factory=dict)
+    #: daemon calls made while the request was in flight, by name (`Harness.counting_rpcs`)
+    rpcs: dict[str, int] = field(default_factory=dict)
+    #: the step times were device-synchronised (LLMEngine.sync_timings on CUDA)
+    synced: bool = False
 
 
 class Harness:
@@ -91,7 +96,8 @@ class Harness:
             planner = self._planners.get(method)
             if planner is None or fresh:
                 m = self.engine.runner.model
-                cfg = self.pic_config if method == "pic" else PicConfig(method=method)
+                # the baselines run PIC's kernel setting too (PicConfig.kernel): the same kernels for every method
+                cfg = self.pic_config if method == "pic" else PicConfig(method=method, kernel=self.pic_config.kernel)
                 planner = make_planner(cfg, m, self.engine.loaded_model.fingerprint, self.engine.tokenizer)
                 self._planners[method] = planner
         self.engine.scheduler.planner = planner
@@ -105,7 +111,8 @@ class Harness:
         from engine.pic.prefix import PrefixTree
 
         pic = self._store_planner or self.planner("pic")
-        cfg = PicConfig(method="prefix", prefix_cache_bytes=self.pic_config.prefix_cache_bytes)
+        cfg = PicConfig(method="prefix", prefix_cache_bytes=self.pic_config.prefix_cache_bytes,
+                        kernel=self.pic_config.kernel)
         return StorePrefixPlanner(cfg, PrefixTree(cfg.prefix_cache_bytes), self.engine.device, pic.store.cache,
                                   pic.store.checkpoints)
 
@@ -183,6 +190,24 @@ class Harness:
             if p is not None:
                 p.store.close()
 
+    @contextlib.contextmanager
+    def counting_rpcs(self):
+        """Count the daemon calls (StoreLink.call, any thread) of this harness's store
+        connections while the block runs; yields the counts by call name."""
+        counts: dict[str, int] = {}
+        links = {id(p.store.link): p.store.link for p in (self._store_planner, self._timed_planner)
+                 if p is not None and getattr(getattr(p, "store", None), "link", None) is not None}
+        for link in links.values():
+            def call(what, fn, _real=link.call):
+                counts[what] = counts.get(what, 0) + 1
+                return _real(what, fn)
+            link.call = call  # an instance attribute over the method, removed below
+        try:
+            yield counts
+        finally:
+            for link in links.values():
+                del link.call
+
     # ------------------------------------------------------------------ runs
     def _rid(self, base: str) -> str:
         self._ids += 1
@@ -196,13 +221,14 @@ class Harness:
         engine, planner = self.engine, self.engine.scheduler.planner
         rid = self._rid(req.id)
         prof = start_profile() if (trace and self.trace_dir) else None
-        engine.add_request(req.as_prompt(), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
-                           request_id=rid)
-        final = None
-        while final is None:
-            for out in engine.step():
-                if out.request_id == rid and out.finished:
-                    final = out
+        with self.counting_rpcs() as rpcs:
+            engine.add_request(req.as_prompt(), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+                               request_id=rid)
+            final = None
+            while final is None:
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        final = out
         if prof is not None:
             write_profile(prof, self.trace_dir, trace)
         rep = planner.take_report(rid)
@@ -216,7 +242,8 @@ class Harness:
         if hasattr(planner, "store"):
             planner.store.flush()
         d = rep.as_dict() if rep is not None else {}
-        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms", "fused_ms")}
+        split = {k: d.get(k, 0.0) for k in ("lookup_ms", "miss_ms", "load_compose_ms", "seam_ms", "suffix_ms",
+                                            "fused_ms", "checkpoint_ms")}
         tl = final.timeline
         timeline = {}
         if tl.scheduled is not None and tl.first_token is not None:
@@ -224,7 +251,8 @@ class Harness:
             timeline = {"queue_ms": (tl.scheduled - tl.arrival) * 1e3, "prefill_host_ms": host * 1e3,
                         "after_ms": (tl.first_token - tl.scheduled - host) * 1e3}
         return Run(req.id, tl.ttft * 1e3, final.num_prompt_tokens, d.get("reused_tokens", 0),
-                   d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {}, timeline)
+                   d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {}, timeline,
+                   dict(rpcs), bool(engine.sync_timings and engine.device.type == "cuda"))
 
     def run_poisson(self, reqs: Sequence[BenchRequest], rate: float, seed: int,
                     max_new_tokens: int = 4, info: Optional[dict] = None) -> list[float]:

@@ -38,7 +38,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from tools.servebench.requests import BenchRequest, twin
 
@@ -53,18 +53,30 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 
 TIER_NAMES = ("gpu", "cpu", "nvme")
 
+#: asked between units of work: why to stop now (tools.servebench.phase_clock), or None
+Stop = Callable[[], Optional[str]]
+
+
+def never() -> Optional[str]:
+    return None
+
 
 # ---------------------------------------------------------------------- TTFT
-def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
+def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest], mark=lambda method, state: None) -> dict:
     """TTFT per method (full, prefix, pic) in the layout of measure.ttft_by_method, each
     cache state set up the same way for prefix caching and PIC: *cold*, the request's
     segments and checkpoints deleted (daemon, device cache, trees) first; *warm*, the
     same, then only its twin run (tools.servebench.requests: the documents in another
     order; the request itself for `repeat`, the previous turn for `chat`), so neither
-    method finds an exact repeat of the request unless the workload is one."""
+    method finds an exact repeat of the request unless the workload is one. Each warm
+    state records its requests' `breakdown` (tools.servebench.breakdown). `mark(method,
+    state)` is called before each timed run (state "cold" / "warm"; "twin" before an
+    untimed twin), e.g. to label what a kernel-launch recorder sees."""
+    from tools.servebench.breakdown import ttft_breakdown
     from tools.servebench.measure import mean_store, summarize
 
     h.planner("full")
+    mark("full", "cold")
     full = summarize([h.run_alone(r) for r in reqs])
     out: dict = {"full": {"cold": full, "warm": full}}
     for method in ("prefix", "pic"):
@@ -72,16 +84,20 @@ def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
         for r in reqs:
             h.forget(r)
             h.planner(method, fresh=True)
+            mark(method, "cold")
             cold.append(h.run_alone(r))
         for r in reqs:
             t = twin(r)
             h.forget(r)
             h.forget(t)
             h.planner(method, fresh=True)
+            mark(method, "twin")
             h.run_alone(t)
+            mark(method, "warm")
             warm.append(h.run_alone(r))
         out[method] = {"cold": summarize(cold), "warm": summarize(warm)}
         out[method]["warm"]["store"] = mean_store(warm)
+        out[method]["warm"]["breakdown"] = [ttft_breakdown(r) for r in warm]
         out[method]["cold"]["hits_by_source"] = hits_by_source(cold)
         out[method]["warm"]["hits_by_source"] = hits_by_source(warm)
     out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]
@@ -121,40 +137,53 @@ def format_hits(hits: Optional[dict]) -> str:
     return text + (" +prefix " + ",".join(f"{k}:{v}" for k, v in sorted(pre.items())) if pre else "")
 
 
-def warm_up(h: "Harness", load, tasks: Sequence[str], n: int = 1) -> dict:
+def warm_up(h: "Harness", load, tasks: Sequence[str], n: int = 1, stop: Stop = never, mark=None) -> dict:
     """Untimed: `ttft_after_twin` on `n` throwaway requests of each of `tasks` (`load(task,
     n)` -> requests from a seed no measurement uses, the same size class as the timed
     ones), so every kernel shape the timed full, prefix and PIC requests use (cold, after
     a twin, exact prefixes, seams) is compiled before them; their segments and
     checkpoints are deleted afterwards. Returns the seconds it took and per task its
-    requests' TTFTs (the compile cost a timed request would otherwise have paid)."""
+    requests' TTFTs (the compile cost a timed request would otherwise have paid); when
+    `stop()` answers before a task, the tasks done and `stopped` (the reason). `mark`:
+    ttft_after_twin's, with the task first (`mark(task, method, state)`)."""
     import time
 
     t0 = time.perf_counter()
     per: dict = {}
+    stopped = None
     for task in tasks:
+        stopped = stop()
+        if stopped:
+            break
         reqs = load(task, n)
-        w = ttft_after_twin(h, reqs)
+        w = ttft_after_twin(h, reqs, (lambda m, s, _t=task: mark(_t, m, s)) if mark else (lambda m, s: None))
         per[task] = {m: {"cold_ms": w[m]["cold"]["ttft_ms"], "warm_ms": w[m]["warm"]["ttft_ms"]}
                      for m in ("full", "prefix", "pic")}
         for r in reqs:
             h.forget(r)
             h.forget(twin(r))
-    return {"s": round(time.perf_counter() - t0, 3), "requests_per_workload": n, "workloads": list(tasks),
-            "ttft_ms": per}
+    return {"s": round(time.perf_counter() - t0, 3), "requests_per_workload": n, "workloads": list(per),
+            "ttft_ms": per, "stopped": stopped}
 
 
 # ---------------------------------------------------------------------- QPS
 def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_trial: int, slo_ms: float,
-               start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0) -> dict:
+               start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0,
+               stop: Stop = never) -> dict:
     """Sustainable rate of `method` at p99 TTFT <= slo_ms (module docstring). Each trial
-    takes the next `per_trial` requests of `stream`."""
+    takes the next `per_trial` requests of `stream`. `stop()` is asked before each trial:
+    a reason ends the search where it is (`stopped`; `converged` says whether the bracket
+    was narrow enough by then)."""
     h.planner(method)
     best: Optional[float] = None
     fail: Optional[float] = None
     rate = start_rate
     tried = []
+    stopped = None
     for i in range(max_trials):
+        stopped = stop()
+        if stopped:
+            break
         chunk = [next(stream) for _ in range(per_trial)]
         info: dict = {}
         ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
@@ -176,38 +205,54 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
             rate = rate * 2
     converged = best is not None and fail is not None and (fail - best) / fail <= tolerance
     return {"method": method, "sustainable_qps": best or 0.0, "lowest_failed_qps": fail, "converged": converged,
-            "tolerance": tolerance, "trials": tried}
+            "tolerance": tolerance, "trials": tried, "stopped": stopped}
 
 
 def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_ms: float, start_rate: float,
                 repeats: int = 3, tolerance: float = 0.1, max_trials: int = 12, warmup: int = 0,
-                methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None) -> dict:
+                methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None,
+                stop: Stop = never) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
     `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
     `start_rate` (untimed: the caches' steady state, and the one-time costs an engine's
     first concurrent requests pay, which would otherwise fail whichever method meets them
-    first). `on_repeat(result so far)` after each repeat (a run stopped later keeps them)."""
+    first). `on_repeat(result so far)` after each repeat (a run stopped later keeps them).
+    `stop()` is asked before each search and each trial: once it answers, the repeat under
+    way is kept only when every method's search has a result (`stopped` names the reason;
+    `repeats` holds the repeats done)."""
     need = warmup + per_trial + per_trial * max_trials
     if len(pool) < need * repeats:
         raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
     runs = []
+    stopped = None
     for j in range(repeats):
         one: dict = {}
         for method in methods:
+            stopped = stop()
+            if stopped:
+                break
             stream = iter(pool[j * need:(j + 1) * need])
             h.planner(method)
             for _ in range(warmup):
                 h.run_alone(next(stream))
             h.run_poisson([next(stream) for _ in range(per_trial)], start_rate, seed + 100 * j - 1)
             one[method] = qps_search(h, method, stream, per_trial, slo_ms, start_rate, tolerance, max_trials,
-                                     seed + 100 * j)
+                                     seed + 100 * j, stop)
+        if any(m not in one or not one[m]["trials"] for m in methods):
+            stopped = stopped or stop()
+            break
         p, c = one.get("prefix", {}).get("sustainable_qps"), one.get("pic", {}).get("sustainable_qps")
         one["gain_vs_prefix"] = (c / p) if p and c is not None else None
         runs.append(one)
+        stopped = stop()
+        if stopped:
+            break
         if on_repeat is not None and j + 1 < repeats:
             on_repeat(_qps_stats(runs, methods, slo_ms, start_rate))
-    return _qps_stats(runs, methods, slo_ms, start_rate)
+    out = _qps_stats(runs, methods, slo_ms, start_rate)
+    out["stopped"] = stopped
+    return out
 
 
 def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: float) -> dict:
@@ -215,7 +260,8 @@ def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: fl
     out: dict = {"slo_ms": slo_ms, "start_rate": start_rate, "repeats": list(runs)}
     for method in methods:
         vals = [r[method]["sustainable_qps"] for r in runs]
-        out[method] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+        out[method] = ({"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+                       if vals else {"median": None, "min": None, "max": None, "values": []})
     gains = [r["gain_vs_prefix"] for r in runs if r["gain_vs_prefix"] is not None]
     out["gain_vs_prefix"] = ({"median": statistics.median(gains), "min": min(gains), "max": max(gains),
                               "values": gains} if gains else None)
@@ -286,10 +332,12 @@ def _gpu_memory(device) -> Optional[dict]:
 
 def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequence[float], requests_per_point: int,
                       docs_per_request: int, seed: int, stand_in: Optional[str] = None, build_docs: int = 4,
-                      log=lambda msg: None, save=lambda points: None) -> list[dict]:
+                      log=lambda msg: None, save=lambda points: None, stop: Stop = never) -> list[dict]:
     """The sweep (module docstring). `corpus_docs(n)` -> a Corpus of at least n documents
     (grown on demand); `h` runs PIC through the daemon with no engine-side caches. After
-    each point `save(points so far)`."""
+    each point `save(points so far)`. `stop()` is asked before each build request and
+    each measured request: a point with at least one measured request is kept (its
+    `requests` the number measured, `stopped` the reason), and no later point starts."""
     import torch
 
     rng = random.Random(seed)
@@ -298,7 +346,9 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
     out: list[dict] = []
     for x in sorted(points):
         target = x * tier_bytes
-        while True:
+        if stop():
+            break
+        while not stop():
             held = stored_by_tier(h)
             have = _total(held)
             if have >= target:
@@ -312,6 +362,8 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
             h.planner("pic")
             h.run_alone(corpus_request(corpus, range(built, built + k), built, f"build-{built}"))
             built += k
+        if stop():
+            break
         n_docs = built
         snap0 = h.store.metrics.snapshot()
         if getattr(h.engine.device, "type", "cpu") == "cuda":
@@ -320,6 +372,8 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
         misses = 0
         full_ms, pic_ms = [], []
         for i in range(requests_per_point):
+            if stop() and full_ms:
+                break
             idx = rng.sample(range(n_docs), min(docs_per_request, n_docs))
             req = corpus_request(corpus, idx, rng.randrange(len(corpus.questions)), f"ws{x}-{i}")
             h.planner("full")
@@ -337,7 +391,8 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
         f_mean, p_mean = sum(full_ms) / len(full_ms), sum(pic_ms) / len(pic_ms)
         point = {"working_set_x_gpu_tier": round(_total(held) / tier_bytes, 3), "target_x": x,
                  "gpu_tier_bytes": tier_bytes, "gpu_tier_stand_in": stand_in, "corpus_docs": n_docs,
-                 "corpus_bytes": _total(held), "requests": requests_per_point, "docs_per_request": docs_per_request,
+                 "corpus_bytes": _total(held), "requests": len(full_ms),
+                 "stopped": stop() if len(full_ms) < requests_per_point else None, "docs_per_request": docs_per_request,
                  "ttft_ms_full_mean": f_mean, "ttft_ms_pic_mean": p_mean,
                  "ttft_ms_full_p50": percentile(full_ms, 50), "ttft_ms_pic_p50": percentile(pic_ms, 50),
                  "ttft_ms_pic_p99": percentile(pic_ms, 99), "ttft_vs_full": f_mean / p_mean if p_mean else None,
@@ -348,6 +403,8 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
         log(f"sweep {x}x: corpus {n_docs} docs ({_total(held) / 2**20:.1f} MiB), full {f_mean:.1f} ms, "
             f"pic {p_mean:.1f} ms, hits {hits}, misses {misses}")
         save(out)
+        if point["stopped"]:
+            break
     return out
 
 
