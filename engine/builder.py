@@ -189,7 +189,7 @@ def build_engine(
         offload = build_hisparse(config, max_model_len, device, dtype, loaded.fingerprint)
         cache_cfg = CacheConfig(block_size=config.block_size, num_blocks=0, num_slots=config.max_num_seqs)
         manager = CacheManager(cache_specs(model), cache_cfg, device, dtype, external_kv=offload.layer_cache)
-        runner = ModelRunner(model, manager, cuda_graphs=False)  # the runner's graphs do not cover HiSparse decode
+        runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
         hs = config.hisparse
         log.info("hisparse on: blocks of %d, top-%d, hot buffer %d, from %d tokens; %s; %.1f MiB per sequence on %s",
                  hs.block_size, hs.topk, offload.hot_blocks, hs.min_context, offload.store_name,

@@ -21,6 +21,9 @@ from typing import Any
 @dataclass
 class HiSparseMetrics:
     decode_steps: int = 0
+    #: decode steps replayed from (or captured into) a CUDA graph / run eagerly
+    graph_steps: int = 0
+    eager_steps: int = 0
     blocks_attended: int = 0
     hot_hits: int = 0
     blocks_fetched: int = 0
@@ -70,6 +73,8 @@ class HiSparseMetrics:
                 read_bytes["mirror"] = read_bytes.get("mirror", 0) + fetched_bytes
             return {
                 "decode_steps": steps,
+                "decode_graph_steps": self.graph_steps,
+                "decode_eager_steps": self.eager_steps,
                 "blocks_attended": attended,
                 "blocks_fetched": fetched,
                 "blocks_fetched_per_step": fetched / steps if steps else 0.0,
