@@ -128,6 +128,15 @@ class DecodeGraphs:
     def captured_keys(self) -> tuple[tuple, ...]:
         return tuple(self._graphs)
 
+    def report(self) -> dict:
+        """What the graphs did, for JSON output: steps replayed or captured (`graph_steps`),
+        static steps run eagerly off CUDA, eager fallbacks per kind, captured keys and
+        failed captures (with their error and frames)."""
+        return {"capture": self.capture, "graph_steps": self.graph_steps, "static_steps": self.static_steps,
+                "used": self.graph_steps > 0, "fallbacks": dict(self.fallbacks),
+                "captured": [repr(k) for k in self._graphs],
+                "capture_errors": [{"key": repr(k), "error": e, "frames": f} for k, e, f in self.capture_errors]}
+
     def plan(self, seqs: Seq[Sequence], positions: Seq[int]) -> StepPlan:
         """The step's graph key, or why it falls back to eager (counted in `fallbacks`,
         the first of each kind logged). Runs the external caches' host checks."""
