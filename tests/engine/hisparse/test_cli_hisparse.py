@@ -46,7 +46,7 @@ def test_prometheus_metrics_carry_the_hisparse_figures():
     from engine.hisparse.metrics import HiSparseMetrics
     from engine.server.metrics import ServerMetrics
 
-    m = HiSparseMetrics(decode_steps=4, blocks_attended=10, hot_hits=6, blocks_fetched=4)
+    m = HiSparseMetrics(decode_steps=4, blocks_attended=10, hot_hits=6, blocks_fetched=4, graph_steps=3, eager_steps=1)
     m.add_read("cpu", 4096, 0.5)
     m.add_write("nvme", 1000, 2.0)
     metrics = ServerMetrics("tiny")
@@ -57,6 +57,8 @@ def test_prometheus_metrics_carry_the_hisparse_figures():
     assert "kvengine_hisparse_hot_hit_ratio 0.6" in text
     assert 'kvengine_hisparse_read_bytes_per_second{tier="cpu"} 8192.0' in text
     assert 'kvengine_hisparse_write_bytes_per_second{tier="nvme"} 500.0' in text
+    assert 'kvengine_hisparse_decode_steps_total{mode="graph"} 3.0' in text
+    assert 'kvengine_hisparse_decode_steps_total{mode="eager"} 1.0' in text
 
 
 def test_default_hot_buffer_is_sized_for_the_step_and_reported_resolved():
