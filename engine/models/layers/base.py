@@ -94,6 +94,15 @@ class ExternalKVCache(ABC):
         """Host part after a static-buffer step planned by `plan_decode` (`rows`: the step's
         padded batch; `graphed`: it was replayed from, or captured into, a CUDA graph)."""
 
+    def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V `[n, Hkv, D]` (K rotated to its positions) at the sequence's next n
+        positions, without attention (PIC writes spliced and fused rows through it)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no K/V rows from outside")
+
+    def context_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[num_tokens, Hkv, D]` of every position the sequence in `slot` holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not hand out its K/V")
+
     @abstractmethod
     def reset(self, slot: int) -> None:
         """A new sequence takes `slot`: it holds no positions."""
