@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from engine.cache.manager import CacheConfig, CacheManager, cache_specs
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, external_kv_planner
 from engine.errors import InvalidRequestError
 from engine.hisparse.config import HiSparseConfig
 from engine.models.layers import fla_backend
@@ -183,8 +183,8 @@ def build_engine(
         log.info("fla import joined after the load (waited %.2f s)", time.perf_counter() - t_join)
     offload = None
     if config.hisparse.enabled:
-        if planner is not None:
-            raise InvalidRequestError("hisparse", "HiSparse runs with the engine's own chunked prefill, not with "
+        if planner is not None and not external_kv_planner(planner):
+            raise InvalidRequestError("hisparse", "HiSparse runs with the engine's own chunked prefill or PIC, not with "
                                       f"{type(planner).__name__}")
         offload = build_hisparse(config, max_model_len, device, dtype, loaded.fingerprint)
         cache_cfg = CacheConfig(block_size=config.block_size, num_blocks=0, num_slots=config.max_num_seqs)

@@ -35,11 +35,30 @@ def test_bad_hisparse_settings_exit_2_naming_the_option():
     assert res.exit_code == 2 and "--hisparse-hot" in res.output
 
 
-def test_run_refuses_hisparse_with_a_clear_message(tmp_path):
+def test_run_with_hisparse_splices_through_it_and_gives_pics_text(tmp_path):
+    """`run --hisparse` (PIC): the second request splices the cached segment through the
+    HiSparse layer caches and both answer as without HiSparse (every block attended)."""
+    reqs = tmp_path / "r.jsonl"
+    line = {"segments": [{"text": "The quick brown fox jumps over the lazy dog. ", "cache": True},
+                         {"text": "What jumps?", "cache": False}]}
+    reqs.write_text("".join(json.dumps({"id": i, **line}) + "\n" for i in ("a", "b")))
+    base = ["run", "--preset", "qwen3next-tiny", "--requests", str(reqs), "--max-new-tokens", "6", "--json"]
+    plain = CliRunner().invoke(app, base)
+    hs = CliRunner().invoke(app, base + ["--hisparse", "--hisparse-block", "4", "--hisparse-min-context", "0"])
+    assert plain.exit_code == 0 and hs.exit_code == 0, hs.output
+    want = [json.loads(x) for x in plain.stdout.strip().splitlines() if x.startswith("{")]
+    got = [json.loads(x) for x in hs.stdout.strip().splitlines() if x.startswith("{")]
+    assert [r["text"] for r in got] == [r["text"] for r in want] and len(got) == 2
+    assert got[1]["hit_segments"] == 1 and got[1]["reused_tokens"] > 0
+    assert "exact-prefix reuse is off" in hs.output
+
+
+def test_run_refuses_hisparse_with_a_method_that_fills_the_paged_cache(tmp_path):
     reqs = tmp_path / "r.jsonl"
     reqs.write_text(json.dumps({"id": "a", "segments": [{"text": "hello", "cache": False}]}) + "\n")
-    res = CliRunner().invoke(app, ["run", "--preset", "gla-tiny", "--requests", str(reqs), "--hisparse"])
-    assert res.exit_code == 2 and "--hisparse" in res.output and "generate, bench and serve" in res.output
+    res = CliRunner().invoke(app, ["run", "--preset", "gla-tiny", "--requests", str(reqs), "--hisparse",
+                                   "--method", "prefix"])
+    assert res.exit_code == 2 and "--hisparse" in res.output and "method 'prefix'" in res.output
 
 
 def test_prometheus_metrics_carry_the_hisparse_figures():

@@ -63,3 +63,19 @@ def test_pic_through_hisparse_holding_every_block_gives_pic_tokens(fused, hot, m
     assert snap["decode_steps"] == STEPS
     if hot == 2:
         assert snap["blocks_fetched"] > 0 and snap["blocks_evicted"] > 0
+
+
+def test_engine_takes_pic_without_exact_prefixes_and_refuses_planners_that_fill_the_paged_pool():
+    from engine.builder import EngineConfig, build_engine
+    from engine.errors import InvalidRequestError
+    from engine.pic.config import PicConfig
+    from engine.pic.planner import make_planner
+
+    engine = build_engine("qwen3next-tiny", EngineConfig(device="cpu", max_num_seqs=2, hisparse=HiSparseConfig(
+        enabled=True, block_size=4)))
+    model, fp, tok = engine.runner.model, engine.loaded_model.fingerprint, engine.tokenizer
+    for config in (PicConfig(method="pic"), PicConfig(method="prefix")):  # exact prefixes on / prefix caching
+        with pytest.raises(InvalidRequestError, match="fills the paged KV cache directly"):
+            engine.set_planner(make_planner(config, model, fp, tok))
+    engine.set_planner(make_planner(PicConfig(method="pic", exact_prefix=False), model, fp, tok))
+    assert engine.planner.supports_external_kv
