@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from engine.cache.manager import CacheConfig, CacheManager, cache_specs
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, external_kv_planner
 from engine.errors import InvalidRequestError
 from engine.hisparse.config import HiSparseConfig
 from engine.models.layers import fla_backend
@@ -183,13 +183,13 @@ def build_engine(
         log.info("fla import joined after the load (waited %.2f s)", time.perf_counter() - t_join)
     offload = None
     if config.hisparse.enabled:
-        if planner is not None:
-            raise InvalidRequestError("hisparse", "HiSparse runs with the engine's own chunked prefill, not with "
+        if planner is not None and not external_kv_planner(planner):
+            raise InvalidRequestError("hisparse", "HiSparse runs with the engine's own chunked prefill or PIC, not with "
                                       f"{type(planner).__name__}")
         offload = build_hisparse(config, max_model_len, device, dtype, loaded.fingerprint)
         cache_cfg = CacheConfig(block_size=config.block_size, num_blocks=0, num_slots=config.max_num_seqs)
         manager = CacheManager(cache_specs(model), cache_cfg, device, dtype, external_kv=offload.layer_cache)
-        runner = ModelRunner(model, manager, cuda_graphs=False)  # the runner's graphs do not cover HiSparse decode
+        runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
         hs = config.hisparse
         log.info("hisparse on: blocks of %d, top-%d, hot buffer %d, from %d tokens; %s; %.1f MiB per sequence on %s",
                  hs.block_size, hs.topk, offload.hot_blocks, hs.min_context, offload.store_name,

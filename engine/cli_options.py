@@ -218,6 +218,21 @@ def hisparse_settings(hs: HiSparseArgs) -> Any:
     return HiSparseSettings(cfg, None if hs.store is None else ("" if hs.store == "default" else hs.store))
 
 
+def pic_for_hisparse(config: Any) -> Any:
+    """PIC's config under HiSparse: methods pic and naive only (their splices and fused
+    passes write full-attention K/V through the HiSparse layer caches); exact prefixes off
+    (their checkpoints restore into the paged KV cache), with a note when that changes it."""
+    import dataclasses
+
+    if config.method not in ("pic", "naive"):
+        fail(f"--hisparse: method {config.method!r} fills the paged KV cache directly; HiSparse runs with "
+             "--method pic or naive")
+    if config.method == "pic" and config.exact_prefix:
+        note("--hisparse: exact-prefix reuse is off (its checkpoints restore into the paged KV cache)")
+        config = dataclasses.replace(config, exact_prefix=False)
+    return config
+
+
 def hisparse_report(engine) -> Optional[dict]:
     return None if engine.kv_offload is None else engine.kv_offload.snapshot()
 

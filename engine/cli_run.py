@@ -17,7 +17,8 @@ from typing import Optional
 import typer
 
 from engine.cli_options import (PicArgs, attach_store, build, check_store_answers, connector_config, engine_config,
-                                fail, hisparse_settings, model_source, option, pic_options, pic_settings)
+                                fail, hisparse_settings, model_source, option, pic_for_hisparse, pic_options,
+                                pic_settings)
 from engine.errors import EngineError, InvalidRequestError
 
 
@@ -41,9 +42,9 @@ def run_cmd(
     source = model_source(opts.preset, opts.model)
     settings = pic_settings(opts, method)
     config = settings.pic
-    if hisparse_settings(opts.hisparse) is not None:
-        fail("--hisparse: run's prefill methods (full, prefix, naive, pic) fill the paged KV cache directly; "
-             "HiSparse offload runs with generate, bench and serve")
+    hs = hisparse_settings(opts.hisparse)
+    if hs is not None:
+        config = pic_for_hisparse(config)
     try:
         reqs = read_requests(requests)
     except InvalidRequestError as exc:
@@ -54,7 +55,7 @@ def run_cmd(
     if connector is not None:
         check_store_answers(connector, opts.start_without_store)
     engine = build(source, engine_config(opts.device, opts.dtype, 1, max(2048, opts.chunk_size), opts.chunk_size,
-                                         None, None))
+                                         None, None, hisparse=hs))
     check_requests(engine, reqs, max_new_tokens, stop)  # every request, before any runs
     planner = attach_planner(engine, config) if connector is None else attach_store(engine, config, connector)
     try:
@@ -63,6 +64,8 @@ def run_cmd(
     finally:
         if connector is not None:
             planner.store.close()  # finishes the queued puts: the next process finds them
+        if engine.kv_offload is not None:
+            engine.kv_offload.close()
 
 
 def check_requests(engine, reqs, max_new_tokens: int, stop: Optional[list[str]]) -> None:

@@ -17,7 +17,8 @@ import typer
 
 from engine.cli_options import (BudgetOpt, GraphsOpt, HostThreadsOpt, KvTokensOpt, MaxBatchOpt, MaxLenOpt, PicArgs,
                                 attach_store, build, check_store_answers, connector_config, engine_config, fail,
-                                hisparse_settings, model_source, note, note_cache_size, pic_options, pic_settings)
+                                hisparse_settings, model_source, note, note_cache_size, pic_for_hisparse, pic_options,
+                                pic_settings)
 
 
 @pic_options
@@ -69,8 +70,7 @@ def serve(
     connector = connector_config(settings, opts.store)
     hs = hisparse_settings(opts.hisparse)
     if hs is not None and connector is not None:
-        fail("--hisparse: HiSparse runs with the engine's own prefill; --store attaches position-independent "
-             "caching, which fills the paged cache directly (use --hisparse-store for the blocks' daemon)")
+        settings = dataclasses.replace(settings, pic=pic_for_hisparse(settings.pic))
     if connector is None:
         note("no --store: every prompt is computed in full and nothing is cached; pass --store [SOCKET] to reuse "
              "prompt segments through a kvstore daemon")

@@ -77,6 +77,13 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def external_kv_planner(planner: PrefillPlanner) -> bool:
+    """Whether `planner` can fill full-attention caches kept outside the paged pool
+    (HiSparse): the engine's own chunked prefill, or a planner that says so
+    (`supports_external_kv`, engine.pic.planner.PicPlanner without exact prefixes)."""
+    return type(planner) is PrefillPlanner or bool(getattr(planner, "supports_external_kv", False))
+
+
 class LLMEngine:
     """Continuous-batching generation over one model (see the module docstring)."""
 
@@ -132,9 +139,10 @@ class LLMEngine:
         model fingerprint). Only while no request is in the engine."""
         if self.has_unfinished():
             raise InvalidRequestError("planner", "cannot be replaced while requests are in the engine")
-        if self.kv_offload is not None and type(planner) is not PrefillPlanner:
+        if self.kv_offload is not None and not external_kv_planner(planner):
             raise InvalidRequestError(
-                "hisparse", f"HiSparse runs with the engine's own chunked prefill, not with {type(planner).__name__}")
+                "hisparse", f"HiSparse runs with the engine's own chunked prefill or PIC (pic or naive, without exact "
+                            f"prefixes), not with {type(planner).__name__}: it fills the paged KV cache directly")
         self.scheduler.planner = planner
 
     @property

@@ -95,8 +95,11 @@ def copy_blocks(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, ds
         raise KernelUnavailableError("copy_blocks: force_triton=True needs CUDA index tensors or TRITON_INTERPRET=1")
     if force_triton is False or not triton_ok or (INTERPRET and src.dtype == torch.bfloat16):
         return copy_blocks_reference(src, src_rows, dst, dst_rows, valid)
+    # is_pinned asks the driver (cudaPointerGetAttributes); inside a CUDA-graph capture the
+    # eager warm-up step has already checked these very tensors, so it is skipped there
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     for name, t in (("src", src), ("dst", dst)):
-        if t.device != dev and not (dev.type == "cuda" and t.device.type == "cpu" and t.is_pinned()):
+        if t.device != dev and not (dev.type == "cuda" and t.device.type == "cpu" and (capturing or t.is_pinned())):
             raise KernelInputError(f"{name} must be on {dev} or (with CUDA indices) pinned host memory, "
                                    f"got {t.device}{'' if t.device.type != 'cpu' else ' (not pinned)'}")
     m = src_rows.shape[0]

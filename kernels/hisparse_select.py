@@ -166,6 +166,8 @@ def block_scores(q: torch.Tensor, summaries: torch.Tensor, slots: torch.Tensor, 
     out = torch.empty(B, num_cols, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
+    # the kernel reads slots/lo/hi at unit stride: a column of packed decode rows is not
+    slots, lo, hi = slots.contiguous(), lo.contiguous(), hi.contiguous()
     block_n = 16
     _scores_kernel[(B, triton.cdiv(num_cols, block_n))](
         q, summaries, slots, lo, hi, out, H, H // summaries.shape[3], D, num_cols,

@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="select blocks per KV head in the quality phase (default; --no-quality-per-head: one set)")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="select blocks per KV head in the memory, decode and mass phases (default)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode phase: HiSparse through the runner's decode CUDA graphs where CUDA (default; dense "
+                        "always); each point records what the graphs did under `graphs`")
     p.add_argument("--phases", default="memory,decode,mass,quality", help="which phases to run")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="device budget on the CPU (GiB)")
     p.add_argument("--host-budget-gib", type=float,
@@ -153,6 +156,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "quality_block": args.quality_block,
         "quality_budget": args.quality_budget,
         "per_kv_head": args.per_kv_head,
+        "graphs": args.graphs,
         "quality_variant": dict(sink_blocks=args.quality_sink, recent_blocks=args.quality_recent,
                                 dense_layers=args.quality_dense_layers, summary=args.quality_summary,
                                 per_kv_head=args.quality_per_head),
@@ -255,7 +259,7 @@ def _randn(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, gen
     return torch.randn(shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
 
 
-def _fill_dense(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
+def fill_dense_context(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
     cache = runner.cache
     for seq in seqs:
         cache.ensure_capacity(seq, length)
@@ -270,7 +274,7 @@ def _fill_dense(runner: ModelRunner, seqs: list[Sequence], length: int, gen: tor
         seq.num_computed_tokens = length
 
 
-def _fill_hisparse(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
+def fill_hisparse_context(runner: ModelRunner, seqs: list[Sequence], length: int, gen: torch.Generator) -> None:
     cache = runner.cache
     for seq in seqs:
         for a in range(0, length, 8192):
@@ -310,11 +314,13 @@ def _decode_point(model, s: dict[str, Any], kind: str, batch: int, length: int) 
         manager = dense_manager(model, batch, length + s["decode_steps"] + 2)
     else:
         manager, off = hisparse_manager(model, _hs_config(s), batch, length + s["decode_steps"] + 2, _store(s))
-    runner = ModelRunner(model, manager, cuda_graphs=None if kind == "dense" else False)
+    # dense always, HiSparse unless --no-graphs: the runner's decode CUDA graphs where CUDA
+    runner = ModelRunner(model, manager, cuda_graphs=None if kind == "dense" or s["graphs"] else False)
     seqs = [manager.allocate(Sequence(f"{kind}{i}")) for i in range(batch)]
-    (_fill_dense if kind == "dense" else _fill_hisparse)(runner, seqs, length, gen)
+    (fill_dense_context if kind == "dense" else fill_hisparse_context)(runner, seqs, length, gen)
     rate = _decode_rate(runner, seqs, s["decode_steps"])
-    point: dict[str, Any] = {"batch": batch, "tokens_per_s": rate}
+    point: dict[str, Any] = {"batch": batch, "tokens_per_s": rate,
+                             "graphs": runner.graphs.report() if runner.graphs is not None else {"used": False}}
     if off is not None:
         snap = off.snapshot()
         point.update(hot_hit_rate=snap["hot_hit_rate"], blocks_fetched_per_step=snap["blocks_fetched_per_step"],

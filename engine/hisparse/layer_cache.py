@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -70,6 +70,10 @@ class Selection:
     valid: torch.Tensor
     #: per KV head, which entries it attends to `[B, Hkv, K]` (None: every head all of them)
     heads: Optional[torch.Tensor] = None
+
+    def first(self, n: int) -> "Selection":
+        """The selection of the first `n` sequences (a step padded to a graph's batch)."""
+        return Selection(self.blocks[:n], self.valid[:n], None if self.heads is None else self.heads[:n])
 
     def lists(self) -> list[list[int]]:
         """Per sequence the selected blocks, ascending (a host read)."""
@@ -118,6 +122,9 @@ class HiSparseLayerCache(ExternalKVCache):
         #: the blocks each sequence of the last decode step attended to (ascending; kept on
         #: the device, read by measurements only)
         self.last_selection: Optional[Selection] = None
+        #: per (padded batch, plan) of a static-buffer step, its selection tensors (after a
+        #: capture: the graph's own outputs, rewritten by each replay)
+        self._static_selections: dict[tuple[int, Hashable], Selection] = {}
 
     # ------------------------------------------------------------------ sizes
     def _block_nbytes(self) -> int:
@@ -318,11 +325,56 @@ class HiSparseLayerCache(ExternalKVCache):
     # ------------------------------------------------------------------ decode
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DecodeContext,
                       scale: float) -> torch.Tensor:
-        """One decode step (module docstring). The host part: check the positions continue
-        each sequence and note sealed blocks for the store; everything else is `decode_step`."""
+        """One decode step (module docstring). Eagerly: the host part (check the positions
+        continue each sequence, then note sealed blocks for the store) around `decode_step`.
+        In a static-buffer step (`ctx.external_plans`, what the runner's CUDA graphs capture)
+        only `decode_step` at the plan's score columns; the runner calls `plan_decode` before
+        and `finish_decode` after."""
+        plans = ctx.external_plans
+        if plans is not None and self in plans:
+            cols = plans[self]
+            out = self.decode_step(q, k, v, ctx.slots.long(), ctx.positions.long(), scale, cols)
+            self._static_selections[(q.shape[0], cols)] = self.last_selection
+            return out
         slots, positions = ctx.host_slots, ctx.host_positions
         if slots is None or positions is None:
             raise RuntimeStateError("hisparse decode needs the step's host positions and slots")
+        cols = self._check_decode(slots, positions)
+        out = self.decode_step(q, k, v, ctx.slots.to(self.device).long(), ctx.positions.to(self.device).long(),
+                               scale, cols)
+        self._advance(slots, positions)
+        if self.counts_steps:
+            self.metrics.decode_steps += 1
+            self.metrics.eager_steps += 1
+        return out
+
+    def plan_decode(self, slots: Sequence[int], positions: Sequence[int]) -> int:
+        """The host part before a static-buffer step: the checks of `attend_decode`, and the
+        score columns its device part runs at (the plan, the graph's shape key): 0 where no
+        sequence selects, else the power of two at or above the columns the step needs
+        (capped at `max_blocks`), so a growing context changes graphs only at powers of two.
+        More columns select the same blocks (the extra ones are masked off)."""
+        cols = self._check_decode(slots, positions)
+        return 0 if cols == 0 else min(self.max_blocks, 1 << (cols - 1).bit_length())
+
+    def finish_decode(self, slots: Sequence[int], positions: Sequence[int], plan: Hashable, rows: int,
+                      graphed: bool) -> None:
+        """The host part after a static-buffer step: advance the sequences, hand sealed
+        blocks to the store, point `last_selection` at the step's selection."""
+        sel = self._static_selections.get((rows, plan))
+        if sel is not None:
+            self.last_selection = sel.first(len(slots))
+        self._advance(slots, positions)
+        if self.counts_steps:
+            self.metrics.decode_steps += 1
+            if graphed:
+                self.metrics.graph_steps += 1
+            else:
+                self.metrics.eager_steps += 1
+
+    def _check_decode(self, slots: Sequence[int], positions: Sequence[int]) -> int:
+        """Check a step's positions continue each sequence; the score columns it needs (0: no
+        sequence selects)."""
         bs, c = self.block, self.config
         cols = 0
         for slot, p in zip(slots, positions):
@@ -336,17 +388,17 @@ class HiSparseLayerCache(ExternalKVCache):
             hi = max(lo, nb - c.recent_blocks)
             if p + 1 >= c.min_context and hi - lo > c.topk:
                 cols = max(cols, hi)
-        out = self.decode_step(q, k, v, ctx.slots.to(self.device).long(), ctx.positions.to(self.device).long(),
-                               scale, cols)
+        return cols
+
+    def _advance(self, slots: Sequence[int], positions: Sequence[int]) -> None:
+        """After a step: each sequence holds one more token; blocks it sealed go to the store."""
+        bs = self.block
         for slot, p in zip(slots, positions):
             st = self._slots[slot]
             st.num_tokens = p + 1
             if (p + 1) % bs == 0:
                 self._queue_puts(slot, st, (p + 1) // bs)
         self._flush_puts()
-        if self.counts_steps:
-            self.metrics.decode_steps += 1
-        return out
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor, scale: float, score_cols: int) -> torch.Tensor:
@@ -357,8 +409,10 @@ class HiSparseLayerCache(ExternalKVCache):
 
         c, bs, t = self.config, self.block, self.table
         blk, off = positions // bs, positions % bs
+        # rows padding a graph's batch repeat row 0 (same writes): the counters skip them
+        live = torch.cat([torch.ones_like(slots[:1], dtype=torch.bool), slots[1:] != slots[:1]])
         t.tick()
-        rows = t.place(slots, blk, off == 0, c.sink_blocks, c.recent_blocks)
+        rows = t.place(slots, blk, off == 0, c.sink_blocks, c.recent_blocks, live)
         g = slots * self.rows_per_slot + rows
         flat = g * bs + off
         self.k_pool.view(-1, self.num_kv_heads, self.head_dim)[flat] = k.to(self.k_pool.dtype)
@@ -370,7 +424,7 @@ class HiSparseLayerCache(ExternalKVCache):
         copy_blocks(self.v_pool, g, self.mirror_v, mdst, sealed)
         sel = self._select(q, slots, positions, score_cols)
         self.last_selection = sel
-        adm = t.admit(slots, sel.blocks, sel.valid)
+        adm = t.admit(slots, sel.blocks, sel.valid, live)
         grow = slots[:, None] * self.rows_per_slot + adm.rows
         src = (slots[:, None] * self.max_blocks + sel.blocks.clamp(min=0)).flatten()
         copy_blocks(self.mirror_k, src, self.k_pool, grow.flatten(), adm.missing.flatten())

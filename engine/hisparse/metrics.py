@@ -4,6 +4,8 @@ store of one engine; `snapshot()` is what `--json` output and the Prometheus exp
 - blocks_fetched_per_step: blocks read back into the device per decode step (all layers
   and sequences of the step);
 - hot_hit_rate: share of the blocks attended to that were already in the hot buffer;
+- decode_graph_steps / decode_eager_steps: decode steps replayed from (or captured into)
+  the runner's CUDA graphs / run eagerly (graphs off, or a step no graph takes);
 - read/write bytes per second per tier ("cpu", "nvme" for the daemon's tiers, "process"
   for blocks still queued for their put or kept in this process): bytes over the seconds
   spent reading (writing) them; "mirror" read bytes (decode fetches and prefill reads from
@@ -21,6 +23,9 @@ from typing import Any
 @dataclass
 class HiSparseMetrics:
     decode_steps: int = 0
+    #: decode steps replayed from (or captured into) a CUDA graph / run eagerly
+    graph_steps: int = 0
+    eager_steps: int = 0
     blocks_attended: int = 0
     hot_hits: int = 0
     blocks_fetched: int = 0
@@ -70,6 +75,8 @@ class HiSparseMetrics:
                 read_bytes["mirror"] = read_bytes.get("mirror", 0) + fetched_bytes
             return {
                 "decode_steps": steps,
+                "decode_graph_steps": self.graph_steps,
+                "decode_eager_steps": self.eager_steps,
                 "blocks_attended": attended,
                 "blocks_fetched": fetched,
                 "blocks_fetched_per_step": fetched / steps if steps else 0.0,

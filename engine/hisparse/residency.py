@@ -21,6 +21,7 @@ Counters (`counts`, int64 on the device): attended, hot hits, fetched, staged, e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -98,12 +99,12 @@ class HotBufferTable:
 
     # ------------------------------------------------------------------ placing a new block
     def place(self, slots: torch.Tensor, blocks: torch.Tensor, need: torch.Tensor, sink: int,
-              recent: int) -> torch.Tensor:
+              recent: int, live: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The hot row of block `blocks[b]` of sequence `slots[b]` `[B]`: its row if resident;
         where `need[b]` and it is not, a free row or the least recently used row holding no
         pinned block (the first `sink` blocks and the `recent` last up to `blocks[b]`),
         recorded in the table. Rows stay -1 where neither. The caller guarantees a row exists
-        (hot >= sink + recent)."""
+        (hot >= sink + recent). `live [B]` (default all): the entries the counters count."""
         h, mb = self.hot, self.max_blocks
         base = slots * mb
         cur = self.row_of[base + blocks]
@@ -120,15 +121,17 @@ class HotBufferTable:
         flat_row = torch.where(take, slots * h + victim, self._trash_rb)
         self.row_block[flat_row] = blocks
         self.last_use[flat_row] = self.clock.expand(flat_row.shape)
-        self.counts[EVICTED] += evict.sum()
+        self.counts[EVICTED] += (evict if live is None else evict & live).sum()
         return torch.where(take, victim, cur)
 
     # ------------------------------------------------------------------ admitting a selection
-    def admit(self, slots: torch.Tensor, sel: torch.Tensor, valid: torch.Tensor) -> Admission:
+    def admit(self, slots: torch.Tensor, sel: torch.Tensor, valid: torch.Tensor,
+              live: Optional[torch.Tensor] = None) -> Admission:
         """Rows for the selected blocks `sel [B, K]` (entries where `valid`): resident ones keep
         their rows; missing ones evict rows holding no selected block (free first, then least
         recently used), else take staging rows `hot, hot+1, ...`. The table and last-use stamps
-        are updated; nothing is copied (the caller fetches `missing` into `rows`)."""
+        are updated; nothing is copied (the caller fetches `missing` into `rows`). `live [B]`
+        (default all): the sequences the counters count (a graph's padding rows are not)."""
         h, mb = self.hot, self.max_blocks
         base = (slots * mb)[:, None]
         selc = sel.clamp(min=0)
@@ -156,5 +159,8 @@ class HotBufferTable:
         stamp = torch.where(in_hot, (slots * h)[:, None] + rows, self._trash_rb)
         self.last_use[stamp] = self.clock.expand(stamp.shape)
         staged = missing & ~use_hot
-        self.counts += torch.stack([valid.sum(), resident.sum(), missing.sum(), staged.sum(), evict.sum()])
+        n = [valid, resident, missing, staged, evict]
+        if live is not None:
+            n = [m & live[:, None] for m in n]
+        self.counts += torch.stack([m.sum() for m in n])
         return Admission(rows, missing)

@@ -39,6 +39,7 @@ __all__ = ["HostSyncGuard", "SyncRecord", "CPU_ONLY_CHECKS"]
 CPU_ONLY_CHECKS: tuple[tuple[str, str], ...] = (
     ("kernels/paged_decode_attention.py", "_validate"),
     ("kernels/hisparse_select.py", "_validate_scores"),
+    ("engine/models/decoder.py", "_check_ids"),
 )
 
 _T = torch.Tensor

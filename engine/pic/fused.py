@@ -46,12 +46,13 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
+from engine.models.layers.base import ExternalKVCache
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
 from engine.pic.config import SEAM_CHAIN_MODES
 from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Computed, Event, Placed
 from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
-from engine.pic.splice import SplicePiece, attention_part, force_triton_for, linear_part
+from engine.pic.splice import SplicePiece, attention_part, external_rows, force_triton_for, linear_part
 from engine.pic.tokenwise import TokenWise
 from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
@@ -168,7 +169,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
         cache = manager.layers[i]
         if before_layer is not None:
             before_layer(i)
-        layer = FUSED_LAYERS.get(type(cache))
+        layer = FUSED_LAYERS.get(type(cache)) or (_external_layer if isinstance(cache, ExternalKVCache) else None)
         if layer is None:  # pragma: no cover - every cache is one of the three
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} cannot be fused")
         o, aux = layer(p, i, cache, block.mixer, proj)
@@ -215,6 +216,33 @@ def _full_layer(p: _Pass, i: int, cache: PagedKVCache, mixer, proj):
     for cp in p.checkpoints:
         k, v = cache.gather(p.ctx_slots[cp.start:cp.end])
         cp.kv[i] = (k.clone(), v.clone())
+    return o, proj[3]
+
+
+def _external_layer(p: _Pass, i: int, cache: ExternalKVCache, mixer, proj):
+    """A full-attention layer kept outside the paged pool (HiSparse, engine/hisparse/): the
+    pieces' rows (re-rotated) and C's K/V go into a dense buffer of positions [start, end),
+    C attends over the cache's earlier positions and the buffer, and the buffer is appended
+    to the cache (which seals full blocks into its host mirror and store as it goes)."""
+    if p.checkpoints:
+        raise SplicePlacementError("checkpoints (prefix caching) read the paged pool; this layer's K/V is external")
+    q, k, v, _ = proj
+    n = p.end - p.start
+    kb, vb = external_rows(p.pieces, i, mixer, p.start, n, k.dtype, k.device, p.force)
+    if kb is None:
+        kb, vb = k.new_zeros(n, *k.shape[1:]), v.new_zeros(n, *v.shape[1:])
+    local = p.pos - p.start
+    kb[local] = k.to(kb.dtype)
+    vb[local] = v.to(vb.dtype)
+    if p.start:
+        past_k, past_v = cache.context_kv(p.seq.slot)
+        k_ctx, v_ctx = torch.cat([past_k.to(kb.dtype), kb]), torch.cat([past_v.to(vb.dtype), vb])
+    else:
+        k_ctx, v_ctx = kb, vb
+    o = mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), p.ranges)
+    cache.append(p.seq.slot, kb, vb)
+    if p.captures:
+        capture_attention(p.captures, mixer, proj[1], proj[2])
     return o, proj[3]
 
 

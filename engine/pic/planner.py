@@ -122,6 +122,10 @@ class PicPlanner(ReportingPlanner):
         if not isinstance(store, SegmentStore):
             raise PicConfigError(f"store must be a SegmentStore, got {type(store).__name__}")
         self.name = config.method
+        #: whether this planner can fill full-attention layers kept outside the paged pool
+        #: (HiSparse's ExternalKVCache): splices and fused passes can, exact prefixes'
+        #: checkpoints (restored into the paged pool) cannot
+        self.supports_external_kv = not config.exact_prefix or config.method != "pic"
         self.fingerprint = fingerprint
         self.anchor_ids = [int(t) for t in anchor_ids]
         self.store = store

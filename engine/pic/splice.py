@@ -39,6 +39,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
+from engine.models.layers.base import ExternalKVCache
 from engine.pic.errors import SplicePlacementError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
 from engine.runtime.sequence import Sequence as CacheSequence
@@ -123,7 +124,7 @@ def splice(manager: CacheManager, model: HybridDecoder, seq: CacheSequence, piec
     manager.ensure_capacity(seq, pos)
     sp = _Splice(manager, model, seq, pieces, force_triton_for(kernel, manager.device))
     for i, cache in enumerate(manager.layers):
-        layer = SPLICE_LAYERS.get(type(cache))
+        layer = SPLICE_LAYERS.get(type(cache)) or (_external_layer if isinstance(cache, ExternalKVCache) else None)
         if layer is None:
             raise SplicePlacementError(f"layer {i}: cache {type(cache).__name__} has no splice (SPLICE_LAYERS)")
         layer(sp, i, cache, model.mixer(i))
@@ -146,6 +147,35 @@ class _Splice:
 
 def _full_layer(sp: _Splice, layer: int, cache: PagedKVCache, mixer) -> None:
     _splice_full(sp.manager, sp.seq, cache, mixer, layer, sp.pieces, sp.force)
+
+
+def _external_layer(sp: _Splice, layer: int, cache: ExternalKVCache, mixer) -> None:
+    """A full-attention layer kept outside the paged pool (HiSparse): the pieces' rows,
+    re-rotated, appended at the sequence's next positions (a splice run is contiguous)."""
+    start = sp.seq.num_computed_tokens
+    n = sp.pieces[-1].end - start
+    kb, vb = external_rows(sp.pieces, layer, mixer, start, n, sp.model.dtype, sp.manager.device, sp.force)
+    if kb is not None:
+        cache.append(sp.seq.slot, kb, vb)
+
+
+def external_rows(pieces, layer: int, mixer, start: int, n: int, dtype: torch.dtype, device: torch.device,
+                  force) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The pieces' full-attention rows of `layer`, re-rotated to their positions, in a dense
+    K/V buffer `[n, Hkv, D]` of positions `start..start+n-1` (None, None: no rows; positions
+    no piece holds stay zero for the caller to fill)."""
+    rows = piece_rows(pieces, layer, "full")
+    if rows is None:
+        return None, None
+    k, v, pos, deltas = rows
+    if int(pos.min()) < start or int(pos.max()) >= start + n:
+        raise SplicePlacementError(f"layer {layer}: piece rows at positions {int(pos.min())}..{int(pos.max())} "
+                                   f"outside [{start}, {start + n})")
+    kb = torch.zeros(n, 1, *k.shape[1:], dtype=dtype, device=device)
+    vb = torch.zeros(n, 1, *v.shape[1:], dtype=dtype, device=device)
+    slots = (pos - start).to(device)
+    scatter_rows(k.to(device), v.to(device), kb, vb, slots, deltas.to(device), mixer, force)
+    return kb[:, 0], vb[:, 0]
 
 
 def _window_layer(sp: _Splice, layer: int, cache: WindowRingCache, mixer) -> None:
@@ -173,7 +203,7 @@ def attention_part(piece: SplicePiece, layer: int, kind: str) -> AttentionPart:
     return part
 
 
-def _rows(pieces, layer, kind):
+def piece_rows(pieces, layer, kind):
     """Rows of every piece that this splice writes: (k, v, absolute positions, deltas)."""
     ks, vs, poss, deltas = [], [], [], []
     for p in pieces:
@@ -191,7 +221,8 @@ def _rows(pieces, layer, kind):
     return torch.cat(ks), torch.cat(vs), torch.cat(poss), torch.cat(deltas)
 
 
-def _scatter(k, v, k_pages, v_pages, slots, deltas, mixer, force) -> None:
+def scatter_rows(k, v, k_pages, v_pages, slots, deltas, mixer, force) -> None:
+    """Rows `k`, `v` into `*_pages` at flat `slots`, keys re-rotated by `deltas`."""
     rot = 2 * mixer.inv_freq.numel()
     if rot == 0:  # no RoPE: positions do not enter K
         keep = slots >= 0
@@ -206,23 +237,23 @@ def _scatter(k, v, k_pages, v_pages, slots, deltas, mixer, force) -> None:
 
 
 def _splice_full(manager, seq, cache: PagedKVCache, mixer, layer, pieces, force) -> None:
-    rows = _rows(pieces, layer, "full")
+    rows = piece_rows(pieces, layer, "full")
     if rows is None:
         return
     k, v, pos, deltas = rows
     table = torch.tensor(seq.block_table, dtype=torch.long, device=pos.device)
     bs = manager.block_size
     slots = (table[pos // bs] * bs + pos % bs).to(cache.k_pages.device)
-    _scatter(k, v, cache.k_pages, cache.v_pages, slots, deltas.to(slots.device), mixer, force)
+    scatter_rows(k, v, cache.k_pages, cache.v_pages, slots, deltas.to(slots.device), mixer, force)
 
 
 def _splice_window(seq, cache: WindowRingCache, mixer, layer, pieces, force) -> None:
-    rows = _rows(pieces, layer, "swa")
+    rows = piece_rows(pieces, layer, "swa")
     if rows is None:
         return
     k, v, pos, deltas = rows
     slots = ring_slot_mapping(seq.slot, pos, cache.window).to(cache.k.device)
-    _scatter(k, v, cache.k, cache.v, slots, deltas.to(slots.device), mixer, force)
+    scatter_rows(k, v, cache.k, cache.v, slots, deltas.to(slots.device), mixer, force)
 
 
 # -------------------------------------------------------------------------- linear layers

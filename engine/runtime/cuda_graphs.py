@@ -21,21 +21,53 @@ captured (capture runs nothing); later steps replay it. All buckets share one me
 Off CUDA (`capture=False`) the same static-buffer step runs eagerly: tests compare it with
 the runner's plain decode.
 
+External KV caches (`ExternalKVCache`, HiSparse offload: engine/hisparse/) take part
+through a host/device split: before a step, `plan(seqs, positions)` asks each one for its
+`plan_decode` (host checks and a static shape key, e.g. HiSparse's score columns); the graph
+of a step is keyed by `(bucket, plans)`; inside the step (`DecodeContext.external_plans`)
+each such cache runs only its device part over static device tensors (its tables, pools,
+summaries and the pinned host mirror, read by address); after it, `finish_decode` does the
+host bookkeeping (advancing positions, queueing sealed blocks for the store). A step that
+cannot run here (batch above the largest bucket, more blocks than the tables hold, a cache
+that cannot plan it, a key whose capture failed) gets a `StepPlan` without a key and a
+reason: the runner runs it eagerly, `fallbacks` counts it per kind and the first of each
+kind is logged. A failed capture is logged with its error (`capture_errors`) and that key
+runs eagerly from then on.
+
 Contract: the model's parameters and the cache tensors must not be reallocated after a
-capture (in-place updates such as `load_state_dict` are fine); `ModelRunner.set_cuda_graphs`
-drops and rebuilds the graphs.
+capture (in-place updates such as `load_state_dict` are fine), nor host memory a cache
+registered for device reads (the HiSparse mirrors are allocated and registered once, with
+the cache); `ModelRunner.set_cuda_graphs` drops and rebuilds the graphs.
 """
 from __future__ import annotations
 
+import logging
 import math
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from typing import Hashable, Optional
 from typing import Sequence as Seq
 
 import torch
 
+from engine.models.layers.base import ExternalKVCache
 from engine.runtime.decode_batch import COL_TOKEN, TABLE_COL, blocks_for, decode_context, pack_decode_rows
 from engine.runtime.sequence import Sequence
 
+log = logging.getLogger("engine.runtime")
+
 BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a decode step runs: `key` `(bucket, plans)` of its graph, or None with the
+    `kind` and `reason` why it runs eagerly."""
+
+    key: Optional[tuple[int, tuple[Hashable, ...]]]
+    kind: str = ""
+    reason: str = ""
 
 
 class DecodeGraphs:
@@ -57,11 +89,21 @@ class DecodeGraphs:
                 max_blocks = min(math.ceil(model.config.max_position_embeddings / cache.block_size),
                                  cache.blocks.num_blocks)
         self.max_blocks = max_blocks
+        #: the caches kept outside the paged pool (HiSparse layers), planned around each step
+        self.external: list[ExternalKVCache] = [c for c in cache.layers if isinstance(c, ExternalKVCache)]
         self._rows: dict[int, torch.Tensor] = {}  # bucket -> static packed rows on the device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # key -> graph, logits
+        self._failed: set[tuple] = set()  # keys whose capture failed: eager from then on
         self._pool = None
         #: bucket of the last step run here (for tests and metrics)
         self.last_bucket: int | None = None
+        #: steps run here with a graph (replayed or captured) / eagerly off CUDA
+        self.graph_steps = 0
+        self.static_steps = 0
+        #: steps that fell back to the runner's eager decode, per kind (see `plan`)
+        self.fallbacks: Counter[str] = Counter()
+        #: failed captures: (key, error line, last frames of project code)
+        self.capture_errors: list[tuple[tuple, str, list[str]]] = []
 
     # ------------------------------------------------------------------ queries
     def bucket(self, batch: int) -> int | None:
@@ -79,13 +121,55 @@ class DecodeGraphs:
 
     @property
     def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
+        """The buckets with at least one captured graph."""
+        return tuple(sorted({key[0] for key in self._graphs}))
+
+    @property
+    def captured_keys(self) -> tuple[tuple, ...]:
+        return tuple(self._graphs)
+
+    def report(self) -> dict:
+        """What the graphs did, for JSON output: steps replayed or captured (`graph_steps`),
+        static steps run eagerly off CUDA, eager fallbacks per kind, captured keys and
+        failed captures (with their error and frames)."""
+        return {"capture": self.capture, "graph_steps": self.graph_steps, "static_steps": self.static_steps,
+                "used": self.graph_steps > 0, "fallbacks": dict(self.fallbacks),
+                "captured": [repr(k) for k in self._graphs],
+                "capture_errors": [{"key": repr(k), "error": e, "frames": f} for k, e, f in self.capture_errors]}
+
+    def plan(self, seqs: Seq[Sequence], positions: Seq[int]) -> StepPlan:
+        """The step's graph key, or why it falls back to eager (counted in `fallbacks`,
+        the first of each kind logged). Runs the external caches' host checks."""
+        b = len(seqs)
+        bucket = self.bucket(b)
+        if bucket is None:
+            return self._fallback("batch", f"a batch of {b} is above the largest bucket {self.buckets[-1]}")
+        if not self.fits(positions):
+            return self._fallback("blocks", f"positions up to {max(positions)} need more than the graphs' "
+                                  f"{self.max_blocks} block-table columns")
+        slots = [s.slot for s in seqs]
+        plans = tuple(c.plan_decode(slots, positions) for c in self.external)
+        if any(p is None for p in plans):
+            return self._fallback("external", "an external KV cache cannot run this step from static buffers")
+        key = (bucket, plans)
+        if key in self._failed:
+            return self._fallback("capture", f"the capture of graph {key} failed (see capture_errors)")
+        return StepPlan(key)
+
+    def _fallback(self, kind: str, reason: str) -> StepPlan:
+        if not self.fallbacks[kind]:
+            log.info("decode graphs: a step runs eagerly: %s (logged once per kind; counted in fallbacks)", reason)
+        self.fallbacks[kind] += 1
+        return StepPlan(None, kind, reason)
 
     # ------------------------------------------------------------------- running
-    def step(self, rows: torch.Tensor) -> torch.Tensor:
+    def step(self, rows: torch.Tensor, plans: tuple[Hashable, ...] = ()) -> torch.Tensor:
         """The function that is captured: `model.decode` over a packed rows tensor
-        `[bucket, TABLE_COL + max_blocks]` on the device -> logits `[bucket, vocab]`."""
+        `[bucket, TABLE_COL + max_blocks]` on the device -> logits `[bucket, vocab]`
+        (`plans`: the external caches' plans, in `external` order)."""
         ctx = decode_context(rows, self.cache.has_paged, self.backend, paged_attention=True)
+        if self.external:
+            ctx.external_plans = dict(zip(self.external, plans))
         return self.model.decode(rows[:, COL_TOKEN], ctx, self.cache.layers)
 
     def _static_rows(self, bucket: int) -> torch.Tensor:
@@ -96,14 +180,31 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, seqs: Seq[Sequence], positions: Seq[int],
-            tokens: Seq[int] | torch.Tensor) -> torch.Tensor:
+            tokens: Seq[int] | torch.Tensor, plan: Optional[StepPlan] = None) -> torch.Tensor:
         """Logits `[B, vocab]` of one decode step (caches updated, positions not advanced:
-        the runner does that). `tokens` are host ints or a device tensor `[B]`."""
+        the runner does that). `tokens` are host ints or a device tensor `[B]`; `plan`
+        (default: `plan(seqs, positions)`) must have a key."""
         b = len(seqs)
-        bucket = self.bucket(b)
-        if bucket is None or not self.fits(positions):
-            raise ValueError(f"a decode step of {b} sequences at positions up to {max(positions)} fits no "
-                             f"bucket of {self.buckets} with {self.max_blocks} blocks")
+        plan = self.plan(seqs, positions) if plan is None else plan
+        if plan.key is None:
+            raise ValueError(f"a decode step of {b} sequences at positions up to {max(positions)} cannot run "
+                             f"from the graphs: {plan.reason}")
+        bucket, plans = plan.key
+        logits = self._run(seqs, positions, tokens, plan.key)
+        graphed = self.capture and plan.key in self._graphs
+        slots = [s.slot for s in seqs]
+        for c, p in zip(self.external, plans):
+            c.finish_decode(slots, positions, p, bucket, graphed)
+        if graphed:
+            self.graph_steps += 1
+        else:
+            self.static_steps += 1
+        return logits
+
+    def _run(self, seqs: Seq[Sequence], positions: Seq[int], tokens: Seq[int] | torch.Tensor,
+             key: tuple[int, tuple[Hashable, ...]]) -> torch.Tensor:
+        b = len(seqs)
+        bucket, plans = key
         self.last_bucket = bucket
         host_tokens = None if isinstance(tokens, torch.Tensor) else list(tokens)
         packed = pack_decode_rows(seqs, positions, host_tokens, self.cache.block_size, self.cache.has_paged,
@@ -118,28 +219,40 @@ class DecodeGraphs:
             if bucket > b:
                 rows[b:, COL_TOKEN].copy_(ids[:1].expand(bucket - b))
         if not self.capture:
-            return self.step(rows)[:b].clone()
-        if bucket not in self._graphs:
-            return self._warm_up_and_capture(bucket, rows)[:b].clone()
-        graph, out = self._graphs[bucket]
+            return self.step(rows, plans)[:b].clone()
+        if key not in self._graphs:
+            return self._warm_up_and_capture(key, rows)[:b].clone()
+        graph, out = self._graphs[key]
         graph.replay()
         return out[:b].clone()
 
-    def _warm_up_and_capture(self, bucket: int, rows: torch.Tensor) -> torch.Tensor:
+    def _warm_up_and_capture(self, key: tuple[int, tuple[Hashable, ...]], rows: torch.Tensor) -> torch.Tensor:
         """Run the real step eagerly on a side stream (compiling/autotuning kernels at this
-        bucket's shapes), then capture the graph (which runs nothing). Returns the eager logits."""
+        key's shapes), then capture the graph (which runs nothing). Returns the eager logits.
+        A capture that fails is logged with its error; the key then runs eagerly."""
+        plans = key[1]
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            logits = self.step(rows).clone()
+            logits = self.step(rows, plans).clone()
         current.wait_stream(side)
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (HTTP server, store connector) do not void the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self.step(rows)
-        self._graphs[bucket] = (graph, out)
+        try:
+            # thread_local: CUDA calls of other threads (HTTP server, store connector) do not void the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self.step(rows, plans)
+        except RuntimeError as exc:
+            frames = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_tb(exc.__traceback__)
+                      if "/torch/" not in f.filename.replace("\\", "/")][-6:]
+            self._failed.add(key)
+            self.capture_errors.append((key, f"{type(exc).__name__}: {exc}".splitlines()[0], frames))
+            log.warning("decode graphs: capturing graph %s failed (%s) at %s; its steps run eagerly", key,
+                        self.capture_errors[-1][1], " <- ".join(reversed(frames)))
+            torch.cuda.synchronize(self.device)
+            return logits
+        self._graphs[key] = (graph, out)
         return logits

@@ -5,7 +5,9 @@
   to the sequence's caches and returns the last token's logits `[vocab]` (every token's
   `[n, vocab]` with `all_logits=True`). Chunked prefill is successive calls.
 - `decode(seqs, last_tokens)` feeds one token to each of B sequences of any lengths (each at
-  its own position `num_computed_tokens`) and returns logits `[B, vocab]`.
+  its own position `num_computed_tokens`) and returns logits `[B, vocab]`; through the
+  decode CUDA graphs (engine/runtime/cuda_graphs.py, HiSparse layer caches included) where
+  they are on and the step fits them, else eagerly.
 
 Both advance `seq.num_computed_tokens`. Blocks are allocated on demand; a full pool raises
 `CacheFullError` before anything is written. Linear layers run through fla's kernels when
@@ -58,8 +60,11 @@ class ModelRunner:
             raise ValueError("cuda_graphs needs decode_attention='paged' (the gather path has host-side shapes)")
         self.graphs = DecodeGraphs(self.model, self.cache, self.backend) if on else None
         #: the token-wise stages of short fused prefills (PIC's seams and suffix) as CUDA
-        #: graphs per computed-token bucket (engine.runtime.prefill_graphs); CUDA only
-        self.prefill_stages = PrefillStages(self.device) if on and self.device.type == "cuda" else None
+        #: graphs per computed-token bucket (engine.runtime.prefill_graphs); CUDA only, and
+        #: not over external KV caches (HiSparse: its prefill is its own, host-planned)
+        external = self.graphs is not None and bool(self.graphs.external)
+        self.prefill_stages = PrefillStages(self.device) if on and self.device.type == "cuda" and not external \
+            else None
 
     def _ids(self, token_ids) -> torch.Tensor:
         """Token ids as a long tensor on the device, range-checked on the host first (ids
@@ -120,8 +125,9 @@ class ModelRunner:
             self.cache.ensure_capacity(s, p + 1)
         host_ids = ids.device.type == "cpu"
         tokens = ids.tolist() if host_ids else None
-        if self.graphs is not None and self.graphs.fits(positions):
-            logits = self.graphs.run(seqs, positions, tokens if host_ids else ids.to(self.device))
+        plan = self.graphs.plan(seqs, positions) if self.graphs is not None else None
+        if plan is not None and plan.key is not None:
+            logits = self.graphs.run(seqs, positions, tokens if host_ids else ids.to(self.device), plan)
         else:
             logits = self._decode_eager(seqs, positions, tokens, None if host_ids else ids.to(self.device))
         for s in seqs:

@@ -77,7 +77,10 @@ class ServerMetrics:
                                    "HiSparse block writes: bytes per second of writing, by tier.", ["tier"], registry=r)
         self.hs_recomputes = Counter("kvengine_hisparse_recomputes",
                                      "Requests recomputed because HiSparse blocks were lost.", registry=r)
-        self._hs_last = {"fetched": 0, "recomputes": 0}
+        self.hs_decode_steps = Counter("kvengine_hisparse_decode_steps",
+                                       "HiSparse decode steps, by how they ran: replayed from a CUDA graph or eagerly.",
+                                       ["mode"], registry=r)
+        self._hs_last = {"fetched": 0, "recomputes": 0, "graph": 0, "eager": 0}
         info = Gauge("kvengine_model_info", "The served model.", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
@@ -124,7 +127,11 @@ class ServerMetrics:
         """HiSparse metrics from `HiSparseOffload.snapshot()`."""
         self.hs_fetched.inc(snap["blocks_fetched"] - self._hs_last["fetched"])
         self.hs_recomputes.inc(snap["recomputes"] - self._hs_last["recomputes"])
-        self._hs_last = {"fetched": snap["blocks_fetched"], "recomputes": snap["recomputes"]}
+        for mode in ("graph", "eager"):
+            n = snap.get(f"decode_{mode}_steps", 0)
+            self.hs_decode_steps.labels(mode=mode).inc(n - self._hs_last[mode])
+            self._hs_last[mode] = n
+        self._hs_last.update(fetched=snap["blocks_fetched"], recomputes=snap["recomputes"])
         self.hs_fetched_per_step.set(snap["blocks_fetched_per_step"])
         if snap["hot_hit_rate"] is not None:
             self.hs_hit_rate.set(snap["hot_hit_rate"])

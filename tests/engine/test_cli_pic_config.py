@@ -167,3 +167,21 @@ def test_serve_with_store_runs_the_files_settings_under_the_flags(tmp_path, monk
     assert (pic.seam, pic.exact_prefix, pic.miss_path, pic.cold_full_fraction) == (6, False, "context", None)
     assert connector.socket == str(tmp_path / "no-daemon.sock") and not connector.share_cold
     assert planner.config == pic and planner.store.share is None  # cold sharing off, as the file says
+
+
+def test_serve_with_store_and_hisparse_attaches_pic_over_the_hisparse_caches(tmp_path, monkeypatch):
+    """serve --store --hisparse: PIC's planner is attached to an engine whose full-attention
+    layers are HiSparse layer caches, exact prefixes turned off (their checkpoints restore
+    into the paged cache), with a note saying so."""
+    import engine.server.app as server_app
+
+    engines = []
+    monkeypatch.setattr(server_app, "serve", lambda engine, host, port, name: engines.append(engine))
+    res = CliRunner().invoke(app, ["serve", "--preset", "qwen3next-tiny", "--device", "cpu", "--port", "0",
+                                   "--store", str(tmp_path / "no-daemon.sock"), "--start-without-store",
+                                   "--hisparse"])
+    assert res.exit_code == 0, res.output
+    assert "exact-prefix reuse is off" in res.output
+    engine, = engines
+    assert engine.kv_offload is not None and engine.kv_offload.layers
+    assert engine.planner.supports_external_kv and not engine.planner.config.exact_prefix

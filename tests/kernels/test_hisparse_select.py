@@ -66,6 +66,21 @@ def test_triton_scores_match_reference_on_random_inputs(dtype, mode):
     torch.testing.assert_close(got[live], ref[live], rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@needs_triton
+def test_triton_scores_read_strided_slot_lo_hi_columns():
+    """Slots given as a column of packed decode rows (stride 4, as the runner's DecodeContext
+    holds them) score the same as contiguous ones."""
+    gen = torch.Generator().manual_seed(5)
+    _, q, summ, slots, lo, hi = _inputs(gen, torch.float32)
+    packed = torch.stack([hi, slots, lo, slots * 0 + 99], 1)  # [B, 4]: each column strided
+    got = block_scores(q, summ, packed[:, 1], packed[:, 2], packed[:, 0], 21, force_triton=True)
+    assert packed[:, 1].stride() == (4,)
+    ref = block_scores_reference(q, summ, slots, lo, hi, 21)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    live = ~torch.isinf(ref)
+    torch.testing.assert_close(got[live], ref[live], rtol=1e-5, atol=1e-5)
+
+
 def test_reference_topk_is_a_stable_descending_selection():
     scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, float("-inf"), 3.0]])
     assert topk_blocks_reference(scores, 4).tolist() == [[5, 1, 2, 0]]

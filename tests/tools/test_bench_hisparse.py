@@ -31,6 +31,7 @@ def test_quick_run_writes_every_phase_and_the_summary_fields(tmp_path, capsys):
             assert row[kind] and all(math.isfinite(p["tokens_per_s"]) and p["tokens_per_s"] > 0
                                      for p in row[kind].values())
         assert all(0 <= p["hot_hit_rate"] <= 1 for p in row["hisparse"].values())
+        assert all(p["graphs"]["used"] is False for k in ("dense", "hisparse") for p in row[k].values())  # CPU
     mass = res["attention_mass"]["qwen3next-tiny"]
     assert 0 < mass["min_share"] <= mass["mean_share"] <= 1 + 1e-6 and mass["samples"] > 0
     task = res["quality"]["qwen3next-tiny"]["tasks"]["fact"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -49,6 +50,11 @@ class DecodeContext:
     #: keep host-side bookkeeping, `ExternalKVCache`, need them without a device read)
     host_positions: list[int] | None = None
     host_slots: list[int] | None = None
+    #: a static-buffer step (engine/runtime/cuda_graphs.py, what a CUDA graph captures):
+    #: per `ExternalKVCache` of the model (keyed by the cache object) the plan its
+    #: `plan_decode` returned for this step; such a cache then runs only the device part
+    #: of its step, at the plan's fixed shapes (the runner does the host part around it)
+    external_plans: dict[Any, Hashable] | None = None
 
     @property
     def context_lens(self) -> torch.Tensor:
@@ -73,7 +79,29 @@ class ExternalKVCache(ABC):
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DecodeContext,
                       scale: float) -> torch.Tensor:
         """q `[B, H, D]`, k/v `[B, Hkv, D]` of one token per sequence (`ctx.host_positions`,
-        `ctx.host_slots`) -> `[B, H, D]`."""
+        `ctx.host_slots`) -> `[B, H, D]`. Where `ctx.external_plans` holds this cache, only
+        the step's device part at that plan's shapes (no host reads: it may be captured)."""
+
+    def plan_decode(self, slots: Sequence[int], positions: Sequence[int]) -> Hashable | None:
+        """Host part before a decode step that a CUDA graph may replay: check the step and
+        return the key of the static shapes its device part runs at (steps with equal keys
+        share one graph), or None where the step cannot run from static buffers (it then
+        runs eagerly through `attend_decode`). By default: None."""
+        return None
+
+    def finish_decode(self, slots: Sequence[int], positions: Sequence[int], plan: Hashable, rows: int,
+                      graphed: bool) -> None:
+        """Host part after a static-buffer step planned by `plan_decode` (`rows`: the step's
+        padded batch; `graphed`: it was replayed from, or captured into, a CUDA graph)."""
+
+    def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V `[n, Hkv, D]` (K rotated to its positions) at the sequence's next n
+        positions, without attention (PIC writes spliced and fused rows through it)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no K/V rows from outside")
+
+    def context_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[num_tokens, Hkv, D]` of every position the sequence in `slot` holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not hand out its K/V")
 
     @abstractmethod
     def reset(self, slot: int) -> None:

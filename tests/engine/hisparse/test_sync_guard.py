@@ -2,7 +2,8 @@
 synchronise the host with a CUDA device or copy between host memory and the device (so it
 can fail), leaves fixed-shape device ops alone, and a HiSparse `decode_step` (selecting per
 KV head or per sequence, sealing blocks into the host mirror, evicting and fetching under a
-tiny hot buffer, staging rows) records none of them."""
+tiny hot buffer, staging rows) records none of them, nor the step a decode graph captures (planned
+score columns, a batch padded to its bucket), whose selections and counters are the eager step's."""
 import math
 
 import pytest
@@ -99,3 +100,47 @@ def test_decode_step_records_no_host_sync_and_no_host_copy(per_kv_head, summary)
     assert snap["blocks_fetched"] > 0 and snap["blocks_evicted"] > 0  # the paths under watch ran
     assert [str(r) for r in records] == []
     assert guard.ops > 50  # the step's own aten ops were seen (the interpreter's are not counted)
+
+
+def test_planned_step_with_padding_rows_records_nothing_and_counts_only_real_rows():
+    """The step a decode graph captures: score columns from `plan_decode` (a power of two
+    above the need) and a batch padded to its bucket by repeating row 0 (engine/runtime/
+    cuda_graphs.py). Under the guard it records nothing; its selections and counters are
+    those of the unpadded step at the exact columns."""
+    cfg = HiSparseConfig(enabled=True, block_size=4, topk=2, hot_blocks=0, min_context=8)
+    twin = [_cache(cfg, slots=3), _cache(cfg, slots=3)]
+    gen = torch.Generator().manual_seed(8)
+    lens = [37, 42, 29]
+    for s, n in enumerate(lens):
+        k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
+        for c in twin:
+            c.reset(s)
+            c.append(s, k, v)
+    exact, planned = twin
+    records = []
+    for step in range(6):
+        pos = [n + step for n in lens]
+        q = torch.randn(3, H, D, generator=gen)
+        k, v = torch.randn(3, HKV, D, generator=gen), torch.randn(3, HKV, D, generator=gen)
+        cols = planned.plan_decode([0, 1, 2], pos)
+        assert cols & (cols - 1) == 0 and cols >= max(pos) // cfg.block_size  # a power of two above the need
+        pad = lambda t: torch.cat([t, t[:1]])  # noqa: E731 - bucket 4: row 0 repeated
+        with HostSyncGuard(host_tensors=[planned.mirror_k, planned.mirror_v]) as guard:
+            got = planned.decode_step(pad(q), pad(k), pad(v), torch.tensor([0, 1, 2, 0]), pad(torch.tensor(pos)),
+                                      D ** -0.5, cols)
+        records += guard.records
+        planned.finish_decode([0, 1, 2], pos, cols, 4, graphed=False)
+        want = exact.attend_decode(q, k, v, _ctx(pos), D ** -0.5)
+        torch.testing.assert_close(got[:3], want, rtol=0, atol=1e-5)
+        assert planned.last_selection.first(3).head_lists(HKV) == exact.last_selection.head_lists(HKV)
+    assert [str(r) for r in records] == []
+    assert planned.table.counters() == exact.table.counters()
+    assert planned.table.counters()["blocks_fetched"] > 0
+
+
+def _ctx(pos):
+    from engine.models.layers.base import DecodeContext
+
+    ctx = DecodeContext(positions=torch.tensor(pos), slots=torch.tensor([0, 1, 2]))
+    ctx.host_positions, ctx.host_slots = list(pos), [0, 1, 2]
+    return ctx
