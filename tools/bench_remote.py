@@ -11,9 +11,13 @@ per repeat:
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
   ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
              tier calls it (inline on the caller's thread, the client's RPC timeout
-             bounding it; header + bytes as two ranges), plus what the remote tier does
-             around it: encoding the 4 KiB envelope header on a put, decoding it
-             and hashing the bytes (the checksum verified on every remote read) on a get
+             bounding it), plus what the remote tier does around it: on a put,
+             `kvstore.remote.tier.object_ranges` (the envelope trailer encoded; a
+             page-multiple object's arena slot has no tail room, so the trailer goes as a
+             second range: `--room` gives the object a page of tail room, as most
+             objects' page-rounded slots have, and it goes as one); on a get, one range
+             into a slot with room for the trailer, then `verify_object` (the trailer
+             checked and the payload hashed: the checksum verified on every remote read)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -55,9 +59,10 @@ import torch  # noqa: E402
 from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
-from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header  # noqa: E402
+from kvstore.remote.envelope import MAX_TRAILER_BYTES, verify_object  # noqa: E402
 from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
+from kvstore.remote.tier import object_ranges  # noqa: E402
 
 MIB = 1 << 20
 TIMEOUT_S = 2.0  # the remote tier's default timeout (RemoteSettings.timeout_s)
@@ -98,10 +103,11 @@ class Raw:
         if rc != 0:
             raise RuntimeError(f"raw put_from {name} returned {rc}")
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
         n = self.c.get_into(name, buf.data_ptr(), buf.numel())
         if n != buf.numel():
             raise RuntimeError(f"raw get_into {name} returned {n}")
+        return buf
 
     def remove(self, name: str) -> None:
         self.c.remove(name, True)
@@ -110,37 +116,57 @@ class Raw:
 class RawVerified(Raw):
     """Mooncake's client plus the one thing a careful caller must add: hashing what it read."""
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
         super().get(name, buf, want)
         if host_checksum(memoryview(buf.numpy())) != want:
             raise RuntimeError(f"raw get_into {name}: checksum mismatch")
+        return buf
 
 
 class Ours:
     """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
 
-    def __init__(self, master: MooncakeMaster) -> None:
+    def __init__(self, master: MooncakeMaster, room: bool = False) -> None:
         self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=0"))
-        self.hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self.meta = ObjectMeta("bench", 0, 0.0, {})
+        self.room = room
+        self.sizes: dict[str, int] = {}
+        self._slot = torch.empty(0, dtype=torch.uint8)
+        self._src = torch.empty(0, dtype=torch.uint8)
+
+    def slot(self, n: int) -> torch.Tensor:
+        """A fill's memory-tier slot for an n-byte payload: page-rounded room for it and its trailer."""
+        if self._slot.numel() < n + MAX_TRAILER_BYTES:
+            self._slot = torch.empty(n + MAX_TRAILER_BYTES, dtype=torch.uint8)
+        return self._slot
+
+    def prepare(self, src: torch.Tensor) -> None:
+        """Before timing a size: with `room`, a copy of `src` with a page of room after it."""
+        if self.room:
+            self._src = torch.empty(src.numel() + 4096, dtype=torch.uint8)
+            self._src[: src.numel()] = src
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
-        encode_header(name.encode(), self.meta, buf.numel(), csum, memoryview(self.hdr.numpy()))
-        res = self.a.call("put", [PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
-                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
+        room = None
+        if self.room:  # the same bytes in a slot with a page of tail room (`prepare`)
+            room, buf = self._src, self._src[: buf.numel()]
+        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf, room)
+        res = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S)
         if not res.ok:
             raise RuntimeError(f"adapter put {name}: {res}")
+        self.sizes[name] = sum(n for _, n in ranges)
+        del keep
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
-        hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        res = self.a.call("get", [GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
-                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
-        if res.codes[0] != buf.numel() + HEADER_BYTES:
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
+        size = self.sizes.pop(name)  # the tier learns it from its stat
+        slot = self.slot(buf.numel())
+        res = self.a.call("get", [GetItem(name, ((slot.data_ptr(), size),))], TIMEOUT_S)
+        if res.codes[0] != size:
             raise RuntimeError(f"adapter get {name}: {res}")
-        h = decode_header(memoryview(hdr.numpy()), name.encode(), buf.numel() + HEADER_BYTES)
-        # the remote tier hashes the CPU-arena slot the same way (CpuArenaTier.checksum)
-        if host_checksum(memoryview(buf.numpy())) != h.checksum or h.checksum != want:
+        h = verify_object(memoryview(slot.numpy())[:size], name.encode())
+        if h.checksum != want or h.payload_bytes != buf.numel():
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
+        return slot[: buf.numel()]
 
     def remove(self, name: str) -> None:
         self.a.call("remove", [name], TIMEOUT_S)
@@ -155,10 +181,10 @@ def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int,
     else:
         side.put(name, src)
     t1 = time.perf_counter()
-    side.get(name, dst, csum)
+    got = side.get(name, dst, csum)
     t2 = time.perf_counter()
     side.remove(name)
-    if check and not torch.equal(src, dst):
+    if check and not torch.equal(src, got):
         raise RuntimeError(f"{tag}: bytes read back differ")
     return t1 - t0, t2 - t1
 
@@ -190,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the raw sides drive the adapter's own Mooncake client (shared, default: only our layer "
                          "differs) or a second client of their own (separate: two clients of one process differ "
                          "by up to 2x in put latency on a loaded host, whichever is made first)")
+    ap.add_argument("--room", action="store_true",
+                    help="our puts send objects whose slot has a page of tail room (most objects' page-rounded "
+                         "slots do; an exact-MiB object's does not): the trailer goes in the same range")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -207,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        ours = Ours(master)
+        ours = Ours(master, room=args.room)
         raw = Raw(master, ours.a.client if args.client == "shared" else None)
         if raw.c is None:
             raise RuntimeError("the adapter did not join the Mooncake cluster")
@@ -221,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             dst = torch.empty(n, dtype=torch.uint8)
             csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
+            ours.prepare(src)
             run_repeat(sides, src, dst, 2, csum)  # warm-up
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
             ops: dict[str, list[tuple[float, float]]] = {}

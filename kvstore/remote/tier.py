@@ -8,15 +8,19 @@ adapter).
 Writes: `offer(key, size, meta)` after a commit queues the key when the policy says so
 (kvstore.remote.policy); a writer thread takes batches, pins each object (`busy`), and
 submits one put per batch straight from the object's bytes in host memory (objects in a
-file or device tier through a staging copy), each behind a 4 KiB envelope header
-(kvstore.remote.envelope) recording the key, meta and the store checksum. The pin is
-released when the put has ended, even when the writer stopped waiting for it.
+file or device tier through a staging copy), each followed by the envelope's trailer
+(kvstore.remote.envelope: key, meta, the store and transfer checksums). A memory-arena
+object whose slot has tail room for the trailer (page rounding) gets it written there
+and goes as one range; otherwise the trailer is a second range. The pin is released
+when the put has ended, even when the writer stopped waiting for it.
 
 Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker thread, and
 `Store.get`) asks `fill(keys)`: one stat of the missing names, then for each present
-object a memory-tier slot is allocated (making room as a put would) and one get reads the
-header and the bytes into it; the header is checked and the bytes hashed before the
-object is committed to the memory tier as verified, so the usual zero-copy read serves it.
+object a memory-tier slot of the whole remote object is allocated (making room as a put
+would) and one get reads it into the slot as one range; the trailer (in the slot's tail,
+past the object) is checked and the payload hashed (xxh3, the transfer checksum) before
+the object is committed to the memory tier as verified, with the store checksum the
+trailer records, so the usual zero-copy read serves it.
 A damaged object is freed, counted in `corrupt_dropped` and removed from the remote
 store; it is never served.
 
@@ -32,6 +36,7 @@ objects, allocate/adopt/free memory-tier slots); tiers are known by role, not na
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter, deque
@@ -44,8 +49,11 @@ from kvstore.errors import BadObject, KVStoreError
 from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
-from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, header_fits, remote_name
+from kvstore.checksums import PREFIX_BYTES, XXH3, algorithm_of
+from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, RemoteHeader, encode_trailer, remote_name,
+                                     trailer_fits, transfer_checksum, verify_object)
 from kvstore.remote.policy import RemotePolicy, parse_policy
+from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Slot, Tier
 
 
@@ -131,9 +139,26 @@ class StoreSeam(Protocol):
 class _Fill:
     key: bytes
     name: str
-    size: int  # the remote object's bytes (header included)
-    slot: Any
-    header: torch.Tensor
+    size: int  # the remote object's bytes (trailer included)
+    slot: Any  # a memory-tier slot of `size` bytes: the payload, then the trailer past it
+
+
+def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, view: torch.Tensor,
+                  room: Optional[torch.Tensor]) -> tuple[tuple[tuple[int, int], ...], tuple[torch.Tensor, ...]]:
+    """The transfer ranges of one remote object (kvstore.remote.envelope): the payload
+    `view` (host memory) with store checksum `checksum`, then its trailer; and the
+    tensors that must live until the put has ended. `room`: the same bytes with spare
+    room after them (a page-rounded arena slot, a staging buffer), or None; when the
+    trailer fits there it is written there and the object goes as one range."""
+    payload = memoryview(view.numpy())
+    xsum = checksum if algorithm_of(payload[:PREFIX_BYTES]) == XXH3 else transfer_checksum(payload)
+    trailer = torch.frombuffer(bytearray(encode_trailer(key, meta, len(payload), checksum, xsum)), dtype=torch.uint8)
+    size = len(payload)
+    whole = size + trailer.numel()
+    if room is not None and room.numel() >= whole:
+        room[size:whole] = trailer
+        return ((room.data_ptr(), whole),), (room,)
+    return ((view.data_ptr(), size), (trailer.data_ptr(), trailer.numel())), (view, trailer)
 
 
 class RemoteTier:
@@ -183,7 +208,7 @@ class RemoteTier:
     # ------------------------------------------------------------------ writes
     def offer(self, key: bytes, size: int, meta: ObjectMeta) -> None:
         """A committed object: queue it for the remote tier when the policy says so."""
-        if not self.policy.should_write(size, meta) or not header_fits(key, meta):
+        if not self.policy.should_write(size, meta) or not trailer_fits(key, meta):
             self._count("put_skipped_policy")
             return
         with self._qcond:
@@ -236,22 +261,14 @@ class RemoteTier:
         sent: list[StoredObject] = []
         for o in jobs:
             try:
-                tier = s.tiers[o.tier]
-                data = tier.view(o.slot)
-                if data is None or not data.is_cpu:  # a file or GPU tier: stage the bytes in host memory
-                    data = torch.empty(o.size, dtype=torch.uint8)
-                    tier.read_into(o.slot, data)
-                if not o.verified and tier.checksum(o.slot) != o.checksum:
-                    raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
-                hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-                encode_header(o.key, o.meta, o.size, o.checksum, memoryview(hdr.numpy()))
+                ranges, bufs = self._put_ranges(o, s.tiers[o.tier])
             except (KVStoreError, OSError) as exc:
                 log.warning("remote write of %r skipped: %s", o.key, exc)
                 self._count("put_errors")
                 self._unpin([o])
                 continue
-            items.append(PutItem(self._name(o.key), ((hdr.data_ptr(), HEADER_BYTES), (data.data_ptr(), o.size))))
-            keep.append((hdr, data))
+            items.append(PutItem(self._name(o.key), ranges))
+            keep.append(bufs)
             sent.append(o)
         if not items:
             return
@@ -274,6 +291,24 @@ class RemoteTier:
             self._timed_out("put")
         if not res.pending:
             settle(res)
+
+    @staticmethod
+    def _put_ranges(o: StoredObject, tier: Tier) -> tuple[tuple[tuple[int, int], ...], tuple[torch.Tensor, ...]]:
+        """The transfer ranges of pinned object `o` followed by its trailer, and the
+        tensors that must live until the put has ended. One range when the bytes are in a
+        memory arena whose slot has tail room for the trailer (written there: past the
+        object, bytes no reader of the object sees) or were staged; else two."""
+        view = tier.view(o.slot)
+        room: Optional[torch.Tensor] = None  # the object's bytes with room after them, when there is any
+        if view is None or not view.is_cpu:  # a file or GPU tier: stage the bytes in host memory
+            room = torch.empty(o.size + MAX_TRAILER_BYTES, dtype=torch.uint8)
+            tier.read_into(o.slot, room)
+            view = room[: o.size]
+        elif isinstance(tier, ArenaTier) and o.slot.length > o.size:
+            room = tier.view(dataclasses.replace(o.slot, size=o.slot.length))  # the slot's page-rounded extent
+        if not o.verified and tier.checksum(o.slot) != o.checksum:
+            raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
+        return object_ranges(o.key, o.meta, o.checksum, view, room)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
         self.store.unpin_objects(objs)
@@ -301,7 +336,7 @@ class RemoteTier:
                 self._count("misses")
             elif code < 0:
                 self._count("errors")
-            elif code <= HEADER_BYTES:
+            elif code <= FOOTER_BYTES:
                 self._drop_corrupt(k, n, f"remote object of {k!r} is only {code} bytes")
             else:
                 found.append((k, n, code))
@@ -314,18 +349,17 @@ class RemoteTier:
         plans: list[_Fill] = []
         for k, n, size in found:
             try:
-                slot = s.allocate_memory(k, size - HEADER_BYTES)
+                slot = s.allocate_memory(k, size)  # the payload, then the trailer past it
             except KVStoreError as exc:
                 log.info("no memory-tier room for remote object %r: %s", k, exc)
                 self._count("fill_no_room")
                 continue
             if slot is not None:  # None: committed meanwhile, or the store closed
-                plans.append(_Fill(k, n, size, slot, torch.empty(HEADER_BYTES, dtype=torch.uint8)))
+                plans.append(_Fill(k, n, size, slot))
         if not plans:
             return 0
         views = [mem.view(p.slot) for p in plans]
-        items = [GetItem(p.name, ((p.header.data_ptr(), HEADER_BYTES), (v.data_ptr(), p.size - HEADER_BYTES)))
-                 for p, v in zip(plans, views)]
+        items = [GetItem(p.name, ((v.data_ptr(), p.size),)) for p, v in zip(plans, views)]
         res = self.adapter.call("get", items, self.settings.timeout_s,
                                 late=lambda r: self._free([p.slot for p in plans], views))
         if res.timed_out:
@@ -334,36 +368,35 @@ class RemoteTier:
             return 0
         with self._stat_lock:
             self._get_latency.add(res.seconds)
-        done: list[tuple[_Fill, int, ObjectMeta]] = []
+        done: list[tuple[_Fill, RemoteHeader]] = []
         bad: list[_Fill] = []
-        for p, code in zip(plans, res.codes):
+        for p, v, code in zip(plans, views, res.codes):
             if code != p.size:
                 self._count("misses" if code == NOT_FOUND else "errors")
                 bad.append(p)
                 continue
             try:
-                h = decode_header(memoryview(p.header.numpy()), p.key, p.size)
-                actual = mem.checksum(p.slot)
-                if actual != h.checksum:
-                    raise BadObject(f"remote object of {p.key!r}: payload hashes to {actual:#x}, "
-                                    f"its header records {h.checksum:#x}")
+                h = verify_object(memoryview(v.numpy()), p.key)
             except (BadObject, KVStoreError) as exc:
                 self._drop_corrupt(p.key, p.name, str(exc))
                 bad.append(p)
                 continue
-            done.append((p, h.checksum, h.meta))
+            done.append((p, h))
         self._free([p.slot for p in bad], ())
         return self._commit(done)
 
-    def _commit(self, done: list[tuple[_Fill, int, ObjectMeta]]) -> int:
+    def _commit(self, done: list[tuple[_Fill, RemoteHeader]]) -> int:
+        """Adopt verified fills as objects of their payload's size (the trailer stays in
+        the slot's tail, past the object, until the slot is freed)."""
         n = 0
-        for p, checksum, meta in done:
-            outcome = self.store.adopt_memory(p.key, p.slot, checksum, meta)
+        for p, h in done:
+            slot = dataclasses.replace(p.slot, size=h.payload_bytes)
+            outcome = self.store.adopt_memory(p.key, slot, h.checksum, h.meta)
             if outcome == "closed":
                 return n
             if outcome == "adopted":  # else filled or put meanwhile: that copy is kept
                 self._count("hits")
-                self._count("bytes_read", p.size - HEADER_BYTES)
+                self._count("bytes_read", h.payload_bytes)
             n += 1
         return n
 

@@ -6,6 +6,7 @@ and counted, never served; an unreachable or slow remote store costs a bounded w
 what is written; the adapter contract (exactly-once results, buffers kept until the end)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -14,7 +15,7 @@ import pytest
 from kvstore.errors import InvalidRequest
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteConfigError, RemoteError
-from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, remote_name
+from kvstore.remote.envelope import FOOTER_BYTES, decode_trailer, encode_trailer, remote_name, verify_object
 from kvstore.remote.faulty import FaultyAdapter, RemoteFaults
 from kvstore.remote.memory import MemoryAdapter, MemoryRemote
 from kvstore.remote.mooncake import MooncakeTarget
@@ -57,7 +58,8 @@ def test_an_object_put_on_one_host_is_served_verified_on_another(tmp_path):
         put(s1, b"seg-1", body, cost=0.5, fingerprint="fp")
         _drain(s1)
         assert _remote_stats(s1)["objects_written"] == 1 and _remote_stats(s1)["bytes_written"] == len(body)
-        assert len(remote.objects[remote_name("kvstore", b"seg-1")]) == len(body) + HEADER_BYTES
+        obj = remote.objects[remote_name("kvstore", b"seg-1")]  # the payload, then its trailer
+        assert obj[: len(body)] == body and decode_trailer(memoryview(obj), b"seg-1").payload_bytes == len(body)
         # a lookup on host 2 finds it (filled into the CPU tier), and the get serves equal bytes
         (entry,) = s2.lookup([b"seg-1"])
         assert entry.hit and entry.tier == "cpu" and entry.size == len(body)
@@ -257,23 +259,68 @@ def test_adapter_results_are_delivered_exactly_once(tmp_path):
         a.close()
 
 
-def test_the_envelope_header_round_trips_and_rejects_damage():
-    import torch
+def test_the_envelope_trailer_round_trips_and_rejects_damage():
+    import xxhash
 
     meta = ObjectMeta("fp", 12, 0.5, {"kind": "pic-signature"})
-    h = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    encode_header(b"key", meta, 1000, 0xABC, memoryview(h.numpy()))
-    got = decode_header(memoryview(h.numpy()), b"key", 1000 + HEADER_BYTES)
-    assert got.meta == meta and got.checksum == 0xABC and got.payload_bytes == 1000
+    payload = os.urandom(1000)
+    xsum = xxhash.xxh3_64_intdigest(payload)
+    obj = bytearray(payload + encode_trailer(b"key", meta, 1000, 0xABC, xsum))
+    got = verify_object(memoryview(obj), b"key")
+    assert got.meta == meta and got.checksum == 0xABC and got.transfer_checksum == xsum and got.payload_bytes == 1000
     with pytest.raises(BadObject, match="holds key"):
-        decode_header(memoryview(h.numpy()), b"kez", 1000 + HEADER_BYTES)
-    with pytest.raises(BadObject, match="its header says"):
-        decode_header(memoryview(h.numpy()), b"key", 999 + HEADER_BYTES)
-    h[41] ^= 1  # inside the header checksum's field
-    with pytest.raises(BadObject, match="header checksum"):
-        decode_header(memoryview(h.numpy()), b"key", 1000 + HEADER_BYTES)
+        verify_object(memoryview(obj), b"kez")
+    with pytest.raises(BadObject, match="its trailer says"):
+        verify_object(memoryview(obj)[1:], b"key")  # a byte short at the front
+    with pytest.raises(BadObject, match="bad magic"):
+        verify_object(memoryview(obj)[:-10], b"key")  # cut short: no trailer at the end
+    with pytest.raises(BadObject, match="shorter than"):
+        verify_object(memoryview(obj)[:FOOTER_BYTES - 1], b"key")
+    for at, why in ((len(obj) - 20, "trailer checksum"), (len(obj) - FOOTER_BYTES - 2, "trailer checksum"),
+                    (0, "payload hashes"), (999, "payload hashes")):
+        bad = bytearray(obj)
+        bad[at] ^= 1  # one flipped bit anywhere: in the trailer's fields, the meta, the payload
+        with pytest.raises(BadObject, match=why):
+            verify_object(memoryview(bad), b"key")
+    with pytest.raises(BadObject, match="trailer"):
+        encode_trailer(b"k" * 5000, meta, 1, 0, 0)
     assert remote_name("ns", b"\x01\x02") == "ns/0102"
     assert remote_name("ns", b"x" * 65).startswith("ns/h") and len(remote_name("ns", b"x" * 65)) == 4 + 64
+
+
+def test_object_ranges_use_tail_room_and_a_kvsum_blob_gets_an_xxh3_transfer_checksum():
+    import struct
+
+    import torch
+    import xxhash
+
+    from kvstore.checksums import BLOB_MAGIC, KVSUM64
+    from kvstore.remote.tier import object_ranges
+
+    meta = ObjectMeta("fp", 1, 0.0, {})
+    body = torch.frombuffer(bytearray(os.urandom(3000)), dtype=torch.uint8)
+    # no room: the payload, then the trailer as a second range
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), body, None)
+    assert len(ranges) == 2 and ranges[0] == (body.data_ptr(), 3000)
+    two = _joined(ranges)
+    assert verify_object(memoryview(two), b"k").payload_bytes == 3000
+    # room after the bytes (a page-rounded slot): one range, the trailer written there
+    room = torch.zeros(4096, dtype=torch.uint8)
+    room[:3000] = body
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), room[:3000], room)
+    assert ranges == ((room.data_ptr(), len(two)),) and bytes(room[: len(two)].numpy()) == two
+    # a kvsum64 blob: the store checksum is recorded as given, readers verify an xxh3 of the bytes
+    blob = bytearray(os.urandom(3000))
+    blob[:16] = struct.pack("<8sHHI", BLOB_MAGIC, 1, KVSUM64, 0)
+    bt = torch.frombuffer(blob, dtype=torch.uint8)
+    ranges, keep = object_ranges(b"b", meta, 0x1234, bt, None)
+    h = verify_object(memoryview(_joined(ranges)), b"b")
+    assert h.checksum == 0x1234 and h.transfer_checksum == xxhash.xxh3_64_intdigest(bytes(blob))
+
+
+def _joined(ranges):
+    """The bytes a put of these (address, length) ranges sends."""
+    return b"".join(ctypes.string_at(a, n) for a, n in ranges)
 
 
 def test_mooncake_urls_parse_and_bad_ones_name_the_problem():
