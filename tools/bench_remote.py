@@ -12,12 +12,13 @@ per repeat:
   ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
              tier calls it (inline on the caller's thread, the client's RPC timeout
              bounding it), plus what the remote tier does around it: on a put,
-             `kvstore.remote.tier.object_ranges` (the envelope trailer encoded; a
-             page-multiple object's arena slot has no tail room, so the trailer goes as a
-             second range: `--room` gives the object a page of tail room, as most
-             objects' page-rounded slots have, and it goes as one); on a get, one range
-             into a slot with room for the trailer, then `verify_object` (the trailer
-             checked and the payload hashed: the checksum verified on every remote read)
+             `kvstore.remote.tier.object_ranges` from the object in a slot as the CPU
+             arena allocates it with a remote tier on (`TRAILER_ROOM` past the object:
+             the trailer is written there and the object goes as one range;
+             `--no-tail-room`: a slot without that room, the trailer as a second range);
+             on a get, one range into a slot with room for the trailer, then
+             `verify_object` (the trailer checked and the payload hashed: the checksum
+             verified on every remote read)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -62,7 +63,7 @@ from kvstore.remote.base import GetItem, PutItem  # noqa: E402
 from kvstore.remote.envelope import MAX_TRAILER_BYTES, verify_object  # noqa: E402
 from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
-from kvstore.remote.tier import object_ranges  # noqa: E402
+from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
 
 MIB = 1 << 20
 TIMEOUT_S = 2.0  # the remote tier's default timeout (RemoteSettings.timeout_s)
@@ -126,7 +127,7 @@ class RawVerified(Raw):
 class Ours:
     """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
 
-    def __init__(self, master: MooncakeMaster, room: bool = False) -> None:
+    def __init__(self, master: MooncakeMaster, room: bool = True) -> None:
         self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=0"))
         self.meta = ObjectMeta("bench", 0, 0.0, {})
         self.room = room
@@ -141,14 +142,15 @@ class Ours:
         return self._slot
 
     def prepare(self, src: torch.Tensor) -> None:
-        """Before timing a size: with `room`, a copy of `src` with a page of room after it."""
+        """Before timing a size: with `room`, a copy of `src` in a slot of the CPU arena's
+        shape (page-rounded, `TRAILER_ROOM` past the object)."""
         if self.room:
-            self._src = torch.empty(src.numel() + 4096, dtype=torch.uint8)
+            self._src = torch.empty(-(-(src.numel() + TRAILER_ROOM) // 4096) * 4096, dtype=torch.uint8)
             self._src[: src.numel()] = src
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
         room = None
-        if self.room:  # the same bytes in a slot with a page of tail room (`prepare`)
+        if self.room:  # the same bytes in a slot with the arena's tail room (`prepare`)
             room, buf = self._src, self._src[: buf.numel()]
         ranges, keep = object_ranges(name.encode(), self.meta, csum, buf, room)
         res = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S)
@@ -216,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the raw sides drive the adapter's own Mooncake client (shared, default: only our layer "
                          "differs) or a second client of their own (separate: two clients of one process differ "
                          "by up to 2x in put latency on a loaded host, whichever is made first)")
-    ap.add_argument("--room", action="store_true",
-                    help="our puts send objects whose slot has a page of tail room (most objects' page-rounded "
-                         "slots do; an exact-MiB object's does not): the trailer goes in the same range")
+    ap.add_argument("--no-tail-room", action="store_true",
+                    help="our puts send objects from slots without room for the trailer (as the CPU arena's slots "
+                         "made before the remote tier opened): the trailer goes as a second range")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        ours = Ours(master, room=args.room)
+        ours = Ours(master, room=not args.no_tail_room)
         raw = Raw(master, ours.a.client if args.client == "shared" else None)
         if raw.c is None:
             raise RuntimeError("the adapter did not join the Mooncake cluster")

@@ -10,8 +10,9 @@ Writes: `offer(key, size, meta)` after a commit queues the key when the policy s
 submits one put per batch straight from the object's bytes in host memory (objects in a
 file or device tier through a staging copy), each followed by the envelope's trailer
 (kvstore.remote.envelope: key, meta, the store and transfer checksums). A memory-arena
-object whose slot has tail room for the trailer (page rounding) gets it written there
-and goes as one range; otherwise the trailer is a second range. The pin is released
+object whose slot has tail room for the trailer (`TRAILER_ROOM`, which the memory tier
+keeps past every object it allocates once a remote tier is on, or page rounding) gets it
+written there and goes as one range; otherwise the trailer is a second range. The pin is released
 when the put has ended, even when the writer stopped waiting for it.
 
 Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker thread, and
@@ -36,6 +37,7 @@ objects, allocate/adopt/free memory-tier slots); tiers are known by role, not na
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -143,22 +145,37 @@ class _Fill:
     slot: Any  # a memory-tier slot of `size` bytes: the payload, then the trailer past it
 
 
+TRAILER_ROOM = 512  # bytes the memory tier keeps past each object: most trailers fit (key + meta + 56)
+
+
+def reserve_trailer_room(memory_tier: Tier) -> None:
+    """Make a memory arena keep `TRAILER_ROOM` bytes past every object it allocates from
+    now on (kvstore.tiers.arena), so the object and its trailer go as one range; at most
+    a page per object, only with a remote tier."""
+    if isinstance(memory_tier, ArenaTier):
+        memory_tier.tail_room = max(memory_tier.tail_room, TRAILER_ROOM)
+
+
 def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, view: torch.Tensor,
-                  room: Optional[torch.Tensor]) -> tuple[tuple[tuple[int, int], ...], tuple[torch.Tensor, ...]]:
+                  room: Optional[torch.Tensor]) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
     """The transfer ranges of one remote object (kvstore.remote.envelope): the payload
     `view` (host memory) with store checksum `checksum`, then its trailer; and the
-    tensors that must live until the put has ended. `room`: the same bytes with spare
-    room after them (a page-rounded arena slot, a staging buffer), or None; when the
-    trailer fits there it is written there and the object goes as one range."""
-    payload = memoryview(view.numpy())
-    xsum = checksum if algorithm_of(payload[:PREFIX_BYTES]) == XXH3 else transfer_checksum(payload)
-    trailer = torch.frombuffer(bytearray(encode_trailer(key, meta, len(payload), checksum, xsum)), dtype=torch.uint8)
-    size = len(payload)
-    whole = size + trailer.numel()
-    if room is not None and room.numel() >= whole:
-        room[size:whole] = trailer
-        return ((room.data_ptr(), whole),), (room,)
-    return ((view.data_ptr(), size), (trailer.data_ptr(), trailer.numel())), (view, trailer)
+    buffers that must live until the put has ended. `room`: the same bytes with spare
+    room after them (an arena slot's tail, a staging buffer), or None; when the trailer
+    fits there it is written there and the object goes as one range. Kept lean (no
+    tensor ops): it runs once per put, next to the transfer."""
+    size, addr = view.numel(), view.data_ptr()
+    if algorithm_of(ctypes.string_at(addr, min(size, PREFIX_BYTES))) == XXH3:
+        xsum = checksum  # the store's checksum is the transfer checksum
+    else:  # a kvsum64 blob: readers verify an xxh3 of its bytes
+        xsum = transfer_checksum(memoryview(view.numpy()))
+    trailer = encode_trailer(key, meta, size, checksum, xsum)
+    whole = size + len(trailer)
+    if room is not None and room.numel() >= whole and room.data_ptr() == addr:
+        ctypes.memmove(addr + size, trailer, len(trailer))
+        return ((addr, whole),), (room,)
+    tail = ctypes.create_string_buffer(trailer, len(trailer))
+    return ((addr, size), (ctypes.addressof(tail), len(trailer))), (view, tail)
 
 
 class RemoteTier:

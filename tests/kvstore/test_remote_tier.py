@@ -92,6 +92,31 @@ def test_presence_without_waiting_defers_local_misses_to_a_worker(tmp_path):
         s2.close()
 
 
+def test_with_a_remote_tier_the_cpu_arena_keeps_room_so_an_object_and_its_trailer_go_as_one_range(tmp_path):
+    ranges = []
+
+    class Recording(MemoryAdapter):
+        def put_now(self, items):
+            ranges.extend(len(i.ranges) for i in items)
+            return super().put_now(items)
+
+    remote = MemoryRemote()
+    s = Store(make_settings(tmp_path / "h", remote_policy="all", remote_timeout_s=1.0),
+              remote_adapter=Recording(remote))
+    s.open()
+    try:
+        body = data(4 * PAGE, 7)  # a page multiple: only the room the arena reserves fits the trailer
+        put(s, b"pages", body)
+        _drain(s)
+        assert ranges == [1]
+        obj = remote.objects[remote_name("kvstore", b"pages")]
+        assert obj[: len(body)] == body and verify_object(memoryview(obj), b"pages").payload_bytes == len(body)
+        assert get_bytes(s, b"pages") == body
+        assert s.stats()["tiers"][0]["used_bytes"] == 5 * PAGE  # the room: one page more, past the object
+    finally:
+        s.close()
+
+
 def test_a_corrupted_remote_object_is_dropped_and_counted_never_served(tmp_path):
     remote, [(s1, _), (s2, a2)] = _pair(tmp_path)
     try:
