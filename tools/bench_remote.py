@@ -15,7 +15,9 @@ per repeat:
              `kvstore.remote.tier.object_ranges` from the object in a slot as the CPU
              arena allocates it with a remote tier on (`TRAILER_ROOM` past the object:
              the trailer is written there and the object goes as one range;
-             `--no-tail-room`: a slot without that room, the trailer as a second range);
+             `--no-tail-room`: a slot without that room, the trailer as a second range;
+             the trailer's key + meta part is made before the timed put, as
+             `RemoteTier.offer` makes it when the object is committed);
              on a get, one range into a slot with room for the trailer, then
              `verify_object` (the trailer checked and the payload hashed: the checksum
              verified on every remote read)
@@ -60,7 +62,7 @@ import torch  # noqa: E402
 from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
-from kvstore.remote.envelope import MAX_TRAILER_BYTES, verify_object  # noqa: E402
+from kvstore.remote.envelope import MAX_TRAILER_BYTES, trailer_body, verify_object  # noqa: E402
 from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
 from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
@@ -132,28 +134,30 @@ class Ours:
         self.meta = ObjectMeta("bench", 0, 0.0, {})
         self.room = room
         self.sizes: dict[str, int] = {}
-        self._slot = torch.empty(0, dtype=torch.uint8)
-        self._src = torch.empty(0, dtype=torch.uint8)
+        self.bodies: dict[str, bytes] = {}
+        #: seconds of each step of our ops (`steps_ms`): where our time goes
+        self.steps: dict[str, list[float]] = {k: [] for k in ("put_encode", "put_call", "get_call", "get_verify")}
+        self._src = self._dst = torch.empty(0, dtype=torch.uint8)
 
-    def slot(self, n: int) -> torch.Tensor:
-        """A fill's memory-tier slot for an n-byte payload: page-rounded room for it and its trailer."""
-        if self._slot.numel() < n + MAX_TRAILER_BYTES:
-            self._slot = torch.empty(n + MAX_TRAILER_BYTES, dtype=torch.uint8)
-        return self._slot
+    def prepare(self, src_slot: torch.Tensor, dst_slot: torch.Tensor) -> None:
+        """Before timing a size: the slots (`arena_slot`) every side's source and
+        destination bytes start, so all sides move the same memory."""
+        self._src, self._dst = src_slot, dst_slot
 
-    def prepare(self, src: torch.Tensor) -> None:
-        """Before timing a size: with `room`, a copy of `src` in a slot of the CPU arena's
-        shape (page-rounded, `TRAILER_ROOM` past the object)."""
-        if self.room:
-            self._src = torch.empty(-(-(src.numel() + TRAILER_ROOM) // 4096) * 4096, dtype=torch.uint8)
-            self._src[: src.numel()] = src
+    def offer(self, name: str) -> None:
+        """What `RemoteTier.offer` does at the object's commit, before any put: the trailer body."""
+        self.bodies[name] = trailer_body(name.encode(), self.meta)
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
+        t0 = time.perf_counter()
         room = None
-        if self.room:  # the same bytes in a slot with the arena's tail room (`prepare`)
-            room, buf = self._src, self._src[: buf.numel()]
-        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf, room)
+        if self.room:  # `buf` starts a slot with the arena's tail room (`prepare`)
+            room = self._src
+        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf, room, self.bodies.pop(name))
+        t1 = time.perf_counter()
         res = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S)
+        self.steps["put_encode"].append(t1 - t0)
+        self.steps["put_call"].append(time.perf_counter() - t1)
         if not res.ok:
             raise RuntimeError(f"adapter put {name}: {res}")
         self.sizes[name] = sum(n for _, n in ranges)
@@ -161,11 +165,15 @@ class Ours:
 
     def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
         size = self.sizes.pop(name)  # the tier learns it from its stat
-        slot = self.slot(buf.numel())
+        slot = self._dst  # `buf` starts it: the fill's slot, with room for the trailer
+        t0 = time.perf_counter()
         res = self.a.call("get", [GetItem(name, ((slot.data_ptr(), size),))], TIMEOUT_S)
+        t1 = time.perf_counter()
         if res.codes[0] != size:
             raise RuntimeError(f"adapter get {name}: {res}")
         h = verify_object(memoryview(slot.numpy())[:size], name.encode())
+        self.steps["get_call"].append(t1 - t0)
+        self.steps["get_verify"].append(time.perf_counter() - t1)
         if h.checksum != want or h.payload_bytes != buf.numel():
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
         return slot[: buf.numel()]
@@ -174,9 +182,16 @@ class Ours:
         self.a.call("remove", [name], TIMEOUT_S)
 
 
+def arena_slot(n: int, room: int) -> torch.Tensor:
+    """A buffer shaped like a CPU-arena slot for an n-byte object with `room` bytes kept past it (page-rounded)."""
+    return torch.zeros(-(-(n + room) // 4096) * 4096, dtype=torch.uint8)
+
+
 def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int, check: bool) -> tuple[float, float]:
     """One put, get and remove of one object; (put seconds, get seconds)."""
     name = f"bench/{tag}/{src.numel()}/{time.monotonic_ns()}"
+    if isinstance(side, Ours):
+        side.offer(name)
     t0 = time.perf_counter()
     if isinstance(side, Ours):
         side.put(name, src, csum)
@@ -229,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_remote: {why}", file=sys.stderr)
         return 2
     sizes = [int(s) for s in args.sizes.split(",")]
+    load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     master = MooncakeMaster(root).start()
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.metadata, f"127.0.0.1:{master.rpc_port}",
@@ -248,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         for mib in sizes:
             n = mib * MIB
             iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
-            src = torch.randint(0, 256, (n,), dtype=torch.uint8)
-            dst = torch.empty(n, dtype=torch.uint8)
+            src_slot, dst_slot = arena_slot(n, TRAILER_ROOM), arena_slot(n, MAX_TRAILER_BYTES)
+            src, dst = src_slot[:n], dst_slot[:n]  # every side puts from and gets into the same memory
+            src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
             csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
-            ours.prepare(src)
+            ours.prepare(src_slot, dst_slot)
             run_repeat(sides, src, dst, 2, csum)  # warm-up
+            for v in ours.steps.values():
+                v.clear()
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
             ops: dict[str, list[tuple[float, float]]] = {}
             for _ in range(args.repeats):
@@ -281,13 +300,17 @@ def main(argv: list[str] | None = None) -> int:
                     ratios = [a[j] / b[j] for a, b in zip(ops["ours"], ops[base])]
                     ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
             row["overhead"] = ov
+            # where our time goes, per step (medians over every op); the raw client's op is
+            # one call, so put_call / get_call vs its p50 is the call's own overhead
+            row["ours_steps_ms"] = {k: 1e3 * statistics.median(v) for k, v in ours.steps.items() if v}
             rows.append(row)
             print(f"{mib:>3} MiB  put p50 {row['mooncake']['put_p50_ms']['median']:.2f} -> "
                   f"{row['ours']['put_p50_ms']['median']:.2f} ms ({ov['put_p50_latency_pct']:+.1f}%)  "
                   f"get p50 {row['mooncake']['get_p50_ms']['median']:.2f} -> {row['ours']['get_p50_ms']['median']:.2f} ms "
                   f"({ov['get_p50_latency_pct']:+.1f}%; vs verified {ov['get_p50_latency_pct_vs_verified']:+.1f}%)  "
                   f"paired put {ov['put_paired_median_pct']:+.1f}% get {ov['get_paired_median_pct']:+.1f}%  "
-                  f"get {row['ours']['get_gbps']['median']:.2f} GB/s", flush=True)
+                  f"get {row['ours']['get_gbps']['median']:.2f} GB/s; ours per step (ms) "
+                  + " ".join(f"{k} {v:.3f}" for k, v in row["ours_steps_ms"].items()), flush=True)
         worst = max(max(r["overhead"]["put_p50_latency_pct"], r["overhead"]["get_p50_latency_pct"]) for r in rows)
         worst_paired = max(max(r["overhead"]["put_paired_median_pct"], r["overhead"]["get_paired_median_pct"])
                            for r in rows)
@@ -298,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": _dt.date.today().isoformat(),
             "command": "python tools/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                        "note": "a 2-core CPU machine shared with seven other engineers' test runs at the same "
-                                "time: absolute figures are noisy; the two sides run interleaved in one process "
-                                "so they see the same load"},
+                        "note": "a 2-core CPU machine shared with other engineers' test runs at the same "
+                                "time: absolute figures are noisy; the sides run interleaved in one process "
+                                "so they see the same load",
+                        "load_avg_1m_start": load_start[0], "load_avg_1m_end": os.getloadavg()[0]},
             "setup": "mooncake_master (embedded HTTP metadata) + a holder process mounting a 1 GiB segment; the "
                      "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get; "
                      f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",

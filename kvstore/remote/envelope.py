@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 import msgpack
 import xxhash
@@ -78,9 +79,14 @@ def _meta_bytes(meta: ObjectMeta) -> bytes:
                          use_bin_type=True)
 
 
-def trailer_fits(key: bytes, meta: ObjectMeta) -> bool:
-    """Whether the key and meta fit a trailer (else the object is not written remotely)."""
-    return len(key) + len(_meta_bytes(meta)) + FOOTER_BYTES <= MAX_TRAILER_BYTES
+def trailer_body(key: bytes, meta: ObjectMeta) -> bytes:
+    """The key and meta part of an object's trailer (`encode_trailer`); BadObject when
+    they do not fit `MAX_TRAILER_BYTES` (then the object is not written remotely)."""
+    body = bytes(key) + _meta_bytes(meta)
+    if len(body) + FOOTER_BYTES > MAX_TRAILER_BYTES:
+        raise BadObject(f"key and meta of {key!r} take a {len(body) + FOOTER_BYTES}-byte trailer, over the "
+                        f"remote tier's {MAX_TRAILER_BYTES}")
+    return body
 
 
 def transfer_checksum(payload: memoryview) -> int:
@@ -88,13 +94,12 @@ def transfer_checksum(payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_trailer(key: bytes, meta: ObjectMeta, payload_bytes: int, checksum: int, xfer_checksum: int) -> bytes:
-    """The trailer of an object (module docstring). BadObject when the key and meta do
-    not fit `MAX_TRAILER_BYTES`."""
-    body = bytes(key) + _meta_bytes(meta)
-    n = len(body) + FOOTER_BYTES
-    if n > MAX_TRAILER_BYTES:
-        raise BadObject(f"key and meta of {key!r} take a {n}-byte trailer, over the remote tier's {MAX_TRAILER_BYTES}")
+def encode_trailer(key: bytes, meta: ObjectMeta, payload_bytes: int, checksum: int, xfer_checksum: int,
+                   body: Optional[bytes] = None) -> bytes:
+    """The trailer of an object (module docstring); `body`: its `trailer_body` when
+    already made. BadObject when the key and meta do not fit `MAX_TRAILER_BYTES`."""
+    if body is None:
+        body = trailer_body(key, meta)
     klen = len(key)
     head = body + _FOOTER.pack(MAGIC, VERSION, klen, len(body) - klen, 0, payload_bytes, checksum, xfer_checksum)
     return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))

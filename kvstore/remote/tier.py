@@ -51,9 +51,9 @@ from kvstore.errors import BadObject, KVStoreError
 from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
-from kvstore.checksums import PREFIX_BYTES, XXH3, algorithm_of
+from kvstore.checksums import BLOB_MAGIC, PREFIX_BYTES, XXH3, algorithm_of
 from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, RemoteHeader, encode_trailer, remote_name,
-                                     trailer_fits, transfer_checksum, verify_object)
+                                     trailer_body, transfer_checksum, verify_object)
 from kvstore.remote.policy import RemotePolicy, parse_policy
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Slot, Tier
@@ -156,20 +156,23 @@ def reserve_trailer_room(memory_tier: Tier) -> None:
         memory_tier.tail_room = max(memory_tier.tail_room, TRAILER_ROOM)
 
 
-def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, view: torch.Tensor,
-                  room: Optional[torch.Tensor]) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
+def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, view: torch.Tensor, room: Optional[torch.Tensor],
+                  body: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
     """The transfer ranges of one remote object (kvstore.remote.envelope): the payload
     `view` (host memory) with store checksum `checksum`, then its trailer; and the
     buffers that must live until the put has ended. `room`: the same bytes with spare
     room after them (an arena slot's tail, a staging buffer), or None; when the trailer
-    fits there it is written there and the object goes as one range. Kept lean (no
-    tensor ops): it runs once per put, next to the transfer."""
+    fits there it is written there and the object goes as one range. `body`: the
+    trailer's key and meta part when already made (`offer` makes it). Kept lean (no
+    tensor ops, few calls): it runs once per put, right after other transfers have
+    flushed the caches, where every call costs several times what it does warm."""
     size, addr = view.numel(), view.data_ptr()
-    if algorithm_of(ctypes.string_at(addr, min(size, PREFIX_BYTES))) == XXH3:
+    prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
+    if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:
         xsum = checksum  # the store's checksum is the transfer checksum
     else:  # a kvsum64 blob: readers verify an xxh3 of its bytes
         xsum = transfer_checksum(memoryview(view.numpy()))
-    trailer = encode_trailer(key, meta, size, checksum, xsum)
+    trailer = encode_trailer(key, meta, size, checksum, xsum, body)
     whole = size + len(trailer)
     if room is not None and room.numel() >= whole and room.data_ptr() == addr:
         ctypes.memmove(addr + size, trailer, len(trailer))
@@ -193,7 +196,9 @@ class RemoteTier:
         self._put_latency = _Latency()
         self._stat_lock = threading.Lock()
         self._queue: deque[bytes] = deque()
-        self._queued: set[bytes] = set()
+        # queued keys -> (meta, trailer body): offer packs the meta to check that it fits a
+        # trailer; the writer reuses those bytes (when the object's meta is still that one)
+        self._queued: dict[bytes, tuple[ObjectMeta, bytes]] = {}
         self._qcond = threading.Condition()
         self._stop = False
         self._writing = 0  # objects whose put has not ended
@@ -225,7 +230,12 @@ class RemoteTier:
     # ------------------------------------------------------------------ writes
     def offer(self, key: bytes, size: int, meta: ObjectMeta) -> None:
         """A committed object: queue it for the remote tier when the policy says so."""
-        if not self.policy.should_write(size, meta) or not trailer_fits(key, meta):
+        if not self.policy.should_write(size, meta):
+            self._count("put_skipped_policy")
+            return
+        try:
+            body = trailer_body(key, meta)
+        except BadObject:  # key and meta too large for a trailer
             self._count("put_skipped_policy")
             return
         with self._qcond:
@@ -235,7 +245,7 @@ class RemoteTier:
                 self._count("put_queue_full")
                 return
             self._queue.append(key)
-            self._queued.add(key)
+            self._queued[key] = (meta, body)
             self._qcond.notify()
 
     def pending(self) -> int:
@@ -251,10 +261,10 @@ class RemoteTier:
                 if self._stop:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.settings.batch, len(self._queue)))]
-                self._queued.difference_update(batch)
+                bodies = {k: self._queued.pop(k) for k in batch}
                 self._writing += len(batch)
             try:
-                self.write(batch)
+                self.write(batch, bodies)
             except Exception:  # never take the daemon down
                 log.exception("remote write batch failed")
                 self._count("put_errors", len(batch))
@@ -264,8 +274,9 @@ class RemoteTier:
         with self._qcond:
             self._writing -= n
 
-    def write(self, keys: Sequence[bytes]) -> None:
-        """Write the committed objects among `keys` to the remote tier (one put task)."""
+    def write(self, keys: Sequence[bytes], bodies: Optional[dict[bytes, tuple[ObjectMeta, bytes]]] = None) -> None:
+        """Write the committed objects among `keys` to the remote tier (one put task).
+        `bodies`: trailer bodies made by `offer`, by key, with the meta they encode."""
         if not self.adapter.reachable():
             self._count("put_skipped_unreachable", len(keys))
             self._written(len(keys))
@@ -278,7 +289,9 @@ class RemoteTier:
         sent: list[StoredObject] = []
         for o in jobs:
             try:
-                ranges, bufs = self._put_ranges(o, s.tiers[o.tier])
+                made = bodies.get(o.key) if bodies else None
+                body = made[1] if made is not None and (made[0] is o.meta or made[0] == o.meta) else None
+                ranges, bufs = self._put_ranges(o, s.tiers[o.tier], body)
             except (KVStoreError, OSError) as exc:
                 log.warning("remote write of %r skipped: %s", o.key, exc)
                 self._count("put_errors")
@@ -310,7 +323,8 @@ class RemoteTier:
             settle(res)
 
     @staticmethod
-    def _put_ranges(o: StoredObject, tier: Tier) -> tuple[tuple[tuple[int, int], ...], tuple[torch.Tensor, ...]]:
+    def _put_ranges(o: StoredObject, tier: Tier, body: Optional[bytes]) -> tuple[tuple[tuple[int, int], ...],
+                                                                                 tuple[Any, ...]]:
         """The transfer ranges of pinned object `o` followed by its trailer, and the
         tensors that must live until the put has ended. One range when the bytes are in a
         memory arena whose slot has tail room for the trailer (written there: past the
@@ -325,7 +339,7 @@ class RemoteTier:
             room = tier.view(dataclasses.replace(o.slot, size=o.slot.length))  # the slot's page-rounded extent
         if not o.verified and tier.checksum(o.slot) != o.checksum:
             raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
-        return object_ranges(o.key, o.meta, o.checksum, view, room)
+        return object_ranges(o.key, o.meta, o.checksum, view, room, body)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
         self.store.unpin_objects(objs)
