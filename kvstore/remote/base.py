@@ -10,9 +10,9 @@ Call order (one remote tier, any number of threads)::
 
     tid = adapter.submit_stat(names)              # sizes of the objects, -1 where absent
     res = adapter.wait(tid, timeout_s)            # TaskResult, or None: not done yet
-    tid = adapter.submit_get([GetItem(name, [(hdr_ptr, 4096), (slot_ptr, n)])])
+    tid = adapter.submit_get([GetItem(name, [(slot_ptr, n)])])  # ranges: (address, length)
     res = adapter.wait(tid, timeout_s)            # per item: bytes read, or a negative code
-    tid = adapter.submit_put([PutItem(name, [(hdr_ptr, 4096), (slot_ptr, n)])])
+    tid = adapter.submit_put([PutItem(name, [(slot_ptr, n), (trailer_ptr, t)])])
     adapter.add_done_callback(tid, fn)            # fn(TaskResult) once the task has ended
     res = adapter.call("get", items, timeout_s, late=fn)  # submit + wait in one, maybe inline
 
