@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from kvstore.errors import InvalidRequest
 from kvstore.records import ObjectMeta
@@ -115,6 +116,32 @@ def test_with_a_remote_tier_the_cpu_arena_keeps_room_so_an_object_and_its_traile
         assert s.stats()["tiers"][0]["used_bytes"] == 5 * PAGE  # the room: one page more, past the object
     finally:
         s.close()
+
+
+def test_a_kvsum64_blob_travels_with_its_store_checksum_and_is_verified_by_its_xxh3(tmp_path):
+    import xxhash
+
+    from kvstore import checksums as cks
+    from kvstore import format as fmt
+    from kvstore.format import checksum
+
+    t = {"k": torch.arange(3 * 33, dtype=torch.float16).reshape(3, 33)}
+    plan = fmt.plan_blob(t, fingerprint="fp", token_count=3)
+    blob = bytearray(plan.total_size)
+    fmt.write_blob(blob, plan, t, algorithm=cks.KVSUM64)
+    blob = bytes(blob)
+    remote, [(s1, _), (s2, _)] = _pair(tmp_path)
+    try:
+        put(s1, b"blob", blob)
+        _drain(s1)
+        h = decode_trailer(memoryview(remote.objects[remote_name("kvstore", b"blob")]), b"blob")
+        assert h.checksum == checksum(blob) and h.transfer_checksum == xxhash.xxh3_64_intdigest(blob)
+        assert h.checksum != h.transfer_checksum  # two algorithms: the store's kvsum64, the transfer's xxh3
+        assert get_bytes(s2, b"blob") == blob
+        assert s2.object_info(b"blob").checksum == checksum(blob)  # adopted with the store checksum
+    finally:
+        s1.close()
+        s2.close()
 
 
 def test_a_corrupted_remote_object_is_dropped_and_counted_never_served(tmp_path):
