@@ -13,8 +13,9 @@ written and read straight from and into the caller's buffers (the CPU arena) in 
 call per batch: `batch_put_from_multi_buffers` and `batch_get_into_multi_buffers`, the
 calls LMCache's and SGLang HiCache's Mooncake backends use, or, for a batch of one
 object in one range (the envelope's trailer in the slot's tail room), `put_from` /
-`get_into`, the single-object calls, a few percent cheaper at 1-4 MiB. Mooncake makes an object visible only when its put completed (PutStart /
-PutEnd at the master), so a half-written object is never read.
+`get_into`, the single-object calls, a few percent cheaper at 1-4 MiB. Mooncake makes
+an object visible only when its put completed (PutStart / PutEnd at the master), so a
+half-written object is never read.
 
 URL parameters: `metadata` (the metadata server, e.g. the master's embedded one at
 `http://HOST:8080/metadata`; default that URL on the master's host), `protocol` (tcp),

@@ -11,9 +11,9 @@ submits one put per batch straight from the object's bytes in host memory (objec
 file or device tier through a staging copy), each followed by the envelope's trailer
 (kvstore.remote.envelope: key, meta, the store and transfer checksums). A memory-arena
 object whose slot has tail room for the trailer (`TRAILER_ROOM`, which the memory tier
-keeps past every object it allocates once a remote tier is on, or page rounding) gets it
-written there and goes as one range; otherwise the trailer is a second range. The pin is released
-when the put has ended, even when the writer stopped waiting for it.
+keeps past every object it allocates once a remote tier is on, or page rounding) gets
+it written there and goes as one range; otherwise the trailer is a second range. The
+pin is released when the put has ended, even when the writer stopped waiting for it.
 
 Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker thread, and
 `Store.get`) asks `fill(keys)`: one stat of the missing names, then for each present
@@ -47,11 +47,11 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from kvstore.checksums import BLOB_MAGIC, PREFIX_BYTES, XXH3, algorithm_of
 from kvstore.errors import BadObject, KVStoreError
 from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
-from kvstore.checksums import BLOB_MAGIC, PREFIX_BYTES, XXH3, algorithm_of
 from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, RemoteHeader, encode_trailer, remote_name,
                                      trailer_body, transfer_checksum, verify_object)
 from kvstore.remote.policy import RemotePolicy, parse_policy
