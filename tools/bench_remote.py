@@ -150,10 +150,9 @@ class Ours:
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
         t0 = time.perf_counter()
-        room = None
-        if self.room:  # `buf` starts a slot with the arena's tail room (`prepare`)
-            room = self._src
-        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf, room, self.bodies.pop(name))
+        n = buf.numel()  # `buf` starts a slot with the arena's tail room (`prepare`), unless --no-tail-room
+        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf.data_ptr(), n,
+                                     self._src.numel() if self.room else n, self.bodies.pop(name))
         t1 = time.perf_counter()
         res = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S)
         self.steps["put_encode"].append(t1 - t0)

@@ -156,29 +156,29 @@ def reserve_trailer_room(memory_tier: Tier) -> None:
         memory_tier.tail_room = max(memory_tier.tail_room, TRAILER_ROOM)
 
 
-def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, view: torch.Tensor, room: Optional[torch.Tensor],
-                  body: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
-    """The transfer ranges of one remote object (kvstore.remote.envelope): the payload
-    `view` (host memory) with store checksum `checksum`, then its trailer; and the
-    buffers that must live until the put has ended. `room`: the same bytes with spare
-    room after them (an arena slot's tail, a staging buffer), or None; when the trailer
-    fits there it is written there and the object goes as one range. `body`: the
-    trailer's key and meta part when already made (`offer` makes it). Kept lean (no
-    tensor ops, few calls): it runs once per put, right after other transfers have
-    flushed the caches, where every call costs several times what it does warm."""
-    size, addr = view.numel(), view.data_ptr()
+def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, addr: int, size: int, room: int = 0,
+                  body: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], Any]:
+    """The transfer ranges of one remote object (kvstore.remote.envelope): its `size`
+    payload bytes at host address `addr`, with store checksum `checksum`, then its
+    trailer; and the buffer (if any) that must live until the put has ended. `room`:
+    how many bytes at `addr` may be written, the payload included (an arena slot's
+    page-rounded extent, a staging buffer); when the trailer fits there it is written
+    there and the object goes as one range. `body`: the trailer's key and meta part when
+    already made (`offer` makes it). Kept lean (plain addresses, no tensor calls): it
+    runs once per put, right after other transfers have flushed the caches, where every
+    call costs several times what it does warm."""
     prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
     if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:
         xsum = checksum  # the store's checksum is the transfer checksum
     else:  # a kvsum64 blob: readers verify an xxh3 of its bytes
-        xsum = transfer_checksum(memoryview(view.numpy()))
+        xsum = transfer_checksum(memoryview((ctypes.c_char * size).from_address(addr)).cast("B"))
     trailer = encode_trailer(key, meta, size, checksum, xsum, body)
     whole = size + len(trailer)
-    if room is not None and room.numel() >= whole and room.data_ptr() == addr:
+    if room >= whole:
         ctypes.memmove(addr + size, trailer, len(trailer))
-        return ((addr, whole),), (room,)
+        return ((addr, whole),), None
     tail = ctypes.create_string_buffer(trailer, len(trailer))
-    return ((addr, size), (ctypes.addressof(tail), len(trailer))), (view, tail)
+    return ((addr, size), (ctypes.addressof(tail), len(trailer))), tail
 
 
 class RemoteTier:
@@ -330,16 +330,17 @@ class RemoteTier:
         memory arena whose slot has tail room for the trailer (written there: past the
         object, bytes no reader of the object sees) or were staged; else two."""
         view = tier.view(o.slot)
-        room: Optional[torch.Tensor] = None  # the object's bytes with room after them, when there is any
+        staged: Optional[torch.Tensor] = None
         if view is None or not view.is_cpu:  # a file or GPU tier: stage the bytes in host memory
-            room = torch.empty(o.size + MAX_TRAILER_BYTES, dtype=torch.uint8)
-            tier.read_into(o.slot, room)
-            view = room[: o.size]
-        elif isinstance(tier, ArenaTier) and o.slot.length > o.size:
-            room = tier.view(dataclasses.replace(o.slot, size=o.slot.length))  # the slot's page-rounded extent
+            staged = torch.empty(o.size + MAX_TRAILER_BYTES, dtype=torch.uint8)
+            tier.read_into(o.slot, staged)
+            addr, room = staged.data_ptr(), staged.numel()
+        else:  # an arena slot may be written up to its page-rounded extent (past the object: unseen)
+            addr, room = view.data_ptr(), (o.slot.length if isinstance(tier, ArenaTier) else o.size)
         if not o.verified and tier.checksum(o.slot) != o.checksum:
             raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
-        return object_ranges(o.key, o.meta, o.checksum, view, room, body)
+        ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, room, body)
+        return ranges, (view, staged, tail)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
         self.store.unpin_objects(objs)

@@ -352,20 +352,25 @@ def test_object_ranges_use_tail_room_and_a_kvsum_blob_gets_an_xxh3_transfer_chec
     meta = ObjectMeta("fp", 1, 0.0, {})
     body = torch.frombuffer(bytearray(os.urandom(3000)), dtype=torch.uint8)
     # no room: the payload, then the trailer as a second range
-    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), body, None)
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), body.data_ptr(), 3000)
     assert len(ranges) == 2 and ranges[0] == (body.data_ptr(), 3000)
     two = _joined(ranges)
     assert verify_object(memoryview(two), b"k").payload_bytes == 3000
     # room after the bytes (a page-rounded slot): one range, the trailer written there
     room = torch.zeros(4096, dtype=torch.uint8)
     room[:3000] = body
-    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), room[:3000], room)
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), room.data_ptr(), 3000, 4096)
     assert ranges == ((room.data_ptr(), len(two)),) and bytes(room[: len(two)].numpy()) == two
+    assert bytes(room[len(two):].numpy()) == bytes(4096 - len(two))  # nothing written past the trailer
+    # room too small for the trailer: two ranges, nothing written past the payload
+    room[3000:] = 0
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), room.data_ptr(), 3000, 3010)
+    assert len(ranges) == 2 and _joined(ranges) == two and bytes(room[3000:].numpy()) == bytes(1096)
     # a kvsum64 blob: the store checksum is recorded as given, readers verify an xxh3 of the bytes
     blob = bytearray(os.urandom(3000))
     blob[:16] = struct.pack("<8sHHI", BLOB_MAGIC, 1, KVSUM64, 0)
     bt = torch.frombuffer(blob, dtype=torch.uint8)
-    ranges, keep = object_ranges(b"b", meta, 0x1234, bt, None)
+    ranges, keep = object_ranges(b"b", meta, 0x1234, bt.data_ptr(), 3000)
     h = verify_object(memoryview(_joined(ranges)), b"b")
     assert h.checksum == 0x1234 and h.transfer_checksum == xxhash.xxh3_64_intdigest(bytes(blob))
 
