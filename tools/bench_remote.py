@@ -28,7 +28,10 @@ put latency on a loaded host, whichever of them was made first (`--client separa
 gives the raw sides a client of their own, as before).
 
 Each op is one object (put, get, remove); the sides alternate op by op, so all
-see the same load on a shared machine. Per repeat: p50 / p99
+see the same load on a shared machine, and all move the same arena-shaped source and
+destination buffers. A get is timed without the stat that tells the tier an object's
+size (on either side). Per row, `ours_steps_ms`: the medians of our steps (put:
+encode, call; get: call, verify), where our time goes. Per repeat: p50 / p99
 latency and throughput (bytes / total time); the JSON holds the median of the repeats
 with their min..max spread and our overhead vs the raw client (p50 latency and
 throughput), against the 10% target; and the *paired* overhead: the median, over every
