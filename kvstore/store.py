@@ -67,7 +67,8 @@ from kvstore.memory_seam import MemorySeam
 from kvstore.objheader import ObjectHeader
 from kvstore.writeback import WriteBack
 from kvstore.remote.base import RemoteAdapter
-from kvstore.remote.tier import RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter
+from kvstore.remote.tier import (RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter,
+                                 reserve_trailer_room)
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.reservations import PendingPut, Reservations, check_put
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
@@ -161,6 +162,7 @@ class Store:
             if self.roles.memory is None:
                 raise InvalidRequest("the remote tier needs a CPU tier (remote hits land there): give --cpu-capacity a size")
             adapter = self._remote_adapter if self._remote_adapter is not None else make_adapter(s.remote_url)
+            reserve_trailer_room(self.tiers[self.roles.memory])
             self._remote = RemoteTier(self.remote_seam, RemoteSettings(s.remote_url or f"({adapter.kind})", s.remote_policy,
                                                            s.remote_timeout_s), adapter)
         except BaseException:

@@ -11,9 +11,16 @@ per repeat:
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
   ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
              tier calls it (inline on the caller's thread, the client's RPC timeout
-             bounding it; header + bytes as two ranges), plus what the remote tier does
-             around it: encoding the 4 KiB envelope header on a put, decoding it
-             and hashing the bytes (the checksum verified on every remote read) on a get
+             bounding it), plus what the remote tier does around it: on a put,
+             `kvstore.remote.tier.object_ranges` from the object in a slot as the CPU
+             arena allocates it with a remote tier on (`TRAILER_ROOM` past the object:
+             the trailer is written there and the object goes as one range;
+             `--no-tail-room`: a slot without that room, the trailer as a second range;
+             the trailer's key + meta part is made before the timed put, as
+             `RemoteTier.offer` makes it when the object is committed);
+             on a get, one range into a slot with room for the trailer, then
+             `verify_object` (the trailer checked and the payload hashed: the checksum
+             verified on every remote read)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -21,7 +28,10 @@ put latency on a loaded host, whichever of them was made first (`--client separa
 gives the raw sides a client of their own, as before).
 
 Each op is one object (put, get, remove); the sides alternate op by op, so all
-see the same load on a shared machine. Per repeat: p50 / p99
+see the same load on a shared machine, and all move the same arena-shaped source and
+destination buffers. A get is timed without the stat that tells the tier an object's
+size (on either side). Per row, `ours_steps_ms`: the medians of our steps (put:
+encode, call; get: call, verify), where our time goes. Per repeat: p50 / p99
 latency and throughput (bytes / total time); the JSON holds the median of the repeats
 with their min..max spread and our overhead vs the raw client (p50 latency and
 throughput), against the 10% target; and the *paired* overhead: the median, over every
@@ -45,7 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -55,9 +65,10 @@ import torch  # noqa: E402
 from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
-from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header  # noqa: E402
+from kvstore.remote.envelope import MAX_TRAILER_BYTES, trailer_body, verify_object  # noqa: E402
 from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
+from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
 
 MIB = 1 << 20
 TIMEOUT_S = 2.0  # the remote tier's default timeout (RemoteSettings.timeout_s)
@@ -98,10 +109,11 @@ class Raw:
         if rc != 0:
             raise RuntimeError(f"raw put_from {name} returned {rc}")
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
         n = self.c.get_into(name, buf.data_ptr(), buf.numel())
         if n != buf.numel():
             raise RuntimeError(f"raw get_into {name} returned {n}")
+        return buf
 
     def remove(self, name: str) -> None:
         self.c.remove(name, True)
@@ -110,55 +122,88 @@ class Raw:
 class RawVerified(Raw):
     """Mooncake's client plus the one thing a careful caller must add: hashing what it read."""
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
         super().get(name, buf, want)
         if host_checksum(memoryview(buf.numpy())) != want:
             raise RuntimeError(f"raw get_into {name}: checksum mismatch")
+        return buf
 
 
 class Ours:
     """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
 
-    def __init__(self, master: MooncakeMaster) -> None:
+    def __init__(self, master: MooncakeMaster, room: bool = True) -> None:
         self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=0"))
-        self.hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self.meta = ObjectMeta("bench", 0, 0.0, {})
+        self.room = room
+        self.sizes: dict[str, int] = {}
+        self.bodies: dict[str, bytes] = {}
+        #: seconds of each step of our ops (`steps_ms`): where our time goes
+        self.steps: dict[str, list[float]] = {k: [] for k in ("put_encode", "put_call", "get_call", "get_verify")}
+        self._src = self._dst = torch.empty(0, dtype=torch.uint8)
+
+    def prepare(self, src_slot: torch.Tensor, dst_slot: torch.Tensor) -> None:
+        """Before timing a size: the slots (`arena_slot`) every side's source and
+        destination bytes start, so all sides move the same memory."""
+        self._src, self._dst = src_slot, dst_slot
+
+    def offer(self, name: str) -> None:
+        """What `RemoteTier.offer` does at the object's commit, before any put: the trailer body."""
+        self.bodies[name] = trailer_body(name.encode(), self.meta)
 
     def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
-        encode_header(name.encode(), self.meta, buf.numel(), csum, memoryview(self.hdr.numpy()))
-        res = self.a.call("put", [PutItem(name, ((self.hdr.data_ptr(), HEADER_BYTES),
-                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
+        t0 = time.perf_counter()
+        n = buf.numel()  # `buf` starts a slot with the arena's tail room (`prepare`), unless --no-tail-room
+        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf.data_ptr(), n,
+                                     self._src.numel() if self.room else n, self.bodies.pop(name))
+        t1 = time.perf_counter()
+        res = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S)
+        self.steps["put_encode"].append(t1 - t0)
+        self.steps["put_call"].append(time.perf_counter() - t1)
         if not res.ok:
             raise RuntimeError(f"adapter put {name}: {res}")
+        self.sizes[name] = sum(n for _, n in ranges)
+        del keep
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> None:
-        hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        res = self.a.call("get", [GetItem(name, ((hdr.data_ptr(), HEADER_BYTES),
-                                                 (buf.data_ptr(), buf.numel())))], TIMEOUT_S)
-        if res.codes[0] != buf.numel() + HEADER_BYTES:
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
+        size = self.sizes.pop(name)  # the tier learns it from its stat
+        slot = self._dst  # `buf` starts it: the fill's slot, with room for the trailer
+        t0 = time.perf_counter()
+        res = self.a.call("get", [GetItem(name, ((slot.data_ptr(), size),))], TIMEOUT_S)
+        t1 = time.perf_counter()
+        if res.codes[0] != size:
             raise RuntimeError(f"adapter get {name}: {res}")
-        h = decode_header(memoryview(hdr.numpy()), name.encode(), buf.numel() + HEADER_BYTES)
-        # the remote tier hashes the CPU-arena slot the same way (CpuArenaTier.checksum)
-        if host_checksum(memoryview(buf.numpy())) != h.checksum or h.checksum != want:
+        h = verify_object(memoryview(slot.numpy())[:size], name.encode())
+        self.steps["get_call"].append(t1 - t0)
+        self.steps["get_verify"].append(time.perf_counter() - t1)
+        if h.checksum != want or h.payload_bytes != buf.numel():
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
+        return slot[: buf.numel()]
 
     def remove(self, name: str) -> None:
         self.a.call("remove", [name], TIMEOUT_S)
 
 
+def arena_slot(n: int, room: int) -> torch.Tensor:
+    """A buffer shaped like a CPU-arena slot for an n-byte object with `room` bytes kept past it (page-rounded)."""
+    return torch.zeros(-(-(n + room) // 4096) * 4096, dtype=torch.uint8)
+
+
 def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int, check: bool) -> tuple[float, float]:
     """One put, get and remove of one object; (put seconds, get seconds)."""
     name = f"bench/{tag}/{src.numel()}/{time.monotonic_ns()}"
+    if isinstance(side, Ours):
+        side.offer(name)
     t0 = time.perf_counter()
     if isinstance(side, Ours):
         side.put(name, src, csum)
     else:
         side.put(name, src)
     t1 = time.perf_counter()
-    side.get(name, dst, csum)
+    got = side.get(name, dst, csum)
     t2 = time.perf_counter()
     side.remove(name)
-    if check and not torch.equal(src, dst):
+    if check and not torch.equal(src, got):
         raise RuntimeError(f"{tag}: bytes read back differ")
     return t1 - t0, t2 - t1
 
@@ -190,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the raw sides drive the adapter's own Mooncake client (shared, default: only our layer "
                          "differs) or a second client of their own (separate: two clients of one process differ "
                          "by up to 2x in put latency on a loaded host, whichever is made first)")
+    ap.add_argument("--no-tail-room", action="store_true",
+                    help="our puts send objects from slots without room for the trailer (as the CPU arena's slots "
+                         "made before the remote tier opened): the trailer goes as a second range")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -198,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_remote: {why}", file=sys.stderr)
         return 2
     sizes = [int(s) for s in args.sizes.split(",")]
+    load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     master = MooncakeMaster(root).start()
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.metadata, f"127.0.0.1:{master.rpc_port}",
@@ -207,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        ours = Ours(master)
+        ours = Ours(master, room=not args.no_tail_room)
         raw = Raw(master, ours.a.client if args.client == "shared" else None)
         if raw.c is None:
             raise RuntimeError("the adapter did not join the Mooncake cluster")
@@ -217,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         for mib in sizes:
             n = mib * MIB
             iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
-            src = torch.randint(0, 256, (n,), dtype=torch.uint8)
-            dst = torch.empty(n, dtype=torch.uint8)
+            src_slot, dst_slot = arena_slot(n, TRAILER_ROOM), arena_slot(n, MAX_TRAILER_BYTES)
+            src, dst = src_slot[:n], dst_slot[:n]  # every side puts from and gets into the same memory
+            src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
             csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
+            ours.prepare(src_slot, dst_slot)
             run_repeat(sides, src, dst, 2, csum)  # warm-up
+            for v in ours.steps.values():
+                v.clear()
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
             ops: dict[str, list[tuple[float, float]]] = {}
             for _ in range(args.repeats):
@@ -249,13 +302,17 @@ def main(argv: list[str] | None = None) -> int:
                     ratios = [a[j] / b[j] for a, b in zip(ops["ours"], ops[base])]
                     ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
             row["overhead"] = ov
+            # where our time goes, per step (medians over every op); the raw client's op is
+            # one call, so put_call / get_call vs its p50 is the call's own overhead
+            row["ours_steps_ms"] = {k: 1e3 * statistics.median(v) for k, v in ours.steps.items() if v}
             rows.append(row)
             print(f"{mib:>3} MiB  put p50 {row['mooncake']['put_p50_ms']['median']:.2f} -> "
                   f"{row['ours']['put_p50_ms']['median']:.2f} ms ({ov['put_p50_latency_pct']:+.1f}%)  "
                   f"get p50 {row['mooncake']['get_p50_ms']['median']:.2f} -> {row['ours']['get_p50_ms']['median']:.2f} ms "
                   f"({ov['get_p50_latency_pct']:+.1f}%; vs verified {ov['get_p50_latency_pct_vs_verified']:+.1f}%)  "
                   f"paired put {ov['put_paired_median_pct']:+.1f}% get {ov['get_paired_median_pct']:+.1f}%  "
-                  f"get {row['ours']['get_gbps']['median']:.2f} GB/s", flush=True)
+                  f"get {row['ours']['get_gbps']['median']:.2f} GB/s; ours per step (ms) "
+                  + " ".join(f"{k} {v:.3f}" for k, v in row["ours_steps_ms"].items()), flush=True)
         worst = max(max(r["overhead"]["put_p50_latency_pct"], r["overhead"]["get_p50_latency_pct"]) for r in rows)
         worst_paired = max(max(r["overhead"]["put_paired_median_pct"], r["overhead"]["get_paired_median_pct"])
                            for r in rows)
@@ -266,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": _dt.date.today().isoformat(),
             "command": "python tools/bench_remote.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                        "note": "a 2-core CPU machine shared with seven other engineers' test runs at the same "
-                                "time: absolute figures are noisy; the two sides run interleaved in one process "
-                                "so they see the same load"},
+                        "note": "a 2-core CPU machine shared with other engineers' test runs at the same "
+                                "time: absolute figures are noisy; the sides run interleaved in one process "
+                                "so they see the same load",
+                        "load_avg_1m_start": load_start[0], "load_avg_1m_end": os.getloadavg()[0]},
             "setup": "mooncake_master (embedded HTTP metadata) + a holder process mounting a 1 GiB segment; the "
                      "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get; "
                      f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",

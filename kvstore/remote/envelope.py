@@ -1,24 +1,37 @@
 """The remote object format: how one store object is laid out in the remote tier.
 
-Owns: remote object names (`remote_name`) and the envelope, a fixed 4 KiB header in front
-of the object's bytes::
+Owns: remote object names (`remote_name`) and the envelope, a variable-length *trailer*
+after the object's bytes, so that an object is one contiguous range in a memory-tier
+slot (the payload, then the trailer in the slot's tail room): a get, and a put from a
+slot whose page rounding leaves room for the trailer, move it as ONE transfer range
+(a put from a slot without that room sends the trailer as a second range)::
 
-    0   8  magic b"KVSREMT1"
-    8   4  header version (1)
-    12  4  key length K
-    16  4  meta length M (msgpack of the ObjectMeta)
-    20  4  reserved (0)
-    24  8  payload length P
-    32  8  payload checksum (kvstore.format.checksum of the P bytes: the store's own)
-    40  8  header checksum (xxh3_64 of bytes 0..39 and 48..48+K+M)
-    48  K  the key, then M bytes of meta, then zeros up to 4096
+    0      P  the payload (the store object's bytes)
+    P      K  the key
+    P+K    M  the meta (msgpack of the ObjectMeta)
+    P+K+M 56  the footer:
+        0   8  magic b"KVSREMT2"
+        8   4  envelope version (2)
+        12  4  key length K
+        16  4  meta length M
+        20  4  reserved (0)
+        24  8  payload length P
+        32  8  store checksum of the payload (kvstore.format.checksum: the store's own,
+               which the reader records for the adopted object)
+        40  8  transfer checksum: xxh3_64 of the P payload bytes (equal to the store
+               checksum for any object the store hashes with xxh3; computed apart only
+               for kvsum64 blobs, so a reader always verifies at xxh3 speed)
+        48  8  trailer checksum: xxh3_64 of the key, the meta and footer bytes 0..47
+               (all of the trailer before it), the object's last 8 bytes
 
-The remote object is the header followed by the P payload bytes, P + 4096 in all. A
-reader checks the magic, version, header checksum, that the key is the one it asked for
-and that the object's size is P + 4096, then hashes the payload it read and compares it
-with the recorded checksum: a remote object is never served unverified. Names are
-`<namespace>/<hex key>` (keys over 64 bytes: `<namespace>/h<blake2b-256 of the key>`,
-the full key is still checked in the header), so every host finds a key under one name.
+A trailer is K + M + 56 bytes, at most `MAX_TRAILER_BYTES`. A reader reads the whole
+object (its size from a stat) and checks, from the end: the magic, version, trailer
+checksum, that the key is the one it asked for and that P + K + M + 56 is the object's
+size; then it hashes the payload and compares it with the transfer checksum: a remote
+object is never served unverified, and a truncated, torn or foreign object fails the
+checks. Names are `<namespace>/<hex key>` (keys over 64 bytes: `<namespace>/h<blake2b-256
+of the key>`, the full key is still checked in the trailer), so every host finds a key
+under one name.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 import msgpack
 import xxhash
@@ -33,14 +47,12 @@ import xxhash
 from kvstore.errors import BadObject
 from kvstore.records import ObjectMeta
 
-MAGIC = b"KVSREMT1"
-VERSION = 1
-HEADER_BYTES = 4096
-_FIXED = struct.Struct("<8sIIII QQQ")  # magic, version, key len, meta len, reserved, payload len, payload sum, header sum
-_FIXED_BYTES = _FIXED.size  # 48
-_HEAD40 = struct.Struct("<8sIIII QQ")  # the fixed part before the header checksum
+MAGIC = b"KVSREMT2"
+VERSION = 2
+MAX_TRAILER_BYTES = 4096
+_FOOTER = struct.Struct("<8sIIII QQQ")  # magic, version, key len, meta len, reserved, payload len, store sum, xfer sum
 _SUM = struct.Struct("<Q")
-_ZEROS = bytes(HEADER_BYTES)
+FOOTER_BYTES = _FOOTER.size + _SUM.size  # 56: the fixed part at the end of every object
 MAX_INLINE_KEY = 64
 
 
@@ -53,12 +65,13 @@ def remote_name(namespace: str, key: bytes) -> str:
 
 @dataclass(frozen=True)
 class RemoteHeader:
-    """A decoded envelope header."""
+    """A decoded envelope trailer."""
 
     key: bytes
     meta: ObjectMeta
     payload_bytes: int
-    checksum: int
+    checksum: int  # the store checksum of the payload
+    transfer_checksum: int  # xxh3_64 of the payload, what a reader verifies
 
 
 def _meta_bytes(meta: ObjectMeta) -> bytes:
@@ -66,48 +79,70 @@ def _meta_bytes(meta: ObjectMeta) -> bytes:
                          use_bin_type=True)
 
 
-def header_fits(key: bytes, meta: ObjectMeta) -> bool:
-    """Whether the key and meta fit the fixed header (else the object is not written remotely)."""
-    return _FIXED_BYTES + len(key) + len(_meta_bytes(meta)) <= HEADER_BYTES
+def trailer_body(key: bytes, meta: ObjectMeta) -> bytes:
+    """The key and meta part of an object's trailer (`encode_trailer`); BadObject when
+    they do not fit `MAX_TRAILER_BYTES` (then the object is not written remotely)."""
+    body = bytes(key) + _meta_bytes(meta)
+    if len(body) + FOOTER_BYTES > MAX_TRAILER_BYTES:
+        raise BadObject(f"key and meta of {key!r} take a {len(body) + FOOTER_BYTES}-byte trailer, over the "
+                        f"remote tier's {MAX_TRAILER_BYTES}")
+    return body
 
 
-def encode_header(key: bytes, meta: ObjectMeta, payload_bytes: int, checksum: int, out: memoryview) -> None:
-    """Write the header of an object into `out` (HEADER_BYTES writable bytes).
-    Raises BadObject when the key and meta do not fit."""
-    mb = _meta_bytes(meta)
-    end = _FIXED_BYTES + len(key) + len(mb)
-    if end > HEADER_BYTES:
-        raise BadObject(f"key and meta of {key!r} take {end} bytes, over the remote header's {HEADER_BYTES}")
-    body = bytes(key) + mb
-    head = _HEAD40.pack(MAGIC, VERSION, len(key), len(mb), 0, payload_bytes, checksum)
-    out[:end] = head + _SUM.pack(xxhash.xxh3_64_intdigest(head + body)) + body
-    out[end:HEADER_BYTES] = _ZEROS[: HEADER_BYTES - end]
+def transfer_checksum(payload: memoryview) -> int:
+    """The transfer checksum of payload bytes (module docstring)."""
+    return xxhash.xxh3_64_intdigest(payload)
 
 
-def decode_header(buf: memoryview, key: bytes, object_bytes: int) -> RemoteHeader:
-    """Check and decode a header read for `key` from a remote object of `object_bytes`
-    bytes; BadObject naming what is wrong (a damaged, foreign or half-written object)."""
-    if len(buf) < HEADER_BYTES:
-        raise BadObject(f"remote object of {key!r}: header is {len(buf)} bytes, expected {HEADER_BYTES}")
-    magic, version, klen, mlen, _, plen, psum, hsum = _FIXED.unpack_from(buf, 0)
+def encode_trailer(key: bytes, meta: ObjectMeta, payload_bytes: int, checksum: int, xfer_checksum: int,
+                   body: Optional[bytes] = None) -> bytes:
+    """The trailer of an object (module docstring); `body`: its `trailer_body` when
+    already made. BadObject when the key and meta do not fit `MAX_TRAILER_BYTES`."""
+    if body is None:
+        body = trailer_body(key, meta)
+    klen = len(key)
+    head = body + _FOOTER.pack(MAGIC, VERSION, klen, len(body) - klen, 0, payload_bytes, checksum, xfer_checksum)
+    return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
+    """Check and decode the trailer of a whole remote object `obj` (its bytes as read)
+    read for `key`; BadObject naming what is wrong (a damaged, foreign, truncated or
+    half-written object). The payload itself is verified by the caller
+    (`transfer_checksum`), against the returned `transfer_checksum`."""
+    size = len(obj)
+    if size < FOOTER_BYTES:
+        raise BadObject(f"remote object of {key!r} is {size} bytes, shorter than its {FOOTER_BYTES}-byte footer")
+    fo = size - FOOTER_BYTES
+    magic, version, klen, mlen, _, plen, psum, xsum = _FOOTER.unpack_from(obj, fo)
     if magic != MAGIC:
         raise BadObject(f"remote object of {key!r}: bad magic {bytes(magic)!r}")
     if version != VERSION:
-        raise BadObject(f"remote object of {key!r}: header version {version}, this daemon reads {VERSION}")
-    end = _FIXED_BYTES + klen + mlen
-    if end > HEADER_BYTES:
-        raise BadObject(f"remote object of {key!r}: key and meta lengths {klen}+{mlen} overrun the header")
-    h = xxhash.xxh3_64(buf[:40])
-    h.update(buf[_FIXED_BYTES:end])
-    if h.intdigest() != hsum:
-        raise BadObject(f"remote object of {key!r}: header checksum mismatch")
-    if buf[_FIXED_BYTES:_FIXED_BYTES + klen] != key:
-        raise BadObject(f"remote object of {key!r} holds key {bytes(buf[_FIXED_BYTES:_FIXED_BYTES + klen])!r}")
-    if plen + HEADER_BYTES != object_bytes:
-        raise BadObject(f"remote object of {key!r} is {object_bytes} bytes, its header says {plen + HEADER_BYTES}")
+        raise BadObject(f"remote object of {key!r}: envelope version {version}, this daemon reads {VERSION}")
+    tlen = klen + mlen + FOOTER_BYTES
+    if tlen > MAX_TRAILER_BYTES or tlen > size:
+        raise BadObject(f"remote object of {key!r}: key and meta lengths {klen}+{mlen} overrun the object")
+    start = size - tlen
+    if xxhash.xxh3_64_intdigest(obj[start:size - _SUM.size]) != _SUM.unpack_from(obj, size - _SUM.size)[0]:
+        raise BadObject(f"remote object of {key!r}: trailer checksum mismatch")
+    if obj[start:start + klen] != key:
+        raise BadObject(f"remote object of {key!r} holds key {bytes(obj[start:start + klen])!r}")
+    if plen + tlen != size:
+        raise BadObject(f"remote object of {key!r} is {size} bytes, its trailer says {plen + tlen}")
     try:
-        m = msgpack.unpackb(buf[_FIXED_BYTES + klen:end], raw=False)
+        m = msgpack.unpackb(obj[start + klen:fo], raw=False)
         meta = ObjectMeta(str(m["f"]), int(m["t"]), float(m["c"]), dict(m["x"]))
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None
-    return RemoteHeader(bytes(key), meta, plen, psum)
+    return RemoteHeader(bytes(key), meta, plen, psum, xsum)
+
+
+def verify_object(obj: memoryview, key: bytes) -> RemoteHeader:
+    """`decode_trailer`, then the payload hashed and compared with the transfer checksum:
+    the decoded trailer of an object whose every byte checked out; BadObject otherwise."""
+    h = decode_trailer(obj, key)
+    actual = transfer_checksum(obj[: h.payload_bytes])
+    if actual != h.transfer_checksum:
+        raise BadObject(f"remote object of {key!r}: payload hashes to {actual:#x}, "
+                        f"its trailer records {h.transfer_checksum:#x}")
+    return h

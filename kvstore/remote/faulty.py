@@ -6,7 +6,8 @@ Owns: `RemoteFaults` (the switches a test flips while the adapter runs) and
 (composition) after applying the faults: `down` (every call fails as UNREACHABLE and the
 probe fails: a master that is away), `delay_s` (a slow store: each call sleeps first),
 `fail_gets` / `fail_puts` (calls fail with FAILED), `corrupt_gets` (a get that succeeded
-has one payload byte flipped, as a damaged replica would), `truncate_puts` (a put writes
+has one byte flipped a third of the way into the object: in the payload of any object
+over twice its envelope trailer, as a damaged replica would), `truncate_puts` (a put writes
 its object short by this many bytes: what a broken or foreign writer might leave).
 `injected` counts what was injected.
 """
@@ -69,11 +70,14 @@ class FaultyAdapter(BlockingAdapter):
         codes = self.inner.get_now(items)
         if self.faults.corrupt_gets:
             for it, c in zip(items, codes):
-                if c > 0 and len(it.ranges) > 1 and it.ranges[-1][1] > 0:
-                    addr, n = it.ranges[-1]
-                    b = ctypes.c_uint8.from_address(addr + n // 2)
-                    b.value ^= 0x5A
-                    self.injected["corrupted_gets"] += 1
+                if c > 0:
+                    at = c // 3  # the byte to flip, as an offset into the object's ranges
+                    for addr, n in it.ranges:
+                        if at < n:
+                            ctypes.c_uint8.from_address(addr + at).value ^= 0x5A
+                            self.injected["corrupted_gets"] += 1
+                            break
+                        at -= n
         return codes
 
     def put_now(self, items: Sequence[PutItem]) -> list[int]:

@@ -10,10 +10,12 @@ memory into the cluster's pool (`segment=`, default 256MiB; 0 contributes nothin
 only uses what other clients and `mooncake_store_service` processes give) and moves
 bytes with the transfer engine (`protocol=tcp`, or `rdma` with `device=`). Objects are
 written and read straight from and into the caller's buffers (the CPU arena) in one
-call per batch: `batch_put_from_multi_buffers` (header + object bytes as two ranges)
-and `batch_get_into_multi_buffers`, the calls LMCache's and SGLang HiCache's Mooncake
-backends use. Mooncake makes an object visible only when its put completed (PutStart /
-PutEnd at the master), so a half-written object is never read.
+call per batch: `batch_put_from_multi_buffers` and `batch_get_into_multi_buffers`, the
+calls LMCache's and SGLang HiCache's Mooncake backends use, or, for a batch of one
+object in one range (the envelope's trailer in the slot's tail room), `put_from` /
+`get_into`, the single-object calls, a few percent cheaper at 1-4 MiB. Mooncake makes
+an object visible only when its put completed (PutStart / PutEnd at the master), so a
+half-written object is never read.
 
 URL parameters: `metadata` (the metadata server, e.g. the master's embedded one at
 `http://HOST:8080/metadata`; default that URL on the master's host), `protocol` (tcp),
@@ -237,6 +239,9 @@ class MooncakeAdapter(BlockingAdapter):
         c = self._client
         if c is None:
             return [UNREACHABLE] * len(items)
+        if len(items) == 1 and len(items[0].ranges) == 1:  # the single-object call: cheaper than a batch one
+            ((addr, n),) = items[0].ranges
+            return [int(c.get_into(items[0].name, addr, n))]
         return list(c.batch_get_into_multi_buffers(
             [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
             [[n for _, n in i.ranges] for i in items]))
@@ -245,6 +250,10 @@ class MooncakeAdapter(BlockingAdapter):
         c = self._client
         if c is None:
             return [UNREACHABLE] * len(items)
+        if len(items) == 1 and len(items[0].ranges) == 1:  # the single-object call: cheaper than a batch one
+            ((addr, n),) = items[0].ranges
+            code = int(c.put_from(items[0].name, addr, n))
+            return [n if code == 0 else code]
         codes = c.batch_put_from_multi_buffers(
             [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
             [[n for _, n in i.ranges] for i in items])

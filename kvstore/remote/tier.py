@@ -8,15 +8,20 @@ adapter).
 Writes: `offer(key, size, meta)` after a commit queues the key when the policy says so
 (kvstore.remote.policy); a writer thread takes batches, pins each object (`busy`), and
 submits one put per batch straight from the object's bytes in host memory (objects in a
-file or device tier through a staging copy), each behind a 4 KiB envelope header
-(kvstore.remote.envelope) recording the key, meta and the store checksum. The pin is
-released when the put has ended, even when the writer stopped waiting for it.
+file or device tier through a staging copy), each followed by the envelope's trailer
+(kvstore.remote.envelope: key, meta, the store and transfer checksums). A memory-arena
+object whose slot has tail room for the trailer (`TRAILER_ROOM`, which the memory tier
+keeps past every object it allocates once a remote tier is on, or page rounding) gets
+it written there and goes as one range; otherwise the trailer is a second range. The
+pin is released when the put has ended, even when the writer stopped waiting for it.
 
 Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker thread, and
 `Store.get`) asks `fill(keys)`: one stat of the missing names, then for each present
-object a memory-tier slot is allocated (making room as a put would) and one get reads the
-header and the bytes into it; the header is checked and the bytes hashed before the
-object is committed to the memory tier as verified, so the usual zero-copy read serves it.
+object a memory-tier slot of the whole remote object is allocated (making room as a put
+would) and one get reads it into the slot as one range; the trailer (in the slot's tail,
+past the object) is checked and the payload hashed (xxh3, the transfer checksum) before
+the object is committed to the memory tier as verified, with the store checksum the
+trailer records, so the usual zero-copy read serves it.
 A damaged object is freed, counted in `corrupt_dropped` and removed from the remote
 store; it is never served.
 
@@ -32,6 +37,8 @@ objects, allocate/adopt/free memory-tier slots); tiers are known by role, not na
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
 import threading
 from collections import Counter, deque
@@ -40,12 +47,15 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from kvstore.checksums import BLOB_MAGIC, PREFIX_BYTES, XXH3, algorithm_of
 from kvstore.errors import BadObject, KVStoreError
 from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
-from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, header_fits, remote_name
+from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, RemoteHeader, encode_trailer, remote_name,
+                                     trailer_body, transfer_checksum, verify_object)
 from kvstore.remote.policy import RemotePolicy, parse_policy
+from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Slot, Tier
 
 
@@ -131,9 +141,44 @@ class StoreSeam(Protocol):
 class _Fill:
     key: bytes
     name: str
-    size: int  # the remote object's bytes (header included)
-    slot: Any
-    header: torch.Tensor
+    size: int  # the remote object's bytes (trailer included)
+    slot: Any  # a memory-tier slot of `size` bytes: the payload, then the trailer past it
+
+
+TRAILER_ROOM = 512  # bytes the memory tier keeps past each object: most trailers fit (key + meta + 56)
+
+
+def reserve_trailer_room(memory_tier: Tier) -> None:
+    """Make a memory arena keep `TRAILER_ROOM` bytes past every object it allocates from
+    now on (kvstore.tiers.arena), so the object and its trailer go as one range; at most
+    a page per object, only with a remote tier."""
+    if isinstance(memory_tier, ArenaTier):
+        memory_tier.tail_room = max(memory_tier.tail_room, TRAILER_ROOM)
+
+
+def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, addr: int, size: int, room: int = 0,
+                  body: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], Any]:
+    """The transfer ranges of one remote object (kvstore.remote.envelope): its `size`
+    payload bytes at host address `addr`, with store checksum `checksum`, then its
+    trailer; and the buffer (if any) that must live until the put has ended. `room`:
+    how many bytes at `addr` may be written, the payload included (an arena slot's
+    page-rounded extent, a staging buffer); when the trailer fits there it is written
+    there and the object goes as one range. `body`: the trailer's key and meta part when
+    already made (`offer` makes it). Kept lean (plain addresses, no tensor calls): it
+    runs once per put, right after other transfers have flushed the caches, where every
+    call costs several times what it does warm."""
+    prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
+    if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:
+        xsum = checksum  # the store's checksum is the transfer checksum
+    else:  # a kvsum64 blob: readers verify an xxh3 of its bytes
+        xsum = transfer_checksum(memoryview((ctypes.c_char * size).from_address(addr)).cast("B"))
+    trailer = encode_trailer(key, meta, size, checksum, xsum, body)
+    whole = size + len(trailer)
+    if room >= whole:
+        ctypes.memmove(addr + size, trailer, len(trailer))
+        return ((addr, whole),), None
+    tail = ctypes.create_string_buffer(trailer, len(trailer))
+    return ((addr, size), (ctypes.addressof(tail), len(trailer))), tail
 
 
 class RemoteTier:
@@ -151,7 +196,9 @@ class RemoteTier:
         self._put_latency = _Latency()
         self._stat_lock = threading.Lock()
         self._queue: deque[bytes] = deque()
-        self._queued: set[bytes] = set()
+        # queued keys -> (meta, trailer body): offer packs the meta to check that it fits a
+        # trailer; the writer reuses those bytes (when the object's meta is still that one)
+        self._queued: dict[bytes, tuple[ObjectMeta, bytes]] = {}
         self._qcond = threading.Condition()
         self._stop = False
         self._writing = 0  # objects whose put has not ended
@@ -183,7 +230,12 @@ class RemoteTier:
     # ------------------------------------------------------------------ writes
     def offer(self, key: bytes, size: int, meta: ObjectMeta) -> None:
         """A committed object: queue it for the remote tier when the policy says so."""
-        if not self.policy.should_write(size, meta) or not header_fits(key, meta):
+        if not self.policy.should_write(size, meta):
+            self._count("put_skipped_policy")
+            return
+        try:
+            body = trailer_body(key, meta)
+        except BadObject:  # key and meta too large for a trailer
             self._count("put_skipped_policy")
             return
         with self._qcond:
@@ -193,7 +245,7 @@ class RemoteTier:
                 self._count("put_queue_full")
                 return
             self._queue.append(key)
-            self._queued.add(key)
+            self._queued[key] = (meta, body)
             self._qcond.notify()
 
     def pending(self) -> int:
@@ -209,10 +261,10 @@ class RemoteTier:
                 if self._stop:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.settings.batch, len(self._queue)))]
-                self._queued.difference_update(batch)
+                bodies = {k: self._queued.pop(k) for k in batch}
                 self._writing += len(batch)
             try:
-                self.write(batch)
+                self.write(batch, bodies)
             except Exception:  # never take the daemon down
                 log.exception("remote write batch failed")
                 self._count("put_errors", len(batch))
@@ -222,8 +274,9 @@ class RemoteTier:
         with self._qcond:
             self._writing -= n
 
-    def write(self, keys: Sequence[bytes]) -> None:
-        """Write the committed objects among `keys` to the remote tier (one put task)."""
+    def write(self, keys: Sequence[bytes], bodies: Optional[dict[bytes, tuple[ObjectMeta, bytes]]] = None) -> None:
+        """Write the committed objects among `keys` to the remote tier (one put task).
+        `bodies`: trailer bodies made by `offer`, by key, with the meta they encode."""
         if not self.adapter.reachable():
             self._count("put_skipped_unreachable", len(keys))
             self._written(len(keys))
@@ -236,22 +289,16 @@ class RemoteTier:
         sent: list[StoredObject] = []
         for o in jobs:
             try:
-                tier = s.tiers[o.tier]
-                data = tier.view(o.slot)
-                if data is None or not data.is_cpu:  # a file or GPU tier: stage the bytes in host memory
-                    data = torch.empty(o.size, dtype=torch.uint8)
-                    tier.read_into(o.slot, data)
-                if not o.verified and tier.checksum(o.slot) != o.checksum:
-                    raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
-                hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-                encode_header(o.key, o.meta, o.size, o.checksum, memoryview(hdr.numpy()))
+                made = bodies.get(o.key) if bodies else None
+                body = made[1] if made is not None and (made[0] is o.meta or made[0] == o.meta) else None
+                ranges, bufs = self._put_ranges(o, s.tiers[o.tier], body)
             except (KVStoreError, OSError) as exc:
                 log.warning("remote write of %r skipped: %s", o.key, exc)
                 self._count("put_errors")
                 self._unpin([o])
                 continue
-            items.append(PutItem(self._name(o.key), ((hdr.data_ptr(), HEADER_BYTES), (data.data_ptr(), o.size))))
-            keep.append((hdr, data))
+            items.append(PutItem(self._name(o.key), ranges))
+            keep.append(bufs)
             sent.append(o)
         if not items:
             return
@@ -274,6 +321,26 @@ class RemoteTier:
             self._timed_out("put")
         if not res.pending:
             settle(res)
+
+    @staticmethod
+    def _put_ranges(o: StoredObject, tier: Tier, body: Optional[bytes]) -> tuple[tuple[tuple[int, int], ...],
+                                                                                 tuple[Any, ...]]:
+        """The transfer ranges of pinned object `o` followed by its trailer, and the
+        tensors that must live until the put has ended. One range when the bytes are in a
+        memory arena whose slot has tail room for the trailer (written there: past the
+        object, bytes no reader of the object sees) or were staged; else two."""
+        view = tier.view(o.slot)
+        staged: Optional[torch.Tensor] = None
+        if view is None or not view.is_cpu:  # a file or GPU tier: stage the bytes in host memory
+            staged = torch.empty(o.size + MAX_TRAILER_BYTES, dtype=torch.uint8)
+            tier.read_into(o.slot, staged)
+            addr, room = staged.data_ptr(), staged.numel()
+        else:  # an arena slot may be written up to its page-rounded extent (past the object: unseen)
+            addr, room = view.data_ptr(), (o.slot.length if isinstance(tier, ArenaTier) else o.size)
+        if not o.verified and tier.checksum(o.slot) != o.checksum:
+            raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
+        ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, room, body)
+        return ranges, (view, staged, tail)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
         self.store.unpin_objects(objs)
@@ -301,7 +368,7 @@ class RemoteTier:
                 self._count("misses")
             elif code < 0:
                 self._count("errors")
-            elif code <= HEADER_BYTES:
+            elif code <= FOOTER_BYTES:
                 self._drop_corrupt(k, n, f"remote object of {k!r} is only {code} bytes")
             else:
                 found.append((k, n, code))
@@ -314,18 +381,17 @@ class RemoteTier:
         plans: list[_Fill] = []
         for k, n, size in found:
             try:
-                slot = s.allocate_memory(k, size - HEADER_BYTES)
+                slot = s.allocate_memory(k, size)  # the payload, then the trailer past it
             except KVStoreError as exc:
                 log.info("no memory-tier room for remote object %r: %s", k, exc)
                 self._count("fill_no_room")
                 continue
             if slot is not None:  # None: committed meanwhile, or the store closed
-                plans.append(_Fill(k, n, size, slot, torch.empty(HEADER_BYTES, dtype=torch.uint8)))
+                plans.append(_Fill(k, n, size, slot))
         if not plans:
             return 0
         views = [mem.view(p.slot) for p in plans]
-        items = [GetItem(p.name, ((p.header.data_ptr(), HEADER_BYTES), (v.data_ptr(), p.size - HEADER_BYTES)))
-                 for p, v in zip(plans, views)]
+        items = [GetItem(p.name, ((v.data_ptr(), p.size),)) for p, v in zip(plans, views)]
         res = self.adapter.call("get", items, self.settings.timeout_s,
                                 late=lambda r: self._free([p.slot for p in plans], views))
         if res.timed_out:
@@ -334,36 +400,35 @@ class RemoteTier:
             return 0
         with self._stat_lock:
             self._get_latency.add(res.seconds)
-        done: list[tuple[_Fill, int, ObjectMeta]] = []
+        done: list[tuple[_Fill, RemoteHeader]] = []
         bad: list[_Fill] = []
-        for p, code in zip(plans, res.codes):
+        for p, v, code in zip(plans, views, res.codes):
             if code != p.size:
                 self._count("misses" if code == NOT_FOUND else "errors")
                 bad.append(p)
                 continue
             try:
-                h = decode_header(memoryview(p.header.numpy()), p.key, p.size)
-                actual = mem.checksum(p.slot)
-                if actual != h.checksum:
-                    raise BadObject(f"remote object of {p.key!r}: payload hashes to {actual:#x}, "
-                                    f"its header records {h.checksum:#x}")
+                h = verify_object(memoryview(v.numpy()), p.key)
             except (BadObject, KVStoreError) as exc:
                 self._drop_corrupt(p.key, p.name, str(exc))
                 bad.append(p)
                 continue
-            done.append((p, h.checksum, h.meta))
+            done.append((p, h))
         self._free([p.slot for p in bad], ())
         return self._commit(done)
 
-    def _commit(self, done: list[tuple[_Fill, int, ObjectMeta]]) -> int:
+    def _commit(self, done: list[tuple[_Fill, RemoteHeader]]) -> int:
+        """Adopt verified fills as objects of their payload's size (the trailer stays in
+        the slot's tail, past the object, until the slot is freed)."""
         n = 0
-        for p, checksum, meta in done:
-            outcome = self.store.adopt_memory(p.key, p.slot, checksum, meta)
+        for p, h in done:
+            slot = dataclasses.replace(p.slot, size=h.payload_bytes)
+            outcome = self.store.adopt_memory(p.key, slot, h.checksum, h.meta)
             if outcome == "closed":
                 return n
             if outcome == "adopted":  # else filled or put meanwhile: that copy is kept
                 self._count("hits")
-                self._count("bytes_read", p.size - HEADER_BYTES)
+                self._count("bytes_read", h.payload_bytes)
             n += 1
         return n
 

@@ -1,6 +1,10 @@
 """What the two memory arenas (GPU, CPU shared memory) share: one contiguous uint8
 buffer split into slots by ExtentAllocator, a slot's bytes being [offset, offset + size)
-of that buffer. Sealing is a no-op by default (the bytes are already in place)."""
+of that buffer. Sealing is a no-op by default (the bytes are already in place).
+`tail_room` (0 unless set) makes every allocation reserve that many bytes past the
+object (within the slot's page-rounded `length`, never part of the object): the remote
+tier sets it on the memory tier so that it can append its envelope trailer in place and
+send an object as one range (kvstore.remote.tier)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ class ArenaTier(Tier):
             raise InvalidRequest(f"{self.name} arena capacity must be > 0 bytes, got {capacity}")
         self._alloc = ExtentAllocator(capacity)
         self._base: Optional[torch.Tensor] = None
+        #: bytes every new slot reserves past its object (module docstring)
+        self.tail_room = 0
 
     @property
     def capacity(self) -> int:
@@ -42,7 +48,7 @@ class ArenaTier(Tier):
 
     def allocate(self, size: int, name: str) -> Optional[Slot]:
         self._require_open()
-        ext = self._alloc.allocate(size)
+        ext = self._alloc.allocate(size + self.tail_room)
         return None if ext is None else Slot(self.name, ext.offset, ext.length, size)
 
     def free(self, slot: Slot) -> None:

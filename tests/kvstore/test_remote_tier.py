@@ -6,15 +6,17 @@ and counted, never served; an unreachable or slow remote store costs a bounded w
 what is written; the adapter contract (exactly-once results, buffers kept until the end)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
 import pytest
+import torch
 
 from kvstore.errors import InvalidRequest
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteConfigError, RemoteError
-from kvstore.remote.envelope import HEADER_BYTES, decode_header, encode_header, remote_name
+from kvstore.remote.envelope import FOOTER_BYTES, decode_trailer, encode_trailer, remote_name, verify_object
 from kvstore.remote.faulty import FaultyAdapter, RemoteFaults
 from kvstore.remote.memory import MemoryAdapter, MemoryRemote
 from kvstore.remote.mooncake import MooncakeTarget
@@ -57,7 +59,8 @@ def test_an_object_put_on_one_host_is_served_verified_on_another(tmp_path):
         put(s1, b"seg-1", body, cost=0.5, fingerprint="fp")
         _drain(s1)
         assert _remote_stats(s1)["objects_written"] == 1 and _remote_stats(s1)["bytes_written"] == len(body)
-        assert len(remote.objects[remote_name("kvstore", b"seg-1")]) == len(body) + HEADER_BYTES
+        obj = remote.objects[remote_name("kvstore", b"seg-1")]  # the payload, then its trailer
+        assert obj[: len(body)] == body and decode_trailer(memoryview(obj), b"seg-1").payload_bytes == len(body)
         # a lookup on host 2 finds it (filled into the CPU tier), and the get serves equal bytes
         (entry,) = s2.lookup([b"seg-1"])
         assert entry.hit and entry.tier == "cpu" and entry.size == len(body)
@@ -85,6 +88,57 @@ def test_presence_without_waiting_defers_local_misses_to_a_worker(tmp_path):
         assert s2.presence([b"k"], wait=False) is None  # the fast path retries on a thread
         assert s2.presence([b"k"], wait=True) == [("cpu", PAGE)]
         assert s2.presence([b"k"], wait=False) == [("cpu", PAGE)]  # local now: answered inline
+    finally:
+        s1.close()
+        s2.close()
+
+
+def test_with_a_remote_tier_the_cpu_arena_keeps_room_so_an_object_and_its_trailer_go_as_one_range(tmp_path):
+    ranges = []
+
+    class Recording(MemoryAdapter):
+        def put_now(self, items):
+            ranges.extend(len(i.ranges) for i in items)
+            return super().put_now(items)
+
+    remote = MemoryRemote()
+    s = Store(make_settings(tmp_path / "h", remote_policy="all", remote_timeout_s=1.0),
+              remote_adapter=Recording(remote))
+    s.open()
+    try:
+        body = data(4 * PAGE, 7)  # a page multiple: only the room the arena reserves fits the trailer
+        put(s, b"pages", body)
+        _drain(s)
+        assert ranges == [1]
+        obj = remote.objects[remote_name("kvstore", b"pages")]
+        assert obj[: len(body)] == body and verify_object(memoryview(obj), b"pages").payload_bytes == len(body)
+        assert get_bytes(s, b"pages") == body
+        assert s.stats()["tiers"][0]["used_bytes"] == 5 * PAGE  # the room: one page more, past the object
+    finally:
+        s.close()
+
+
+def test_a_kvsum64_blob_travels_with_its_store_checksum_and_is_verified_by_its_xxh3(tmp_path):
+    import xxhash
+
+    from kvstore import checksums as cks
+    from kvstore import format as fmt
+    from kvstore.format import checksum
+
+    t = {"k": torch.arange(3 * 33, dtype=torch.float16).reshape(3, 33)}
+    plan = fmt.plan_blob(t, fingerprint="fp", token_count=3)
+    blob = bytearray(plan.total_size)
+    fmt.write_blob(blob, plan, t, algorithm=cks.KVSUM64)
+    blob = bytes(blob)
+    remote, [(s1, _), (s2, _)] = _pair(tmp_path)
+    try:
+        put(s1, b"blob", blob)
+        _drain(s1)
+        h = decode_trailer(memoryview(remote.objects[remote_name("kvstore", b"blob")]), b"blob")
+        assert h.checksum == checksum(blob) and h.transfer_checksum == xxhash.xxh3_64_intdigest(blob)
+        assert h.checksum != h.transfer_checksum  # two algorithms: the store's kvsum64, the transfer's xxh3
+        assert get_bytes(s2, b"blob") == blob
+        assert s2.object_info(b"blob").checksum == checksum(blob)  # adopted with the store checksum
     finally:
         s1.close()
         s2.close()
@@ -257,23 +311,73 @@ def test_adapter_results_are_delivered_exactly_once(tmp_path):
         a.close()
 
 
-def test_the_envelope_header_round_trips_and_rejects_damage():
-    import torch
+def test_the_envelope_trailer_round_trips_and_rejects_damage():
+    import xxhash
 
     meta = ObjectMeta("fp", 12, 0.5, {"kind": "pic-signature"})
-    h = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    encode_header(b"key", meta, 1000, 0xABC, memoryview(h.numpy()))
-    got = decode_header(memoryview(h.numpy()), b"key", 1000 + HEADER_BYTES)
-    assert got.meta == meta and got.checksum == 0xABC and got.payload_bytes == 1000
+    payload = os.urandom(1000)
+    xsum = xxhash.xxh3_64_intdigest(payload)
+    obj = bytearray(payload + encode_trailer(b"key", meta, 1000, 0xABC, xsum))
+    got = verify_object(memoryview(obj), b"key")
+    assert got.meta == meta and got.checksum == 0xABC and got.transfer_checksum == xsum and got.payload_bytes == 1000
     with pytest.raises(BadObject, match="holds key"):
-        decode_header(memoryview(h.numpy()), b"kez", 1000 + HEADER_BYTES)
-    with pytest.raises(BadObject, match="its header says"):
-        decode_header(memoryview(h.numpy()), b"key", 999 + HEADER_BYTES)
-    h[41] ^= 1  # inside the header checksum's field
-    with pytest.raises(BadObject, match="header checksum"):
-        decode_header(memoryview(h.numpy()), b"key", 1000 + HEADER_BYTES)
+        verify_object(memoryview(obj), b"kez")
+    with pytest.raises(BadObject, match="its trailer says"):
+        verify_object(memoryview(obj)[1:], b"key")  # a byte short at the front
+    with pytest.raises(BadObject, match="bad magic"):
+        verify_object(memoryview(obj)[:-10], b"key")  # cut short: no trailer at the end
+    with pytest.raises(BadObject, match="shorter than"):
+        verify_object(memoryview(obj)[:FOOTER_BYTES - 1], b"key")
+    for at, why in ((len(obj) - 20, "trailer checksum"), (len(obj) - FOOTER_BYTES - 2, "trailer checksum"),
+                    (0, "payload hashes"), (999, "payload hashes")):
+        bad = bytearray(obj)
+        bad[at] ^= 1  # one flipped bit anywhere: in the trailer's fields, the meta, the payload
+        with pytest.raises(BadObject, match=why):
+            verify_object(memoryview(bad), b"key")
+    with pytest.raises(BadObject, match="trailer"):
+        encode_trailer(b"k" * 5000, meta, 1, 0, 0)
     assert remote_name("ns", b"\x01\x02") == "ns/0102"
     assert remote_name("ns", b"x" * 65).startswith("ns/h") and len(remote_name("ns", b"x" * 65)) == 4 + 64
+
+
+def test_object_ranges_use_tail_room_and_a_kvsum_blob_gets_an_xxh3_transfer_checksum():
+    import struct
+
+    import torch
+    import xxhash
+
+    from kvstore.checksums import BLOB_MAGIC, KVSUM64
+    from kvstore.remote.tier import object_ranges
+
+    meta = ObjectMeta("fp", 1, 0.0, {})
+    body = torch.frombuffer(bytearray(os.urandom(3000)), dtype=torch.uint8)
+    # no room: the payload, then the trailer as a second range
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), body.data_ptr(), 3000)
+    assert len(ranges) == 2 and ranges[0] == (body.data_ptr(), 3000)
+    two = _joined(ranges)
+    assert verify_object(memoryview(two), b"k").payload_bytes == 3000
+    # room after the bytes (a page-rounded slot): one range, the trailer written there
+    room = torch.zeros(4096, dtype=torch.uint8)
+    room[:3000] = body
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), room.data_ptr(), 3000, 4096)
+    assert ranges == ((room.data_ptr(), len(two)),) and bytes(room[: len(two)].numpy()) == two
+    assert bytes(room[len(two):].numpy()) == bytes(4096 - len(two))  # nothing written past the trailer
+    # room too small for the trailer: two ranges, nothing written past the payload
+    room[3000:] = 0
+    ranges, keep = object_ranges(b"k", meta, xxhash.xxh3_64_intdigest(body.numpy()), room.data_ptr(), 3000, 3010)
+    assert len(ranges) == 2 and _joined(ranges) == two and bytes(room[3000:].numpy()) == bytes(1096)
+    # a kvsum64 blob: the store checksum is recorded as given, readers verify an xxh3 of the bytes
+    blob = bytearray(os.urandom(3000))
+    blob[:16] = struct.pack("<8sHHI", BLOB_MAGIC, 1, KVSUM64, 0)
+    bt = torch.frombuffer(blob, dtype=torch.uint8)
+    ranges, keep = object_ranges(b"b", meta, 0x1234, bt.data_ptr(), 3000)
+    h = verify_object(memoryview(_joined(ranges)), b"b")
+    assert h.checksum == 0x1234 and h.transfer_checksum == xxhash.xxh3_64_intdigest(bytes(blob))
+
+
+def _joined(ranges):
+    """The bytes a put of these (address, length) ranges sends."""
+    return b"".join(ctypes.string_at(a, n) for a, n in ranges)
 
 
 def test_mooncake_urls_parse_and_bad_ones_name_the_problem():

@@ -30,5 +30,7 @@ def test_bench_remote_writes_both_sides_and_the_overhead_verdict(tmp_path):
     assert row["size_mib"] == 1 and set(row) >= {"mooncake", "mooncake_verified", "ours", "overhead"}
     for side in ("mooncake", "mooncake_verified", "ours"):
         assert row[side]["get_p50_ms"]["median"] > 0 and row[side]["put_gbps"]["median"] > 0
+    steps = row["ours_steps_ms"]  # where our time goes, per step
+    assert set(steps) == {"put_encode", "put_call", "get_call", "get_verify"} and min(steps.values()) > 0
     assert d["summary"]["target_met"] == (d["summary"]["worst_p50_latency_overhead_pct"] <= 10.0)
     assert "shared" in d["machine"]["note"] and "--out" in d["command"]
