@@ -385,10 +385,17 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
             hs_max = max(1, min(cap, budget // hs_bytes, host_cap))
             equal = min(dense_max, hs_max)
             row: dict[str, Any] = {"dense": {}, "hisparse": {}}
+            res[str(length)] = row  # saved as it fills: a failing point keeps the ones before it
             for kind, batches in (("dense", (1, equal, dense_max)), ("hisparse", (1, equal, hs_max))):
                 for batch in sorted(set(batches)):
                     big = batch == (dense_max if kind == "dense" else hs_max) and batch > 1
-                    point = (_largest_point if big else _decode_point)(model, s, kind, batch, length)
+                    try:
+                        point = (_largest_point if big else _decode_point)(model, s, kind, batch, length)
+                    except Exception as exc:  # recorded with where it came from, then re-raised
+                        row[kind][str(batch)] = {"batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400],
+                                                 "error_frames": _frames(exc)}
+                        save()
+                        raise
                     row[kind][str(batch)] = point
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -401,6 +408,13 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
             res[str(length)] = row
             save()
         del model
+
+
+def _frames(exc: BaseException, n: int = 8) -> list[str]:
+    """The last `n` frames of `exc`'s traceback, "file:line in function"."""
+    import traceback
+
+    return [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-n:]]
 
 
 class _MassProbe(ExternalKVCache):
