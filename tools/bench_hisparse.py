@@ -385,6 +385,11 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
             hs_max = max(1, min(cap, budget // hs_bytes, host_cap))
             equal = min(dense_max, hs_max)
             row: dict[str, Any] = {"dense": {}, "hisparse": {}}
+            row.update(dense_max_batch=dense_max, hisparse_max_batch=hs_max, equal_batch=equal,
+                       dense_bytes_per_seq=dense_bytes, hisparse_bytes_per_seq=hs_bytes,
+                       offloaded_bytes_per_seq=host_per_seq, hisparse_host_cap=host_cap, host_budget_bytes=host_budget,
+                       host_budget=host_how, device_budget_bytes=budget,
+                       batch_cap=s["max_batch"])
             res[str(length)] = row  # saved as it fills: a failing point keeps the ones before it
             for kind, batches in (("dense", (1, equal, dense_max)), ("hisparse", (1, equal, hs_max))):
                 for batch in sorted(set(batches)):
@@ -400,11 +405,6 @@ def phase_decode(s: dict[str, Any], out: dict[str, Any], save) -> None:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     save()
-            row.update(dense_max_batch=dense_max, hisparse_max_batch=hs_max, equal_batch=equal,
-                       dense_bytes_per_seq=dense_bytes, hisparse_bytes_per_seq=hs_bytes,
-                       offloaded_bytes_per_seq=host_per_seq, hisparse_host_cap=host_cap, host_budget_bytes=host_budget,
-                       host_budget=host_how, device_budget_bytes=budget,
-                       batch_cap=s["max_batch"])
             res[str(length)] = row
             save()
         del model
