@@ -41,7 +41,7 @@ import torch
 
 from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 from kernels.errors import KernelInputError
-from kernels.recurrence import FAMILIES, RecurrenceInputs, naive_recurrence
+from kernels.recurrence import RecurrenceInputs, naive_recurrence
 
 __all__ = ["ChainEvents", "ChainLaunch", "seam_chain", "seam_chain_reference", "COMPUTE", "SET", "ADD", "COMPOSE"]
 
@@ -114,8 +114,8 @@ class ChainLaunch:
 
 def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEvents,
               out: Optional[torch.Tensor] = None) -> None:
-    if family not in FAMILIES:
-        raise KernelInputError(f"family={family!r} must be one of {FAMILIES}")
+    if family not in _FAMILY_CODE:
+        raise KernelInputError(f"family={family!r} has no seam-chain kernel (one of {tuple(_FAMILY_CODE)})")
     b, t, h, dk, dv = inp.shape
     if b != 1:
         raise KernelInputError(f"seam_chain takes one sequence (B=1), got q of shape {tuple(inp.q.shape)}")

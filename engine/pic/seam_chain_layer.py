@@ -17,7 +17,7 @@ import torch
 from engine.cache.layer_caches import StateSlotCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
-from engine.models.layers.linear_ops import RecurrenceInputs
+from engine.models.layers.linear_ops import DENSE_FAMILIES, RecurrenceInputs
 from engine.pic import long_ranges
 from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Computed
@@ -79,11 +79,11 @@ def _chain_layer_rows(events, layer: int, family: str, num_heads: int, mixer=Non
             kind, e = SET, part.state
         elif piece.linear == "add":
             kind, e = ADD, part.tail_state
-        elif family == "delta" and (part.tail_transition is None or not part.live_heads):
+        elif family in DENSE_FAMILIES and (part.tail_transition is None or not part.live_heads):
             kind, e = SET, part.tail_state
         else:
             kind, e = COMPOSE, part.tail_state
-            heads = part.live_heads if family == "delta" else range(num_heads)
+            heads = part.live_heads if family in DENSE_FAMILIES else range(num_heads)
             r = list(none)
             for j, hd in enumerate(heads):
                 r[hd] = n_t + j
