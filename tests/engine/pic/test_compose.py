@@ -10,13 +10,22 @@ import math
 import pytest
 import torch
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2
-from engine.models.layers.linear_ops import apply_transition, naive_recurrence, transition_operator
-from engine.pic.signature import LinearPart
-from pic_testlib import execute, layer0_inputs, make_request, rand_ids
+from dataclasses import replace
 
-KINDS = [GDN, GLA, LIGHTNING, MAMBA2]
+from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2
+from engine.models.layers.linear_ops import DENSE_FAMILIES, apply_transition, naive_recurrence, transition_operator
+from engine.pic.signature import LinearPart
+from pic_testlib import LIN, execute, layer0_inputs, make_request, rand_ids
+
+KINDS = [GDN, GLA, LIGHTNING, MAMBA2, KDA]
 SEAM = 4
+#: kda has as many value heads as key heads, each value as wide as a key
+KDA_LINEAR = replace(LIN, num_v_heads=LIN.num_heads, conv_kinds=LIN.conv_kinds + (KDA,))
+
+
+def model_for(model_of, kind):
+    """A [kind, full] model (kda with its own linear shapes)."""
+    return model_of([kind, FULL], linear=KDA_LINEAR) if kind == KDA else model_of([kind, FULL])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -27,7 +36,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def strengthen_decay(model, kind) -> None:
     """Per-head decays from gentle to brutal, so long segments underflow in some heads."""
     m = model.mixer(0)
-    if kind in (GDN, MAMBA2):
+    if kind in (GDN, MAMBA2, KDA):
         h = m.A_log.numel()
         m.A_log.copy_(torch.linspace(math.log(0.01), math.log(30.0), h))
         m.dt_bias.zero_()
@@ -49,7 +58,7 @@ def run_pic(model, runner_of, planner_of, lengths, q_len=4, seed=0):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_composed_state_equals_a_single_pass_at_the_first_linear_layer(kind, model_of, runner_of, planner_of):
-    model = model_of([kind, FULL])
+    model = model_for(model_of, kind)
     request, _, _, state = run_pic(model, runner_of, planner_of, [19, 23, 17])
     family, inp = layer0_inputs(model, request.prompt_token_ids)
     _, truth = naive_recurrence(family, inp)
@@ -58,7 +67,7 @@ def test_composed_state_equals_a_single_pass_at_the_first_linear_layer(kind, mod
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_composition_stays_exact_with_long_segments_whose_decay_underflows(kind, model_of, runner_of, planner_of):
-    model = model_of([kind, FULL])
+    model = model_for(model_of, kind)
     strengthen_decay(model, kind)
     request, planner, docs, state = run_pic(model, runner_of, planner_of, [100, 120], seed=5)
     family, inp = layer0_inputs(model, request.prompt_token_ids)
@@ -69,7 +78,7 @@ def test_composition_stays_exact_with_long_segments_whose_decay_underflows(kind,
     a = 1 + len(docs[0])
     log_sum = inp.log_decay[0, a + SEAM:a + len(docs[1])].sum(0)
     assert (log_sum.min() < -200) and (log_sum.max() > -87)
-    if family == "delta":  # forgotten heads store no operator
+    if family in DENSE_FAMILIES:  # forgotten heads store no operator
         (sig,) = [s for s, _ in planner.cache._entries.values() if s.num_tokens == len(docs[1])]
         part: LinearPart = sig.layers[0]
         assert 0 < len(part.live_heads) < part.num_heads
@@ -78,7 +87,7 @@ def test_composition_stays_exact_with_long_segments_whose_decay_underflows(kind,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_unroll_check_catches_seam_tokens_applied_twice(kind, model_of, runner_of, planner_of):
-    model = model_of([kind, FULL])
+    model = model_for(model_of, kind)
     request, _, docs, state = run_pic(model, runner_of, planner_of, [15, 21], seed=11)
     family, inp = layer0_inputs(model, request.prompt_token_ids)
     _, truth = naive_recurrence(family, inp)
