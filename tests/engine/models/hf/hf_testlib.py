@@ -160,7 +160,7 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, **fields):
                                "linear_attention", "linear_attention", "mlp"])
         model = tf.NemotronHForCausalLM(cfg)
     elif arch == "kimi_linear":
-        cfg = tf.KimiLinearConfig(**KIMI_FIELDS, **fields)
+        cfg = tf.KimiLinearConfig(**{**KIMI_FIELDS, **fields})
         model = tf.KimiLinearForCausalLM(cfg)
     else:
         raise ValueError(arch)

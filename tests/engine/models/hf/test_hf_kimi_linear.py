@@ -1,0 +1,202 @@
+"""Kimi-Linear (`kimi_linear`: Kimi Delta Attention + multi-head latent attention + MoE) on
+a tiny random transformers checkpoint: prefill logits and 16 greedy decode steps match
+transformers' own model within 1e-4 (fp32), also sharded and with q LoRA / wide values;
+PIC with whole-segment seams equals full recompute; signatures round-trip through a real
+kvstore daemon; config fields we do not implement are refused by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_testlib as H  # noqa: E402
+from engine.pic.config import PicConfig  # noqa: E402
+from engine.runtime.sampling import SamplingParams  # noqa: E402
+
+ARCH = "kimi_linear"
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """(transformers model, checkpoint dir) of the tiny Kimi-Linear, built once."""
+    d = tmp_path_factory.mktemp("kimi")
+    model, _ = H.build(ARCH, d)
+    return model, d
+
+
+def _assert_parity(r: dict) -> None:
+    assert r["logit_scale"] > 0.1  # the reference logits are not all ~0 (a vacuous match)
+    assert r["prefill_err"] <= H.TOL, r["prefill_err"]
+    assert len(r["step_errs"]) == H.DECODE_STEPS
+    assert max(r["step_errs"]) <= H.TOL, r["step_errs"]
+    assert r["gen"] == r["ref_gen"]
+
+
+def test_kimi_linear_matches_transformers_prefill_and_greedy_decode(kimi):
+    model, d = kimi
+    _assert_parity(H.check_parity(model, d, chunk=7))
+
+
+def test_sharded_kimi_linear_checkpoint_matches_transformers(kimi, tmp_path):
+    model, _ = kimi
+    d = tmp_path / "sharded"
+    d.mkdir()
+    ids = H.train_tokenizer(d, with_bos=False)
+    H.save_checkpoint(model, d, [ids["<|im_end|>"], ids["<|endoftext|>"]], shard=True)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert len(list(d.glob("model-*.safetensors"))) > 1
+    _assert_parity(H.check_parity(model, d))
+
+
+def test_mla_with_q_lora_and_values_wider_than_keys_matches_transformers(tmp_path):
+    """The other MLA shapes: queries through q_a/q_a_layernorm/q_b, v_head_dim (32) above
+    the key dims (24), so q and k carry the zero padding."""
+    from engine.models.hf import load_hf_model
+
+    model = H.tiny_model(ARCH, H.VOCAB, seed=3, q_lora_rank=8, v_head_dim=32)
+    d = tmp_path / "qlora"
+    H.save_checkpoint(model, d, [0])
+    loaded = load_hf_model(d)
+    a = loaded.config.attention
+    assert (a.mla_q_lora_rank, a.head_dim, a.mla_v_dim) == (8, 32, 32)
+    ids = torch.randint(0, H.VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[0]
+        ours = loaded.model.forward(ids)[0]
+    assert float(ref.abs().max()) > 0.1
+    torch.testing.assert_close(ours, ref, rtol=H.TOL, atol=H.TOL)
+
+
+def test_kimi_linear_maps_kda_mla_and_the_grouped_router(kimi):
+    from engine.models.hf import convert_checkpoint
+
+    _, d = kimi
+    cfg = convert_checkpoint(d).config
+    assert cfg.layers == ("kda", "kda", "full", "kda")
+    assert cfg.mlp_layers == ("dense", "moe", "moe", "moe")
+    lin, a, m = cfg.linear, cfg.attention, cfg.moe
+    assert (lin.num_heads, lin.num_v_heads, lin.key_dim, lin.value_dim, lin.conv_size, lin.conv_kinds) == (
+        4, 4, 16, 16, 4, ("kda",))
+    assert (a.mla_kv_lora_rank, a.mla_q_lora_rank, a.mla_nope_dim, a.mla_rope_dim, a.mla_v_dim) == (16, 0, 16, 8, 12)
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.softmax_scale) == (4, 4, 24, 0, 24 ** -0.5)
+    assert (m.num_experts, m.top_k, m.scoring, m.expert_bias, m.num_groups, m.topk_groups) == (
+        8, 2, "sigmoid", True, 4, 2)
+    assert (m.shared_intermediate_size, m.shared_expert_gate, m.routed_scaling_factor) == (32, False, 2.446)
+
+
+def test_hub_linear_attn_config_gives_the_same_layers(kimi):
+    """The published config's `linear_attn_config` (1-indexed kda_layers/full_attn_layers,
+    head_dim, num_heads, short_conv_kernel_size) read as transformers reads it."""
+    from engine.models.hf.fields import ConfigFields
+    from engine.models.hf.kimi_linear import model_config
+
+    _, d = kimi
+    raw = json.loads((d / "config.json").read_text())
+    for key in ("layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "mlp_layer_types"):
+        raw.pop(key)
+    raw["linear_attn_config"] = {"full_attn_layers": [3], "kda_layers": [1, 2, 4], "head_dim": 16, "num_heads": 4,
+                                 "short_conv_kernel_size": 4}
+    raw["first_k_dense_replace"] = 1
+    cfg = model_config(ConfigFields(raw, "config.json"), "hub")
+    assert cfg.layers == ("kda", "kda", "full", "kda")
+    assert cfg.mlp_layers == ("dense", "moe", "moe", "moe")
+    raw["linear_attn_config"]["kda_gate_lower_bound"] = -5.0
+    from engine.errors import ConfigError
+    with pytest.raises(ConfigError, match="kda_gate_lower_bound"):
+        model_config(ConfigFields(raw, "config.json"), "hub")
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c.update(attention_bias=True), "attention_bias"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    (lambda c: c.update(num_key_value_heads=2), "num_key_value_heads"),
+    (lambda c: c.update(qk_head_dim=30), "qk_head_dim"),
+    (lambda c: c.update(mlp_layer_types=["dense", "sparse", "moe", "sparse"]), "mlp_layer_types"),
+    (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types"),
+    (lambda c: c.update(rope_theta=10000.0), "rope_theta"),
+    (lambda c: c.update(some_new_feature=3), "some_new_feature"),
+])
+def test_kimi_linear_config_fields_we_do_not_implement_are_refused_by_name(kimi, tmp_path, edit, named):
+    from engine.errors import ConfigError
+    from engine.models.hf import convert_checkpoint
+
+    _, d = kimi
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    edit(cfg)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=named):
+        convert_checkpoint(bad)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_pic_with_whole_segment_seams_equals_full_recompute(kimi, fused):
+    from engine.pic.planner import make_planner
+
+    engine = H.new_engine(kimi[1])
+    tok, runner = engine.tokenizer, engine.runner
+    seam = max(len(tok.encode(d)) for d in H.DOCS)
+    planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused, miss_path="alone"), runner.model,
+                           engine.loaded_model.fingerprint, tok)
+    for n, order in enumerate([(0, 1, 2), (0, 2, 1)]):  # cold, then warm at new offsets
+        request = H.make_request(tok, H.segments(order), f"r{n}")
+        pic = H.execute_plan(planner, runner, request)
+        full = H.full_logits(runner, request.prompt_token_ids)
+        torch.testing.assert_close(pic, full, rtol=1e-4, atol=1e-4)
+        report = planner.take_report(request.request_id)
+        assert report.seam_tokens == sum(len(tok.encode(H.DOCS[i])) for i in order[1:])
+        assert (report.hit_segments, report.miss_segments) == ((0, 1) if n == 0 else (1, 0))
+        assert (report.reused_tokens > 0) == (n == 1)
+
+
+GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+def _run(engine, segs, request_id):
+    engine.add_request(segs, GREEDY, request_id=request_id)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def test_signatures_round_trip_through_a_real_daemon(kimi, tmp_path):
+    """A second engine hits every segment the first one stored (kda's dense transitions
+    and the MLA layer's expanded K/V in the signature) and generates what in-process PIC
+    generates."""
+    from engine.connector.attach import attach_store
+    from engine.connector.config import StoreConnectorConfig
+    from engine.pic.run import attach_planner
+    from kvstore.testing import DaemonProcess
+
+    d = kimi[1]
+    prompts = [H.segments((0, 1, 2)), H.segments((2, 1, 0))]
+    memory = H.new_engine(d)
+    attach_planner(memory, PicConfig(miss_path="alone"))
+    want = [_run(memory, p, f"ref{i}").token_ids for i, p in enumerate(prompts)]
+
+    daemon = DaemonProcess(tmp_path / "d", entry="kvstore.server").start()
+    planners = []
+    try:
+        cfg = StoreConnectorConfig(socket=str(daemon.socket), rpc_timeout_s=5.0)
+        first = H.new_engine(d)
+        planners.append(attach_store(first, PicConfig(miss_path="alone"), cfg))
+        assert _run(first, prompts[0], "a").token_ids == want[0]
+        assert planners[0].take_report("a").miss_segments == 3
+        assert planners[0].store.flush()
+        second = H.new_engine(d)
+        planners.append(attach_store(second, PicConfig(miss_path="alone"), cfg))
+        out = _run(second, prompts[1], "b")
+        report, store = planners[1].take_report("b"), planners[1].take_store_report("b")
+        assert report.hit_segments == 3 and report.miss_segments == 0
+        assert store.hits_by_tier["cpu"] == 3 and store.computed == 0
+        assert out.token_ids == want[1]
+    finally:
+        for p in planners:
+            p.store.close(timeout=10.0)
+        daemon.cleanup()
