@@ -136,13 +136,20 @@ def keep_norms_float32(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     would lose w's low bits (bf16 spacing near 1 is 2^-7). RMSNorm takes a weight of
     another dtype than its input and computes in float32. A sigmoid router (Ring-linear)
     keeps its weight and expert bias float32 too: it scores in float32, and the expert
-    choice compares biased scores."""
+    choice compares biased scores. Kimi Delta Attention keeps `dt_bias` (float32 in the
+    checkpoint, as transformers keeps it) and `A_log` float32: the decay is computed in
+    float32 from them."""
+    from engine.models.layers.kda import KimiDeltaAttention
     from engine.models.layers.moe import SparseMoE
     from engine.models.layers.norm import RMSNorm
 
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
             module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
+        if isinstance(module, KimiDeltaAttention):
+            for key in ("dt_bias", "A_log"):
+                p = getattr(module, key)
+                p.data = state[f"{name}.{key}"].to(device=p.device, dtype=torch.float32)
         if isinstance(module, SparseMoE) and module.scoring == "sigmoid":
             for key, p in (("router.weight", module.router.weight), ("router_bias", module.router_bias)):
                 if p is not None and p.dtype != torch.float32:

@@ -200,3 +200,19 @@ def test_signatures_round_trip_through_a_real_daemon(kimi, tmp_path):
         for p in planners:
             p.store.close(timeout=10.0)
         daemon.cleanup()
+
+
+def test_bf16_kimi_linear_keeps_its_decay_parameters_and_router_in_float32(kimi):
+    from engine.models.hf import load_hf_model
+    from engine.models.hf.checkpoint import CheckpointTensors
+
+    _, d = kimi
+    m = load_hf_model(d, dtype="bfloat16").model
+    kda, moe = m.mixer(0), m.blocks[1].mlp
+    assert kda.q_proj.weight.dtype == torch.bfloat16
+    assert kda.dt_bias.dtype == kda.A_log.dtype == torch.float32
+    assert torch.equal(kda.dt_bias, CheckpointTensors(d).take("model.layers.0.self_attn.dt_bias").float())
+    assert moe.router.weight.dtype == moe.router_bias.dtype == torch.float32
+    with torch.no_grad():
+        logits = m.forward(torch.tensor([[1, 2, 3, 4, 5]]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
