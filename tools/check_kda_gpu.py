@@ -6,7 +6,7 @@ on fla-core's kernels, whose CUDA path CI cannot run:
    the torch token loop (`linear_ops.naive_recurrence`), float32 inputs; the torch
    chunked form too. Max abs differences of outputs and states.
 2. `model`: a tiny random Kimi-Linear-shaped model (kda, kda, MLA full, kda; dense then MoE)
-   in float32: prefill logits and 8 greedy decode steps with the fla backend against the
+   in float32: prefill logits (257 tokens) and 8 greedy decode steps with the fla backend against the
    torch backend, and PIC (fused pass, seam as wide as every segment, cold then warm) with
    the fla backend against full recompute.
 3. `throughput` (GPU only): prefill time of one kda recurrence at a Kimi-Linear-48B layer's
@@ -100,12 +100,12 @@ def phase_recurrence(device, fla: bool, quick: bool) -> dict:
     return out
 
 
-def tiny_kimi_config():
+def tiny_kimi_config(hidden: int = 128):
     from engine.models.config import DENSE, FULL, KDA, MOE, AttentionConfig, LinearConfig, ModelConfig, MoEConfig
 
     return ModelConfig(
-        name="kimi-linear-check", family="kimi_linear", scale="custom", vocab_size=260, hidden_size=128,
-        intermediate_size=256, layers=(KDA, KDA, FULL, KDA), tie_embeddings=False, rms_norm_eps=1e-5,
+        name="kimi-linear-check", family="kimi_linear", scale="custom", vocab_size=260, hidden_size=hidden,
+        intermediate_size=2 * hidden, layers=(KDA, KDA, FULL, KDA), tie_embeddings=False, rms_norm_eps=1e-5,
         attention=AttentionConfig(num_heads=4, num_kv_heads=4, head_dim=48, rotary_dim=0, query_scale=48.0,
                                   mla_kv_lora_rank=32, mla_nope_dim=32, mla_rope_dim=16, mla_v_dim=32),
         linear=LinearConfig(num_heads=4, num_v_heads=4, key_dim=32, value_dim=32, conv_size=4, conv_kinds=(KDA,)),
@@ -126,7 +126,8 @@ def phase_model(device, fla: bool, quick: bool) -> dict:
     from engine.runtime.sequence import Sequence
     from engine.tokenizer import load_tokenizer
 
-    model = build_model(tiny_kimi_config(), device, torch.float32, seed=0)
+    model = build_model(tiny_kimi_config(64 if quick else 128), device, torch.float32, seed=0)
+    steps = 3 if quick else 8
     backends = ["torch"] + (["fla"] if fla else [])
 
     def runner(backend):
@@ -134,14 +135,14 @@ def phase_model(device, fla: bool, quick: bool) -> dict:
         return ModelRunner(model, cache, backend=backend, cuda_graphs=False)
 
     runners = {b: runner(b) for b in backends}
-    ids = torch.randint(0, 256, (97 if quick else 257,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, 256, (37 if quick else 257,), generator=torch.Generator().manual_seed(2)).tolist()
     runs = {}
     with torch.no_grad():
         for b, r in runners.items():
             seq = r.cache.allocate(Sequence(f"m-{b}"))
             logits = [r.prefill(seq, ids, all_logits=True)]
             nxt = int(logits[0][-1].argmax())
-            for _ in range(8):
+            for _ in range(steps):
                 logits.append(r.decode([seq], [nxt]))
                 nxt = int(logits[-1][0].argmax())
             r.cache.free(seq)
@@ -151,7 +152,7 @@ def phase_model(device, fla: bool, quick: bool) -> dict:
         out["fla_vs_torch_prefill"] = _err(runs["fla"][0], runs["torch"][0])
         out["fla_vs_torch_decode"] = max(_err(a, b) for a, b in zip(runs["fla"][1:], runs["torch"][1:]))
     tok = load_tokenizer("byte")
-    docs = [f"document {i}: " + "kimi delta attention " * (3 + i) for i in range(3)]
+    docs = [f"document {i}: " + "kimi delta attention " * ((1 if quick else 3) + i) for i in range(3)]
     backend = "fla" if fla else "torch"
     r = runners[backend]
     seam = max(len(tok.encode(d)) for d in docs)
