@@ -55,7 +55,8 @@ def aliased(f: ConfigFields, name: str, default=None):
     return default
 
 
-def mla_attention(f: ConfigFields, rotary: bool = False, head_gate: bool = False) -> AttentionConfig:
+def mla_attention(f: ConfigFields, rotary: bool = False, head_gate: bool = False,
+                  rope_theta: float = 10000.0) -> AttentionConfig:
     """The MLA fields of a Kimi-Linear / Ling 3 / DeepSeek-style config -> AttentionConfig
     (expanded K/V: one KV head per query head; `rotary`: RoPE on the `qk_rope_head_dim`
     shared part, theta set by the caller)."""
@@ -71,6 +72,7 @@ def mla_attention(f: ConfigFields, rotary: bool = False, head_gate: bool = False
     q_lora = f.get("q_lora_rank", 0) or 0
     return AttentionConfig(
         num_heads=heads, num_kv_heads=heads, head_dim=max(nope + rope, v_dim), rotary_dim=rope if rotary else 0,
+        rope_theta=rope_theta,
         query_scale=float(nope + rope), mla_kv_lora_rank=int(f.get("kv_lora_rank")), mla_q_lora_rank=int(q_lora),
         mla_nope_dim=nope, mla_rope_dim=rope, mla_v_dim=v_dim, mla_head_gate=head_gate)
 

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from engine.errors import UnsupportedConfigError, WeightsError
-from engine.models.hf import bailing, gemma3, kimi_linear, nemotron_h, qwen3
+from engine.models.hf import bailing, bailing_hybrid, gemma3, kimi_linear, nemotron_h, qwen3
 from engine.models.hf.checkpoint import CONFIG_FILE, CheckpointTensors, read_json
 from engine.models.hf.common import Conversion, check_all_used
 from engine.models.hf.fields import ConfigFields
@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, Converter] = {
     **{t: nemotron_h.convert for t in nemotron_h.MODEL_TYPES},
     **{t: bailing.convert for t in bailing.MODEL_TYPES},
     **{t: kimi_linear.convert for t in kimi_linear.MODEL_TYPES},
+    **{t: bailing_hybrid.convert for t in bailing_hybrid.MODEL_TYPES},
 }
 #: multimodal wrappers: outer model_type -> the text model_type their text_config holds
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
