@@ -196,7 +196,7 @@ LING3_FIELDS = dict(
     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
     qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
     n_shared_experts=1, head_dim=16, layer_group_size=2, first_k_dense_replace=1, pad_token_id=0,
-    eos_token_id=None, max_position_embeddings=512, rope_theta=10000.0, num_mtp_layers=0)
+    eos_token_id=None, max_position_embeddings=512, rope_theta=50000.0, num_mtp_layers=0)
 
 
 def build(arch: str, directory: Path, shard: bool = False, seed: int = 0, with_bos: bool | None = None):

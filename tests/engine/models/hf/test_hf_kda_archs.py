@@ -1,8 +1,10 @@
-"""Kimi-Linear (`kimi_linear`: Kimi Delta Attention + multi-head latent attention + MoE) on
-a tiny random transformers checkpoint: prefill logits and 16 greedy decode steps match
-transformers' own model within 1e-4 (fp32), also sharded and with q LoRA / wide values;
-PIC with whole-segment seams equals full recompute; signatures round-trip through a real
-kvstore daemon; config fields we do not implement are refused by name."""
+"""The Kimi Delta Attention architectures, Kimi-Linear (`kimi_linear`: KDA + multi-head
+latent attention without RoPE + MoE) and Ling 3.0 (`bailing_hybrid`: KDA with full-rank and
+bounded gates + MLA with RoPE and a head gate + MoE), on tiny random transformers
+checkpoints: prefill logits and 16 greedy decode steps match transformers' own model within
+1e-4 (fp32), also sharded and with the other MLA shapes; PIC with whole-segment seams equals
+full recompute; signatures round-trip through a real kvstore daemon; config fields we do
+not implement are refused by name."""
 from __future__ import annotations
 
 import json
@@ -18,14 +20,34 @@ from engine.pic.config import PicConfig  # noqa: E402
 from engine.runtime.sampling import SamplingParams  # noqa: E402
 
 ARCH = "kimi_linear"
+ARCHS = ["kimi_linear", "bailing_hybrid"]
 
 
 @pytest.fixture(scope="module")
-def kimi(tmp_path_factory):
-    """(transformers model, checkpoint dir) of the tiny Kimi-Linear, built once."""
-    d = tmp_path_factory.mktemp("kimi")
-    model, _ = H.build(ARCH, d)
-    return model, d
+def tiny(tmp_path_factory):
+    """tiny(arch) -> (transformers model, checkpoint dir), each built once."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            d = tmp_path_factory.mktemp(arch)
+            model, _ = H.build(arch, d)
+            made[arch] = (model, d)
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="module")
+def kimi(tiny):
+    return tiny("kimi_linear")
+
+
+def _edited_copy(src, dst, edit):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def _assert_parity(r: dict) -> None:
@@ -36,13 +58,15 @@ def _assert_parity(r: dict) -> None:
     assert r["gen"] == r["ref_gen"]
 
 
-def test_kimi_linear_matches_transformers_prefill_and_greedy_decode(kimi):
-    model, d = kimi
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_matches_transformers_prefill_and_greedy_decode(tiny, arch):
+    model, d = tiny(arch)
     _assert_parity(H.check_parity(model, d, chunk=7))
 
 
-def test_sharded_kimi_linear_checkpoint_matches_transformers(kimi, tmp_path):
-    model, _ = kimi
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sharded_checkpoint_matches_transformers(tiny, arch, tmp_path):
+    model, _ = tiny(arch)
     d = tmp_path / "sharded"
     d.mkdir()
     ids = H.train_tokenizer(d, with_bos=False)
@@ -52,12 +76,14 @@ def test_sharded_kimi_linear_checkpoint_matches_transformers(kimi, tmp_path):
     _assert_parity(H.check_parity(model, d))
 
 
-def test_mla_with_q_lora_and_values_wider_than_keys_matches_transformers(tmp_path):
+@pytest.mark.parametrize("arch, extra", [("kimi_linear", {}), ("bailing_hybrid", {"kda_safe_gate": False})])
+def test_mla_with_q_lora_and_values_wider_than_keys_matches_transformers(tmp_path, arch, extra):
     """The other MLA shapes: queries through q_a/q_a_layernorm/q_b, v_head_dim (32) above
-    the key dims (24), so q and k carry the zero padding."""
+    the key dims (24), so q and k carry the zero padding (Ling 3 also with Kimi's
+    softplus forget gate instead of the bounded one)."""
     from engine.models.hf import load_hf_model
 
-    model = H.tiny_model(ARCH, H.VOCAB, seed=3, q_lora_rank=8, v_head_dim=32)
+    model = H.tiny_model(arch, H.VOCAB, seed=3, q_lora_rank=8, v_head_dim=32, **extra)
     d = tmp_path / "qlora"
     H.save_checkpoint(model, d, [0])
     loaded = load_hf_model(d)
@@ -124,21 +150,16 @@ def test_kimi_linear_config_fields_we_do_not_implement_are_refused_by_name(kimi,
     from engine.errors import ConfigError
     from engine.models.hf import convert_checkpoint
 
-    _, d = kimi
-    bad = tmp_path / "bad"
-    shutil.copytree(d, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    edit(cfg)
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _edited_copy(kimi[1], tmp_path / "bad", edit)
     with pytest.raises(ConfigError, match=named):
         convert_checkpoint(bad)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_pic_with_whole_segment_seams_equals_full_recompute(kimi, fused):
+@pytest.mark.parametrize("arch, fused", [("kimi_linear", True), ("kimi_linear", False), ("bailing_hybrid", True)])
+def test_pic_with_whole_segment_seams_equals_full_recompute(tiny, arch, fused):
     from engine.pic.planner import make_planner
 
-    engine = H.new_engine(kimi[1])
+    engine = H.new_engine(tiny(arch)[1])
     tok, runner = engine.tokenizer, engine.runner
     seam = max(len(tok.encode(d)) for d in H.DOCS)
     planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused, miss_path="alone"), runner.model,
@@ -165,7 +186,8 @@ def _run(engine, segs, request_id):
                 return out
 
 
-def test_signatures_round_trip_through_a_real_daemon(kimi, tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_signatures_round_trip_through_a_real_daemon(tiny, arch, tmp_path):
     """A second engine hits every segment the first one stored (kda's dense transitions
     and the MLA layer's expanded K/V in the signature) and generates what in-process PIC
     generates."""
@@ -174,7 +196,7 @@ def test_signatures_round_trip_through_a_real_daemon(kimi, tmp_path):
     from engine.pic.run import attach_planner
     from kvstore.testing import DaemonProcess
 
-    d = kimi[1]
+    d = tiny(arch)[1]
     prompts = [H.segments((0, 1, 2)), H.segments((2, 1, 0))]
     memory = H.new_engine(d)
     attach_planner(memory, PicConfig(miss_path="alone"))
@@ -216,3 +238,56 @@ def test_bf16_kimi_linear_keeps_its_decay_parameters_and_router_in_float32(kimi)
     with torch.no_grad():
         logits = m.forward(torch.tensor([[1, 2, 3, 4, 5]]))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_ling3_maps_kda_gates_mla_rope_and_head_gate(tiny):
+    from engine.models.hf import convert_checkpoint
+
+    cfg = convert_checkpoint(tiny("bailing_hybrid")[1]).config
+    assert cfg.layers == ("kda", "full") * 2  # layer_group_size 2
+    assert cfg.mlp_layers == ("dense", "moe", "moe", "moe")  # first_k_dense_replace 1
+    lin, a, m = cfg.linear, cfg.attention, cfg.moe
+    assert (lin.key_dim, lin.num_heads, lin.kda_full_rank_gates, lin.kda_gate_lower_bound) == (16, 4, True, -5.0)
+    assert (a.rotary_dim, a.rope_theta, a.mla_rope_dim, a.mla_head_gate, a.head_dim) == (8, 50000.0, 8, True, 24)
+    assert (m.num_groups, m.topk_groups, m.routed_scaling_factor, m.shared_intermediate_size) == (4, 2, 2.5, 32)
+
+
+def test_ling3_multi_token_prediction_layers_are_skipped_with_a_log_line(tiny, tmp_path, caplog):
+    """Tensors of layers after num_hidden_layers (the MTP layers the hub checkpoint stores)
+    are skipped, named in a log line, and the model is unchanged."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.hf import load_hf_model
+
+    model, d = tiny("bailing_hybrid")
+    mtp = tmp_path / "mtp"
+    shutil.copytree(d, mtp)
+    state = load_file(str(mtp / "model.safetensors"))
+    state["model.layers.4.attention.q_proj.weight"] = torch.zeros(96, 64)
+    state["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(state, str(mtp / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="engine.models.hf.loader"):
+        loaded = load_hf_model(mtp)
+    assert any("multi-token-prediction" in r.getMessage() and "2 tensors" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(0, H.VOCAB, (1, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model.forward(ids)[0], model(input_ids=ids).logits[0], rtol=H.TOL,
+                                   atol=H.TOL)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
+    (lambda c: c.update(attention_bias=True), "attention_bias"),
+    (lambda c: c.update(kda_lower_bound=1.0), "kda_lower_bound"),
+    (lambda c: c.update(num_key_value_heads=1), "num_key_value_heads"),
+    (lambda c: c.update(some_new_feature=3), "some_new_feature"),
+])
+def test_ling3_config_fields_we_do_not_implement_are_refused_by_name(tiny, tmp_path, edit, named):
+    from engine.errors import ConfigError
+    from engine.models.hf import convert_checkpoint
+
+    bad = _edited_copy(tiny("bailing_hybrid")[1], tmp_path / "bad", edit)
+    with pytest.raises(ConfigError, match=named):
+        convert_checkpoint(bad)
