@@ -23,7 +23,8 @@ from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Computed
 from engine.pic.splice import linear_part
 from kernels.backend import HAS_TRITON
-from kernels.seam_chain import ADD, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents, seam_chain
+from kernels.seam_chain import (ADD, CHAIN_FAMILIES, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents,
+                                seam_chain)
 
 #: with the seam chain on fla, computed ranges longer than this run fla's chunk kernel
 #: between chain launches (the chain's per-token loop is serial in time)
@@ -37,8 +38,9 @@ CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
 
 
 def chain_on(chain: str, mixer, device: torch.device) -> bool:
-    """Whether this linear layer runs its events as one kernels.seam_chain call."""
-    if chain == "off":
+    """Whether this linear layer runs its events as one kernels.seam_chain call (never for
+    a family the kernel lacks, `kda`, even with `chain="on"`: the per-event path)."""
+    if chain == "off" or mixer.family not in CHAIN_FAMILIES:
         return False
     if chain == "on":
         return True

@@ -155,14 +155,19 @@ def test_kimi_linear_config_fields_we_do_not_implement_are_refused_by_name(kimi,
         convert_checkpoint(bad)
 
 
-@pytest.mark.parametrize("arch, fused", [("kimi_linear", True), ("kimi_linear", False), ("bailing_hybrid", True)])
-def test_pic_with_whole_segment_seams_equals_full_recompute(tiny, arch, fused):
+@pytest.mark.parametrize("arch, how", [("kimi_linear", dict(fused=True)), ("kimi_linear", dict(fused=False)),
+                                       ("kimi_linear", dict(fused=True, seam_chain="on")),
+                                       ("bailing_hybrid", dict(fused=True))],
+                         ids=["kimi-fused", "kimi-stepwise", "kimi-chain-on", "ling3-fused"])
+def test_pic_with_whole_segment_seams_equals_full_recompute(tiny, arch, how):
+    """Also with the seam-chain kernel asked for: kda has none, its layers take the
+    per-event path (the MLA layer is attention, unaffected)."""
     from engine.pic.planner import make_planner
 
     engine = H.new_engine(tiny(arch)[1])
     tok, runner = engine.tokenizer, engine.runner
     seam = max(len(tok.encode(d)) for d in H.DOCS)
-    planner = make_planner(PicConfig(method="pic", seam=seam, fused=fused, miss_path="alone"), runner.model,
+    planner = make_planner(PicConfig(method="pic", seam=seam, miss_path="alone", **how), runner.model,
                            engine.loaded_model.fingerprint, tok)
     for n, order in enumerate([(0, 1, 2), (0, 2, 1)]):  # cold, then warm at new offsets
         request = H.make_request(tok, H.segments(order), f"r{n}")
