@@ -243,6 +243,9 @@ class LinearConfig:
     #: kda log decay: 0 -> `-exp(A_log) softplus(f + dt_bias)` (Kimi-Linear); a bound b < 0 ->
     #: `b * sigmoid(exp(A_log) (f + dt_bias))` (Ling 3's safe gate, kda_lower_bound).
     kda_gate_lower_bound: float = 0.0
+    #: the short convs keep float32 weights and compute in float32 in a bf16/fp16 model
+    #: (Ling 3's reference keeps conv1d in float32); False: the model's dtype.
+    conv_float32: bool = False
 
     def validate(self) -> None:
         if min(self.num_heads, self.num_v_heads, self.key_dim, self.value_dim) <= 0:
@@ -455,7 +458,7 @@ EXTENDED_ATTENTION_FIELDS: dict[str, Any] = {
 EXTENDED_LINEAR_FIELDS: dict[str, Any] = {
     "mamba_norm": "head", "mamba_dt_min": 0.0, "qkv_silu": True, "qk_norm": False, "rotary_dim": 0,
     "rope_theta": 10000.0, "norm_groups": 0, "decay_layer_offset": 0, "kda_full_rank_gates": False,
-    "kda_gate_lower_bound": 0.0,
+    "kda_gate_lower_bound": 0.0, "conv_float32": False,
 }
 EXTENDED_MOE_FIELDS: dict[str, Any] = {
     "scoring": "softmax", "expert_bias": False, "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,

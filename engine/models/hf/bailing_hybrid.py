@@ -62,7 +62,7 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
     if safe and bound >= 0:
         raise UnsupportedConfigError(f"{f.where}: kda_lower_bound={bound} must be negative")
     linear = LinearConfig(num_heads=lin_heads, num_v_heads=lin_heads, key_dim=head_dim, value_dim=head_dim,
-                          conv_size=conv, conv_kinds=(KDA,), kda_full_rank_gates=True,
+                          conv_size=conv, conv_kinds=(KDA,), kda_full_rank_gates=True, conv_float32=True,
                           kda_gate_lower_bound=bound if safe else 0.0)
     mlp_layers = mlp_kinds(f, n_layers, first_dense_default=2)
     moe = grouped_sigmoid_moe(f, mlp_layers)

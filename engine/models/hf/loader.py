@@ -139,13 +139,16 @@ def keep_norms_float32(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     keeps its weight and expert bias float32 too: it scores in float32, and the expert
     choice compares biased scores. Kimi Delta Attention keeps `dt_bias` (float32 in the
     checkpoint, as transformers keeps it) and `A_log` float32: the decay is computed in
-    float32 from them."""
+    float32 from them. A short conv marked `float32` (Ling 3) keeps its weight float32."""
+    from engine.models.layers.conv import ShortConv
     from engine.models.layers.kda import KimiDeltaAttention
     from engine.models.layers.moe import SparseMoE
     from engine.models.layers.norm import RMSNorm
 
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
+            module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
+        if isinstance(module, ShortConv) and module.float32:
             module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
         if isinstance(module, KimiDeltaAttention):
             for key in ("dt_bias", "A_log"):

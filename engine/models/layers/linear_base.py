@@ -65,7 +65,8 @@ class LinearMixer(TokenMixer):
         self.value_dim = lin.value_dim
         self.chunk_size = lin.chunk_size
         width = lin.conv_width(kind)
-        self.conv = ShortConv(conv_channels, width, bias=conv_bias) if width and conv_channels else None
+        self.conv = ShortConv(conv_channels, width, bias=conv_bias, float32=lin.conv_float32) \
+            if width and conv_channels else None
 
     # ---------------------------------------------------------------- geometry
     @property

@@ -296,3 +296,31 @@ def test_ling3_config_fields_we_do_not_implement_are_refused_by_name(tiny, tmp_p
     bad = _edited_copy(tiny("bailing_hybrid")[1], tmp_path / "bad", edit)
     with pytest.raises(ConfigError, match=named):
         convert_checkpoint(bad)
+
+
+@pytest.mark.parametrize("arch, conv_float32", [("kimi_linear", False), ("bailing_hybrid", True)])
+def test_bf16_short_conv_computes_in_the_dtype_the_reference_keeps(tiny, arch, conv_float32):
+    """Ling 3 keeps its conv weights float32 in a bf16 model and convolves in float32 (then
+    casts); Kimi-Linear convolves in bf16: our conv (prefill and decode step) gives the
+    reference function's bf16 result exactly in both."""
+    import importlib
+    import inspect
+
+    from engine.models.hf import load_hf_model
+
+    ref = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    conv_fn, update_fn = inspect.unwrap(ref.causal_conv1d_fn), inspect.unwrap(ref.causal_conv1d_update)
+    conv = load_hf_model(tiny(arch)[1], dtype="bfloat16").model.mixer(0).conv
+    assert conv.float32 == conv_float32
+    assert conv.weight.dtype == (torch.float32 if conv_float32 else torch.bfloat16)
+    x = torch.randn(1, 9, conv.channels, generator=torch.Generator().manual_seed(9)).bfloat16()
+    ours, tail = conv(x)
+    w = conv.weight.detach()
+    want = conv_fn(x.transpose(1, 2), weight=w, bias=None, activation="silu").transpose(1, 2)
+    assert ours.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(ours, want)
+    step = torch.randn(1, conv.channels, generator=torch.Generator().manual_seed(10)).bfloat16()
+    state = tail.to(w.dtype).clone()
+    y, _ = conv.step(step, tail)
+    want_step = update_fn(step[:, :, None], state, weight=w, bias=None, activation="silu")[:, :, 0]
+    torch.testing.assert_close(y.float(), want_step.float(), rtol=0, atol=2 ** -7 * float(want_step.abs().max()))
