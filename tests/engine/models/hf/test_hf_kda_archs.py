@@ -324,3 +324,59 @@ def test_bf16_short_conv_computes_in_the_dtype_the_reference_keeps(tiny, arch, c
     y, _ = conv.step(step, tail)
     want_step = update_fn(step[:, :, None], state, weight=w, bias=None, activation="silu")[:, :, 0]
     torch.testing.assert_close(y.float(), want_step.float(), rtol=0, atol=2 ** -7 * float(want_step.abs().max()))
+
+
+@torch.no_grad()
+def _first_layer_state(runner, request, planner=None):
+    """Layer 0's recurrent state after prefilling `request` by `planner`'s plan (a plain
+    full prefill when None)."""
+    from engine.runtime.planner import ApplyStep, FusedStep
+    from engine.runtime.sequence import Sequence
+
+    seq = request.seq = runner.cache.allocate(Sequence(request.request_id))
+    ids = request.prefill_token_ids()
+    if planner is None:
+        runner.prefill(seq, ids)
+    else:
+        plan = request.plan = planner.plan(request)
+        runner.cache.ensure_capacity(seq, plan.num_tokens)
+        for step in plan.steps:
+            if isinstance(step, FusedStep):
+                step.run(runner, request)
+            elif isinstance(step, ApplyStep):
+                step.apply(runner, request)
+            else:
+                runner.prefill(seq, ids[step.start:step.end], start_pos=step.start)
+        planner.on_prefill_done(request)
+    state = runner.cache.layers[0].state[seq.slot].clone()
+    runner.cache.free(seq)
+    return state
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("how", [dict(fused=True, miss_path="alone"), dict(fused=False, miss_path="alone"),
+                                 dict(fused=True, miss_path="context", miss_signatures="context")],
+                         ids=["fused", "stepwise", "captured-in-context"])
+def test_kda_state_composition_is_exact_with_a_narrow_seam(tiny, arch, how):
+    """The first kda layer sees the tokens' embeddings, so with a seam of conv width - 1 = 3
+    tokens (what the short conv needs) its state after PIC is still exact: every segment's
+    tail enters through its dense transition (S = T_tail S + E_tail), computed alone or
+    captured in context by the cold pass; naive addition (S + E_tail) is not."""
+    from engine.pic.planner import make_planner
+
+    engine = H.new_engine(tiny(arch)[1])
+    tok, runner = engine.tokenizer, engine.runner
+    assert runner.model.mixer(0).family == "kda"
+    planner = make_planner(PicConfig(method="pic", seam=3, **how), runner.model, engine.loaded_model.fingerprint,
+                           tok)
+    naive = make_planner(PicConfig(method="naive", seam=3, **how), runner.model, engine.loaded_model.fingerprint, tok)
+    for n, order in enumerate([(0, 1, 2), (2, 0, 1)]):
+        pic = _first_layer_state(runner, H.make_request(tok, H.segments(order), f"r{n}"), planner)
+        report = planner.take_report(f"r{n}")
+        added = _first_layer_state(runner, H.make_request(tok, H.segments(order), f"n{n}"), naive)
+        full = _first_layer_state(runner, H.make_request(tok, H.segments(order), f"f{n}"))
+        assert float(full.abs().max()) > 1e-2
+        assert float((pic - full).norm() / full.norm()) < 1e-5
+        if n == 1:  # warm, every segment spliced: naive addition (no T) is far off
+            assert float((added - full).norm() / full.norm()) > 1e-2
+    assert report.hit_segments == 3 and report.reused_tokens > 0
