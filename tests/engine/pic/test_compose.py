@@ -10,22 +10,13 @@ import math
 import pytest
 import torch
 
-from dataclasses import replace
-
 from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2
 from engine.models.layers.linear_ops import DENSE_FAMILIES, apply_transition, naive_recurrence, transition_operator
 from engine.pic.signature import LinearPart
-from pic_testlib import LIN, execute, layer0_inputs, make_request, rand_ids
+from pic_testlib import execute, layer0_inputs, make_request, rand_ids
 
 KINDS = [GDN, GLA, LIGHTNING, MAMBA2, KDA]
 SEAM = 4
-#: kda has as many value heads as key heads, each value as wide as a key
-KDA_LINEAR = replace(LIN, num_v_heads=LIN.num_heads, conv_kinds=LIN.conv_kinds + (KDA,))
-
-
-def model_for(model_of, kind):
-    """A [kind, full] model (kda with its own linear shapes)."""
-    return model_of([kind, FULL], linear=KDA_LINEAR) if kind == KDA else model_of([kind, FULL])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,7 +49,7 @@ def run_pic(model, runner_of, planner_of, lengths, q_len=4, seed=0):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_composed_state_equals_a_single_pass_at_the_first_linear_layer(kind, model_of, runner_of, planner_of):
-    model = model_for(model_of, kind)
+    model = model_of([kind, FULL])
     request, _, _, state = run_pic(model, runner_of, planner_of, [19, 23, 17])
     family, inp = layer0_inputs(model, request.prompt_token_ids)
     _, truth = naive_recurrence(family, inp)
@@ -67,7 +58,7 @@ def test_composed_state_equals_a_single_pass_at_the_first_linear_layer(kind, mod
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_composition_stays_exact_with_long_segments_whose_decay_underflows(kind, model_of, runner_of, planner_of):
-    model = model_for(model_of, kind)
+    model = model_of([kind, FULL])
     strengthen_decay(model, kind)
     request, planner, docs, state = run_pic(model, runner_of, planner_of, [100, 120], seed=5)
     family, inp = layer0_inputs(model, request.prompt_token_ids)
@@ -87,7 +78,7 @@ def test_composition_stays_exact_with_long_segments_whose_decay_underflows(kind,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_unroll_check_catches_seam_tokens_applied_twice(kind, model_of, runner_of, planner_of):
-    model = model_for(model_of, kind)
+    model = model_of([kind, FULL])
     request, _, docs, state = run_pic(model, runner_of, planner_of, [15, 21], seed=11)
     family, inp = layer0_inputs(model, request.prompt_token_ids)
     _, truth = naive_recurrence(family, inp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
@@ -143,7 +143,8 @@ def test_several_segments_keep_forgotten_delta_heads_out_of_the_operator(model_o
 
 
 @pytest.mark.parametrize("tail_states", ["direct", "fla"])
-@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL], [LIGHTNING, FULL], [KDA, FULL]],
+                         ids=["gdn", "gla", "lightning", "kda"])
 def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(layers, tail_states, model_of,
                                                                               monkeypatch):
     """On fla the delta tails' E_tail and T come from ONE call started at [0 | I] with
@@ -165,7 +166,7 @@ def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(lay
     alone = AlonePass(model, segs, [256], backend="fla", tail_states=tail_states)
     assert alone.run()
     linear = sum(1 for p in alone.parts[0] if hasattr(p, "live_heads"))
-    if layers[0] == GDN:  # one pending operator set per delta layer until signatures() settles them
+    if layers[0] in (GDN, KDA):  # one pending operator set per dense-transition layer until signatures() settles them
         assert len(alone.pending) == linear and all(p.live_heads is None for p in alone.parts[0][:1])
         alone.signatures()
         assert not alone.pending and alone.parts[0][0].live_heads
