@@ -12,8 +12,8 @@ safe gate, `LinearConfig.kda_gate_lower_bound`), `beta = sigmoid(b_proj(x))` per
 a gated RMSNorm `rmsnorm(o) * sigmoid(z(x))` per head before the output projection. The
 forget gate input f and the output gate z are low-rank pairs through `key_dim`
 (`f_b(f_a(x))`, `g_b(g_a(x))`, Kimi-Linear) or single projections (`f_proj`, `g_proj`,
-Ling 3; `LinearConfig.kda_full_rank_gates`). Pieces and PIC hooks: see linear_base.py; the transition T of a segment is a
-dense `[H, dk, dk]` matrix, as for Gated DeltaNet.
+Ling 3; `LinearConfig.kda_full_rank_gates`). Pieces and PIC hooks: see linear_base.py;
+the transition T of a segment is a dense `[H, dk, dk]` matrix, as for Gated DeltaNet.
 """
 from __future__ import annotations
 
