@@ -381,7 +381,8 @@ def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[
         dense, e = long_ranges.delta_operators(inp, ranges, family=mixer.family)
         return [e[i:i + 1] for i in range(len(ranges))], dense
     tails = [inp.slice_time(a, b) for a, b in ranges]
-    if backend == "fla" and tail_mode == "direct":  # scalar/diagonal decay: no second fla call
+    if backend == "fla" and tail_mode == "direct" and mixer.family not in DENSE_FAMILIES:
+        # scalar/diagonal decay: no second fla call
         return [end_state_from_zero(mixer.family, t) for t in tails], None
     if backend == "fla" and fla_backend.has_kernel(mixer.family):
         cu = [0]

@@ -104,7 +104,7 @@ class LinearMixer(TokenMixer):
         if backend == "fla" and fla_backend.has_kernel(self.family):
             fn = fla_backend.fla_recurrent if step else fla_backend.fla_chunk
             return fn(self.family, inp, state)
-        if step:
+        if step and inp.q.shape[1] == 1:  # (fla's token-recurrent form takes any T; torch's one token)
             return recurrent_step(self.family, inp, state)
         return chunked_recurrence(self.family, inp, state, self.chunk_size)
 

@@ -170,3 +170,37 @@ def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(lay
         assert len(alone.pending) == linear and all(p.live_heads is None for p in alone.parts[0][:1])
         alone.signatures()
         assert not alone.pending and alone.parts[0][0].live_heads
+
+
+@pytest.mark.parametrize("tail_states", ["direct", "fla"])
+def test_kda_on_an_fla_without_kda_kernels_takes_the_torch_forms(tail_states, model_of, runner_of, planner_of,
+                                                                monkeypatch):
+    """An fla-core without `fla.ops.kda`: on the fla backend the kda layers never call fla
+    (the packed alone pass, its tails, the one-pass PIC prefill with its short recurrent
+    ranges all take the torch forms) and give the torch backend's signatures and logits."""
+    from engine.models.layers import fla_backend
+    from engine.pic.compute import compute_signatures
+    from pic_testlib import execute, make_request
+
+    def no_fla(*args, **kwargs):
+        raise AssertionError("fla called for a kda layer")
+
+    monkeypatch.setattr(fla_backend, "fla_has_kda", lambda: False)
+    monkeypatch.setattr(fla_backend, "fla_chunk", no_fla)
+    monkeypatch.setattr(fla_backend, "fla_recurrent", no_fla)
+    model = model_of([KDA, FULL, KDA])
+    segs = [(rand_ids(19, 1), 4), (rand_ids(9, 2), 0), (rand_ids(12, 4), 3)]
+    want = compute_signatures(model, segs, [256], backend="torch")
+    for g, w in zip(compute_signatures(model, segs, [256], backend="fla", tail_states=tail_states), want):
+        _same_signature(g, w)
+    docs, question = [rand_ids(n, 30 + n) for n in (11, 7, 13)], rand_ids(5, 9)
+    logits = {}
+    for backend in ("torch", "fla"):
+        runner = runner_of(model)
+        runner.backend = backend
+        planner = planner_of(model, fused=True, seam=4)
+        for order in ((0, 1, 2), (2, 0, 1)):
+            got = execute(planner, runner, make_request([(docs[i], True) for i in order] + [(question, False)]))
+            logits[backend, order] = got.logits[-1]
+    for order in ((0, 1, 2), (2, 0, 1)):
+        torch.testing.assert_close(logits["fla", order], logits["torch", order], rtol=1e-5, atol=1e-5)
