@@ -16,8 +16,9 @@ on fla-core's kernels, whose CUDA path CI cannot run:
     PYTHONPATH=. python tools/check_kda_gpu.py --json docs/results/kda-gpu.json
     PYTHONPATH=. python tools/check_kda_gpu.py --quick --json /tmp/kda.json   # CPU dry run (torch only)
 
-The JSON is rewritten after each phase (a timeout keeps what finished). `--quick` runs
-small shapes on the CPU without fla: the fla rows read `skipped`.
+The JSON is rewritten after each phase (a timeout keeps what finished); a phase that raises
+records `{"error": ...}` and the next one still runs. `--quick` runs small shapes on the
+CPU without fla: the fla rows read `skipped`.
 """
 from __future__ import annotations
 
@@ -217,13 +218,16 @@ def main(argv=None) -> dict:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
-    write()
-    result["recurrence"] = phase_recurrence(device, fla, args.quick)
-    write()
-    result["model"] = phase_model(device, fla, args.quick)
-    write()
+    phases = [("recurrence", lambda: phase_recurrence(device, fla, args.quick)),
+              ("model", lambda: phase_model(device, fla, args.quick))]
     if device.type == "cuda" and fla and not args.quick:
-        result["throughput"] = phase_throughput(device, args.repeats)
+        phases.append(("throughput", lambda: phase_throughput(device, args.repeats)))
+    write()
+    for name, run in phases:
+        try:
+            result[name] = run()
+        except Exception as e:  # keep the other phases' figures; the error is the finding
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
         write()
     print(json.dumps(result, indent=1))
     return result
