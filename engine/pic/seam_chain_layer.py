@@ -30,10 +30,10 @@ from kernels.seam_chain import (ADD, CHAIN_FAMILIES, COMPOSE, COMPUTE, MAX_DIM_T
 #: between chain launches (the chain's per-token loop is serial in time)
 CHAIN_MAX_TOKENS = 256
 
-#: families `auto` runs through the seam chain on CUDA: every one (H200,
+#: families `auto` runs through the seam chain on CUDA: every one the kernel has (not kda) (H200,
 #: tools/check_seam_chain.py, 10 pieces, seam 16, bf16: delta 0.24 ms per layer call against 2.56 ms for the per-event path, which
 #: is host-bound; scalar 0.10-0.11, diag 0.16 against 1.9-2.2 ms). The per-event path stays
-#: for the CPU, `chain="off"`, dims over MAX_DIM_TRITON and prefix checkpoints.
+#: for the CPU, `chain="off"`, kda, dims over MAX_DIM_TRITON and prefix checkpoints.
 CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
 
 
