@@ -16,7 +16,10 @@ differences (the helpers are kimi_linear's):
   are skipped with a log line.
 
 The linear head size is `linear_head_dim` (written by transformers) or the hub config's
-`head_dim`; heads `linear_num_heads` or `num_attention_heads`.
+`head_dim`; heads `linear_num_heads` or `num_attention_heads`. The hub config's
+descriptive fields are accepted at the values the reference implements (`HUB_FIELDS`:
+full-rank KDA gates, interleaved RoPE, head-wise attention gates, sigmoid scores, no q/k
+norm or qkv bias; a shared-expert width equal to DeepSeek's), anything else refused by name.
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ from engine.models.hf.kimi_linear import (LAYER_KIND, aliased, grouped_sigmoid_m
 
 MODEL_TYPES = ("bailing_hybrid",)
 TRAINING_FIELDS = ("mtp_loss_scaling_factor", "num_nextn_predict_layers", "num_mtp_layers")
+#: descriptive fields of the published config.json, each with the one value the reference
+#: implements (transformers' BailingHybridConfig does not read them)
+HUB_FIELDS = {"no_kda_lora": True, "rope_interleave": True, "gated_attention_proj_granularity_type": "head_wise",
+              "score_function": "sigmoid", "use_qk_norm": False, "use_qkv_bias": False}
 
 
 def model_config(f: ConfigFields, name: str) -> ModelConfig:
@@ -40,6 +47,8 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
     f.expect("attention_bias", False)
     f.expect("pretraining_tp", 1)
     f.ignore(TRAINING_FIELDS)
+    for key, value in HUB_FIELDS.items():
+        f.expect(key, value)
     n_layers = int(f.get("num_hidden_layers"))
     if f.has("layer_types"):
         f.ignore(("layer_group_size",))
@@ -66,6 +75,7 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
                           kda_gate_lower_bound=bound if safe else 0.0)
     mlp_layers = mlp_kinds(f, n_layers, first_dense_default=2)
     moe = grouped_sigmoid_moe(f, mlp_layers)
+    f.expect("moe_shared_expert_intermediate_size", None, moe.shared_intermediate_size)
     cfg = ModelConfig(
         name=name, family="bailing_hybrid", scale="custom", vocab_size=int(f.get("vocab_size")),
         hidden_size=int(f.get("hidden_size")), intermediate_size=int(f.get("intermediate_size")),

@@ -17,7 +17,10 @@ Mapping:
   Experts in the hub layout (`experts.<e>.w1/w3/w2` = gate/up/down) or fused.
 - The hub config's `linear_attn_config` (head_dim, num_heads, short_conv_kernel_size,
   1-indexed kda_layers / full_attn_layers) is read as transformers reads it; any other key
-  there, and any config field not mapped here, is refused by name.
+  there, and any config field not mapped here, is refused by name. The hub config's
+  descriptive fields are accepted at the values the reference implements (`HUB_FIELDS`):
+  `mla_use_nope` true (then `rope_theta` has no effect; a `rope_scaling` is refused),
+  sigmoid routing, grouped top-k, every layer after the dense ones MoE, no MTP layers.
 """
 from __future__ import annotations
 
@@ -41,6 +44,12 @@ ALIASES = {
     "top_k": ("num_experts_per_tok", "num_experts_per_token"),
     "n_shared_experts": ("n_shared_experts", "num_shared_experts"),
 }
+
+
+#: descriptive fields of the published config.json, each with the one value the reference
+#: implements (transformers' KimiLinearConfig does not read them)
+HUB_FIELDS = {"mla_use_nope": True, "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
+              "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "topk_method": "noaux_tc"}
 
 
 def aliased(f: ConfigFields, name: str, default=None):
@@ -132,6 +141,10 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
     f.expect("hidden_act", "silu")
     f.expect("attention_bias", False)
     f.expect("pretraining_tp", 1)
+    for key, value in HUB_FIELDS.items():
+        f.expect(key, value)
+    f.ignore(("rope_theta",))  # NoPE: the reference applies no rotary embedding
+    f.expect("rope_scaling", None)
     n_layers = int(f.get("num_hidden_layers"))
     lin_cfg, lin_types = _linear_attn_config(f, n_layers)
     if f.has("layer_types"):

@@ -127,6 +127,8 @@ def test_hub_linear_attn_config_gives_the_same_layers(kimi):
     raw["linear_attn_config"] = {"full_attn_layers": [3], "kda_layers": [1, 2, 4], "head_dim": 16, "num_heads": 4,
                                  "short_conv_kernel_size": 4}
     raw["first_k_dense_replace"] = 1
+    raw.update(mla_use_nope=True, rope_theta=10000.0, moe_router_activation_func="sigmoid", use_grouped_topk=True,
+               moe_layer_freq=1, num_nextn_predict_layers=0)  # the published config's descriptive fields
     cfg = model_config(ConfigFields(raw, "config.json"), "hub")
     assert cfg.layers == ("kda", "kda", "full", "kda")
     assert cfg.mlp_layers == ("dense", "moe", "moe", "moe")
@@ -143,7 +145,9 @@ def test_hub_linear_attn_config_gives_the_same_layers(kimi):
     (lambda c: c.update(qk_head_dim=30), "qk_head_dim"),
     (lambda c: c.update(mlp_layer_types=["dense", "sparse", "moe", "sparse"]), "mlp_layer_types"),
     (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types"),
-    (lambda c: c.update(rope_theta=10000.0), "rope_theta"),
+    (lambda c: c.update(mla_use_nope=False), "mla_use_nope"),
+    (lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
+    (lambda c: c.update(moe_router_activation_func="softmax"), "moe_router_activation_func"),
     (lambda c: c.update(some_new_feature=3), "some_new_feature"),
 ])
 def test_kimi_linear_config_fields_we_do_not_implement_are_refused_by_name(kimi, tmp_path, edit, named):
@@ -287,6 +291,9 @@ def test_ling3_multi_token_prediction_layers_are_skipped_with_a_log_line(tiny, t
     (lambda c: c.update(attention_bias=True), "attention_bias"),
     (lambda c: c.update(kda_lower_bound=1.0), "kda_lower_bound"),
     (lambda c: c.update(num_key_value_heads=1), "num_key_value_heads"),
+    (lambda c: c.update(no_kda_lora=False), "no_kda_lora"),
+    (lambda c: c.update(gated_attention_proj_granularity_type="element_wise"), "gated_attention_proj_granularity"),
+    (lambda c: c.update(moe_shared_expert_intermediate_size=48), "moe_shared_expert_intermediate_size"),
     (lambda c: c.update(some_new_feature=3), "some_new_feature"),
 ])
 def test_ling3_config_fields_we_do_not_implement_are_refused_by_name(tiny, tmp_path, edit, named):
@@ -380,3 +387,13 @@ def test_kda_state_composition_is_exact_with_a_narrow_seam(tiny, arch, how):
         if n == 1:  # warm, every segment spliced: naive addition (no T) is far off
             assert float((added - full).norm() / full.norm()) > 1e-2
     assert report.hit_segments == 3 and report.reused_tokens > 0
+
+
+def test_ling3_hub_config_fields_at_the_reference_values_load_the_same_model(tiny, tmp_path):
+    from engine.models.hf import convert_checkpoint
+
+    d = tiny("bailing_hybrid")[1]
+    hub = _edited_copy(d, tmp_path / "hub", lambda c: c.update(
+        no_kda_lora=True, rope_interleave=True, gated_attention_proj_granularity_type="head_wise",
+        score_function="sigmoid", use_qk_norm=False, use_qkv_bias=False, moe_shared_expert_intermediate_size=32))
+    assert convert_checkpoint(hub).config.replace(name="x") == convert_checkpoint(d).config.replace(name="x")
