@@ -1,6 +1,6 @@
 """The linear-attention recurrence's inputs and its token-by-token reference.
 
-All three families share one recurrence over a state S of shape `[B, H, K, V]` (float32):
+All four families share one recurrence over a state S of shape `[B, H, K, V]` (float32):
 S_t = T_t S_{t-1} + u_t, o_t = S_t^T (scale * q_t), with T_t and u_t per family as
 tabled in engine.models.layers.linear_ops (which holds the chunked torch forms and the
 transition operators built on this). `naive_recurrence` is the reference every faster
@@ -14,7 +14,11 @@ import torch
 
 from kernels.errors import KernelInputError
 
-FAMILIES = ("scalar", "diag", "delta")
+FAMILIES = ("scalar", "diag", "delta", "kda")
+#: families whose transition T is a dense `[H, K, K]` matrix (a delta-rule update inside)
+DENSE_FAMILIES = ("delta", "kda")
+#: families whose log decay is per key channel, `[B, T, H, K]`
+CHANNEL_DECAY_FAMILIES = ("diag", "kda")
 
 
 @dataclass
@@ -24,8 +28,8 @@ class RecurrenceInputs:
     q: torch.Tensor  # [B, T, H, K]
     k: torch.Tensor  # [B, T, H, K]
     v: torch.Tensor  # [B, T, H, V]
-    log_decay: torch.Tensor  # [B, T, H] (scalar, delta) or [B, T, H, K] (diag); <= 0, float32
-    beta: torch.Tensor | None = None  # [B, T, H] (delta only)
+    log_decay: torch.Tensor  # [B, T, H] (scalar, delta) or [B, T, H, K] (diag, kda); <= 0, float32
+    beta: torch.Tensor | None = None  # [B, T, H] (delta, kda only)
     scale: float = 1.0
 
     @property
@@ -46,11 +50,11 @@ def check_family(family: str, inp: RecurrenceInputs) -> None:
     """Raise KernelInputError (a ValueError) when `inp` does not fit `family`."""
     if family not in FAMILIES:
         raise KernelInputError(f"recurrence family={family!r} must be one of {FAMILIES}")
-    want = 4 if family == "diag" else 3
+    want = 4 if family in CHANNEL_DECAY_FAMILIES else 3
     if inp.log_decay.dim() != want:
         raise KernelInputError(f"{family} log_decay must have {want} dims, got shape {tuple(inp.log_decay.shape)}")
-    if family == "delta" and inp.beta is None:
-        raise KernelInputError("delta family needs beta")
+    if family in DENSE_FAMILIES and inp.beta is None:
+        raise KernelInputError(f"{family} family needs beta")
 
 
 def checked_state(inp: RecurrenceInputs, state: torch.Tensor | None) -> torch.Tensor:
@@ -74,11 +78,11 @@ def naive_recurrence(family: str, inp: RecurrenceInputs,
     outs = []
     for t in range(q.shape[1]):
         kt, vt = k[:, t], v[:, t]
-        if family == "diag":
+        if family in CHANNEL_DECAY_FAMILIES:
             s = torch.exp(g[:, t])[..., :, None] * s
         else:
             s = torch.exp(g[:, t])[..., None, None] * s
-        if family == "delta":
+        if family in DENSE_FAMILIES:
             beta = inp.beta[:, t].to(torch.float32)[..., None]
             vt = beta * (vt - torch.einsum("bhkv,bhk->bhv", s, kt))
         s = s + kt[..., :, None] * vt[..., None, :]

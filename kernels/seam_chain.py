@@ -41,12 +41,14 @@ import torch
 
 from kernels.backend import HAS_TRITON, next_pow2, tl, triton, use_triton
 from kernels.errors import KernelInputError
-from kernels.recurrence import FAMILIES, RecurrenceInputs, naive_recurrence
+from kernels.recurrence import RecurrenceInputs, naive_recurrence
 
 __all__ = ["ChainEvents", "ChainLaunch", "seam_chain", "seam_chain_reference", "COMPUTE", "SET", "ADD", "COMPOSE"]
 
 COMPUTE, SET, ADD, COMPOSE = 0, 1, 2, 3
 _FAMILY_CODE = {"scalar": 0, "diag": 1, "delta": 2}
+#: the recurrence families this kernel (and its reference) serves; kda is not among them
+CHAIN_FAMILIES = tuple(_FAMILY_CODE)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_DIM_TRITON = 128
 
@@ -114,8 +116,8 @@ class ChainLaunch:
 
 def _validate(family: str, inp: RecurrenceInputs, S0: torch.Tensor, ev: ChainEvents,
               out: Optional[torch.Tensor] = None) -> None:
-    if family not in FAMILIES:
-        raise KernelInputError(f"family={family!r} must be one of {FAMILIES}")
+    if family not in _FAMILY_CODE:
+        raise KernelInputError(f"family={family!r} has no seam-chain kernel (one of {CHAIN_FAMILIES})")
     b, t, h, dk, dv = inp.shape
     if b != 1:
         raise KernelInputError(f"seam_chain takes one sequence (B=1), got q of shape {tuple(inp.q.shape)}")

@@ -32,7 +32,7 @@ def flop_model(cfg) -> FlopModel:
     import torch
     from torch import nn
 
-    from engine.models.config import FULL, GDN, LINEAR_KINDS, SWA
+    from engine.models.config import FULL, GDN, KDA, LINEAR_KINDS, SWA
     from engine.models.decoder import HybridDecoder
     from engine.models.layers.moe import SparseMoE
 
@@ -62,7 +62,7 @@ def flop_model(cfg) -> FlopModel:
     lin_tok, lin_chunk = 0, 0
     for kind in cfg.layers:
         if kind in LINEAR_KINDS:
-            lin_tok += (6 if kind == GDN else 4) * lin.num_v_heads * lin.key_dim * lin.value_dim
+            lin_tok += (6 if kind in (GDN, KDA) else 4) * lin.num_v_heads * lin.key_dim * lin.value_dim
             lin_chunk += lin.num_v_heads * (lin.key_dim + lin.value_dim)
     return FlopModel(dense_per_token=dense, lm_head_per_row=2 * cfg.hidden_size * cfg.vocab_size,
                      full_layers_heads_dim=n_full * a.num_heads * a.head_dim, swa_terms=swa,

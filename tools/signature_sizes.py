@@ -53,7 +53,7 @@ def bound_bytes(cfg: ModelConfig, n: int, anchor: int = 1, seam: int = 16) -> di
                 out["linear_tail_state"] += h * dk * dv * 4
             if has_tail:
                 fam = RECURRENCE_FAMILY[kind]
-                out["linear_transition"] += {"scalar": h, "diag": h * dk, "delta": h * dk * dk}[fam] * 4
+                out["linear_transition"] += {"scalar": h, "diag": h * dk, "delta": h * dk * dk, "kda": h * dk * dk}[fam] * 4
             width = lin.conv_width(kind)
             if width:
                 channels = 2 * lin.num_heads * dk + h * dv  # [q, k, v] (mamba2: [x, B, C]) conv inputs

@@ -12,6 +12,7 @@ block (one entry per layer, in order):
 | `gla`       | Gated Linear Attention, per-key-dim decay          | `diag`            |
 | `lightning` | lightning attention, fixed per-head decay (Ring)   | `scalar`          |
 | `mamba2`    | Mamba2 SSD, data-dependent scalar decay            | `scalar`          |
+| `kda`       | Kimi Delta Attention (Kimi-Linear), per-key-dim decay | `kda`          |
 
 All linear kinds in one model share one `LinearConfig`.
 
@@ -40,13 +41,14 @@ GDN = "gdn"
 GLA = "gla"
 LIGHTNING = "lightning"
 MAMBA2 = "mamba2"
+KDA = "kda"
 
 ATTENTION_KINDS = (FULL, SWA)
-LINEAR_KINDS = (GDN, GLA, LIGHTNING, MAMBA2)
+LINEAR_KINDS = (GDN, GLA, LIGHTNING, MAMBA2, KDA)
 LAYER_KINDS = ATTENTION_KINDS + LINEAR_KINDS
 
 #: recurrence family of each linear kind (see engine/models/layers/linear_ops.py)
-RECURRENCE_FAMILY = {GDN: "delta", GLA: "diag", LIGHTNING: "scalar", MAMBA2: "scalar"}
+RECURRENCE_FAMILY = {GDN: "delta", GLA: "diag", LIGHTNING: "scalar", MAMBA2: "scalar", KDA: "kda"}
 
 CONFIG_FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,6 +84,20 @@ class AttentionConfig:
     query_scale: float | None = None
     #: linear RoPE scaling of full-attention layers (positions divided by this factor).
     rope_linear_factor: float = 1.0
+    #: multi-head latent attention (DeepSeek-V2 MLA, as Kimi-Linear and Ling 3 use it) when
+    #: > 0: keys and values come from a `mla_kv_lora_rank` latent (RMSNorm, then up-projected
+    #: per head) plus a `mla_rope_dim` key part shared by all heads; queries from `q_proj` or,
+    #: with `mla_q_lora_rank` > 0, a normed low-rank pair. Each head's K is laid out
+    #: [shared part | per-head part `mla_nope_dim` | zeros] and V as [`mla_v_dim` | zeros] in
+    #: `head_dim` = max(rope + nope, v) (the expanded K/V are what the caches hold);
+    #: `rotary_dim` is 0 (NoPE, Kimi-Linear) or `mla_rope_dim` (RoPE on the shared part).
+    mla_kv_lora_rank: int = 0
+    mla_q_lora_rank: int = 0
+    mla_nope_dim: int = 0
+    mla_rope_dim: int = 0
+    mla_v_dim: int = 0
+    #: MLA: a per-head sigmoid output gate `sigmoid(g_proj(x))` (Ling 3's bailing_hybrid).
+    mla_head_gate: bool = False
 
     def validate(self, needs_window: bool) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -98,6 +114,27 @@ class AttentionConfig:
             raise ConfigError(f"query_scale={self.query_scale} must be positive")
         if self.rope_linear_factor <= 0:
             raise ConfigError(f"rope_linear_factor={self.rope_linear_factor} must be positive")
+        if self.mla_kv_lora_rank:
+            self._validate_mla()
+
+    def _validate_mla(self) -> None:
+        qk = self.mla_nope_dim + self.mla_rope_dim
+        if min(self.mla_kv_lora_rank, self.mla_v_dim, qk) <= 0 or self.mla_q_lora_rank < 0:
+            raise ConfigError(f"mla ranks/dims must be positive, got kv_lora_rank={self.mla_kv_lora_rank}, "
+                              f"qk dims={qk}, v_dim={self.mla_v_dim}, q_lora_rank={self.mla_q_lora_rank}")
+        if self.num_kv_heads != self.num_heads:
+            raise ConfigError(f"mla expands K/V per head: num_kv_heads={self.num_kv_heads} must equal "
+                              f"num_heads={self.num_heads}")
+        if self.head_dim != max(qk, self.mla_v_dim):
+            raise ConfigError(f"mla head_dim={self.head_dim} must be max(nope + rope, v) = {max(qk, self.mla_v_dim)}")
+        if self.rotary_dim not in (0, self.mla_rope_dim):
+            raise ConfigError(f"mla rotary_dim={self.rotary_dim} must be 0 (NoPE) or mla_rope_dim={self.mla_rope_dim}")
+        if self.output_gate or self.qk_norm:
+            raise ConfigError("mla takes neither output_gate nor qk_norm")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_kv_lora_rank > 0
 
     @property
     def softmax_scale(self) -> float:
@@ -200,6 +237,15 @@ class LinearConfig:
     #: lightning decay depth: `1 - (layer + decay_layer_offset) / (L - 1) + 1e-5` (Ring-linear's
     #: published code uses layer - 1).
     decay_layer_offset: int = 0
+    #: kda forget and output gates: low rank through `key_dim` (Kimi-Linear: f_a/f_b, g_a/g_b),
+    #: or full rank (Ling 3: f_proj, g_proj).
+    kda_full_rank_gates: bool = False
+    #: kda log decay: 0 -> `-exp(A_log) softplus(f + dt_bias)` (Kimi-Linear); a bound b < 0 ->
+    #: `b * sigmoid(exp(A_log) (f + dt_bias))` (Ling 3's safe gate, kda_lower_bound).
+    kda_gate_lower_bound: float = 0.0
+    #: the short convs keep float32 weights and compute in float32 in a bf16/fp16 model
+    #: (Ling 3's reference keeps conv1d in float32); False: the model's dtype.
+    conv_float32: bool = False
 
     def validate(self) -> None:
         if min(self.num_heads, self.num_v_heads, self.key_dim, self.value_dim) <= 0:
@@ -220,6 +266,8 @@ class LinearConfig:
             raise ConfigError(f"mamba_dt_min={self.mamba_dt_min} must be >= 0")
         if not 0 <= self.rotary_dim <= self.key_dim or self.rotary_dim % 2:
             raise ConfigError(f"linear rotary_dim={self.rotary_dim} must be even and within [0, key_dim={self.key_dim}]")
+        if self.kda_gate_lower_bound > 0:
+            raise ConfigError(f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be 0 (off) or negative")
         channels = self.num_v_heads * self.value_dim
         if self.norm_groups < 0 or (self.norm_groups and channels % self.norm_groups):
             raise ConfigError(f"linear norm_groups={self.norm_groups} must be 0 or divide {channels} channels")
@@ -402,10 +450,15 @@ EXTENDED_FIELDS: dict[str, Any] = {
     "post_norms": False,
     "embed_scale": 1.0, "final_logit_softcap": None,
 }
-EXTENDED_ATTENTION_FIELDS: dict[str, Any] = {"query_scale": None, "rope_linear_factor": 1.0}
+EXTENDED_ATTENTION_FIELDS: dict[str, Any] = {
+    "query_scale": None, "rope_linear_factor": 1.0,
+    "mla_kv_lora_rank": 0, "mla_q_lora_rank": 0, "mla_nope_dim": 0, "mla_rope_dim": 0, "mla_v_dim": 0,
+    "mla_head_gate": False,
+}
 EXTENDED_LINEAR_FIELDS: dict[str, Any] = {
     "mamba_norm": "head", "mamba_dt_min": 0.0, "qkv_silu": True, "qk_norm": False, "rotary_dim": 0,
-    "rope_theta": 10000.0, "norm_groups": 0, "decay_layer_offset": 0,
+    "rope_theta": 10000.0, "norm_groups": 0, "decay_layer_offset": 0, "kda_full_rank_gates": False,
+    "kda_gate_lower_bound": 0.0, "conv_float32": False,
 }
 EXTENDED_MOE_FIELDS: dict[str, Any] = {
     "scoring": "softmax", "expert_bias": False, "num_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,

@@ -21,12 +21,14 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, MOE, NO_MLP, SWA, ModelConfig
+from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2, MOE, NO_MLP, SWA, ModelConfig
 from engine.models.layers.attention import Attention
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.gated_deltanet import GatedDeltaNet
 from engine.models.layers.gla import GatedLinearAttention
+from engine.models.layers.kda import KimiDeltaAttention
 from engine.models.layers.linear_base import LinearMixer
+from engine.models.layers.mla import LatentAttention
 from engine.models.layers.mlp import PlainMLP, SwiGLU
 from engine.models.layers.moe import SparseMoE
 from engine.models.layers.norm import RMSNorm
@@ -37,7 +39,7 @@ MixerHook = Callable[[int, torch.Tensor], None]
 
 def build_mixer(cfg: ModelConfig, kind: str, layer_idx: int) -> TokenMixer:
     if kind in (FULL, SWA):
-        return Attention(cfg, kind)
+        return LatentAttention(cfg, kind) if cfg.attention.is_mla else Attention(cfg, kind)
     if kind == GDN:
         return GatedDeltaNet(cfg, kind)
     if kind == GLA:
@@ -46,6 +48,8 @@ def build_mixer(cfg: ModelConfig, kind: str, layer_idx: int) -> TokenMixer:
         return LightningAttention(cfg, kind, layer_idx)
     if kind == MAMBA2:
         return Mamba2Mixer(cfg, kind)
+    if kind == KDA:
+        return KimiDeltaAttention(cfg, kind)
     raise ValueError(f"layer kind {kind!r} has no mixer")
 
 

@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.models.layers.linear_ops import RecurrenceInputs, end_states_and_log_sums, padded_ranges
+from engine.models.layers.linear_ops import (DENSE_FAMILIES, RecurrenceInputs, end_states_and_log_sums, head_log_sums,
+                                             padded_ranges)
 from engine.pic import long_ranges
 from engine.pic.compute import LOG_FLOAT32_TINY, PendingTransitions, ScalarTransitions, settle_transitions
 from engine.pic.errors import SplicePlacementError
@@ -265,7 +266,7 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
     e_of: dict[int, torch.Tensor] = {}
     transitions = None
     if lay.tailed:
-        if family != "delta":
+        if family not in DENSE_FAMILIES:
             idx, valid = lay.padded_tails()
             E, log_sums = end_states_and_log_sums(family, inp, idx, valid)
             if getattr(mixer, "uses_positions", False):  # tails ran at their absolute positions: back to alone ones
@@ -278,11 +279,13 @@ def capture_linear(captures: CaptureSet, mixer, inp: RecurrenceInputs, conv_in: 
                 dense = torch.stack([ops[tuple(sp)][0] for sp in lay.spans])
                 E = torch.stack([ops[tuple(sp)][1] for sp in lay.spans])
             else:  # on fla ONE varlen call for every tail
-                dense, E = long_ranges.delta_operators(inp, lay.spans, backend, mixer.chunk_size)
+                dense, E = long_ranges.delta_operators(inp, lay.spans, backend, mixer.chunk_size, family)
             E = E.to(dtype).contiguous()  # the varlen call's [E | T] halves are strided: one copy for all
             e_of = {id(c): E[i] for i, c in enumerate(lay.tailed)}
             idx, valid = lay.padded_tails()
-            log_sums = (inp.log_decay[0].to(torch.float32)[idx] * valid[..., None]).sum(dim=1)  # [n, H]
+            g = inp.log_decay[0].to(torch.float32)[idx]  # [n, L, H] or [n, L, H, K]
+            mask = valid.reshape(*valid.shape, *([1] * (g.dim() - 2)))
+            log_sums = head_log_sums(family, (g * mask).sum(dim=1))  # [n, H]
             live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)
             transitions = PendingTransitions(dense.to(dtype).contiguous(), live)
     conv = None

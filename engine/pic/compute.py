@@ -23,7 +23,7 @@ from engine.models.decoder import HybridDecoder
 from engine.models.layers.attention import Attention
 from engine.models.layers.linear_base import LinearMixer
 from engine.models.layers import fla_backend
-from engine.models.layers.linear_ops import RecurrenceInputs, end_state_from_zero
+from engine.models.layers.linear_ops import DENSE_FAMILIES, RecurrenceInputs, end_state_from_zero, head_log_sums
 from engine.pic import long_ranges
 from engine.pic.errors import AlonePassStopped, SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
@@ -312,7 +312,7 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, positions: torch.T
     inp = mixer.prepare(conv_out, extras)
     shape = mixer.state_shape
     dev = h.device
-    if backend == "fla":
+    if backend == "fla" and fla_backend.has_kernel(mixer.family):
         o, states = fla_backend.fla_chunk(mixer.family, inp, None, cu_seqlens=pack.cu(pack.lens))
         states = [states[j:j + 1] for j in range(m)]
     else:
@@ -334,7 +334,7 @@ def _linear_alone_packed(mixer: LinearMixer, h: torch.Tensor, positions: torch.T
     tail_states: dict[int, torch.Tensor] = {j: states[j] for j in from_start}
     dense = None
     span = {j: (pack.starts[j] + pack.tail0[j], pack.starts[j] + pack.lens[j]) for j in has_tail}
-    if has_tail and backend == "fla" and mixer.family == "delta":
+    if has_tail and backend == "fla" and mixer.family in DENSE_FAMILIES and fla_backend.has_kernel(mixer.family):
         # E_tail and T of every tail in ONE varlen call over the packed inputs as they lie
         e_tail, dense = tails_from_zero(mixer, inp, [span[j] for j in has_tail], backend)
         tail_states.update({j: e for j, e in zip(has_tail, e_tail) if j in cut})
@@ -377,13 +377,14 @@ def tails_from_zero(mixer: LinearMixer, inp: RecurrenceInputs, ranges: Sequence[
     (linear_ops.end_state_from_zero); on torch one recurrence per range."""
     if not ranges:
         return [], None
-    if backend == "fla" and mixer.family == "delta":
-        dense, e = long_ranges.delta_operators(inp, ranges)
+    if backend == "fla" and mixer.family in DENSE_FAMILIES and fla_backend.has_kernel(mixer.family):
+        dense, e = long_ranges.delta_operators(inp, ranges, family=mixer.family)
         return [e[i:i + 1] for i in range(len(ranges))], dense
     tails = [inp.slice_time(a, b) for a, b in ranges]
-    if backend == "fla" and tail_mode == "direct":  # scalar/diagonal decay: no second fla call
+    if backend == "fla" and tail_mode == "direct" and mixer.family not in DENSE_FAMILIES:
+        # scalar/diagonal decay: no second fla call
         return [end_state_from_zero(mixer.family, t) for t in tails], None
-    if backend == "fla":
+    if backend == "fla" and fla_backend.has_kernel(mixer.family):
         cu = [0]
         for a, b in ranges:
             cu.append(cu[-1] + b - a)
@@ -456,9 +457,10 @@ def _tail_transitions(mixer: LinearMixer, tails: list[RecurrenceInputs], backend
     without tails."""
     if not tails:
         return None
-    if mixer.family != "delta":
+    if mixer.family not in DENSE_FAMILIES:
         return ScalarTransitions([t.log_decay.to(torch.float32).sum(dim=1)[0].contiguous() for t in tails])
-    log_sums = torch.stack([t.log_decay.to(torch.float32).sum(dim=1)[0] for t in tails])  # [m, H]
+    log_sums = head_log_sums(mixer.family, torch.stack([t.log_decay.to(torch.float32).sum(dim=1)[0]
+                                                        for t in tails]))  # [m, H]
     if dense is None:  # a single segment's tail, or the torch backend
         dense = torch.cat([mixer.transition_operator(x, backend) for x in tails])
     live = (log_sums >= LOG_FLOAT32_TINY) & (dense.abs().amax(dim=(2, 3)) > 0)

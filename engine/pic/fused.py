@@ -47,6 +47,7 @@ from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCa
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
 from engine.models.layers.base import ExternalKVCache
+from engine.models.layers.linear_ops import DENSE_FAMILIES
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
 from engine.pic.config import SEAM_CHAIN_MODES
 from engine.pic.errors import SplicePlacementError
@@ -442,7 +443,7 @@ def _live_index(pieces, model, device) -> dict[tuple[int, int], torch.Tensor]:
     for j, p in enumerate(pieces):
         for i, part in enumerate(p.signature.layers):
             heads = getattr(part, "live_heads", None)
-            if getattr(part, "family", None) == "delta" and heads and part.tail_transition is not None \
+            if getattr(part, "family", None) in DENSE_FAMILIES and heads and part.tail_transition is not None \
                     and len(heads) < part.num_heads:
                 keys.append((j, i))
                 bounds.append((len(flat), len(flat) + len(heads)))
@@ -463,7 +464,7 @@ def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch
         E = mixer.rotate_state(E, piece.delta)
     if piece.linear == "add":
         return state + E
-    if part.family == "delta":
+    if part.family in DENSE_FAMILIES:
         if part.tail_transition is None or not part.live_heads:
             return E.clone()  # every head forgot what came before
         T = part.tail_transition.to(device=state.device, dtype=torch.float32)

@@ -57,25 +57,27 @@ def _layout(ranges: Sequence[tuple[int, int]], total: int) -> tuple[torch.Tensor
 
 
 def delta_operators(inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]], backend: str = "fla",
-                    chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int = 64, family: str = "delta") -> tuple[torch.Tensor, torch.Tensor]:
     """(T `[n, H, dk, dk]`, E `[n, H, dk, dv]`, float32) of each delta-rule range of `inp`
     run from zero state, ranges sorted and disjoint: a range started at [0 | I] with values
     [v | 0] ends at [E | T] (T as HYPIC computes it: from S0 = I with v = 0). On fla ONE
     varlen call for every range; on torch one chunked recurrence per range. The alone
-    pass's tails (engine.pic.compute) and the context capture's (engine.pic.capture)."""
+    pass's tails (engine.pic.compute) and the context capture's (engine.pic.capture).
+    `family`: `delta` or `kda` (the dense-transition families; kda through fla only where
+    fla_backend.has_kernel says so, else the torch form)."""
     b, t, h, kd, vd = inp.shape
     v = torch.cat([inp.v, inp.v.new_zeros(b, t, h, kd)], dim=-1)
     eye = torch.eye(kd, dtype=torch.float32, device=v.device)
-    if backend != "fla":
+    if backend != "fla" or not fla_backend.has_kernel(family):
         s0 = torch.zeros(1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
         s0[..., vd:] = eye
         wide = replace(inp, v=v)
-        st = torch.cat([chunked_recurrence("delta", wide.slice_time(a, e), s0, chunk_size)[1] for a, e in ranges])
+        st = torch.cat([chunked_recurrence(family, wide.slice_time(a, e), s0, chunk_size)[1] for a, e in ranges])
         return st[..., vd:], st[..., :vd]
     cu, rows = _layout(ranges, inp.q.shape[1])
     s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
     s0[rows, ..., vd:] = eye
-    st = fla_backend.fla_chunk("delta", replace(inp, v=v), s0, cu_seqlens=cu)[1][rows]
+    st = fla_backend.fla_chunk(family, replace(inp, v=v), s0, cu_seqlens=cu)[1][rows]
     return st[..., vd:], st[..., :vd]
 
 

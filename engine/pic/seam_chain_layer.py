@@ -17,28 +17,30 @@ import torch
 from engine.cache.layer_caches import StateSlotCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
-from engine.models.layers.linear_ops import RecurrenceInputs
+from engine.models.layers.linear_ops import DENSE_FAMILIES, RecurrenceInputs
 from engine.pic import long_ranges
 from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Computed
 from engine.pic.splice import linear_part
 from kernels.backend import HAS_TRITON
-from kernels.seam_chain import ADD, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents, seam_chain
+from kernels.seam_chain import (ADD, CHAIN_FAMILIES, COMPOSE, COMPUTE, MAX_DIM_TRITON, SET, ChainEvents,
+                                seam_chain)
 
 #: with the seam chain on fla, computed ranges longer than this run fla's chunk kernel
 #: between chain launches (the chain's per-token loop is serial in time)
 CHAIN_MAX_TOKENS = 256
 
-#: families `auto` runs through the seam chain on CUDA: every one (H200,
+#: families `auto` runs through the seam chain on CUDA: every one the kernel has (not kda) (H200,
 #: tools/check_seam_chain.py, 10 pieces, seam 16, bf16: delta 0.24 ms per layer call against 2.56 ms for the per-event path, which
 #: is host-bound; scalar 0.10-0.11, diag 0.16 against 1.9-2.2 ms). The per-event path stays
-#: for the CPU, `chain="off"`, dims over MAX_DIM_TRITON and prefix checkpoints.
+#: for the CPU, `chain="off"`, kda, dims over MAX_DIM_TRITON and prefix checkpoints.
 CHAIN_AUTO_FAMILIES = ("scalar", "diag", "delta")
 
 
 def chain_on(chain: str, mixer, device: torch.device) -> bool:
-    """Whether this linear layer runs its events as one kernels.seam_chain call."""
-    if chain == "off":
+    """Whether this linear layer runs its events as one kernels.seam_chain call (never for
+    a family the kernel lacks, `kda`, even with `chain="on"`: the per-event path)."""
+    if chain == "off" or mixer.family not in CHAIN_FAMILIES:
         return False
     if chain == "on":
         return True
@@ -79,11 +81,11 @@ def _chain_layer_rows(events, layer: int, family: str, num_heads: int, mixer=Non
             kind, e = SET, part.state
         elif piece.linear == "add":
             kind, e = ADD, part.tail_state
-        elif family == "delta" and (part.tail_transition is None or not part.live_heads):
+        elif family in DENSE_FAMILIES and (part.tail_transition is None or not part.live_heads):
             kind, e = SET, part.tail_state
         else:
             kind, e = COMPOSE, part.tail_state
-            heads = part.live_heads if family == "delta" else range(num_heads)
+            heads = part.live_heads if family in DENSE_FAMILIES else range(num_heads)
             r = list(none)
             for j, hd in enumerate(heads):
                 r[hd] = n_t + j

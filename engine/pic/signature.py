@@ -15,7 +15,7 @@ recomputed in context when the segment is spliced after another one, and a tail
 | sliding window | `k`, `v` | `[m, Hkv, D]`, m = min(a+n, w) | the last m alone positions (`first_pos` = a+n-m) |
 | linear | `state` | `[H, dk, dv]` | E: the state at the end of the alone pass (anchor included); optional |
 | linear | `tail_state` | `[H, dk, dv]` | E_tail: the state over tail tokens only, from zero |
-| linear | `tail_transition` | scalar `[H]`, diag `[H, dk]` (log-decay sums), delta `[h', dk, dk]` | T_tail over the tail tokens |
+| linear | `tail_transition` | scalar `[H]`, diag `[H, dk]` (log-decay sums), delta and kda `[h', dk, dk]` | T_tail over the tail tokens |
 | linear | `conv_tail` | `[C, r]`, r = min(a+n, conv-1) | the last r pre-conv inputs |
 
 Delta-rule operators are stored only for the heads whose decay product over the tail has
@@ -36,7 +36,9 @@ import torch
 from engine.pic.errors import SignatureFormatError
 
 FORMAT = "pic-signature-v1"
-FAMILIES = ("scalar", "diag", "delta")
+FAMILIES = ("scalar", "diag", "delta", "kda")
+#: families whose T_tail is a dense `[H, dk, dk]` (stored for the live heads only)
+DENSE_FAMILIES = ("delta", "kda")
 
 
 @dataclass
@@ -82,7 +84,7 @@ class LinearPart:
     def transition_f32(self) -> torch.Tensor:
         """T_tail in the form kernels.state_compose takes, float32: log sums `[H]` /
         `[H, dk]`, or the dense `[H, dk, dk]` with forgotten heads as exact zeros."""
-        if self.family != "delta":
+        if self.family not in DENSE_FAMILIES:
             return self.tail_transition.float()
         h, dk = self.num_heads, int(self._ref.shape[1])
         if self.tail_transition is not None and self.live_heads is not None and len(self.live_heads) == h:

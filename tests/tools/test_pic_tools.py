@@ -21,6 +21,17 @@ def test_size_bound_equals_the_bytes_of_a_real_signature():
         assert bound_bytes(cfg, n, anchor=1, seam=16) == sig.bytes_by_part()
 
 
+def test_size_bound_equals_the_bytes_of_a_kda_and_mla_signature():
+    """Kimi Delta Attention (a dense transition per head) and MLA (expanded, padded K/V)."""
+    from tools.check_kda_gpu import tiny_kimi_config
+
+    cfg = tiny_kimi_config(64)
+    model = build_model(cfg, "cpu", torch.float32)
+    for n in (5, 40):
+        sig = compute_signature(model, list(range(65, 65 + n)), [256], split=min(n, 16))
+        assert bound_bytes(cfg, n, anchor=1, seam=16) == sig.bytes_by_part()
+
+
 def test_size_table_lists_every_requested_preset_and_length(capsys):
     assert sizes_main(["--presets", "qwen3next-bench,gemma3-tiny", "--lengths", "64,1024"]) == 0
     out = capsys.readouterr().out

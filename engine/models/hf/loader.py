@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from engine.errors import UnsupportedConfigError, WeightsError
-from engine.models.hf import bailing, gemma3, nemotron_h, qwen3
+from engine.models.hf import bailing, bailing_hybrid, gemma3, kimi_linear, nemotron_h, qwen3
 from engine.models.hf.checkpoint import CONFIG_FILE, CheckpointTensors, read_json
 from engine.models.hf.common import Conversion, check_all_used
 from engine.models.hf.fields import ConfigFields
@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, Converter] = {
     **{t: gemma3.convert for t in gemma3.MODEL_TYPES},
     **{t: nemotron_h.convert for t in nemotron_h.MODEL_TYPES},
     **{t: bailing.convert for t in bailing.MODEL_TYPES},
+    **{t: kimi_linear.convert for t in kimi_linear.MODEL_TYPES},
+    **{t: bailing_hybrid.convert for t in bailing_hybrid.MODEL_TYPES},
 }
 #: multimodal wrappers: outer model_type -> the text model_type their text_config holds
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text"}
@@ -135,13 +137,23 @@ def keep_norms_float32(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     would lose w's low bits (bf16 spacing near 1 is 2^-7). RMSNorm takes a weight of
     another dtype than its input and computes in float32. A sigmoid router (Ring-linear)
     keeps its weight and expert bias float32 too: it scores in float32, and the expert
-    choice compares biased scores."""
+    choice compares biased scores. Kimi Delta Attention keeps `dt_bias` (float32 in the
+    checkpoint, as transformers keeps it) and `A_log` float32: the decay is computed in
+    float32 from them. A short conv marked `float32` (Ling 3) keeps its weight float32."""
+    from engine.models.layers.conv import ShortConv
+    from engine.models.layers.kda import KimiDeltaAttention
     from engine.models.layers.moe import SparseMoE
     from engine.models.layers.norm import RMSNorm
 
     for name, module in model.named_modules():
         if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
             module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
+        if isinstance(module, ShortConv) and module.float32:
+            module.weight.data = state[f"{name}.weight"].to(device=module.weight.device, dtype=torch.float32)
+        if isinstance(module, KimiDeltaAttention):
+            for key in ("dt_bias", "A_log"):
+                p = getattr(module, key)
+                p.data = state[f"{name}.{key}"].to(device=p.device, dtype=torch.float32)
         if isinstance(module, SparseMoE) and module.scoring == "sigmoid":
             for key, p in (("router.weight", module.router.weight), ("router_bias", module.router_bias)):
                 if p is not None and p.dtype != torch.float32:

@@ -213,14 +213,8 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 class Attention(TokenMixer):
     def __init__(self, cfg: ModelConfig, kind: str) -> None:
         super().__init__()
+        self._init_geometry(cfg, kind)
         a = cfg.attention
-        self.kind = kind
-        self.num_heads = a.num_heads
-        self.num_kv_heads = a.num_kv_heads
-        self.head_dim = a.head_dim
-        self.window = a.sliding_window if kind == SWA else None
-        self.output_gate = a.output_gate
-        self.scale = a.softmax_scale
         q_out = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
         kv_out = a.num_kv_heads * a.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
@@ -229,6 +223,17 @@ class Attention(TokenMixer):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps) if a.qk_norm else None
+
+    def _init_geometry(self, cfg: ModelConfig, kind: str) -> None:
+        """Heads, window, scale and RoPE settings (everything but the projections)."""
+        a = cfg.attention
+        self.kind = kind
+        self.num_heads = a.num_heads
+        self.num_kv_heads = a.num_kv_heads
+        self.head_dim = a.head_dim
+        self.window = a.sliding_window if kind == SWA else None
+        self.output_gate = a.output_gate
+        self.scale = a.softmax_scale
         self.rotary_dim = a.rotary_dim
         self.rope_theta = a.swa_rope_theta if (kind == SWA and a.swa_rope_theta) else a.rope_theta
         self.rope_linear_factor = a.rope_linear_factor
@@ -238,7 +243,7 @@ class Attention(TokenMixer):
     def inv_freq(self) -> torch.Tensor:
         """float32 RoPE inverse frequencies on the layer's device. Not a buffer, so casting the
         model to bf16 never degrades the angles."""
-        device = self.q_proj.weight.device
+        device = self.o_proj.weight.device
         if device not in self._inv_freq:
             inv = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
             self._inv_freq[device] = inv if self.window is not None else inv / self.rope_linear_factor

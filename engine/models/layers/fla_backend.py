@@ -9,6 +9,11 @@ default `[N, H, K, V]` layout (`state_v_first=False`) with `initial_state` float
 | `delta`  | `chunk_gated_delta_rule(q,k,v,g,beta)`       | `fused_recurrent_gated_delta_rule`   |
 | `diag`   | `chunk_gla(q,k,v,g)`                         | `fused_recurrent_gla(gk=g)`          |
 | `scalar` | `chunk_simple_gla(q,k,v,g)`                  | `fused_recurrent_simple_gla(g=g)`    |
+| `kda`    | `chunk_kda(q,k,v,g,beta)`                    | `fused_recurrent_kda(q,k,v,g,beta)`  |
+
+`kda` (Kimi Delta Attention) runs through fla only when `fla.ops.kda` imports
+(`fla_has_kda`); otherwise `LinearMixer.run_recurrence` takes the torch path for it. The
+fla path for `kda` has not been run here (no GPU in CI): only the torch path is tested.
 
 q/k are passed already L2-normalised where the layer wants it (the in-kernel l2norm flag
 stays off), beta already through its sigmoid. fla is used only when CUDA is available and
@@ -48,6 +53,23 @@ def fla_importable() -> bool:
     except Exception:  # any import failure (missing package, triton mismatch) -> torch path
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def fla_has_kda() -> bool:
+    """Whether fla-core has the Kimi Delta Attention kernels (`fla.ops.kda`, fla-core 0.6)."""
+    if not fla_importable():
+        return False
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
+    except Exception:  # an fla without kda (older) -> torch path for kda layers
+        return False
+    return True
+
+
+def has_kernel(family: str) -> bool:
+    """Whether `fla_chunk` / `fla_recurrent` serve `family` (fla assumed importable)."""
+    return family != "kda" or fla_has_kda()
 
 
 def import_in_background() -> threading.Thread:
@@ -157,6 +179,10 @@ def fla_chunk(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | 
         beta = inp.beta.to(v.dtype).contiguous()
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=s0,
                                       output_final_state=True, **var)
+    elif family == "kda":
+        from fla.ops.kda import chunk_kda
+        beta = inp.beta.to(v.dtype).contiguous()
+        o, s = chunk_kda(q, k, v, g, beta, scale=inp.scale, initial_state=s0, output_final_state=True, **var)
     elif family in ("diag", "scalar"):
         from fla.ops.gla import chunk_gla
         from fla.ops.simple_gla import chunk_simple_gla
@@ -186,6 +212,10 @@ def fla_recurrent(family: str, inp: RecurrenceInputs,
         beta = inp.beta.to(v.dtype).contiguous()
         o, s = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=inp.scale,
                                                 initial_state=s0, output_final_state=True)
+    elif family == "kda":
+        from fla.ops.kda import fused_recurrent_kda
+        beta = inp.beta.to(v.dtype).contiguous()
+        o, s = fused_recurrent_kda(q, k, v, g, beta, scale=inp.scale, initial_state=s0, output_final_state=True)
     elif family == "diag":
         from fla.ops.gla import fused_recurrent_gla
         o, s = fused_recurrent_gla(q, k, v, gk=g, scale=inp.scale, initial_state=s0,

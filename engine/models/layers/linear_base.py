@@ -19,7 +19,7 @@ them rather than assume offset 0.
 state and returns (o, final state), through torch (chunked form, or the single-token step)
 or fla. For PIC: the end state from zero `E` is `run_recurrence(inp, None, ...)[1]`, the
 transition operator is `linear_ops.transition_operator(self.family, inp)` (log-decay sums
-for scalar/diag, a dense `[H, dk, dk]` for delta), and a slot is read/set through
+for scalar/diag, a dense `[H, dk, dk]` for delta and kda), and a slot is read/set through
 `StateSlotCache.get_state/set_state/get_conv_tail/set_conv_tail`.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers import fla_backend
 from engine.models.layers.base import DecodeContext, PrefillContext, TokenMixer
 from engine.models.layers.conv import ShortConv
-from engine.models.layers.linear_ops import (RecurrenceInputs, chunked_recurrence, recurrent_step,
+from engine.models.layers.linear_ops import (DENSE_FAMILIES, RecurrenceInputs, chunked_recurrence, recurrent_step,
                                              transition_operator)
 from engine.models.layers.norm import l2_normalize  # noqa: F401 - re-exported (layers import it here)
 
@@ -65,7 +65,8 @@ class LinearMixer(TokenMixer):
         self.value_dim = lin.value_dim
         self.chunk_size = lin.chunk_size
         width = lin.conv_width(kind)
-        self.conv = ShortConv(conv_channels, width, bias=conv_bias) if width and conv_channels else None
+        self.conv = ShortConv(conv_channels, width, bias=conv_bias, float32=lin.conv_float32) \
+            if width and conv_channels else None
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -100,21 +101,21 @@ class LinearMixer(TokenMixer):
 
     def run_recurrence(self, inp: RecurrenceInputs, state: torch.Tensor | None, backend: str,
                        step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if backend == "fla":
+        if backend == "fla" and fla_backend.has_kernel(self.family):
             fn = fla_backend.fla_recurrent if step else fla_backend.fla_chunk
             return fn(self.family, inp, state)
-        if step:
+        if step and inp.q.shape[1] == 1:  # (fla's token-recurrent form takes any T; torch's one token)
             return recurrent_step(self.family, inp, state)
         return chunked_recurrence(self.family, inp, state, self.chunk_size)
 
     def transition_operator(self, inp: RecurrenceInputs, backend: str = "torch") -> torch.Tensor:
         """T of the tokens in `inp` (see linear_ops.transition_operator). For the delta rule on
         fla it runs fla's chunk kernel from S0 = I with v = 0, as HYPIC does."""
-        if backend == "fla" and self.family == "delta":
+        if backend == "fla" and self.family in DENSE_FAMILIES and fla_backend.has_kernel(self.family):
             b, t, h, kd, _ = inp.shape
             eye = torch.eye(kd, dtype=torch.float32, device=inp.k.device).expand(b, h, kd, kd).contiguous()
             probe = replace(inp, v=torch.zeros(b, t, h, kd, dtype=inp.v.dtype, device=inp.v.device))
-            return fla_backend.fla_chunk("delta", probe, eye)[1]
+            return fla_backend.fla_chunk(self.family, probe, eye)[1]
         return transition_operator(self.family, inp, self.chunk_size)
 
     def summarize_segment(self, h: torch.Tensor, backend: str = "torch") -> LinearSegmentSummary:

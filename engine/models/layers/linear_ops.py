@@ -2,7 +2,7 @@
 reference), a chunked parallel-within-chunk form (the CPU prefill path), and the
 segment transition operator T that position-independent caching needs.
 
-All three families share one recurrence over a state S of shape `[B, H, K, V]` (float32;
+All four families share one recurrence over a state S of shape `[B, H, K, V]` (float32;
 fla's `[N, H, K, V]` orientation):
 
     S_t = T_t S_{t-1} + u_t,         o_t = S_t^T (scale * q_t)
@@ -12,6 +12,11 @@ fla's `[N, H, K, V]` orientation):
 | `scalar` | exp(g_t) I                           | k_t v_t^T          | `[B, T, H]`     |
 | `diag`   | diag(exp(g_t))                       | k_t v_t^T          | `[B, T, H, K]`  |
 | `delta`  | exp(g_t) (I - beta_t k_t k_t^T)      | beta_t k_t v_t^T   | `[B, T, H]`     |
+| `kda`    | (I - beta_t k_t k_t^T) diag(exp(g_t))| beta_t k_t v_t^T   | `[B, T, H, K]`  |
+
+`kda` is Kimi Delta Attention (Kimi-Linear): the delta rule with a per-key-channel decay,
+applied before the delta update as the reference does (decay the state, then read and
+correct it); its transition, like `delta`'s, is a dense `[H, K, K]` matrix.
 
 Inputs are time-first `[B, T, H, D]` like fla. Every exponent computed here is a difference
 of cumulative log decays taken over j <= i, so it is <= 0: long sequences whose decay
@@ -25,7 +30,8 @@ import torch
 
 # The inputs record, the family check and the token-by-token reference live in
 # kernels.recurrence (the seam-chain kernel is tested against them); re-exported here.
-from kernels.recurrence import FAMILIES, RecurrenceInputs, check_family, checked_state, naive_recurrence  # noqa: F401
+from kernels.recurrence import (CHANNEL_DECAY_FAMILIES, DENSE_FAMILIES, FAMILIES, RecurrenceInputs,  # noqa: F401
+                                check_family, checked_state, naive_recurrence)
 
 
 def recurrent_step(family: str, inp: RecurrenceInputs,
@@ -96,6 +102,29 @@ def _chunk_delta(q, k, v, g, beta, s):
     return o, s
 
 
+def _chunk_kda(q, k, v, g, beta, s):
+    # _chunk_delta with a per-channel decay. G_i [K] the cumulative log decay (inclusive),
+    # u_i = beta_i (v_i - (diag(Gamma_i) S0 + sum_{j<i} diag(Gamma_i/Gamma_j) k_j u_j^T)^T k_i):
+    # (I + L) U = diag(beta) V - diag(beta) (K * Gamma) S0, L_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc}, j < i.
+    big_g, diff, to_end = _cumulative(g, -2)  # g [B,H,L,K]; diff [B,H,L,L,K]
+    n = g.shape[-2]
+    incl = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
+    strict = incl.clone()
+    strict.fill_diagonal_(False)
+    decay_incl = torch.exp(diff.masked_fill(~incl[..., None], float("-inf")))
+    gamma = torch.exp(big_g)
+    kk = torch.einsum("bhik,bhjk,bhijk->bhij", k, k, decay_incl) * strict
+    lower = beta[..., :, None] * kk
+    eye = torch.eye(n, dtype=q.dtype, device=q.device)
+    a = eye + lower
+    w = torch.linalg.solve_triangular(a, beta[..., None] * k * gamma, upper=False, unitriangular=True)
+    u0 = torch.linalg.solve_triangular(a, beta[..., None] * v, upper=False, unitriangular=True)
+    u = u0 - w @ s
+    o = (q * gamma) @ s + torch.einsum("bhik,bhjk,bhijk->bhij", q, k, decay_incl) @ u
+    s = torch.exp(big_g[..., -1:, :]).transpose(-1, -2) * s + (k * torch.exp(to_end)).transpose(-1, -2) @ u
+    return o, s
+
+
 def chunked_recurrence(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | None = None,
                        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Parallel-within-chunk form, float32; equals `naive_recurrence` up to rounding.
@@ -119,6 +148,8 @@ def chunked_recurrence(family: str, inp: RecurrenceInputs, initial_state: torch.
             o, s = _chunk_scalar(qc, kc, vc, gc, s)
         elif family == "diag":
             o, s = _chunk_diag(qc, kc, vc, gc, s)
+        elif family == "kda":
+            o, s = _chunk_kda(qc, kc, vc, gc, beta[:, :, c0:c1], s)
         else:
             o, s = _chunk_delta(qc, kc, vc, gc, beta[:, :, c0:c1], s)
         outs.append(o)
@@ -135,7 +166,8 @@ def transition_operator(family: str, inp: RecurrenceInputs, chunk_size: int = 64
 
     scalar: total log decay `[B, H]`; diag: total log decay `[B, H, K]`;
     delta: dense `[B, H, K, K]` float32 = prod_t exp(g_t)(I - beta_t k_t k_t^T) (later
-    tokens on the left), computed by running the same recurrence from S0 = I with v = 0.
+    tokens on the left), computed by running the same recurrence from S0 = I with v = 0;
+    kda: the same with the factors (I - beta_t k_t k_t^T) diag(exp(g_t)).
     """
     check_family(family, inp)
     if family in ("scalar", "diag"):
@@ -154,14 +186,21 @@ def end_state_from_zero(family: str, inp: RecurrenceInputs) -> torch.Tensor:
     for scalar/diagonal decay: E = sum_t exp(A_t) k_t v_t^T, A_t the log decays after token t
     (summed from the end, so no large sums are differenced). One einsum, no recurrence."""
     check_family(family, inp)
-    if family == "delta":
-        raise ValueError("end_state_from_zero: the delta rule's end state needs the recurrence")
+    if family in DENSE_FAMILIES:
+        raise ValueError(f"end_state_from_zero: the {family} family's end state needs the recurrence")
     g = inp.log_decay.to(torch.float32)  # [B, T, H] or [B, T, H, K]
     suffix = g.flip(1).cumsum(1).flip(1)  # sum over s >= t
     after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], dim=1)  # s > t
     w = after.exp()
     k = inp.k.to(torch.float32) * (w[..., None] if family == "scalar" else w)
     return torch.einsum("bthk,bthv->bhkv", k, inp.v.to(torch.float32))
+
+
+def head_log_sums(family: str, log_sums: torch.Tensor) -> torch.Tensor:
+    """Per-head log-decay sums `[..., H]` of a range from its family's sums (`[..., H]`, or
+    `[..., H, K]` per channel): for a per-channel decay, the channel that decayed least. A
+    head whose value is below float32's range has forgotten everything before the range."""
+    return log_sums.amax(-1) if family in CHANNEL_DECAY_FAMILIES else log_sums
 
 
 def padded_ranges(ranges, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,8 +227,8 @@ def end_states_and_log_sums(family: str, inp: RecurrenceInputs, idx: torch.Tenso
     K, V]` run from zero (`end_state_from_zero`'s one sum per range, batched) and the
     log-decay sums `[n, H]` / `[n, H, K]`. A fixed number of ops whatever n."""
     check_family(family, inp)
-    if family == "delta":
-        raise ValueError("end_states_and_log_sums: the delta rule's end state needs the recurrence")
+    if family in DENSE_FAMILIES:
+        raise ValueError(f"end_states_and_log_sums: the {family} family's end state needs the recurrence")
     m = valid.to(torch.float32)
     g = inp.log_decay[0].to(torch.float32)[idx]  # [n, L, H] or [n, L, H, K]
     g = g * (m[..., None] if family == "scalar" else m[..., None, None])
@@ -207,6 +246,6 @@ def apply_transition(family: str, transition: torch.Tensor, state: torch.Tensor)
         return torch.exp(transition)[..., None, None] * state
     if family == "diag":
         return torch.exp(transition)[..., :, None] * state
-    if family == "delta":
+    if family in DENSE_FAMILIES:
         return transition @ state
     raise ValueError(f"recurrence family={family!r} must be one of {FAMILIES}")

@@ -18,9 +18,9 @@ def random_inputs(family: str, t: int, decay_strength: float = 1.0, seed: int = 
     q = torch.randn(B, t, H, K, generator=g)
     k = F.normalize(torch.randn(B, t, H, K, generator=g), dim=-1)
     v = torch.randn(B, t, H, V, generator=g)
-    shape = (B, t, H, K) if family == "diag" else (B, t, H)
+    shape = (B, t, H, K) if family in ("diag", "kda") else (B, t, H)
     log_decay = F.logsigmoid(torch.randn(shape, generator=g) + 2.0) * decay_strength
-    beta = torch.rand(B, t, H, generator=g) if family == "delta" else None
+    beta = torch.rand(B, t, H, generator=g) if family in ("delta", "kda") else None
     return RecurrenceInputs(q=q, k=k, v=v, log_decay=log_decay, beta=beta, scale=K ** -0.5)
 
 
@@ -172,3 +172,67 @@ def test_end_states_of_padded_ranges_match_one_sum_per_range(family):
         part = inp.slice_time(a, b)
         torch.testing.assert_close(E[i], end_state_from_zero(family, part)[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logs[i], part.log_decay[0].sum(dim=0), rtol=1e-5, atol=1e-5)
+
+
+def test_kda_transition_is_the_product_of_the_reference_factors():
+    """kda's T = prod_t (I - beta_t k_t k_t^T) diag(exp(g_t)), later tokens on the left: the
+    decay acts on the state before the delta update reads it, as Kimi-Linear's reference."""
+    inp = random_inputs("kda", 6, seed=9)
+    want = torch.eye(K).expand(B, H, K, K).clone()
+    for t in range(6):
+        k, beta = inp.k[:, t].float(), inp.beta[:, t].float()
+        step = (torch.eye(K) - beta[..., None, None] * k[..., :, None] * k[..., None, :]) \
+            * torch.exp(inp.log_decay[:, t].float())[..., None, :]
+        want = step @ want
+    torch.testing.assert_close(transition_operator("kda", inp, chunk_size=4), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(transition_operator("kda", inp, naive=True), want, rtol=1e-5, atol=1e-6)
+
+
+def test_kda_matches_the_kimi_linear_reference_functions():
+    """Our kda family (loop and chunked) against transformers' torch reference of Kimi Delta
+    Attention (recurrent and chunked), from a nonzero state, q/k normalised beforehand."""
+    import inspect
+
+    ref = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    recurrent = inspect.unwrap(ref.recurrent_kimi_delta_attention)  # the torch function, not fla's
+    chunk = inspect.unwrap(ref.chunk_kimi_delta_attention)
+    inp = random_inputs("kda", 37, seed=10)
+    s0 = random_state()
+    args = (inp.q * (inp.scale * K ** 0.5), inp.k, inp.v, inp.log_decay, inp.beta)
+    o_ref, s_ref = recurrent(*args, initial_state=s0.clone(), output_final_state=True)
+    o_chunk_ref, s_chunk_ref = chunk(*args, chunk_size=16, initial_state=s0.clone(), output_final_state=True)
+    for family_form in (naive_recurrence("kda", inp, s0), chunked_recurrence("kda", inp, s0, 8)):
+        torch.testing.assert_close(family_form[0], o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(family_form[1], s_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o_chunk_ref, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_chunk_ref, s_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kda_matches_fla_fused_recurrent_kernel():
+    """Pins the kda conventions (state orientation, per-channel decay before the update,
+    scale) against fla-core's fused_recurrent_kda (Triton interpreter on CPU), also through
+    the engine's fla dispatch."""
+    fla_kda = pytest.importorskip("fla.ops.kda", reason="fla-core with kda is not installed in this environment")
+    inp = random_inputs("kda", 11, seed=11)
+    s0 = random_state()
+    o_ref, s_ref = naive_recurrence("kda", inp, s0)
+    o_fla, s_fla = fla_kda.fused_recurrent_kda(
+        inp.q.contiguous(), inp.k.contiguous(), inp.v.contiguous(), inp.log_decay.contiguous(),
+        inp.beta.contiguous(), scale=inp.scale, initial_state=s0.clone(), output_final_state=True)
+    torch.testing.assert_close(o_fla, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_fla, s_ref, rtol=1e-5, atol=1e-5)
+    from engine.models.layers.fla_backend import fla_recurrent
+    o_eng, s_eng = fla_recurrent("kda", inp, s0)
+    torch.testing.assert_close(o_eng, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_eng, s_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kda_needs_per_channel_decay_and_beta():
+    inp = random_inputs("delta", 4)
+    with pytest.raises(ValueError, match="kda log_decay must have 4 dims"):
+        naive_recurrence("kda", inp)
+    chan = random_inputs("diag", 4)
+    with pytest.raises(ValueError, match="kda family needs beta"):
+        chunked_recurrence("kda", chan)
+    with pytest.raises(ValueError, match="kda"):
+        end_state_from_zero("kda", random_inputs("kda", 4))

@@ -23,11 +23,16 @@ ATTN = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, rotary_dim=4, sl
                        output_gate=True, qk_norm=True)
 LIN = LinearConfig(num_heads=2, num_v_heads=4, key_dim=8, value_dim=8, conv_size=3, chunk_size=8,
                    conv_kinds=("gdn", "mamba2"))
+#: the linear shapes of a model with kda layers (as many value heads as key heads, values as
+#: wide as keys; its conv on)
+KDA_LIN = LinearConfig(num_heads=2, num_v_heads=2, key_dim=8, value_dim=8, conv_size=3, chunk_size=8,
+                       conv_kinds=("gdn", "mamba2", "kda"))
 
 
 def pic_config(layers, **overrides) -> ModelConfig:
     base = dict(name="pic-test", family="test", scale="custom", vocab_size=VOCAB, hidden_size=32,
-                intermediate_size=64, layers=tuple(layers), attention=ATTN, linear=LIN, max_position_embeddings=8192)
+                intermediate_size=64, layers=tuple(layers), attention=ATTN,
+                linear=KDA_LIN if "kda" in layers else LIN, max_position_embeddings=8192)
     base.update(overrides)
     return ModelConfig(**base)
 

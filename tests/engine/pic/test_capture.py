@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2, SWA
 from engine.pic.capture import ORIGIN
 from engine.pic.compute import compute_signature
 from engine.pic.errors import PicConfigError
@@ -120,7 +120,8 @@ def test_a_later_capture_is_never_spliced_whole_at_the_start(layers, model_of, r
     assert (run.logits[-1] - ref.logits[-1]).abs().max() > 0  # the tail came from the other context
 
 
-@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, FULL], [LIGHTNING, FULL], [KDA, FULL, KDA]],
+                         ids=["gdn", "gla", "lightning", "kda"])
 def test_the_fla_path_captures_what_the_torch_path_captures(layers, model_of, runner_of, planner_of, monkeypatch):
     """On fla (emulated by the torch recurrence) the tails come from one varlen call per
     layer for every capture (the delta rule's operators from the same call), through the
@@ -179,7 +180,8 @@ def test_context_keys_never_mix_with_alone_keys_and_the_option_is_validated(mode
         planner_of(model, fused=True, miss_path="context", miss_signatures="later")
 
 
-@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, SWA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+@pytest.mark.parametrize("layers", [[GDN, FULL, GDN], [GLA, SWA, FULL], [LIGHTNING, FULL], [KDA, FULL, KDA]],
+                         ids=["gdn", "gla", "lightning", "kda"])
 def test_on_fla_a_captured_signature_spliced_back_into_its_context_gives_the_in_context_computation(
         layers, model_of, runner_of, planner_of, monkeypatch):
     """The CUDA path's structure (fla emulated, seam chain on, long ranges): the batched

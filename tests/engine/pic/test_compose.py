@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2
-from engine.models.layers.linear_ops import apply_transition, naive_recurrence, transition_operator
+from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2
+from engine.models.layers.linear_ops import DENSE_FAMILIES, apply_transition, naive_recurrence, transition_operator
 from engine.pic.signature import LinearPart
 from pic_testlib import execute, layer0_inputs, make_request, rand_ids
 
-KINDS = [GDN, GLA, LIGHTNING, MAMBA2]
+KINDS = [GDN, GLA, LIGHTNING, MAMBA2, KDA]
 SEAM = 4
 
 
@@ -27,7 +27,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def strengthen_decay(model, kind) -> None:
     """Per-head decays from gentle to brutal, so long segments underflow in some heads."""
     m = model.mixer(0)
-    if kind in (GDN, MAMBA2):
+    if kind in (GDN, MAMBA2, KDA):
         h = m.A_log.numel()
         m.A_log.copy_(torch.linspace(math.log(0.01), math.log(30.0), h))
         m.dt_bias.zero_()
@@ -69,7 +69,7 @@ def test_composition_stays_exact_with_long_segments_whose_decay_underflows(kind,
     a = 1 + len(docs[0])
     log_sum = inp.log_decay[0, a + SEAM:a + len(docs[1])].sum(0)
     assert (log_sum.min() < -200) and (log_sum.max() > -87)
-    if family == "delta":  # forgotten heads store no operator
+    if family in DENSE_FAMILIES:  # forgotten heads store no operator
         (sig,) = [s for s, _ in planner.cache._entries.values() if s.num_tokens == len(docs[1])]
         part: LinearPart = sig.layers[0]
         assert 0 < len(part.live_heads) < part.num_heads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import FULL, GDN, GLA, LIGHTNING, MAMBA2, SWA
+from engine.models.config import FULL, GDN, GLA, KDA, LIGHTNING, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import AttentionPart, LinearPart, SegmentSignature
@@ -143,7 +143,8 @@ def test_several_segments_keep_forgotten_delta_heads_out_of_the_operator(model_o
 
 
 @pytest.mark.parametrize("tail_states", ["direct", "fla"])
-@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL], [LIGHTNING, FULL]], ids=["gdn", "gla", "lightning"])
+@pytest.mark.parametrize("layers", [[GDN, FULL, SWA], [GLA, FULL], [LIGHTNING, FULL], [KDA, FULL]],
+                         ids=["gdn", "gla", "lightning", "kda"])
 def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(layers, tail_states, model_of,
                                                                               monkeypatch):
     """On fla the delta tails' E_tail and T come from ONE call started at [0 | I] with
@@ -165,7 +166,41 @@ def test_the_fla_branches_fused_tails_and_settled_heads_match_the_torch_pass(lay
     alone = AlonePass(model, segs, [256], backend="fla", tail_states=tail_states)
     assert alone.run()
     linear = sum(1 for p in alone.parts[0] if hasattr(p, "live_heads"))
-    if layers[0] == GDN:  # one pending operator set per delta layer until signatures() settles them
+    if layers[0] in (GDN, KDA):  # one pending operator set per dense-transition layer until signatures() settles them
         assert len(alone.pending) == linear and all(p.live_heads is None for p in alone.parts[0][:1])
         alone.signatures()
         assert not alone.pending and alone.parts[0][0].live_heads
+
+
+@pytest.mark.parametrize("tail_states", ["direct", "fla"])
+def test_kda_on_an_fla_without_kda_kernels_takes_the_torch_forms(tail_states, model_of, runner_of, planner_of,
+                                                                monkeypatch):
+    """An fla-core without `fla.ops.kda`: on the fla backend the kda layers never call fla
+    (the packed alone pass, its tails, the one-pass PIC prefill with its short recurrent
+    ranges all take the torch forms) and give the torch backend's signatures and logits."""
+    from engine.models.layers import fla_backend
+    from engine.pic.compute import compute_signatures
+    from pic_testlib import execute, make_request
+
+    def no_fla(*args, **kwargs):
+        raise AssertionError("fla called for a kda layer")
+
+    monkeypatch.setattr(fla_backend, "fla_has_kda", lambda: False)
+    monkeypatch.setattr(fla_backend, "fla_chunk", no_fla)
+    monkeypatch.setattr(fla_backend, "fla_recurrent", no_fla)
+    model = model_of([KDA, FULL, KDA])
+    segs = [(rand_ids(19, 1), 4), (rand_ids(9, 2), 0), (rand_ids(12, 4), 3)]
+    want = compute_signatures(model, segs, [256], backend="torch")
+    for g, w in zip(compute_signatures(model, segs, [256], backend="fla", tail_states=tail_states), want):
+        _same_signature(g, w)
+    docs, question = [rand_ids(n, 30 + n) for n in (11, 7, 13)], rand_ids(5, 9)
+    logits = {}
+    for backend in ("torch", "fla"):
+        runner = runner_of(model)
+        runner.backend = backend
+        planner = planner_of(model, fused=True, seam=4)
+        for order in ((0, 1, 2), (2, 0, 1)):
+            got = execute(planner, runner, make_request([(docs[i], True) for i in order] + [(question, False)]))
+            logits[backend, order] = got.logits[-1]
+    for order in ((0, 1, 2), (2, 0, 1)):
+        torch.testing.assert_close(logits["fla", order], logits["torch", order], rtol=1e-5, atol=1e-5)

@@ -70,7 +70,7 @@ def save_checkpoint(model, directory: Path, eos_ids: list[int], shard: bool = Fa
 
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
-MODELING = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h"]
+MODELING = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "nemotron_h", "kimi_linear", "bailing_hybrid"]
 
 
 def import_reference_modeling() -> None:
@@ -113,8 +113,9 @@ def tiny_bailing(vocab: int, seed: int = 0, **fields):
     return model.float().eval()
 
 
-def tiny_model(arch: str, vocab: int, seed: int = 0):
-    """A transformers model of `arch` with a tiny random config (fp32, eval mode)."""
+def tiny_model(arch: str, vocab: int, seed: int = 0, **fields):
+    """A transformers model of `arch` with a tiny random config (fp32, eval mode); `fields`
+    override the config (kimi_linear only)."""
     if arch == "bailing_moe_linear":
         return tiny_bailing(vocab, seed)
     import_reference_modeling()
@@ -158,10 +159,44 @@ def tiny_model(arch: str, vocab: int, seed: int = 0):
             layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
                                "linear_attention", "linear_attention", "mlp"])
         model = tf.NemotronHForCausalLM(cfg)
+    elif arch == "kimi_linear":
+        cfg = tf.KimiLinearConfig(**{**KIMI_FIELDS, **fields})
+        model = tf.KimiLinearForCausalLM(cfg)
+    elif arch == "bailing_hybrid":
+        cfg = tf.BailingHybridConfig(**{**LING3_FIELDS, **fields})
+        model = tf.BailingHybridForCausalLM(cfg)
     else:
         raise ValueError(arch)
     randomize(model, seed + 1)
+    if arch in ("kimi_linear", "bailing_hybrid"):
+        with torch.no_grad():  # the router's choice bias is a buffer: give it values too
+            g = torch.Generator().manual_seed(seed + 2)
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None:
+                    gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape, generator=g) * 0.05)
     return model.float().eval()
+
+
+#: the tiny Kimi-Linear: KDA, KDA, MLA, KDA (the MLA with NoPE, v_head_dim != qk dims, no
+#: q LoRA), a dense first MLP, then MoE with 8 experts in 4 groups (top-2 groups, top-2
+#: experts) and a shared expert
+KIMI_FIELDS = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    n_shared_experts=1, linear_head_dim=16, linear_num_heads=4, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    max_position_embeddings=512,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+#: the tiny Ling 3 (bailing_hybrid): KDA (full-rank gates, safe gate), MLA with RoPE on the
+#: shared part and a head gate, every second layer (L F L F), one dense MLP then MoE
+LING3_FIELDS = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    n_shared_experts=1, head_dim=16, layer_group_size=2, first_k_dense_replace=1, pad_token_id=0,
+    eos_token_id=None, max_position_embeddings=512, rope_theta=50000.0, num_mtp_layers=0)
 
 
 def build(arch: str, directory: Path, shard: bool = False, seed: int = 0, with_bos: bool | None = None):

@@ -154,7 +154,8 @@ def test_a_checkpoint_without_a_chat_template_is_refused(checkpoint, tmp_path):
         render_segments(tok, req.messages)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "gemma3", "nemotron_h", "bailing_moe_linear"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "gemma3", "nemotron_h", "bailing_moe_linear",
+                                  "kimi_linear", "bailing_hybrid"])
 def test_chat_answers_the_openai_client_on_every_architecture(arch, tmp_path):
     """`kvengine serve --model` (no store) on each architecture's tiny checkpoint: the chat
     answer is transformers' greedy continuation of the template's rendering (qwen3_5 is
