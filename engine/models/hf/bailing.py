@@ -31,7 +31,7 @@ import torch
 from engine.errors import UnsupportedConfigError
 from engine.models.config import DENSE, FULL, LIGHTNING, MOE, AttentionConfig, LinearConfig, ModelConfig, MoEConfig
 from engine.models.hf.checkpoint import CheckpointTensors
-from engine.models.hf.common import Conversion, dense_mlp, moe_experts
+from engine.models.hf.common import Conversion, dense_mlp, moe_experts, take_ends
 from engine.models.hf.fields import ConfigFields
 
 MODEL_TYPES = ("bailing_moe_linear",)
@@ -129,12 +129,7 @@ def convert(f: ConfigFields, t: CheckpointTensors, model_type: str, name: str, p
     a = cfg.attention
     q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     state: dict[str, torch.Tensor] = {}
-    state["embed.weight"] = t.take(f"{prefix}word_embeddings.weight")
-    state["norm.weight"] = t.take(f"{prefix}norm.weight")
-    if not cfg.tie_embeddings:
-        state["lm_head.weight"] = t.take("lm_head.weight")
-    elif "lm_head.weight" in t:
-        t.take("lm_head.weight")  # a tied head saved anyway: the embedding is used
+    take_ends(t, state, cfg.tie_embeddings, f"{prefix}word_embeddings.weight", f"{prefix}norm.weight")
     for i, kind in enumerate(cfg.layers):
         src, dst = f"{prefix}layers.{i}", f"blocks.{i}"
         att, mix = f"{src}.attention", f"{dst}.mixer"

@@ -29,7 +29,7 @@ from engine.errors import UnsupportedConfigError
 from engine.models.config import FULL, KDA, MOE, LinearConfig, ModelConfig
 from engine.models.hf.checkpoint import CheckpointTensors
 from engine.models.hf.common import Conversion, dense_mlp, layer_kinds, legacy_rope_parameters, moe_experts, \
-    rope_settings
+    rope_settings, take_ends
 from engine.models.hf.fields import ConfigFields
 from engine.models.hf.kimi_linear import (LAYER_KIND, aliased, grouped_sigmoid_moe, kda_weights, mla_attention,
                                           mla_weights, mlp_kinds)
@@ -90,12 +90,7 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
 def convert(f: ConfigFields, t: CheckpointTensors, model_type: str, name: str, prefix: str) -> Conversion:
     cfg = model_config(f, name)
     state: dict[str, torch.Tensor] = {}
-    state["embed.weight"] = t.take(f"{prefix}word_embeddings.weight")
-    state["norm.weight"] = t.take(f"{prefix}norm.weight")
-    if not cfg.tie_embeddings:
-        state["lm_head.weight"] = t.take("lm_head.weight")
-    elif "lm_head.weight" in t:
-        t.take("lm_head.weight")  # a tied head saved anyway: the embedding is used
+    take_ends(t, state, cfg.tie_embeddings, f"{prefix}word_embeddings.weight", f"{prefix}norm.weight")
     for i, kind in enumerate(cfg.layers):
         src, dst = f"{prefix}layers.{i}", f"blocks.{i}"
         att, mix = f"{src}.attention", f"{dst}.mixer"

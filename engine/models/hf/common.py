@@ -94,21 +94,38 @@ def dense_mlp(t: CheckpointTensors, src: str, dst: str, state: dict[str, torch.T
     state[f"{dst}.down.weight"] = t.take(f"{src}.down_proj.weight")
 
 
-def moe_experts(t: CheckpointTensors, src: str, dst: str, num_experts: int, state: dict[str, torch.Tensor]) -> None:
-    """Experts under `src.experts`, per expert (`experts.<e>.gate_proj.weight`, the hub
-    layout) or fused (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`) ->
-    our `experts_gate_up` / `experts_down` under `dst`."""
+def moe_experts(t: CheckpointTensors, src: str, dst: str, num_experts: int, state: dict[str, torch.Tensor],
+                names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """Experts under `src.experts`, per expert (`experts.<e>.<gate>.weight`, ..., the hub
+    layout; `names` = the gate, up and down projections' names) or fused
+    (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`) -> our
+    `experts_gate_up` / `experts_down` under `dst`."""
     if f"{src}.experts.gate_up_proj" in t:
         state[f"{dst}.experts_gate_up"] = t.take(f"{src}.experts.gate_up_proj")
         state[f"{dst}.experts_down"] = t.take(f"{src}.experts.down_proj")
         return
+    gate, up, down_name = names
     gate_up, down = [], []
     for e in range(num_experts):
         p = f"{src}.experts.{e}"
-        gate_up.append(torch.cat([t.take(f"{p}.gate_proj.weight"), t.take(f"{p}.up_proj.weight")]))
-        down.append(t.take(f"{p}.down_proj.weight"))
+        gate_up.append(torch.cat([t.take(f"{p}.{gate}.weight"), t.take(f"{p}.{up}.weight")]))
+        down.append(t.take(f"{p}.{down_name}.weight"))
     state[f"{dst}.experts_gate_up"] = torch.stack(gate_up)
     state[f"{dst}.experts_down"] = torch.stack(down)
+
+
+def take_ends(t: CheckpointTensors, state: dict[str, torch.Tensor], tie_embeddings: bool, embed: str, norm: str,
+              norm_fn=None) -> None:
+    """The embedding (`embed`), the final norm (`norm`, through `norm_fn` when given) and the
+    head into `state`; a tied head saved in the checkpoint anyway is taken and dropped (the
+    embedding serves)."""
+    state["embed.weight"] = t.take(embed)
+    w = t.take(norm)
+    state["norm.weight"] = norm_fn(w) if norm_fn is not None else w
+    if not tie_embeddings:
+        state["lm_head.weight"] = t.take("lm_head.weight")
+    elif "lm_head.weight" in t:
+        t.take("lm_head.weight")
 
 
 def check_all_used(t: CheckpointTensors) -> None:

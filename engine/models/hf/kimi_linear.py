@@ -29,7 +29,7 @@ import torch
 from engine.errors import UnsupportedConfigError
 from engine.models.config import DENSE, FULL, KDA, MOE, AttentionConfig, LinearConfig, ModelConfig, MoEConfig
 from engine.models.hf.checkpoint import CheckpointTensors
-from engine.models.hf.common import Conversion, dense_mlp, layer_kinds
+from engine.models.hf.common import Conversion, dense_mlp, layer_kinds, moe_experts, take_ends
 from engine.models.hf.fields import ConfigFields
 
 MODEL_TYPES = ("kimi_linear",)
@@ -174,21 +174,6 @@ def model_config(f: ConfigFields, name: str) -> ModelConfig:
     return cfg
 
 
-def _experts(t: CheckpointTensors, src: str, dst: str, num_experts: int, state: dict[str, torch.Tensor]) -> None:
-    """Hub layout `experts.<e>.w1/w3/w2` (gate/up/down) or transformers' fused one."""
-    if f"{src}.experts.gate_up_proj" in t:
-        state[f"{dst}.experts_gate_up"] = t.take(f"{src}.experts.gate_up_proj")
-        state[f"{dst}.experts_down"] = t.take(f"{src}.experts.down_proj")
-        return
-    gate_up, down = [], []
-    for e in range(num_experts):
-        p = f"{src}.experts.{e}"
-        gate_up.append(torch.cat([t.take(f"{p}.w1.weight"), t.take(f"{p}.w3.weight")]))
-        down.append(t.take(f"{p}.w2.weight"))
-    state[f"{dst}.experts_gate_up"] = torch.stack(gate_up)
-    state[f"{dst}.experts_down"] = torch.stack(down)
-
-
 def kda_weights(t: CheckpointTensors, att: str, mix: str, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
     """One kda layer's tensors under `att` (Kimi-Linear's names; Ling 3's full-rank gates
     `f_proj`/`g_proj`, its output projection `dense`)."""
@@ -245,12 +230,7 @@ def mla_weights(t: CheckpointTensors, att: str, mix: str, cfg: ModelConfig, stat
 def convert(f: ConfigFields, t: CheckpointTensors, model_type: str, name: str, prefix: str) -> Conversion:
     cfg = model_config(f, name)
     state: dict[str, torch.Tensor] = {}
-    state["embed.weight"] = t.take(f"{prefix}embed_tokens.weight")
-    state["norm.weight"] = t.take(f"{prefix}norm.weight")
-    if not cfg.tie_embeddings:
-        state["lm_head.weight"] = t.take("lm_head.weight")
-    elif "lm_head.weight" in t:
-        t.take("lm_head.weight")  # a tied head saved anyway: the embedding is used
+    take_ends(t, state, cfg.tie_embeddings, f"{prefix}embed_tokens.weight", f"{prefix}norm.weight")
     for i, kind in enumerate(cfg.layers):
         src, dst = f"{prefix}layers.{i}", f"blocks.{i}"
         att, mix = f"{src}.self_attn", f"{dst}.mixer"
@@ -267,7 +247,7 @@ def convert(f: ConfigFields, t: CheckpointTensors, model_type: str, name: str, p
         if cfg.mlp_kind(i) == MOE:
             state[f"{o}.router.weight"] = t.take(f"{m}.gate.weight")
             state[f"{o}.router_bias"] = t.take(f"{m}.gate.e_score_correction_bias")
-            _experts(t, m, o, cfg.moe.num_experts, state)
+            moe_experts(t, m, o, cfg.moe.num_experts, state, names=("w1", "w3", "w2"))
             if cfg.moe.shared_intermediate_size:
                 dense_mlp(t, f"{m}.shared_experts", f"{o}.shared", state)
         else:

@@ -24,7 +24,7 @@ import torch
 from engine.models.config import DENSE, FULL, GDN, MOE, AttentionConfig, LinearConfig, ModelConfig, MoEConfig
 from engine.models.hf.checkpoint import CheckpointTensors
 from engine.models.hf.common import (Conversion, centred, dense_mlp, layer_kinds, legacy_rope_parameters, moe_experts,
-                                      rope_settings)
+                                      rope_settings, take_ends)
 from engine.models.hf.fields import ConfigFields
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -100,12 +100,7 @@ def _gdn_in_proj_next(t: CheckpointTensors, src: str, cfg: ModelConfig) -> torch
 def convert(f: ConfigFields, t: CheckpointTensors, model_type: str, name: str, prefix: str) -> Conversion:
     cfg = model_config(f, model_type, name)
     state: dict[str, torch.Tensor] = {}
-    state["embed.weight"] = t.take(f"{prefix}embed_tokens.weight")
-    state["norm.weight"] = centred(t.take(f"{prefix}norm.weight"))
-    if not cfg.tie_embeddings:
-        state["lm_head.weight"] = t.take("lm_head.weight")
-    elif "lm_head.weight" in t:
-        t.take("lm_head.weight")  # a tied head saved anyway: the embedding is used
+    take_ends(t, state, cfg.tie_embeddings, f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", centred)
     for i, kind in enumerate(cfg.layers):
         src, dst = f"{prefix}layers.{i}", f"blocks.{i}"
         state[f"{dst}.mixer_norm.weight"] = centred(t.take(f"{src}.input_layernorm.weight"))
