@@ -18,9 +18,10 @@ as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries th
 event its copies complete on, and its consumer makes the compute stream wait on that
 event just before the splice that reads it (`LoadedSegment.wait_device`), so later
 segments decode and copy while earlier ones are spliced and their seams computed; a
-segment copied layer by layer is waited on per layer by the fused pass instead
-(`LoadedSegment.wait_layer`, from its `before_layer` hook), so layer i computes while
-layer i+1's bytes arrive.
+segment copied layer by layer (in groups of consecutive layers of >= MIN_COPY_BYTES:
+engine.connector.layer_loads) is waited on per layer by the fused pass instead
+(`LoadedSegment.wait_layer`, from its `before_layer` hook), so early layers compute
+while later groups' bytes arrive.
 Leases of copied segments are released by the loader thread once the copies finish.
 
 `hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
