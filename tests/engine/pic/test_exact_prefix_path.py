@@ -89,6 +89,12 @@ def _steps(plan):
     return [(type(s).__name__, getattr(s, "label", None), s.end) for s in plan.steps]
 
 
+def _scheduled(plan):
+    """What the scheduler sees of a plan: each step's range and the tokens it computes."""
+    return [(type(s).__name__, getattr(s, "start", None), s.end, getattr(s, "compute_tokens", None))
+            for s in plan.steps] + [plan.num_tokens, plan.num_reused_tokens]
+
+
 def _pic(model, **kw):
     config = PicConfig(method="pic", fused=True, seam=4, **kw)
     store = RecordingStore(config)
@@ -128,6 +134,7 @@ def test_an_exact_repeat_runs_prefix_cachings_plan_and_pass_after_the_restore(mi
     assert _steps(warm.plan) == _steps(again.plan) == [("ApplyStep", "load", end), ("FusedStep", "fused",
                                                                                        end + len(q))]
     assert isinstance(warm.plan.steps[0], ApplyStep) and isinstance(warm.plan.steps[1], FusedStep)
+    assert _scheduled(warm.plan) == _scheduled(again.plan)  # the same token grants from the scheduler
     # the same prefill of the rest, argument for argument
     assert len(pic_calls) == 1 and pic_calls == prefix_calls
     assert pic_calls[0]["items"] == [(end, end + len(q), False, False)]
