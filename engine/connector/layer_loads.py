@@ -7,11 +7,14 @@ turns a blob header into the byte spans of each layer, in layer order (adjacent 
 merged). `group_layers` merges consecutive layers into groups of at least `min_bytes`
 (MIN_COPY_BYTES in the loader): the rows of consecutive layers in a stacked part are
 adjacent, so a group of layers costs one copy per stacked part instead of one per part
-and layer. Per-layer copies of a bench-size signature are tens of KiB to a few MiB each
-(~170 per segment), short enough that the per-copy cost (the host's issue of each
-`copy_`, the DMA's setup) leaves the copy engine idle between them; groups of >= 8 MiB
-are a few dozen copies of MiBs each, still several groups per segment, so the pass
-still computes early layers while later ones arrive. `issue_layered` copies the groups
+and layer. Per layer, a qwen3next-bench signature is 4 copies per delta-rule layer
+(state, tail state, tail transition, conv tail) and 2 per full-attention layer (K, V):
+~80 copies of a few KiB to a few MiB for a segment of ~70 MB, each issued from Python
+(slices, `copy_`, an event per layer; on the loader's thread, next to the engine's) in
+about the time the copy engine takes to move it, so the engine waits on the host
+between copies; groups of >= 8 MiB are a few dozen copies of MiBs each (the merged rows
+of a stacked part), still several groups per segment, so the pass still computes early
+layers while later ones arrive. `issue_layered` copies the groups
 in order on one copy stream and records an event after each group's last copy (keyed by
 the group's first layer); since the copies run in order on that stream, the event of
 layer i's group completes once every layer <= i has landed. The returned
