@@ -63,7 +63,8 @@ that phase a limit above it. A run killed from outside keeps what its last rewri
 full-recompute rag p99, on three requests of its own first)
 
 Warm-up (`warmup` in the JSON: seconds, and the throwaway requests' TTFTs): before any
-timed request, untimed, on CUDA `measure.warm_kernels`, then the serve procedure itself
+timed request, untimed, on CUDA `measure.warm_kernels` (with the decode step of every
+batch-size bucket up to max_num_seqs: the QPS phase's batched decodes), then the serve procedure itself
 (tools.servebench.tiered.warm_up: full, prefix and PIC, cold and after the twin) on
 `--warmup-n` throwaway requests of each timed workload's size class (mix excepted: it is
 made of the others' requests; rag alone when the process runs the qps phase without the

@@ -191,15 +191,10 @@ class CacheManager:
 
     # ---------------------------------------------------------- addressing
     def flat_slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
-        """Flat paged-KV slots `[end - start]` of positions start..end-1 (None: no full layers)."""
-        if not self.has_paged:
-            return None
-        if end > len(seq.block_table) * self.block_size:
-            raise CacheError(
-                f"sequence {seq.seq_id!r} has {len(seq.block_table)} blocks, not enough for position {end - 1}")
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+        """Flat paged-KV slots `[end - start]` of positions start..end-1 on the cache device
+        (None: no full layers). As `prefill_slots`: only the block table crosses to the
+        device, from pinned memory without a host sync; the slots are expanded there."""
+        return self.prefill_slots(seq, start, end, with_context=False)[0]
 
     def prefill_slots(self, seq: Sequence, start: int, end: int,
                       with_context: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -4,9 +4,20 @@ A signature's blob (engine.connector.codec) holds each layer's parts: as a part 
 own (`L<i>.<part>`, the part's `layer`), or as row r of a stacked part `S<n>.<part>`
 `[layers, ...]` whose header meta `stacked` names the rows (`L<i>.<part>`). `layer_plan`
 turns a blob header into the byte spans of each layer, in layer order (adjacent spans
-merged). `issue_layered` copies them, layer after layer, on one copy stream and records
-an event after each layer's last copy; since the copies run in order on that stream,
-the event of layer i completes once every layer <= i has landed. The returned
+merged). `group_layers` merges consecutive layers into groups of at least `min_bytes`
+(MIN_COPY_BYTES in the loader): the rows of consecutive layers in a stacked part are
+adjacent, so a group of layers costs one copy per stacked part instead of one per part
+and layer. Per layer, a qwen3next-bench signature is 4 copies per delta-rule layer
+(state, tail state, tail transition, conv tail) and 2 per full-attention layer (K, V):
+~80 copies of a few KiB to a few MiB for a segment of ~70 MB, each issued from Python
+(slices, `copy_`, an event per layer; on the loader's thread, next to the engine's) in
+about the time the copy engine takes to move it, so the engine waits on the host
+between copies; groups of >= 8 MiB are a few dozen copies of MiBs each (the merged rows
+of a stacked part), still several groups per segment, so the pass still computes early
+layers while later ones arrive. `issue_layered` copies the groups
+in order on one copy stream and records an event after each group's last copy (keyed by
+the group's first layer); since the copies run in order on that stream, the event of
+layer i's group completes once every layer <= i has landed. The returned
 `LayerEvents` lets the consumer make its compute stream wait for layer i just before it
 first reads layer i (`wait_layer`), so layer i computes while layer i+1's bytes arrive
 (the fused pass's `before_layer` hook, engine.pic.fused; the store planner installs it).
@@ -29,12 +40,19 @@ class LayerPlanError(ConnectorError):
     """A blob header whose parts cannot be split by layer."""
 
 
+#: the smallest group of layers copied together by the loader (`group_layers`): large
+#: enough that a copy's fixed cost is a few percent of its transfer at PCIe speed
+MIN_COPY_BYTES = 8 << 20
+
+
 @dataclass(frozen=True)
 class LayerSpans:
-    """The bytes of one layer's parts in a blob: (offset, length) pairs, ascending."""
+    """The bytes of one layer's parts in a blob (or, after `group_layers`, of the
+    consecutive layers `layer`..`last`): (offset, length) pairs, ascending."""
 
     layer: int
     spans: tuple[tuple[int, int], ...]
+    last: Optional[int] = None  # the group's last layer (None: `layer` alone)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +99,32 @@ def layer_plan(parts: Sequence[Any], stacked: Optional[dict] = None) -> list[Lay
     return [LayerSpans(layer, _merged(spans)) for layer, spans in sorted(by_layer.items())]
 
 
+def group_layers(plan: Sequence[LayerSpans], min_bytes: int) -> list[LayerSpans]:
+    """Consecutive layers of `plan` merged into groups of at least `min_bytes` (the last
+    group may be smaller), in order, each group's spans merged where they touch (module
+    docstring). `min_bytes` <= 0 keeps one group per layer."""
+    if min_bytes <= 0:
+        return list(plan)
+    out: list[LayerSpans] = []
+    group: list[LayerSpans] = []
+    size = 0
+    for ls in plan:
+        group.append(ls)
+        size += ls.nbytes
+        if size >= min_bytes:
+            out.append(_group(group))
+            group, size = [], 0
+    if group:
+        out.append(_group(group))
+    return out
+
+
+def _group(layers: list[LayerSpans]) -> LayerSpans:
+    spans = [s for ls in layers for s in ls.spans]
+    last = layers[-1].last if layers[-1].last is not None else layers[-1].layer
+    return LayerSpans(layers[0].layer, _merged(spans), last if last != layers[0].layer else None)
+
+
 class CopyQueue(Protocol):
     """Where the copies go: one ordered queue (a CUDA stream)."""
 
@@ -97,6 +141,7 @@ class LayerEvents:
     def __init__(self, events: list[tuple[int, Any]]) -> None:
         self._events = events  # (layer, event), ascending layers
         self.waited: set[int] = set()
+        self._last_waited: Optional[Any] = None
 
     @property
     def layers(self) -> list[int]:
@@ -107,9 +152,10 @@ class LayerEvents:
         return self._events[-1][1] if self._events else None
 
     def event_for(self, layer: int) -> Optional[Any]:
-        """The event after which `layer`'s bytes are in place: its own, else the last
-        one of a lower layer (it has no parts of its own; earlier layers' still count
-        as read by the caller's layer loop), None when no layer <= `layer` was copied."""
+        """The event after which `layer`'s bytes are in place: its own (its group's),
+        else the last one of a lower layer (it has no parts of its own; earlier layers'
+        still count as read by the caller's layer loop), None when no layer <= `layer`
+        was copied."""
         found = None
         for lay, ev in self._events:
             if lay > layer:
@@ -119,18 +165,20 @@ class LayerEvents:
 
     def wait_layer(self, layer: int, wait) -> None:
         """`wait(event)` (e.g. the compute stream's wait_event) for `layer`'s event, once
-        per layer."""
+        per layer, and not again for the next layers of the same group."""
         if layer in self.waited:
             return
         self.waited.add(layer)
         ev = self.event_for(layer)
-        if ev is not None:
+        if ev is not None and ev is not self._last_waited:
+            self._last_waited = ev
             wait(ev)
 
 
 def issue_layered(src: Any, dst: Any, plan: Sequence[LayerSpans], queue: CopyQueue) -> LayerEvents:
     """Queue the copies of `plan` from `src` to `dst` (sliceable byte buffers of the
-    blob's size), layer by layer, with an event after each layer."""
+    blob's size), layer by layer (group by group after `group_layers`), with an event
+    after each layer (group), keyed by its first layer."""
     events = []
     for ls in plan:
         for off, n in ls.spans:

@@ -18,9 +18,10 @@ as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries th
 event its copies complete on, and its consumer makes the compute stream wait on that
 event just before the splice that reads it (`LoadedSegment.wait_device`), so later
 segments decode and copy while earlier ones are spliced and their seams computed; a
-segment copied layer by layer is waited on per layer by the fused pass instead
-(`LoadedSegment.wait_layer`, from its `before_layer` hook), so layer i computes while
-layer i+1's bytes arrive.
+segment copied layer by layer (in groups of consecutive layers of >= MIN_COPY_BYTES:
+engine.connector.layer_loads) is waited on per layer by the fused pass instead
+(`LoadedSegment.wait_layer`, from its `before_layer` hook), so early layers compute
+while later groups' bytes arrive.
 Leases of copied segments are released by the loader thread once the copies finish.
 
 `hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
@@ -42,7 +43,8 @@ import torch
 
 from engine.connector.codec import signature_from_blob
 from engine.connector.errors import ConnectorConfigError, StoreUnavailable
-from engine.connector.layer_loads import CudaCopyQueue, LayerEvents, LayerPlanError, issue_layered, layer_plan
+from engine.connector.layer_loads import (MIN_COPY_BYTES, CudaCopyQueue, LayerEvents, LayerPlanError, group_layers,
+                                          issue_layered, layer_plan)
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
 from engine.pic.errors import SignatureFormatError
@@ -412,12 +414,13 @@ class SegmentLoader:
         layers = plan = None
         if buf.device.type == "cpu" and not self.verify and view.lease.region.kind != "file":
             try:
-                plan = layer_plan(header.parts, header.meta.get("stacked"))
+                plan = group_layers(layer_plan(header.parts, header.meta.get("stacked")), MIN_COPY_BYTES)
             except LayerPlanError as exc:  # copied in one piece instead
                 log.debug("segment %s: no per-layer plan (%s)", key.hex()[:16], exc)
         if plan is not None:
-            # the CPU arena (pinned, mapped in place): layer by layer, an event per layer, so
-            # the fused pass computes layer i while layer i+1's bytes arrive (layer_loads)
+            # the CPU arena (pinned, mapped in place): groups of layers of >= MIN_COPY_BYTES,
+            # an event per group, so the fused pass computes early layers while later ones
+            # arrive (layer_loads)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # dst may be in use there
             copy_start.record(stream)  # after that wait: the copies' own time (h2d_copy_ms_total)
             with torch.cuda.stream(stream):

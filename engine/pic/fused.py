@@ -55,6 +55,7 @@ from engine.pic.fused_events import Computed, Event, Placed
 from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
 from engine.pic.splice import SplicePiece, attention_part, external_rows, force_triton_for, linear_part
 from engine.pic.tokenwise import TokenWise
+from engine.runtime.decode_batch import to_device
 from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
 from kernels import rope_scatter
@@ -141,7 +142,7 @@ def fused_prefill(model: HybridDecoder, manager: CacheManager, seq: CacheSequenc
     pos_host = torch.cat([torch.arange(a, b) for a, b in ranges])
     ids_host = torch.tensor([token_ids[p] for a, b in ranges for p in range(a, b)], dtype=torch.long)
     model._check_ids(ids_host)
-    ids, pos = ids_host.to(device), pos_host.to(device)
+    ids, pos = to_device(ids_host, device), to_device(pos_host, device)  # pinned, no host sync
     ctx_slots = manager.prefill_slots(seq, 0, end, with_context=False)[0]  # expanded on the device
     write_slots = None if ctx_slots is None else ctx_slots[pos]
     # events in prompt order (engine.pic.fused_events)
@@ -334,7 +335,7 @@ def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
         return None
     d = torch.cat(deltas)
     uniq = {p.delta for p, lo in zip(pieces, take) if lo < attention_part(p, layer, "full").num_rows}
-    return _FullRows(take, ctx_slots[torch.cat(poss).to(ctx_slots.device)], d.to(device),
+    return _FullRows(take, ctx_slots[to_device(torch.cat(poss), ctx_slots.device)], to_device(d, device),
                      next(iter(uniq)) if len(uniq) == 1 else None)
 
 

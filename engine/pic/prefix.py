@@ -70,9 +70,10 @@ def capture_checkpoint(manager, seq, start: int, end: int, with_state: bool = Tr
     if seq.num_computed_tokens != end:
         raise SplicePlacementError(f"checkpoint at {end} but the caches hold {seq.num_computed_tokens} positions")
     cp = BoundaryCheckpoint(start, end, with_state=with_state)
+    slots = manager.flat_slots(seq, start, end)  # the same for every layer: computed once
     for i, cache in enumerate(manager.layers):
         if isinstance(cache, PagedKVCache):
-            k, v = cache.gather(manager.flat_slots(seq, start, end))
+            k, v = cache.gather(slots)
             cp.kv[i] = (k.clone(), v.clone())
         elif not with_state:
             continue
@@ -88,7 +89,8 @@ def capture_checkpoint(manager, seq, start: int, end: int, with_state: bool = Tr
 
 def restore_checkpoints(manager, seq, path: list[BoundaryCheckpoint]) -> None:
     """Write a path of checkpoints (root side first, the last one with states) into
-    `seq`, which holds nothing yet."""
+    `seq`, which holds nothing yet. Each checkpoint's flat slots are computed once (on
+    the device, without a host sync) and serve every full-attention layer."""
     if seq.num_computed_tokens != 0:
         raise SplicePlacementError(f"restore into caches that hold {seq.num_computed_tokens} positions")
     if not path[-1].with_state:
@@ -96,11 +98,12 @@ def restore_checkpoints(manager, seq, path: list[BoundaryCheckpoint]) -> None:
     end = path[-1].end
     manager.ensure_capacity(seq, end)
     last = path[-1]
+    slots = [manager.flat_slots(seq, cp.start, cp.end) for cp in path]
     for i, cache in enumerate(manager.layers):
         if isinstance(cache, PagedKVCache):
-            for cp in path:
+            for cp, at in zip(path, slots):
                 k, v = cp.kv[i]
-                cache.write(manager.flat_slots(seq, cp.start, cp.end), k, v)
+                cache.write(at, k, v)
         elif isinstance(cache, WindowRingCache):
             k, v, first = last.ring[i]
             cache.write(seq.slot, torch.arange(first, end, device=cache.k.device), k, v)

@@ -162,6 +162,32 @@ class DecodeGraphs:
         self.fallbacks[kind] += 1
         return StepPlan(None, kind, reason)
 
+    # ------------------------------------------------------------------- warm-up
+    def capture_buckets(self, max_batch: int) -> list[int]:
+        """Run the step of every bucket up to the one holding `max_batch` sequences that
+        has no graph yet, and on CUDA capture it, on one scratch sequence at position 0
+        (the padding rows repeat it, as a real step's do): the kernels' compilation and
+        autotuning at each bucket's shapes happen here, not in the first step of a batch of
+        that size. The paged decode kernel's split count (its autotune key) follows the
+        batch rows and the static table width, so each bucket is one key. Nothing is run
+        over external KV caches (their plans key the graphs per request). Returns the
+        buckets run."""
+        if self.external:
+            return []
+        top = self.bucket(max_batch) or self.buckets[-1]
+        todo = [b for b in self.buckets if b <= top and (b, ()) not in self._graphs and (b, ()) not in self._failed]
+        if not todo:
+            return []
+        seq = self.cache.allocate(Sequence("decode-graphs-warm-up"))
+        try:
+            self.cache.ensure_capacity(seq, 1)
+            with torch.inference_mode():
+                for b in todo:
+                    self._run([seq], [0], [0], (b, ()))
+        finally:
+            self.cache.free(seq)
+        return todo
+
     # ------------------------------------------------------------------- running
     def step(self, rows: torch.Tensor, plans: tuple[Hashable, ...] = ()) -> torch.Tensor:
         """The function that is captured: `model.decode` over a packed rows tensor

@@ -207,8 +207,13 @@ def warm_kernels(h, scale: str = "tiny", max_tokens=None, docs=None, seed: int =
     run each method on a small prompt, then PIC cold and warm on one request of every
     workload from a seed no measurement uses (segment counts and lengths like the
     measured ones, so the packed alone passes and the seam chains meet most of their
-    kernel variants here, not in a timed request); its segments are deleted afterwards."""
+    kernel variants here, not in a timed request); its segments are deleted afterwards.
+    First the decode step of every batch-size bucket up to the scheduler's max_num_seqs
+    (ModelRunner.capture_decode_graphs): requests run alone decode one sequence at a
+    time, the QPS phase's batches meet the paged decode kernel at other split counts."""
     from tools.servebench import requests
+
+    h.engine.runner.capture_decode_graphs(h.engine.scheduler.config.max_num_seqs)
 
     req = BenchRequest("warmup", "warmup", ({"text": "warm-up one " * 20, "cache": True},
                                              {"text": "warm-up two " * 20, "cache": True},

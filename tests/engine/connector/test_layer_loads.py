@@ -2,14 +2,17 @@
 fake copy queue: the plan covers every part's bytes once, layer by layer in order; an
 event follows each layer's copies; waiting for layer i makes exactly layers <= i present
 in the destination (the later ones still arriving), so a signature decoded over the
-destination holds layer i's tensors bit for bit when layer i is first read."""
+destination holds layer i's tensors bit for bit when layer i is first read. Grouped
+(`group_layers`, what the loader copies): consecutive layers of at least min_bytes, one
+copy per stacked part and group, every byte once, and waiting for layer i lands its
+whole group and nothing after it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine.connector.codec import signature_blob, signature_from_blob
-from engine.connector.layer_loads import LayerPlanError, issue_layered, layer_plan
+from engine.connector.layer_loads import LayerPlanError, group_layers, issue_layered, layer_plan
 from engine.models.config import FULL, GDN, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from kvstore import format as fmt
@@ -92,3 +95,57 @@ def test_a_stacked_row_without_a_layer_name_is_refused(blob_of):
     stacked = {name: ["state"] * len(rows) for name, rows in header.meta["stacked"].items()}
     with pytest.raises(LayerPlanError, match="does not name a layer"):
         layer_plan(header.parts, stacked)
+
+
+def _covered(plan):
+    return sorted(s for p in plan for s in p.spans)
+
+
+def _merged_bytes(spans):
+    return [b for off, n in spans for b in range(off, off + n)]
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_grouped_layers_copy_every_byte_once_in_fewer_larger_copies(blob_of, groups):
+    _, buf = blob_of([GDN, GDN, FULL, GDN, FULL, MAMBA2, SWA, GDN])
+    header = fmt.read_header(buf)
+    plan = layer_plan(header.parts, header.meta.get("stacked"))
+    total = sum(p.nbytes for p in plan)
+    grouped = group_layers(plan, -(-total // groups))
+    assert len(grouped) == groups
+    # consecutive layers, in order, every layer in exactly one group
+    firsts = [g.layer for g in grouped]
+    lasts = [g.layer if g.last is None else g.last for g in grouped]
+    assert firsts[0] == 0 and lasts[-1] == 7 and all(b == a + 1 for a, b in zip(lasts, firsts[1:]))
+    assert all(g.nbytes >= -(-total // groups) for g in grouped[:-1])
+    # the same bytes as the per-layer plan, each once
+    assert _merged_bytes(_covered(grouped)) == _merged_bytes(_covered(plan))
+    # rows of consecutive layers in a stacked part are one copy: at most one span per blob part per group
+    assert all(len(g.spans) <= len(header.parts) for g in grouped)
+    assert sum(len(g.spans) for g in grouped) < sum(len(p.spans) for p in plan)
+    assert group_layers(plan, 0) == plan
+
+
+def test_waiting_for_a_layer_of_a_group_lands_the_group_and_nothing_after_it(blob_of):
+    sig, buf = blob_of([GDN, FULL, GDN, MAMBA2, SWA, GDN])
+    header = fmt.read_header(buf)
+    plan = layer_plan(header.parts, header.meta.get("stacked"))
+    grouped = group_layers(plan, -(-sum(p.nbytes for p in plan) // 3))
+    dst = torch.zeros_like(buf)
+    q = FakeQueue()
+    events = issue_layered(buf, dst, grouped, q)
+    assert events.layers == [g.layer for g in grouped] and len(events.layers) == 3
+    landed = signature_from_blob(header.meta, fmt.tensors_over(header, dst), "fp", "fp")
+    want, _, layers = sig.to_tensors()
+    waits = []
+    for i in range(6):
+        events.wait_layer(i, lambda ev: (waits.append(ev), q.wait(ev)))
+        group = next(g for g in reversed(grouped) if g.layer <= i)
+        upto = group.layer if group.last is None else group.last
+        got, _, _ = landed.to_tensors()
+        for name, t in want.items():
+            if layers[name] <= upto:
+                assert torch.equal(got[name], t), name
+            elif t.abs().sum() > 0:
+                assert not torch.equal(got[name], t), f"{name} arrived before its group was waited for"
+    assert len(waits) == 3  # one wait per group, not per layer

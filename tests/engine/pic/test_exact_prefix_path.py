@@ -3,20 +3,27 @@ PicConfig.exact_prefix): PIC's plan and the prefill of the rest (every `fused_pr
 call, with its arguments) are those of the `prefix` planner, the segment store sees only
 the request's bookkeeping (no lookup, claim, take, layer hook, hint or publish on its
 path), earlier requests' captures wait for the next splicing request or idle time, and
-the logits are full recompute's."""
+the logits are full recompute's. Op for op: from plan to first-token logits, the two
+requests dispatch the same torch ops (restore, pass and bookkeeping alike: no capture,
+hook, allocation or copy on PIC's side that prefix caching lacks). The restore computes
+each checkpoint's flat slots once for all full-attention layers (one block-table copy
+per checkpoint, not one per checkpoint and layer)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.pic.fused as fused_mod
 import engine.pic.planner as planner_mod
 from engine.models.config import FULL, GDN, MAMBA2, SWA
 from engine.pic.config import PicConfig
 from engine.pic.planner import make_planner
+from engine.pic.prefix import restore_checkpoints
 from engine.pic.segment_store import InProcessSegmentStore, SegmentStore
 from engine.pic.signature_cache import InMemorySignatureCache
 from engine.runtime.planner import ApplyStep, FusedStep
+from engine.runtime.sequence import Sequence
 from pic_testlib import FakeTokenizer, execute, make_request, plain_prefill, rand_ids
 
 MIXES = {"gdn": [GDN, SWA, FULL], "mamba2": [MAMBA2, FULL, SWA]}
@@ -39,6 +46,18 @@ class RecordingStore(InProcessSegmentStore):
             self.calls.append(name)
             return method(*args, **kw)
         return call
+
+
+class OpRecorder(TorchDispatchMode):
+    """The name of every torch op dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -70,6 +89,12 @@ def _steps(plan):
     return [(type(s).__name__, getattr(s, "label", None), s.end) for s in plan.steps]
 
 
+def _scheduled(plan):
+    """What the scheduler sees of a plan: each step's range and the tokens it computes."""
+    return [(type(s).__name__, getattr(s, "start", None), s.end, getattr(s, "compute_tokens", None))
+            for s in plan.steps] + [plan.num_tokens, plan.num_reused_tokens]
+
+
 def _pic(model, **kw):
     config = PicConfig(method="pic", fused=True, seam=4, **kw)
     store = RecordingStore(config)
@@ -93,11 +118,13 @@ def test_an_exact_repeat_runs_prefix_cachings_plan_and_pass_after_the_restore(mi
     store.calls.clear()
     fused_calls.clear()
     warm = make_request(_layout(docs, q))
-    got = execute(pic, runner, warm)
+    with OpRecorder() as pic_ops:
+        got = execute(pic, runner, warm)
     pic_calls, pic_store = list(fused_calls), list(store.calls)
     fused_calls.clear()
     again = make_request(_layout(docs, q))
-    ref = execute(prefix, runner, again)
+    with OpRecorder() as prefix_ops:
+        ref = execute(prefix, runner, again)
     prefix_calls = list(fused_calls)
 
     end = 1 + sum(map(len, docs))
@@ -107,11 +134,14 @@ def test_an_exact_repeat_runs_prefix_cachings_plan_and_pass_after_the_restore(mi
     assert _steps(warm.plan) == _steps(again.plan) == [("ApplyStep", "load", end), ("FusedStep", "fused",
                                                                                        end + len(q))]
     assert isinstance(warm.plan.steps[0], ApplyStep) and isinstance(warm.plan.steps[1], FusedStep)
+    assert _scheduled(warm.plan) == _scheduled(again.plan)  # the same token grants from the scheduler
     # the same prefill of the rest, argument for argument
     assert len(pic_calls) == 1 and pic_calls == prefix_calls
     assert pic_calls[0]["items"] == [(end, end + len(q), False, False)]
     # no segment-store work on the request's path: only its bookkeeping
     assert pic_store == BOOKKEEPING
+    # the same device work from plan to logits, op for op
+    assert pic_ops.ops and pic_ops.ops == prefix_ops.ops
     torch.testing.assert_close(got.logits[-1], ref.logits[-1], rtol=1e-5, atol=1e-5)
     full = plain_prefill(runner, warm.prompt_token_ids, [warm.num_prompt_tokens])
     torch.testing.assert_close(got.logits[-1], full.logits[-1], rtol=1e-5, atol=1e-5)
@@ -143,3 +173,30 @@ def test_captures_of_earlier_requests_wait_until_a_request_splices(model_of, run
     assert not pic.captured
     assert store.calls.index("publish") < store.calls.index("lookup")
     assert pic.take_report(nxt.request_id).hit_segments == 2
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_a_restore_computes_each_checkpoints_slots_once_for_every_layer(mix, model_of, runner_of, monkeypatch):
+    model = model_of(MIXES[mix] * 2)  # two full-attention layers: slots shared across layers
+    runner = runner_of(model, num_slots=8)
+    docs, q = [rand_ids(n, 500 + n) for n in (17, 13, 15)], rand_ids(5, 7)
+    pic, _ = _pic(model, prefix_checkpoints="every")
+    execute(pic, runner, make_request(_layout(docs, q)))
+    while pic.help_idle(runner):
+        pass
+    m = pic.exact.match(make_request(_layout(docs, q)).prompt_token_ids,
+                        [(0, 18), (18, 31), (31, 46)])
+    path = [n.checkpoint for n in m.path]
+    assert len(path) == 3
+    calls = []
+    real = runner.cache.flat_slots
+    monkeypatch.setattr(runner.cache, "flat_slots", lambda *a: calls.append(a[1:]) or real(*a))
+    seq = runner.cache.allocate(Sequence("restored"))
+    restore_checkpoints(runner.cache, seq, path)
+    assert calls == [(cp.start, cp.end) for cp in path]  # once per checkpoint, not per layer too
+    monkeypatch.undo()
+    # and the restored caches continue exactly as a full pass does
+    ids = make_request(_layout(docs, q)).prompt_token_ids
+    logits = runner.prefill(seq, ids[46:], start_pos=46, all_logits=True)
+    full = plain_prefill(runner, ids, [len(ids)])
+    torch.testing.assert_close(logits[-1], full.logits[-1], rtol=1e-5, atol=1e-5)

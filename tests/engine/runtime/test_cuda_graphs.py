@@ -1,8 +1,10 @@
 """The CUDA-graph decode step (engine/runtime/cuda_graphs.py), run eagerly on the CPU with
 its static, bucket-padded buffers: it gives the runner's plain decode logits on every tiny
 preset for sequences of mixed lengths, padding rows change no cache, batches past the
-largest bucket fall back to the plain path; and the paged decode attention equals the
-gather path it replaced."""
+largest bucket fall back to the plain path; the paged decode attention equals the
+gather path it replaced; and the warm-up of every bucket (`capture_buckets`) launches the
+paged decode kernel at every shape (autotune key: batch rows, kv heads, attended range)
+that batched steps of up to max_batch sequences launch, leaving no cache touched."""
 from __future__ import annotations
 
 
@@ -113,3 +115,36 @@ def test_cuda_graphs_need_the_paged_attention_and_capture_needs_cuda(models):
     with pytest.raises(ValueError, match="needs a CUDA model"):
         DecodeGraphs(model, cache, "torch", capture=True)
     assert runner_for(model).graphs is None  # default: graphs only where the device is CUDA
+
+
+def _decode_keys(monkeypatch):
+    """What the paged decode kernel's split count (its autotune key) is computed from, for
+    every launch: (batch rows, kv heads, attended range)."""
+    import importlib
+
+    pda = importlib.import_module("kernels.paged_decode_attention")  # the module (kernels/__init__ re-exports the function)
+    keys = set()
+    real = pda.paged_decode_attention
+
+    def recording(q, k_pages, v_pages, tables, lens, scale=None, *, window=None, **kw):
+        span = tables.shape[1] * k_pages.shape[1]
+        keys.add((q.shape[0], k_pages.shape[2], span if window is None else min(span, window)))
+        return real(q, k_pages, v_pages, tables, lens, scale, window=window, **kw)
+
+    monkeypatch.setattr(pda, "paged_decode_attention", recording)
+    return keys
+
+
+def test_capturing_every_bucket_covers_the_decode_kernel_keys_of_batched_steps(models, monkeypatch):
+    model = models["qwen3next-tiny"]
+    runner = runner_for(model, cuda_graphs=True)
+    keys = _decode_keys(monkeypatch)
+    assert runner.capture_decode_graphs(5) == [1, 2, 4, 8]  # 5 slots: up to the bucket of 8
+    warm = set(keys)
+    assert {k[0] for k in warm} == {1, 2, 4, 8}
+    assert runner.cache.blocks.num_free == runner.cache.blocks.num_blocks  # the scratch sequence is gone
+    keys.clear()
+    seqs, streams = prefilled(runner, [3, 9, 14, 6, 21], 1)
+    for b in range(1, 6):
+        runner.decode(seqs[:b], torch.stack([ids[0] for ids in streams[:b]]))
+    assert keys and keys <= warm
