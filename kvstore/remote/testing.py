@@ -94,10 +94,23 @@ class MooncakeMaster:
             self.proc.wait(10)
         self.proc = None
 
-    def pause(self) -> None:
-        """SIGSTOP: the master hangs (accepts connections, answers nothing) until `resume`."""
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGSTOP)
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP: the master hangs (accepts connections, answers nothing) until `resume`.
+        Returns once every thread of it is stopped (signal delivery is asynchronous: on a
+        loaded machine a thread could still answer a request sent right after the kill)."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                return  # no /proc here, or the master is gone: nothing more to wait for
+            if all(st in ("T", "t") for st in states):
+                return
+            time.sleep(0.005)
 
     def resume(self) -> None:
         if self.proc is not None:
