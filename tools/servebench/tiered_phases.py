@@ -1,0 +1,264 @@
+"""The phases of tools/bench_tiered.py (its docstring says what each measures): `serve`,
+`pcie` and `qps` share one engine and daemon (`engine_phases` runs them in order after
+the untimed warm-up); `sweep` builds its own. Each phase takes the parsed arguments, the
+output dict of its preset, a `log` and a `save` (rewrites the JSON) and its PhaseClock
+(`clock()` true once past its time limit)."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+from kvstore.config import parse_size
+
+#: the phases sharing one engine and daemon, in the order they run
+ENGINE_PHASES = ("serve", "pcie", "qps")
+
+
+def start_daemon(root: str, cpu: str, gpu: str, nvme: str):
+    from kvstore.testing import DaemonProcess
+
+    d = DaemonProcess(Path(tempfile.mkdtemp(prefix=root)), cpu_capacity=cpu, nvme_capacity=nvme, gpu_capacity=gpu,
+                      lease_ttl=60.0, entry="kvstore.server")
+    d.start(timeout=300)
+    return d
+
+
+def make_harness(args, engine, socket: str, *, sweep: bool):
+    from dataclasses import replace
+
+    from engine.connector.config import StoreConnectorConfig, device_cache_capacity
+    from engine.pic.config import PicConfig
+    from tools.servebench.harness import Harness
+
+    cuda = engine.device.type == "cuda"
+    conn = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
+                                device_cache_fraction=None if sweep else args.device_cache_fraction,
+                                device_cache_bytes=0 if sweep else None,
+                                put_tier=("gpu" if cuda else "cpu") if sweep else None)
+    budget = device_cache_capacity(conn, engine.device)
+    pic = PicConfig(cold_full_fraction=0.5, exact_prefix=not sweep, kernel=args.pic_kernel)
+    if budget:  # prefix caching's tree and PIC's exact prefixes: the byte budget of the device cache
+        pic = replace(pic, prefix_cache_bytes=budget)
+    return Harness(engine, conn, pic, prefix_store=True), budget
+
+
+def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, phase) -> None:
+    """The phases of `args.phases` that share one engine and daemon (ENGINE_PHASES), in
+    order, each under `phase(name)` (its PhaseClock). The untimed warm-up runs first, in
+    the first phase's time: every timed workload's procedure (warmup_tasks), rag for the
+    pcie and qps phases."""
+    from tools.servebench import measure, requests, tiered
+    from tools.servebench.kernel_keys import CompileCounter, KernelLaunches
+
+    scale = "tiny" if args.quick else "bench"
+    h, budget = make_harness(args, engine, socket, sweep=False)
+    out["device_cache_bytes"] = budget
+    load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
+                                         args.docs)
+    launches = KernelLaunches() if args.check_warmup else None
+    compiles = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if launches is not None:
+                stack.enter_context(launches.recording())
+            first = True
+            for name in (p for p in ENGINE_PHASES if p in args.phases):
+                with phase(name) as clock:
+                    if first:
+                        t0 = time.perf_counter()
+                        if launches is not None:
+                            launches.label = "warm-up"
+                        if engine.device.type == "cuda":  # compile every kernel variant first
+                            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
+                        kernels_s = time.perf_counter() - t0
+                        tasks = warmup_tasks(args.workloads) if "serve" in args.phases else []
+                        tasks += ["rag"] if {"pcie", "qps"} & set(args.phases) and "rag" not in tasks else []
+                        mark = None if launches is None else (
+                            lambda t, m, s: setattr(launches, "label", "warm-up"))
+                        out["warmup"] = {"kernels_s": round(kernels_s, 3),
+                                         **tiered.warm_up(h, load, tasks, args.warmup_n, mark=mark)}
+                        out["warmup"]["total_s"] = round(kernels_s + out["warmup"]["s"], 3)
+                        log(f"warm-up (untimed): {out['warmup']['total_s']:.1f} s over {', '.join(tasks)}")
+                        if launches is not None:
+                            launches.seal()
+                        compiles = CompileCounter()  # from here on, a kernel compiled is one the warm-up missed
+                        out["warmup"]["compiled_after"] = {}
+                        save()
+                        first = False
+                    kw = {"compiles": compiles} if name == "serve" else {}
+                    {"serve": serve_phase, "pcie": pcie_phase, "qps": qps_phase}[name](
+                        args, h, run, out, log, save, clock, launches, **kw)
+                    if name != "serve":  # serve counts per workload
+                        note_compiles(out, name, compiles.since(), log)
+        if launches is not None:
+            out["warmup"]["cold_launches"] = launches.cold()
+            out["warmup"]["kernel_specialisations"] = launches.count()
+            save()
+        out["connector_pic"] = h.store.metrics.snapshot()
+        h.purge()
+    finally:
+        h.close()
+
+
+def note_compiles(out: dict, unit: str, grew: dict, log) -> None:
+    """Kernels compiled during `unit` after the warm-up (kernel_keys.CompileCounter): kept in
+    warmup.compiled_after[unit] and logged; nothing when none was."""
+    if grew:
+        out["warmup"].setdefault("compiled_after", {})[unit] = grew
+        log(f"{unit}: {sum(grew.values())} kernel(s) compiled after the warm-up: {grew}")
+
+
+def serve_phase(args, h, run, out: dict, log, save, clock, launches=None, compiles=None) -> None:
+    """TTFT per workload (module docstring), the break-even bandwidth and what a hit reads."""
+    from tools.servebench import requests, tiered
+    from tools.servebench.breakdown import mean_breakdown
+
+    scale = "tiny" if args.quick else "bench"
+    for task in args.workloads:
+        if clock():
+            log(f"serve: {clock.stopped} after {clock.elapsed_s():.0f} s; workloads not run: "
+                f"{', '.join(t for t in args.workloads if t not in out['workloads'])}")
+            break
+        t0 = time.perf_counter()
+        reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
+        mark = (lambda m, s: None) if launches is None else (
+            lambda m, s, _t=task: setattr(launches, "label", f"{_t}/{m}/{s}"))
+        w = tiered.ttft_after_twin(h, reqs, mark)
+        w["wall_s"] = round(time.perf_counter() - t0, 3)
+        out["workloads"][task] = w
+        note_compiles(out, f"serve/{task}", compiles.since() if compiles else {}, log)
+        log(f"{task}: full {w['full']['warm']['ttft_ms_mean']:.1f} ms, prefix(store) warm "
+            f"{w['prefix']['warm']['ttft_ms_mean']:.1f} ms, pic warm {w['pic']['warm']['ttft_ms_mean']:.1f} ms"
+            f"; warm hits dev/gpu/cpu/nvme: prefix {tiered.format_hits(w['prefix']['warm']['hits_by_source'])}"
+            f", pic {tiered.format_hits(w['pic']['warm']['hits_by_source'])}")
+        if task in ("repeat", "chat"):
+            for m in ("prefix", "pic"):
+                b = mean_breakdown(w[m]["warm"]["breakdown"])
+                log(f"  {task} {m} warm breakdown (ms): " + ", ".join(
+                    f"{k[:-3]} {b[k]:.1f}" for k in ("lookup_ms", "restore_ms", "miss_ms", "forward_ms", "drain_ms",
+                                                     "other_ms")) + f"; store rpcs {b['store_rpcs_per_request']}")
+        save()
+    if out["workloads"]:
+        from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
+
+        out["break_even"] = break_even(stored_by_tier(h), out["workloads"])
+        # what a hit reads, by part and dtype: where the bytes could shrink
+        out["break_even"]["signature_bytes_by_part"] = signature_parts(h)
+        save()
+
+
+def pcie_phase(args, h, run, out: dict, log, save, clock, launches=None) -> None:
+    """Pinned host -> device bandwidth (CUDA), then the serving path's CPU-tier loads: the
+    serve phase's hits come from the device cache and the GPU tier, so rag requests run
+    once more with every hit loaded from the CPU tier (tiered.cpu_tier_loads)."""
+    from tools.servebench import requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    run["pcie"] = {"pinned_h2d_gbps": tiered.pinned_h2d_gbps()}
+    save()
+    if clock():
+        return
+    if launches is not None:
+        launches.label = "pcie/cpu-tier-step"
+    step = tiered.cpu_tier_loads(h, requests.load("rag", args.n, args.seed, scale, args.max_tokens, args.docs))
+    out["cpu_tier_step"] = step
+    log(f"cpu-tier step (rag x{step['requests']}): hits dev/gpu/cpu/nvme "
+        f"{tiered.format_hits(step['hits_by_source'])}, h2d {step['connector']['h2d_copy_bytes'] / 2**20:.1f} "
+        f"MiB at {step['gb_per_s'] or 0:.1f} GB/s")
+    save()
+
+
+def warmup_tasks(workloads: list[str]) -> list[str]:
+    """The workloads the warm-up runs for these timed ones: each but `mix`, which stands
+    for the workloads its requests come from (tools.servebench.requests)."""
+    from tools.servebench.requests import ALL_TASKS
+
+    want = [t for t in workloads if t != "mix"]
+    if "mix" in workloads:
+        want += [t for t in ALL_TASKS if t != "mix" and t not in want]
+    return want
+
+
+def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launches=None) -> None:
+    """Sustainable rate at the p99 SLO, per method, over repeats (module docstring)."""
+    from tools.servebench import requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    rag = out["workloads"].get("rag")
+    if rag is None:  # no serve phase in this process: the idle baseline first
+        h.planner("full")
+        runs = [h.run_alone(r) for r in requests.load("rag", 3, args.seed + 9, scale, args.max_tokens, args.docs)]
+        from tools.servebench.measure import summarize
+
+        base = summarize(runs)
+    else:
+        base = rag["full"]["warm"]
+    slo = args.slo_ms or args.slo_factor * base["ttft_ms_p99"]
+    start = 500.0 / base["ttft_ms_mean"]  # half of what full recompute serves back to back
+    need = (args.qps_warmup + args.qps_requests * (1 + args.qps_max_trials)) * args.qps_repeats
+    pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
+    rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
+
+    def partial(q: dict) -> None:
+        out["qps"] = {**q, "slo_rule": rule, "complete": False}
+        save()
+
+    if launches is not None:
+        launches.label = "qps"
+    q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
+                           args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
+                           stop=clock or tiered.never)
+    q["complete"] = q["stopped"] is None
+    q["slo_rule"] = rule
+    out["qps"] = q
+    log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}"
+        + (f" ({q['stopped']} after {len(q['repeats'])} repeats)" if q["stopped"] else ""))
+    save()
+
+
+def sweep_phase(args, source: str, opts: dict, out: dict, log, save, clock=None) -> None:
+    import torch
+
+    from engine.builder import EngineConfig, build_engine
+    from tools.servebench import requests, tiered
+
+    scale = "tiny" if args.quick else "bench"
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    tier = args.sweep_gpu_tier
+    if cuda:
+        daemon = start_daemon("bench-tiered-sweep-", args.sweep_cpu_capacity, tier, args.sweep_nvme_capacity)
+    else:  # the CPU tier stands in for the GPU tier
+        daemon = start_daemon("bench-tiered-sweep-", tier, "0", args.sweep_nvme_capacity)
+    engine = build_engine(source, EngineConfig(**opts))
+    h, _ = make_harness(args, engine, str(daemon.socket), sweep=True)
+    try:
+        from tools.servebench import measure
+
+        if cuda:
+            measure.warm_kernels(h, scale, args.max_tokens, args.docs)
+        h.purge()
+        load = lambda n, s: requests.load("rag", n, s, scale, args.max_tokens, args.docs)  # noqa: E731
+        out["sweep"] = {"gpu_tier": tier, "gpu_tier_stand_in": None if cuda else "cpu",
+                        "daemon": {"gpu": tier if cuda else "0", "cpu": args.sweep_cpu_capacity if cuda else tier,
+                                   "nvme": args.sweep_nvme_capacity}, "points": []}
+
+        def keep(points):
+            out["sweep"]["points"] = points
+            save()
+
+        tiered.working_set_sweep(h, lambda n: tiered.make_corpus(load, n, args.seed + 50), parse_size(tier), args.sweep,
+                                 args.sweep_requests, args.sweep_docs, args.seed + 51,
+                                 stand_in=None if cuda else "cpu", log=log, save=keep, stop=clock or tiered.never)
+        out["sweep"]["stopped"] = clock() if clock else None
+        out["connector_sweep"] = h.store.metrics.snapshot()
+        save()
+    finally:
+        h.close()
+        daemon.cleanup()
+        del engine, h
+        gc.collect()  # the model's memory back before another engine is built
+        if cuda:
+            torch.cuda.empty_cache()
