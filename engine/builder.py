@@ -26,7 +26,7 @@ from engine.hisparse.config import HiSparseConfig
 from engine.models.layers import fla_backend
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import PrefillPlanner
-from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES, PrefillGraphWarmup
+from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES, DecodeGraphWarmup, PrefillGraphWarmup
 from engine.runtime.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class EngineConfig:
     #: when the prefill-stage CUDA graphs are captured (engine.runtime.prefill_graphs):
     #: "upfront" before the engine is returned, "idle" by the server's engine loop while no
     #: request runs (`kvengine serve`'s default: ready without waiting for them), "lazy" on
-    #: first use. Upfront here: an engine driven without the server loop has no idle time
+    #: first use. Upfront here: an engine driven without the server loop has no idle time.
+    #: The decode graph buckets (up to max_num_seqs) follow the same mode, after them
     prefill_graphs: str = "upfront"
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -200,6 +201,8 @@ def build_engine(
         manager = CacheManager.for_model(model, cache_cfg)
         runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
     prefill_graphs = prefill_graph_warmup(runner, config.prefill_graphs)
+    # the decode graph buckets up to max_num_seqs, in the same mode (after the prefill stages)
+    decode_graphs = DecodeGraphWarmup(runner, config.max_num_seqs, config.prefill_graphs)
     pool = ManagedCachePool(manager)
     log.info(
         "engine for %s on %s/%s: %d KV blocks of %d, %d slots",
@@ -216,6 +219,7 @@ def build_engine(
         max_model_len=max_model_len,
         kv_offload=offload,
         prefill_graphs=prefill_graphs,
+        decode_graphs=decode_graphs,
     )
 
 

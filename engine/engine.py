@@ -99,11 +99,15 @@ class LLMEngine:
         max_model_len: Optional[int] = None,
         kv_offload: Any = None,
         prefill_graphs: Any = None,
+        decode_graphs: Any = None,
     ) -> None:
         self.runner = runner
         # engine.runtime.prefill_graphs.PrefillGraphWarmup: the prefill-stage graphs still to
         # capture while idle (`capture_idle_graphs`) and whether they are ready; None: none
         self.prefill_graphs = prefill_graphs
+        # engine.runtime.prefill_graphs.DecodeGraphWarmup: the decode graph buckets still to
+        # capture while idle, after the prefill-stage graphs; None: none
+        self.decode_graphs = decode_graphs
         # engine.hisparse.HiSparseOffload when full-attention KV is offloaded (HiSparse):
         # its metrics go to --json output and /metrics; lost blocks fail over to recompute
         self.kv_offload = kv_offload
@@ -316,13 +320,20 @@ class LLMEngine:
         """Prefill-stage graphs are left for `capture_idle_graphs` (EngineConfig.prefill_graphs "idle")."""
         return self.prefill_graphs is not None and bool(self.prefill_graphs.pending)
 
+    @property
+    def idle_graphs_pending(self) -> bool:
+        """Graphs are left for `capture_idle_graphs`: prefill-stage ones, or decode buckets."""
+        return self.prefill_graphs_pending or (self.decode_graphs is not None and bool(self.decode_graphs.pending))
+
     def capture_idle_graphs(self) -> bool:
-        """Capture one bucket of the pending prefill-stage graphs; only while no request is
-        in the engine (so a capture never shares the device with a request). True when a
-        bucket was captured."""
-        if not self.prefill_graphs_pending or self.has_unfinished():
+        """Capture one bucket of the pending prefill-stage graphs, or once they are all
+        done one decode graph bucket; only while no request is in the engine (so a capture
+        never shares the device with a request). True when a bucket was captured."""
+        if self.has_unfinished():
             return False
-        return self.prefill_graphs.step()
+        if self.prefill_graphs_pending:
+            return self.prefill_graphs.step()
+        return self.decode_graphs is not None and self.decode_graphs.step()
 
     # ---- the step -------------------------------------------------------------------
 

@@ -163,7 +163,7 @@ class DecodeGraphs:
         return StepPlan(None, kind, reason)
 
     # ------------------------------------------------------------------- warm-up
-    def capture_buckets(self, max_batch: int) -> list[int]:
+    def capture_buckets(self, max_batch: int, only: Optional[Seq[int]] = None) -> list[int]:
         """Run the step of every bucket up to the one holding `max_batch` sequences that
         has no graph yet, and on CUDA capture it, on one scratch sequence at position 0
         (the padding rows repeat it, as a real step's do): the kernels' compilation and
@@ -171,11 +171,12 @@ class DecodeGraphs:
         that size. The paged decode kernel's split count (its autotune key) follows the
         batch rows and the static table width, so each bucket is one key. Nothing is run
         over external KV caches (their plans key the graphs per request). Returns the
-        buckets run."""
+        buckets run. `only`: of those, just these buckets."""
         if self.external:
             return []
         top = self.bucket(max_batch) or self.buckets[-1]
-        todo = [b for b in self.buckets if b <= top and (b, ()) not in self._graphs and (b, ()) not in self._failed]
+        todo = [b for b in self.buckets if b <= top and (b, ()) not in self._graphs and (b, ()) not in self._failed
+                and (only is None or b in only)]
         if not todo:
             return []
         seq = self.cache.allocate(Sequence("decode-graphs-warm-up"))

@@ -253,3 +253,59 @@ class PrefillGraphWarmup:
         """For /health: mode, ready, graphs captured, buckets left, capture seconds, failure."""
         return {"mode": self.mode, "ready": self.ready, "captured": self.captured, "pending_buckets": list(self.pending),
                 "capture_s": None if self.capture_s is None else round(self.capture_s, 3), "failed": self.failed}
+
+
+class DecodeGraphWarmup:
+    """The decode-step CUDA graph buckets of one engine (engine/runtime/cuda_graphs.py) and
+    when they are captured, in the prefill-stage graphs' mode: `upfront` in the
+    constructor, `idle` one bucket per `step` (the engine loop calls it while no request
+    is in the engine, after the prefill-stage buckets), `lazy` at first use. Capturing a
+    bucket ahead compiles and autotunes its kernels too (each bucket is one autotune key of
+    the paged decode kernel), so the first batch of each size does not pay for it.
+    `runner.graphs` None (no decode graphs) or over external KV caches (HiSparse, keyed per
+    request): nothing to do. Not thread-safe: the engine loop's thread only."""
+
+    def __init__(self, runner: Any, max_batch: int, mode: str) -> None:
+        if mode not in PREFILL_GRAPH_MODES:
+            raise ValueError(f"decode graphs mode {mode!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
+        graphs = runner.graphs
+        self.mode, self._runner = mode, runner
+        if graphs is None or graphs.external or mode == "lazy":
+            self.pending: list[int] = []
+        else:
+            top = graphs.bucket(max_batch) or graphs.buckets[-1]
+            self.pending = [b for b in graphs.buckets if b <= top]
+        self.captured: list[int] = []
+        #: why an idle capture failed (the buckets left are then captured on first use)
+        self.failed: Optional[str] = None
+        self.capture_s = 0.0
+        if mode == "upfront":
+            while self.step():
+                pass
+
+    def step(self) -> bool:
+        """Capture the next pending bucket; False when none was pending."""
+        if not self.pending:
+            return False
+        b = self.pending[0]
+        t0 = time.perf_counter()
+        try:
+            self.captured += self._runner.capture_decode_graphs(b, only=(b,))
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: decode captures at first use)
+            if self.mode == "upfront":
+                raise
+            log.warning("capturing the decode graph of bucket %d failed (%s); buckets %s are left to first use",
+                        b, exc, self.pending, exc_info=True)
+            self.failed = f"bucket {b}: {exc}"
+            self.pending = []
+            return True
+        self.pending = self.pending[1:]
+        self.capture_s += time.perf_counter() - t0
+        if not self.pending:
+            log.info("decode graphs ready (%s): buckets %s in %.1f s", self.mode, self.captured, self.capture_s)
+        return True
+
+    def snapshot(self) -> dict:
+        """For /health: mode, buckets captured and left, capture seconds, failure."""
+        return {"mode": self.mode, "captured_buckets": list(self.captured), "pending_buckets": list(self.pending),
+                "capture_s": round(self.capture_s, 3), "failed": self.failed}

@@ -66,11 +66,11 @@ class ModelRunner:
         self.prefill_stages = PrefillStages(self.device) if on and self.device.type == "cuda" and not external \
             else None
 
-    def capture_decode_graphs(self, max_batch: int) -> list[int]:
+    def capture_decode_graphs(self, max_batch: int, only: Seq[int] | None = None) -> list[int]:
         """Compile (and on CUDA capture) the decode step of every graph bucket up to
-        `max_batch` sequences ahead of requests (DecodeGraphs.capture_buckets); the buckets
-        run, [] without decode graphs."""
-        return [] if self.graphs is None else self.graphs.capture_buckets(max_batch)
+        `max_batch` sequences (or just the buckets `only`) ahead of requests
+        (DecodeGraphs.capture_buckets); the buckets run, [] without decode graphs."""
+        return [] if self.graphs is None else self.graphs.capture_buckets(max_batch, only)
 
     def _ids(self, token_ids) -> torch.Tensor:
         """Token ids as a long tensor on the device, range-checked on the host first (ids

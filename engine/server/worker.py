@@ -109,7 +109,7 @@ class EngineLoop:
         try:
             while True:
                 busy = self.engine.has_unfinished()
-                warming = self.engine.prefill_graphs_pending
+                warming = self.engine.idle_graphs_pending
                 poll = self.engine.idle_poll_s
                 wait = self.idle_wait_s if poll is None else min(self.idle_wait_s, poll)
                 if not self._drain(block=not (busy or warming), timeout=wait):

@@ -230,3 +230,40 @@ def test_fla_import_in_background_leaves_the_answer_cached_for_the_runner():
     hits = fla_backend.fla_importable.cache_info().hits
     fla_backend.fla_importable()
     assert fla_backend.fla_importable.cache_info().hits == hits + 1
+
+
+def test_idle_turns_capture_the_decode_buckets_after_the_prefill_stages_and_health_shows_them(model_dir):
+    """The engine loop's idle turns: every prefill-stage bucket first, then the decode graph
+    buckets (DecodeGraphWarmup) one per turn; /health reports both."""
+    from engine.runtime.prefill_graphs import DecodeGraphWarmup
+
+    order = []
+
+    def wrap(engine, capture):
+        def logged(b):
+            order.append(("prefill", b))
+            return capture(b)
+        return logged
+
+    engine = staged_engine(model_dir, "idle", wrap)
+    stages = engine.runner.prefill_stages
+    engine.runner.set_cuda_graphs(True)  # the decode step's static-buffer path, eager on the CPU
+    engine.runner.prefill_stages = stages
+    engine.decode_graphs = DecodeGraphWarmup(engine.runner, 4, "idle")
+    decode_capture = engine.runner.capture_decode_graphs
+
+    def logged_decode(max_batch, only=None):
+        order.append(("decode", max_batch))
+        return decode_capture(max_batch, only)
+
+    engine.runner.capture_decode_graphs = logged_decode
+    assert engine.idle_graphs_pending and engine.decode_graphs.pending == [1, 2, 4]
+    with running_server(engine) as url:
+        deadline = time.monotonic() + 60
+        while engine.idle_graphs_pending:
+            assert time.monotonic() < deadline, "idle capture did not finish"
+            time.sleep(0.05)
+        health = json.loads(_get(url + "/health"))
+        assert health["prefill_graphs"]["ready"] and health["decode_graphs"]["pending_buckets"] == []
+        assert health["decode_graphs"]["captured_buckets"] == [1, 2, 4]
+    assert order == [("prefill", b) for b in BUCKETS] + [("decode", b) for b in (1, 2, 4)]

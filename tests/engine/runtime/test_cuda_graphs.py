@@ -148,3 +148,44 @@ def test_capturing_every_bucket_covers_the_decode_kernel_keys_of_batched_steps(m
     for b in range(1, 6):
         runner.decode(seqs[:b], torch.stack([ids[0] for ids in streams[:b]]))
     assert keys and keys <= warm
+
+
+def test_decode_graph_warmup_modes_capture_every_bucket_ahead_of_requests(models):
+    """DecodeGraphWarmup (engine/runtime/prefill_graphs.py): upfront runs every bucket up to
+    max_batch's in the constructor; idle one bucket per step, in order; lazy none; no decode
+    graphs: nothing pending. Afterwards the decode of each batch size finds its bucket done."""
+    from engine.runtime.prefill_graphs import DecodeGraphWarmup
+
+    model = models["qwen3next-tiny"]
+    up = DecodeGraphWarmup(runner_for(model, cuda_graphs=True), 5, "upfront")
+    assert up.captured == [1, 2, 4, 8] and up.pending == [] and up.failed is None
+    idle_runner = runner_for(model, cuda_graphs=True)
+    ran = []
+    step_fn = idle_runner.graphs._run
+    idle_runner.graphs._run = lambda *a: (ran.append(a[-1][0]), step_fn(*a))[1]  # the bucket of each step run
+    idle = DecodeGraphWarmup(idle_runner, 3, "idle")
+    assert idle.pending == [1, 2, 4] and idle.captured == []
+    assert idle.step() and idle.captured == [1] and idle.pending == [2, 4]
+    while idle.step():
+        pass
+    assert idle.captured == [1, 2, 4] and idle.snapshot()["pending_buckets"] == []
+    assert ran == [1, 2, 4]  # one step per bucket, each bucket once
+    assert DecodeGraphWarmup(runner_for(model, cuda_graphs=True), 5, "lazy").pending == []
+    assert DecodeGraphWarmup(runner_for(model, cuda_graphs=False), 5, "idle").pending == []
+    with pytest.raises(ValueError, match="sometimes"):
+        DecodeGraphWarmup(runner_for(model, cuda_graphs=True), 5, "sometimes")
+
+
+def test_an_idle_decode_capture_that_fails_leaves_the_rest_to_first_use(models, monkeypatch):
+    from engine.runtime.prefill_graphs import DecodeGraphWarmup
+
+    runner = runner_for(models["qwen3next-tiny"], cuda_graphs=True)
+    warm = DecodeGraphWarmup(runner, 5, "idle")
+
+    def boom(b, only=None):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(runner, "capture_decode_graphs", boom)
+    assert warm.step() and warm.pending == [] and "out of memory" in warm.failed
+    with pytest.raises(RuntimeError, match="out of memory"):
+        DecodeGraphWarmup(runner, 5, "upfront")
