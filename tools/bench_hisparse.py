@@ -287,7 +287,9 @@ def fill_hisparse_context(runner: ModelRunner, seqs: list[Sequence], length: int
         seq.num_computed_tokens = length
 
 
-def _decode_rate(runner: ModelRunner, seqs: list[Sequence], steps: int) -> float:
+def decode_rate(runner: ModelRunner, seqs: list[Sequence], steps: int) -> float:
+    """Tokens/s of `runner.decode` over `seqs`: two untimed steps, then `steps` timed ones,
+    the device synchronised around them."""
     tokens = [1] * len(seqs)
     for _ in range(2):
         runner.decode(seqs, tokens)
@@ -318,7 +320,7 @@ def _decode_point(model, s: dict[str, Any], kind: str, batch: int, length: int) 
     runner = ModelRunner(model, manager, cuda_graphs=None if kind == "dense" or s["graphs"] else False)
     seqs = [manager.allocate(Sequence(f"{kind}{i}")) for i in range(batch)]
     (fill_dense_context if kind == "dense" else fill_hisparse_context)(runner, seqs, length, gen)
-    rate = _decode_rate(runner, seqs, s["decode_steps"])
+    rate = decode_rate(runner, seqs, s["decode_steps"])
     point: dict[str, Any] = {"batch": batch, "tokens_per_s": rate,
                              "graphs": runner.graphs.report() if runner.graphs is not None else {"used": False}}
     if off is not None:

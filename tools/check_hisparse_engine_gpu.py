@@ -48,7 +48,7 @@ from engine.builder import EngineConfig, build_engine  # noqa: E402
 from engine.hisparse import HiSparseConfig  # noqa: E402
 from engine.runtime.runner import ModelRunner  # noqa: E402
 from engine.runtime.sequence import Sequence  # noqa: E402
-from tools.bench_hisparse import fill_dense_context, fill_hisparse_context  # noqa: E402
+from tools.bench_hisparse import decode_rate, fill_dense_context, fill_hisparse_context  # noqa: E402
 
 
 def _frames(exc: BaseException, n: int = 8) -> list[str]:
@@ -96,19 +96,12 @@ def _runner(engine, device: torch.device) -> ModelRunner:
 
 
 def _rate(runner: ModelRunner, seqs: list[Sequence], steps: int, eager: bool) -> float:
+    """bench_hisparse.decode_rate, with the runner's decode graphs set aside when `eager`."""
     graphs = runner.graphs
     if eager:
         runner.graphs = None
     try:
-        tokens = [1] * len(seqs)
-        for _ in range(2):
-            runner.decode(seqs, tokens)
-        _sync(runner.device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.decode(seqs, tokens)
-        _sync(runner.device)
-        return len(seqs) * steps / (time.perf_counter() - t0)
+        return decode_rate(runner, seqs, steps)
     finally:
         runner.graphs = graphs
 
