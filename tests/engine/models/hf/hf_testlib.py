@@ -369,3 +369,90 @@ def new_engine(directory):
 
     return build_engine(str(directory), EngineConfig(device="cpu", dtype="float32", max_num_seqs=2,
                                                      kv_cache_tokens=2048))
+
+
+def assert_parity(r: dict) -> None:
+    """The verdict on a `check_parity` record: prefill and every decode step within TOL, the
+    same greedy text, and reference logits that are not all ~0 (a vacuous match)."""
+    assert r["logit_scale"] > 0.1
+    assert r["prefill_err"] <= TOL, r["prefill_err"]
+    assert len(r["step_errs"]) == DECODE_STEPS
+    assert max(r["step_errs"]) <= TOL, r["step_errs"]
+    assert r["gen"] == r["ref_gen"]
+
+
+def run_request(engine, segs, request_id: str, max_new_tokens: int = 4):
+    """Run one greedy request (`segs`, ignoring EOS) through `engine` to its finished output."""
+    from engine.runtime.sampling import SamplingParams
+
+    engine.add_request(segs, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), request_id=request_id)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+@torch.no_grad()
+def first_layer_state(runner, request, planner=None):
+    """The first layer's recurrent state after prefilling `request` by `planner`'s plan (or
+    by a plain full prefill when None)."""
+    from engine.runtime.planner import ApplyStep, FusedStep
+    from engine.runtime.sequence import Sequence
+
+    seq = request.seq = runner.cache.allocate(Sequence(request.request_id + ("-full" if planner is None else "")))
+    ids = request.prefill_token_ids()
+    if planner is None:
+        runner.prefill(seq, ids)
+    else:
+        plan = request.plan = planner.plan(request)
+        runner.cache.ensure_capacity(seq, plan.num_tokens)
+        for step in plan.steps:
+            if isinstance(step, FusedStep):
+                step.run(runner, request)
+            elif isinstance(step, ApplyStep):
+                step.apply(runner, request)
+            else:
+                runner.prefill(seq, ids[step.start:step.end], start_pos=step.start)
+        planner.on_prefill_done(request)
+    state = runner.cache.layers[0].state[seq.slot].clone()
+    runner.cache.free(seq)
+    return state
+
+
+def check_signatures_round_trip(d, root) -> None:
+    """Signatures of checkpoint `d` through a real daemon under `root`: a first engine stores
+    every segment of one prompt, a second engine (same fingerprint, only the daemon holds
+    them) hits all three from the CPU tier in another order and generates what in-process
+    PIC generates."""
+    from engine.connector.attach import attach_store
+    from engine.connector.config import StoreConnectorConfig
+    from engine.pic.config import PicConfig
+    from engine.pic.run import attach_planner
+    from kvstore.testing import DaemonProcess
+
+    prompts = [segments((0, 1, 2)), segments((2, 1, 0))]
+    memory = new_engine(d)
+    attach_planner(memory, PicConfig(miss_path="alone"))
+    want = [run_request(memory, p, f"ref{i}").token_ids for i, p in enumerate(prompts)]
+
+    daemon = DaemonProcess(Path(root) / "d", entry="kvstore.server").start()
+    planners = []
+    try:
+        cfg = StoreConnectorConfig(socket=str(daemon.socket), rpc_timeout_s=5.0)
+        first = new_engine(d)
+        planners.append(attach_store(first, PicConfig(miss_path="alone"), cfg))
+        assert run_request(first, prompts[0], "a").token_ids == want[0]
+        assert planners[0].take_report("a").miss_segments == 3
+        assert planners[0].store.flush()
+        second = new_engine(d)  # another engine: only the daemon holds the signatures
+        planners.append(attach_store(second, PicConfig(miss_path="alone"), cfg))
+        assert second.loaded_model.fingerprint == first.loaded_model.fingerprint
+        out = run_request(second, prompts[1], "b")
+        report, store = planners[1].take_report("b"), planners[1].take_store_report("b")
+        assert report.hit_segments == 3 and report.miss_segments == 0
+        assert store.hits_by_tier["cpu"] == 3 and store.computed == 0
+        assert out.token_ids == want[1]
+    finally:
+        for p in planners:
+            p.store.close(timeout=10.0)
+        daemon.cleanup()

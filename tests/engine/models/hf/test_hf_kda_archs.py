@@ -17,7 +17,6 @@ pytest.importorskip("transformers")
 
 import hf_testlib as H  # noqa: E402
 from engine.pic.config import PicConfig  # noqa: E402
-from engine.runtime.sampling import SamplingParams  # noqa: E402
 
 ARCH = "kimi_linear"
 ARCHS = ["kimi_linear", "bailing_hybrid"]
@@ -50,18 +49,10 @@ def _edited_copy(src, dst, edit):
     return dst
 
 
-def _assert_parity(r: dict) -> None:
-    assert r["logit_scale"] > 0.1  # the reference logits are not all ~0 (a vacuous match)
-    assert r["prefill_err"] <= H.TOL, r["prefill_err"]
-    assert len(r["step_errs"]) == H.DECODE_STEPS
-    assert max(r["step_errs"]) <= H.TOL, r["step_errs"]
-    assert r["gen"] == r["ref_gen"]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_checkpoint_matches_transformers_prefill_and_greedy_decode(tiny, arch):
     model, d = tiny(arch)
-    _assert_parity(H.check_parity(model, d, chunk=7))
+    H.assert_parity(H.check_parity(model, d, chunk=7))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -73,7 +64,7 @@ def test_sharded_checkpoint_matches_transformers(tiny, arch, tmp_path):
     H.save_checkpoint(model, d, [ids["<|im_end|>"], ids["<|endoftext|>"]], shard=True)
     assert (d / "model.safetensors.index.json").is_file()
     assert len(list(d.glob("model-*.safetensors"))) > 1
-    _assert_parity(H.check_parity(model, d))
+    H.assert_parity(H.check_parity(model, d))
 
 
 @pytest.mark.parametrize("arch, extra", [("kimi_linear", {}), ("bailing_hybrid", {"kda_safe_gate": False})])
@@ -184,53 +175,12 @@ def test_pic_with_whole_segment_seams_equals_full_recompute(tiny, arch, how):
         assert (report.reused_tokens > 0) == (n == 1)
 
 
-GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
-
-
-def _run(engine, segs, request_id):
-    engine.add_request(segs, GREEDY, request_id=request_id)
-    while True:
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_signatures_round_trip_through_a_real_daemon(tiny, arch, tmp_path):
     """A second engine hits every segment the first one stored (kda's dense transitions
     and the MLA layer's expanded K/V in the signature) and generates what in-process PIC
     generates."""
-    from engine.connector.attach import attach_store
-    from engine.connector.config import StoreConnectorConfig
-    from engine.pic.run import attach_planner
-    from kvstore.testing import DaemonProcess
-
-    d = tiny(arch)[1]
-    prompts = [H.segments((0, 1, 2)), H.segments((2, 1, 0))]
-    memory = H.new_engine(d)
-    attach_planner(memory, PicConfig(miss_path="alone"))
-    want = [_run(memory, p, f"ref{i}").token_ids for i, p in enumerate(prompts)]
-
-    daemon = DaemonProcess(tmp_path / "d", entry="kvstore.server").start()
-    planners = []
-    try:
-        cfg = StoreConnectorConfig(socket=str(daemon.socket), rpc_timeout_s=5.0)
-        first = H.new_engine(d)
-        planners.append(attach_store(first, PicConfig(miss_path="alone"), cfg))
-        assert _run(first, prompts[0], "a").token_ids == want[0]
-        assert planners[0].take_report("a").miss_segments == 3
-        assert planners[0].store.flush()
-        second = H.new_engine(d)
-        planners.append(attach_store(second, PicConfig(miss_path="alone"), cfg))
-        out = _run(second, prompts[1], "b")
-        report, store = planners[1].take_report("b"), planners[1].take_store_report("b")
-        assert report.hit_segments == 3 and report.miss_segments == 0
-        assert store.hits_by_tier["cpu"] == 3 and store.computed == 0
-        assert out.token_ids == want[1]
-    finally:
-        for p in planners:
-            p.store.close(timeout=10.0)
-        daemon.cleanup()
+    H.check_signatures_round_trip(tiny(arch)[1], tmp_path)
 
 
 def test_bf16_kimi_linear_keeps_its_decay_parameters_and_router_in_float32(kimi):
@@ -333,33 +283,6 @@ def test_bf16_short_conv_computes_in_the_dtype_the_reference_keeps(tiny, arch, c
     torch.testing.assert_close(y.float(), want_step.float(), rtol=0, atol=2 ** -7 * float(want_step.abs().max()))
 
 
-@torch.no_grad()
-def _first_layer_state(runner, request, planner=None):
-    """Layer 0's recurrent state after prefilling `request` by `planner`'s plan (a plain
-    full prefill when None)."""
-    from engine.runtime.planner import ApplyStep, FusedStep
-    from engine.runtime.sequence import Sequence
-
-    seq = request.seq = runner.cache.allocate(Sequence(request.request_id))
-    ids = request.prefill_token_ids()
-    if planner is None:
-        runner.prefill(seq, ids)
-    else:
-        plan = request.plan = planner.plan(request)
-        runner.cache.ensure_capacity(seq, plan.num_tokens)
-        for step in plan.steps:
-            if isinstance(step, FusedStep):
-                step.run(runner, request)
-            elif isinstance(step, ApplyStep):
-                step.apply(runner, request)
-            else:
-                runner.prefill(seq, ids[step.start:step.end], start_pos=step.start)
-        planner.on_prefill_done(request)
-    state = runner.cache.layers[0].state[seq.slot].clone()
-    runner.cache.free(seq)
-    return state
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("how", [dict(fused=True, miss_path="alone"), dict(fused=False, miss_path="alone"),
                                  dict(fused=True, miss_path="context", miss_signatures="context")],
@@ -378,10 +301,10 @@ def test_kda_state_composition_is_exact_with_a_narrow_seam(tiny, arch, how):
                            tok)
     naive = make_planner(PicConfig(method="naive", seam=3, **how), runner.model, engine.loaded_model.fingerprint, tok)
     for n, order in enumerate([(0, 1, 2), (2, 0, 1)]):
-        pic = _first_layer_state(runner, H.make_request(tok, H.segments(order), f"r{n}"), planner)
+        pic = H.first_layer_state(runner, H.make_request(tok, H.segments(order), f"r{n}"), planner)
         report = planner.take_report(f"r{n}")
-        added = _first_layer_state(runner, H.make_request(tok, H.segments(order), f"n{n}"), naive)
-        full = _first_layer_state(runner, H.make_request(tok, H.segments(order), f"f{n}"))
+        added = H.first_layer_state(runner, H.make_request(tok, H.segments(order), f"n{n}"), naive)
+        full = H.first_layer_state(runner, H.make_request(tok, H.segments(order), f"f{n}"))
         assert float(full.abs().max()) > 1e-2
         assert float((pic - full).norm() / full.norm()) < 1e-5
         if n == 1:  # warm, every segment spliced: naive addition (no T) is far off

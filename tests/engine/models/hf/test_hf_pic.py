@@ -36,33 +36,6 @@ def test_pic_with_whole_segment_seams_equals_full_recompute(checkpoint, arch, fu
         assert (report.reused_tokens > 0) == (n == 1)
 
 
-@torch.no_grad()
-def _linear_states_after(runner, request, planner=None):
-    """The first layer's recurrent state after prefilling `request` by `planner`'s plan (or
-    by a plain full prefill when None)."""
-    from engine.runtime.planner import ApplyStep, FusedStep
-    from engine.runtime.sequence import Sequence
-
-    seq = request.seq = runner.cache.allocate(Sequence(request.request_id + ("-full" if planner is None else "")))
-    ids = request.prefill_token_ids()
-    if planner is None:
-        runner.prefill(seq, ids)
-    else:
-        plan = request.plan = planner.plan(request)
-        runner.cache.ensure_capacity(seq, plan.num_tokens)
-        for step in plan.steps:
-            if isinstance(step, FusedStep):
-                step.run(runner, request)
-            elif isinstance(step, ApplyStep):
-                step.apply(runner, request)
-            else:
-                runner.prefill(seq, ids[step.start:step.end], start_pos=step.start)
-        planner.on_prefill_done(request)
-    state = runner.cache.layers[0].state[seq.slot].clone()
-    runner.cache.free(seq)
-    return state
-
-
 @pytest.mark.parametrize("how", [dict(fused=True, seam_chain="off", miss_path="alone"),
                                  dict(fused=True, seam_chain="on", miss_path="alone"),
                                  dict(fused=False, miss_path="alone"),
@@ -83,9 +56,9 @@ def test_ring_linear_segment_states_are_rotated_to_their_offsets(checkpoint, how
                            engine.loaded_model.fingerprint, tok)
     for n, order in enumerate([(0, 1, 2), (2, 0, 1)]):
         request = H.make_request(tok, H.segments(order), f"r{n}")
-        pic = _linear_states_after(runner, request, planner)
+        pic = H.first_layer_state(runner, request, planner)
         report = planner.take_report(request.request_id)
-        full = _linear_states_after(runner, H.make_request(tok, H.segments(order), f"f{n}"))
+        full = H.first_layer_state(runner, H.make_request(tok, H.segments(order), f"f{n}"))
         assert float(full.abs().max()) > 0.1
         torch.testing.assert_close(pic, full, rtol=1e-4, atol=1e-4)
     assert report.hit_segments == 3 and report.reused_tokens > 0  # warm: every segment spliced, two moved
