@@ -192,20 +192,23 @@ class PrefillStages:
         return pytree.tree_unflatten([x[:n] if isinstance(x, torch.Tensor) else x for x in stage.outputs], stage.spec)
 
 
-class PrefillGraphWarmup:
-    """The prefill-stage graphs of one engine and when they are captured (`mode`, one of
-    `PREFILL_GRAPH_MODES`). `capture_bucket(b)` runs one placeholder pass of bucket b
-    (engine.pic.fused.capture_prefill_stages for that bucket). `upfront` captures every
-    bucket in the constructor; `idle` keeps them `pending` for `step`, which the engine
-    loop calls while no request is in the engine, one bucket a call (a request arriving
-    meanwhile waits for one bucket at most); `lazy` leaves every capture to first use.
-    `stages` None: nothing to capture (off CUDA, or CUDA graphs off)."""
+class BucketWarmup:
+    """Buckets of CUDA graphs captured ahead of requests, and when (`mode`, one of
+    `PREFILL_GRAPH_MODES`): `upfront` captures every bucket in the constructor; `idle` keeps
+    them `pending` for `step`, which the engine loop calls while no request is in the
+    engine, one bucket a call (a request arriving meanwhile waits for one bucket at most);
+    `lazy` leaves every capture to first use. `capture(b)` captures bucket b. An idle
+    capture that fails (e.g. out of memory) is logged and leaves the rest to first use; an
+    upfront one raises. Not thread-safe: the engine loop's thread only. Subclasses name
+    what they capture (`what`) and may note each capture's result (`_captured`)."""
 
-    def __init__(self, stages: Optional[PrefillStages], capture_bucket: Callable[[int], Any], mode: str) -> None:
+    what = "graphs"
+
+    def __init__(self, pending: Sequence[int], capture: Callable[[int], Any], mode: str) -> None:
         if mode not in PREFILL_GRAPH_MODES:
-            raise ValueError(f"prefill graphs mode {mode!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
-        self.stages, self.mode, self._capture = stages, mode, capture_bucket
-        self.pending: list[int] = list(stages.buckets) if stages is not None and mode != "lazy" else []
+            raise ValueError(f"{self.what} mode {mode!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
+        self.mode, self._capture = mode, capture
+        self.pending: list[int] = list(pending) if mode != "lazy" else []
         #: seconds spent capturing (upfront or idle), None until every bucket is done
         self.capture_s: Optional[float] = None
         #: why an idle capture failed (the buckets left are then captured on first use)
@@ -214,6 +217,52 @@ class PrefillGraphWarmup:
         if mode == "upfront":
             while self.step():
                 pass
+
+    def _captured(self, bucket: int, result: Any) -> None:
+        """Called after bucket `bucket` was captured, with what `capture` returned."""
+
+    def step(self) -> bool:
+        """Capture the next pending bucket; False when none was pending."""
+        if not self.pending:
+            return False
+        b = self.pending[0]  # popped once captured: `ready` never holds while a capture runs
+        t0 = time.perf_counter()
+        try:
+            self._captured(b, self._capture(b))
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: the server goes on without them)
+            if self.mode == "upfront":
+                raise
+            log.warning("capturing %s of bucket %d failed (%s); buckets %s are left to first use",
+                        self.what, b, exc, self.pending, exc_info=True)
+            self.failed = f"bucket {b}: {exc}"
+            self.pending = []
+            return True
+        self.pending = self.pending[1:]
+        self._spent += time.perf_counter() - t0
+        if not self.pending:
+            self.capture_s = self._spent
+            self._log_ready()
+        return True
+
+    def _log_ready(self) -> None:
+        log.info("%s ready (%s) in %.1f s", self.what, self.mode, self._spent)
+
+    def _times(self) -> dict:
+        return {"mode": self.mode, "pending_buckets": list(self.pending),
+                "capture_s": None if self.capture_s is None else round(self.capture_s, 3), "failed": self.failed}
+
+
+class PrefillGraphWarmup(BucketWarmup):
+    """The prefill-stage graphs of one engine and when they are captured (BucketWarmup).
+    `capture_bucket(b)` runs one placeholder pass of bucket b
+    (engine.pic.fused.capture_prefill_stages for that bucket). `stages` None: nothing to
+    capture (off CUDA, or CUDA graphs off)."""
+
+    what = "prefill-stage graphs"
+
+    def __init__(self, stages: Optional[PrefillStages], capture_bucket: Callable[[int], Any], mode: str) -> None:
+        self.stages = stages
+        super().__init__(stages.buckets if stages is not None else (), capture_bucket, mode)
 
     @property
     def ready(self) -> bool:
@@ -225,87 +274,39 @@ class PrefillGraphWarmup:
     def captured(self) -> int:
         return 0 if self.stages is None else self.stages.captured
 
-    def step(self) -> bool:
-        """Capture the next pending bucket; False when none was pending."""
-        if not self.pending:
-            return False
-        b = self.pending[0]  # popped once captured: `ready` never holds while a capture runs
-        t0 = time.perf_counter()
-        try:
-            self._capture(b)
-        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: the server goes on without them)
-            if self.mode == "upfront":
-                raise
-            log.warning("capturing prefill-stage graphs of bucket %d failed (%s); buckets %s are left to first use",
-                        b, exc, self.pending, exc_info=True)
-            self.failed = f"bucket {b}: {exc}"
-            self.pending = []
-            return True
-        self.pending = self.pending[1:]
-        self._spent += time.perf_counter() - t0
-        if not self.pending:
-            self.capture_s = self._spent
-            log.info("prefill-stage graphs ready (%s): %d graphs of buckets %s captured in %.1f s", self.mode,
-                     self.captured, self.stages.buckets, self._spent)
-        return True
+    def _log_ready(self) -> None:  # tools/bench_models.py reads this line from serve's log
+        log.info("prefill-stage graphs ready (%s): %d graphs of buckets %s captured in %.1f s", self.mode,
+                 self.captured, self.stages.buckets, self._spent)
 
     def snapshot(self) -> dict:
         """For /health: mode, ready, graphs captured, buckets left, capture seconds, failure."""
-        return {"mode": self.mode, "ready": self.ready, "captured": self.captured, "pending_buckets": list(self.pending),
-                "capture_s": None if self.capture_s is None else round(self.capture_s, 3), "failed": self.failed}
+        return {**self._times(), "ready": self.ready, "captured": self.captured}
 
 
-class DecodeGraphWarmup:
-    """The decode-step CUDA graph buckets of one engine (engine/runtime/cuda_graphs.py) and
-    when they are captured, in the prefill-stage graphs' mode: `upfront` in the
-    constructor, `idle` one bucket per `step` (the engine loop calls it while no request
-    is in the engine, after the prefill-stage buckets), `lazy` at first use. Capturing a
-    bucket ahead compiles and autotunes its kernels too (each bucket is one autotune key of
-    the paged decode kernel), so the first batch of each size does not pay for it.
-    `runner.graphs` None (no decode graphs) or over external KV caches (HiSparse, keyed per
-    request): nothing to do. Not thread-safe: the engine loop's thread only."""
+class DecodeGraphWarmup(BucketWarmup):
+    """The decode-step CUDA graph buckets up to `max_batch` sequences of one engine
+    (engine/runtime/cuda_graphs.py), captured in the prefill-stage graphs' mode
+    (BucketWarmup; the server loop's idle turns take them after the prefill-stage
+    buckets). Capturing a bucket ahead compiles and autotunes its kernels too (each bucket
+    is one autotune key of the paged decode kernel), so the first batch of each size does
+    not pay for it. `runner.graphs` None (no decode graphs) or over external KV caches
+    (HiSparse, keyed per request): nothing to do."""
+
+    what = "decode graphs"
 
     def __init__(self, runner: Any, max_batch: int, mode: str) -> None:
-        if mode not in PREFILL_GRAPH_MODES:
-            raise ValueError(f"decode graphs mode {mode!r} is not one of {', '.join(PREFILL_GRAPH_MODES)}")
         graphs = runner.graphs
-        self.mode, self._runner = mode, runner
-        if graphs is None or graphs.external or mode == "lazy":
-            self.pending: list[int] = []
-        else:
+        buckets: list[int] = []
+        if graphs is not None and not graphs.external:
             top = graphs.bucket(max_batch) or graphs.buckets[-1]
-            self.pending = [b for b in graphs.buckets if b <= top]
+            buckets = [b for b in graphs.buckets if b <= top]
+        #: the buckets this warm-up captured (one already captured elsewhere is not counted)
         self.captured: list[int] = []
-        #: why an idle capture failed (the buckets left are then captured on first use)
-        self.failed: Optional[str] = None
-        self.capture_s = 0.0
-        if mode == "upfront":
-            while self.step():
-                pass
+        super().__init__(buckets, lambda b: runner.capture_decode_graphs(b, only=(b,)), mode)
 
-    def step(self) -> bool:
-        """Capture the next pending bucket; False when none was pending."""
-        if not self.pending:
-            return False
-        b = self.pending[0]
-        t0 = time.perf_counter()
-        try:
-            self.captured += self._runner.capture_decode_graphs(b, only=(b,))
-        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: decode captures at first use)
-            if self.mode == "upfront":
-                raise
-            log.warning("capturing the decode graph of bucket %d failed (%s); buckets %s are left to first use",
-                        b, exc, self.pending, exc_info=True)
-            self.failed = f"bucket {b}: {exc}"
-            self.pending = []
-            return True
-        self.pending = self.pending[1:]
-        self.capture_s += time.perf_counter() - t0
-        if not self.pending:
-            log.info("decode graphs ready (%s): buckets %s in %.1f s", self.mode, self.captured, self.capture_s)
-        return True
+    def _captured(self, bucket: int, result: Any) -> None:
+        self.captured += result
 
     def snapshot(self) -> dict:
         """For /health: mode, buckets captured and left, capture seconds, failure."""
-        return {"mode": self.mode, "captured_buckets": list(self.captured), "pending_buckets": list(self.pending),
-                "capture_s": round(self.capture_s, 3), "failed": self.failed}
+        return {**self._times(), "captured_buckets": list(self.captured)}
