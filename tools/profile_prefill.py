@@ -76,6 +76,8 @@ def _cpu_rows(prof, top: int) -> list[dict[str, Any]]:
 
 
 def _families(kernels: list[tuple[str, float, int]], steps: int = 1) -> dict[str, dict[str, Any]]:
+    """Kernels (name, device us, calls) over `steps` runs -> per family and per run: ms, share
+    of the busy time, distinct kernels, calls."""
     busy = sum(us for _, us, _ in kernels) / 1e3 / steps
     fams: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "calls": 0})
     for kname, us, calls in kernels:
@@ -181,12 +183,6 @@ def profile_preset(name: str, length: int, quick: bool, top: int, decode_batch: 
     with profile(activities=acts) as prof:
         profiled = once("profiled")
     kernels = _kernel_rows(prof) if cuda else []
-    by_family: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "calls": 0})
-    for kname, us, calls in kernels:
-        f = by_family[family(kname)]
-        f["ms"] += us / 1e3
-        f["kernels"] += 1
-        f["calls"] += calls
     busy_ms = sum(us for _, us, _ in kernels) / 1e3
     flops = flop_model(cfg).prefill(length)
     out: dict[str, Any] = {
@@ -195,9 +191,7 @@ def profile_preset(name: str, length: int, quick: bool, top: int, decode_batch: 
         "profiled_prefill_s": round(profiled, 4), "flops": flops,
         "kernel_busy_ms": round(busy_ms, 3),
         "device_idle_ms": round(max(0.0, profiled * 1e3 - busy_ms), 3) if cuda else None,
-        "by_family": {k: {"ms": round(v["ms"], 3), "share": round(v["ms"] / busy_ms, 4) if busy_ms else None,
-                          "kernels": v["kernels"], "calls": v["calls"]}
-                      for k, v in sorted(by_family.items(), key=lambda kv: -kv[1]["ms"])},
+        "by_family": _families(kernels),
         "top_kernels": [{"kernel": k[:160], "family": family(k), "ms": round(us / 1e3, 3), "calls": c}
                         for k, us, c in sorted(kernels, key=lambda r: -r[1])[:top]],
         "top_host_ops": _cpu_rows(prof, top),
