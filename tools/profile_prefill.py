@@ -31,13 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.bench_models import H200_BF16_DENSE_TFLOPS  # noqa: E402
 from tools.results import write_json  # noqa: E402
 
 #: kernel family -> regex over the kernel's name (first match wins, in this order).
+#: Attention comes before the GEMMs (flash kernels' names carry cutlass types), and
+#: cutlass's grouped problem shapes (torch's grouped_mm) before the dense GEMMs.
 FAMILIES: list[tuple[str, str]] = [
-    ("grouped_gemm", r"grouped|group_gemm|GroupedGemm|grouped_mm"),
-    ("dense_gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm100_|matmul|Gemm"),
+    ("grouped_gemm", r"grouped|group_gemm|GroupedGemm|grouped_mm|GroupProblemShape"),
     ("softmax_attention", r"flash|fmha|attn_fwd|_attn|attention|sdpa|paged"),
+    ("dense_gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm100_|matmul|Gemm"),
     ("linear_attention", r"chunk|recurrent|delta|kda|gla|lightning|simple_gla|solve_tril|wy|cumsum|l2norm"),
     ("conv", r"conv"),
     ("norm", r"norm"),
@@ -88,6 +91,29 @@ def _families(kernels: list[tuple[str, float, int]], steps: int = 1) -> dict[str
     return {k: {"ms": round(v["ms"], 3), "share": round(v["ms"] / busy, 4) if busy else None,
                 "kernels": v["kernels"], "calls": v["calls"]}
             for k, v in sorted(fams.items(), key=lambda kv: -kv[1]["ms"])}
+
+
+def utilisation(flops: dict[str, float], by_family: dict[str, dict[str, Any]], prefill_s: float,
+                peak_tflops: float = H200_BF16_DENSE_TFLOPS) -> dict[str, Any]:
+    """Achieved TFLOP/s and MFU (vs `peak_tflops`) of the whole prefill (counted FLOPs over the
+    timed wall time) and of its dense parts from their own kernel time: `gemm` (the matmul
+    FLOPs over the dense + grouped GEMM kernels), `attention` (softmax attention FLOPs over
+    its kernels) and `dense_parts` (both together). A part whose kernels did not run reads None."""
+    def row(f: float, ms: float) -> dict[str, Optional[float]]:
+        if not ms or not f:
+            return {"tflops": None, "mfu": None, "ms": round(ms, 3)}
+        tf = f / (ms / 1e3) / 1e12
+        return {"tflops": round(tf, 1), "mfu": round(tf / peak_tflops, 4), "ms": round(ms, 3)}
+
+    def ms_of(*fams: str) -> float:
+        return sum(by_family.get(f, {}).get("ms", 0.0) for f in fams)
+
+    gemm_ms, attn_ms = ms_of("dense_gemm", "grouped_gemm"), ms_of("softmax_attention")
+    return {"peak_tflops": peak_tflops,
+            "whole": row(flops["total"], prefill_s * 1e3),
+            "gemm": row(flops["dense"], gemm_ms),
+            "attention": row(flops["attention"], attn_ms),
+            "dense_parts": row(flops["dense"] + flops["attention"], gemm_ms + attn_ms)}
 
 
 def profile_decode(model, cfg, batch: int, cuda: bool, top: int, context: int = 1024,
@@ -198,9 +224,9 @@ def profile_preset(name: str, length: int, quick: bool, top: int, decode_batch: 
     }
     if decode_batch:
         out["decode"] = profile_decode(model, cfg, decode_batch, cuda, top)
-    gemm_ms = sum(out["by_family"].get(f, {}).get("ms", 0.0) for f in ("dense_gemm", "grouped_gemm"))
-    if cuda and gemm_ms:
-        out["gemm_tflops_achieved"] = round(flops["dense"] / (gemm_ms / 1e3) / 1e12, 1)
+    if cuda:
+        out["utilisation"] = utilisation(flops, out["by_family"], timed)
+        out["gemm_tflops_achieved"] = out["utilisation"]["gemm"]["tflops"]
     del runner, mgr, model
     if cuda:
         torch.cuda.empty_cache()
