@@ -472,7 +472,7 @@ def main(argv=None) -> int:
         out["daemon"] = {"gpu": gpu_tier, "cpu": args.cpu_capacity, "nvme": args.nvme_capacity}
         log(f"engine {out['model']} built in {out['engine_build_s']:.1f} s; daemon tiers {out['daemon']}")
         try:
-            engine_phases(args, engine, str(daemon.socket), run, out, log, save, phase)
+            engine_phases(args, engine, str(daemon.socket), run, out, log, save, phase, daemon_pid=daemon.proc.pid)
         finally:
             daemon.cleanup()
             del engine
