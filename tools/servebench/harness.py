@@ -111,6 +111,16 @@ class Harness:
         self.engine.scheduler.planner = planner
         return planner
 
+    def pic_planner(self):
+        """The `pic` planner (created on first use), leaving the engine's installed
+        planner as it is: what `store`, `keys_of` and `forget` use, so that reading the
+        store or making a request cold never switches the method a run is timed with."""
+        current = self.engine.scheduler.planner
+        try:
+            return self.planner("pic")
+        finally:
+            self.engine.scheduler.planner = current
+
     def _store_prefix_planner(self):
         """A `prefix` planner with a new (empty) tree whose checkpoints go to the daemon,
         over the PIC planner's store connection, its tree bounded as PIC's exact prefixes
@@ -118,7 +128,7 @@ class Harness:
         from engine.connector.prefix_planner import StorePrefixPlanner
         from engine.pic.prefix import PrefixTree
 
-        pic = self._store_planner or self.planner("pic")
+        pic = self.pic_planner()
         cfg = PicConfig(method="prefix", prefix_cache_bytes=self.pic_config.prefix_cache_bytes,
                         kernel=self.pic_config.kernel)
         return StorePrefixPlanner(cfg, PrefixTree(cfg.prefix_cache_bytes), self.engine.device, pic.store.cache,
@@ -140,11 +150,11 @@ class Harness:
 
     @property
     def store(self):
-        return self.planner("pic").store
+        return self.pic_planner().store
 
     def keys_of(self, req: BenchRequest) -> list[bytes]:
         """The segment keys PIC uses for `req` (same tokenisation as the engine)."""
-        planner = self._store_planner or self.planner("pic")
+        planner = self.pic_planner()
         ids, segs = self.engine._tokenize(req.as_prompt(), None)
         return planner.segment_keys(ids, segs)
 
@@ -159,13 +169,13 @@ class Harness:
             if p is not None and p.exact is not None and bounds:  # its exact prefixes too
                 p.exact.forget(ids, bounds)
         if self.connector is None:  # PIC over the engine's in-process cache
-            self.planner("pic").cache.discard(keys)
+            self.pic_planner().cache.discard(keys)
             return
         for p in (self._store_planner, self._timed_planner):
             if p is not None:
                 p.store.near.discard(keys)
         if bounds:  # engine.connector.prefix_store's keys of its prefixes
-            keys += [self.planner("pic").store.checkpoints.key(ids[:hi]) for _, hi in bounds]
+            keys += [self.pic_planner().store.checkpoints.key(ids[:hi]) for _, hi in bounds]
         if keys:
             self.store.flush()
             self.store.link.call("delete", lambda kv: kv.delete(keys))

@@ -12,8 +12,9 @@ request thread's core, a garbage collection. `HostUsage` records, around one req
   `wall_ms`: a request thread that was runnable but not running (GIL, a busy core)
   shows as CPU time below its host-bound wall time;
 - `other_threads_cpu_ms`: CPU time of every other thread of this process that used
-  any, by thread name (/proc/self/task; Linux only, else empty): a put, loader or
-  keepalive thread busy during the request;
+  any, by thread name (/proc/self/task; Linux only, else empty; a thread that ended
+  before the request did is not seen): a put, loader or keepalive thread busy during
+  the request;
 - `processes_cpu_ms`: CPU time of the processes named in `pids` (e.g. the kvstore
   daemon), by name;
 - `gc_collections` / `gc_ms`: Python garbage collections during the request and their
@@ -47,21 +48,26 @@ def _cpu_ticks(stat_path: str) -> Optional[int]:
 
 
 def thread_ticks() -> dict[tuple[int, str], int]:
-    """CPU ticks of each thread of this process, by (thread id, name); {} off Linux."""
+    """CPU ticks of each thread of this process, by (kernel thread id, name): the Python
+    thread's name where it is one, else the kernel's (threads of native libraries); {}
+    off Linux."""
     out: dict[tuple[int, str], int] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return out
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     for tid in tids:
         ticks = _cpu_ticks(f"/proc/self/task/{tid}/stat")
         if ticks is None:
             continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            name = "?"
+        name = names.get(int(tid))
+        if name is None:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                name = "?"
         out[(int(tid), name)] = ticks
     return out
 
