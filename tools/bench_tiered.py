@@ -89,14 +89,18 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
 
 - `serve`: TTFT per workload (the five document workloads, `repeat`, `chat`, `mix`:
   tools/servebench/requests.py), cold and warm (tools.servebench.tiered.ttft_after_twin:
-  warm = after the request's twin only, for both caching methods alike), for full
+  warm = after the request's twin only, for both caching methods alike; the two methods
+  run each request one after the other, which first alternating, each timed request on
+  a quiesced engine: idle work drained, puts stored, the device synchronised), for full
   recompute, prefix caching through the daemon (`--method prefix --store`: its
   checkpoints in the daemon's tiers, its tree bounded like PIC's exact prefixes) and PIC
   through the daemon, with the engine's device cache bounded by
   `--device-cache-fraction` of the free device memory (StoreConnectorConfig). Every
   warm request of prefix caching and PIC records where its TTFT went (`breakdown`:
-  lookup, restore, miss, forward, drain, other ms and the daemon calls it made;
-  tools.servebench.breakdown), the log prints the means for repeat and chat.
+  lookup, restore, miss, forward, drain, other ms, the daemon calls it made and what
+  else used the host meanwhile: the request thread's CPU time against its wall time,
+  other threads' and the daemon's CPU time, garbage collections; tools.servebench.
+  breakdown, host_usage), the log prints the means for repeat and chat.
 - `pcie`: pinned host -> device bandwidth (`pcie.pinned_h2d_gbps`; None without CUDA),
   then the serving path's CPU-tier loads (`cpu_tier_step`, below).
 - `qps`: sustainable Poisson rate at p99 TTFT <= SLO (`--slo-factor` x the idle
@@ -472,7 +476,7 @@ def main(argv=None) -> int:
         out["daemon"] = {"gpu": gpu_tier, "cpu": args.cpu_capacity, "nvme": args.nvme_capacity}
         log(f"engine {out['model']} built in {out['engine_build_s']:.1f} s; daemon tiers {out['daemon']}")
         try:
-            engine_phases(args, engine, str(daemon.socket), run, out, log, save, phase)
+            engine_phases(args, engine, str(daemon.socket), run, out, log, save, phase, daemon_pid=daemon.proc.pid)
         finally:
             daemon.cleanup()
             del engine

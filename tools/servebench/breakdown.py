@@ -19,11 +19,16 @@ TTFT being explained) the step times are the host's: a step that only queues dev
 work is short and its device time lands in the next step that waits, or in `drain_ms`.
 With `LLMEngine.sync_timings` on (bench_tiered `--sync-timings`, a diagnostic run) each
 step's time is its device time. `store_rpcs` counts the daemon calls made while the
-request was in flight (tools.servebench.harness), by call name.
+request was in flight (tools.servebench.harness), by call name. `host`: what else used
+the host meanwhile (tools.servebench.host_usage: the request thread's CPU time against
+its wall time, other threads' and the daemon's CPU time, garbage collections): a TTFT
+slower in every part alike (the pure-Python lookup too) is the host's, not the method's.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from tools.servebench.host_usage import mean_host
 
 if TYPE_CHECKING:
     from tools.servebench.harness import Run
@@ -46,7 +51,8 @@ def ttft_breakdown(run: "Run") -> dict:
     out.update({"queue_ms": round(tl.get("queue_ms", 0.0), 3), "synced": bool(run.synced),
                 "reused_tokens": run.reused_tokens, "prompt_tokens": run.prompt_tokens,
                 "hit_segments": run.hit_segments, "prefix_source": st.get("store_prefix_source"),
-                "store_load_wait_ms": st.get("store_load_wait_ms"), "store_rpcs": dict(run.rpcs)})
+                "store_load_wait_ms": st.get("store_load_wait_ms"), "store_rpcs": dict(run.rpcs),
+                "host": dict(run.host)})
     return out
 
 
@@ -57,4 +63,5 @@ def mean_breakdown(rows: list[dict]) -> dict:
     out = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in ("ttft_ms",) + PARTS}
     names = sorted({n for r in rows for n in r["store_rpcs"]})
     out["store_rpcs_per_request"] = {n: sum(r["store_rpcs"].get(n, 0) for r in rows) / len(rows) for n in names}
+    out["host"] = mean_host([r.get("host") or {} for r in rows])
     return out

@@ -11,9 +11,11 @@ fresh=True)` gives a planner with an empty cache where that makes sense (a new p
 tree; for `pic`, `forget(request)` deletes the request's segments from the daemon
 instead; `forget` deletes its exact-prefix checkpoints, prefix caching's too).
 
-`run_alone` measures one request on an otherwise idle engine: TTFT from the request's
-own timeline (arrival -> first token sampled, the GPU synchronised by sampling), with
-the planner's token and time split and the connector's store report. `run_poisson`
+`run_alone` measures one request on an otherwise idle engine (`quiesce` first: idle
+work drained, puts stored, the device finished): TTFT from the request's own timeline
+(arrival -> first token sampled, the GPU synchronised by sampling), with the planner's
+token and time split, the connector's store report and what else used the host while
+it ran (`Run.host`: tools.servebench.host_usage). `run_poisson`
 sends requests at exponential gaps (seeded) and returns each one's TTFT, queueing
 included. Puts of signatures computed in a run are flushed after it, outside the
 measurement.
@@ -33,6 +35,7 @@ from engine.pic.config import PicConfig
 from engine.pic.planner import make_planner
 from engine.pic.prefix import prefix_bounds
 from engine.runtime.sampling import SamplingParams
+from tools.servebench.host_usage import HostUsage
 from tools.servebench.requests import BenchRequest
 
 METHODS = ("full", "prefix", "pic")
@@ -58,6 +61,8 @@ class Run:
     rpcs: dict[str, int] = field(default_factory=dict)
     #: the step times were device-synchronised (LLMEngine.sync_timings on CUDA)
     synced: bool = False
+    #: what else used the host while the request was in flight (tools.servebench.host_usage)
+    host: dict[str, Any] = field(default_factory=dict)
 
 
 class Harness:
@@ -79,6 +84,9 @@ class Harness:
         self._store_planner = None
         self._timed_planner = None
         self._ids = 0
+        #: processes whose CPU time `run_alone` accounts per request, by name (e.g. the
+        #: kvstore daemon: tools.servebench.host_usage)
+        self.pids: dict[str, int] = {}
 
     # ------------------------------------------------------------------ planners
     def planner(self, method: str, fresh: bool = False):
@@ -103,6 +111,16 @@ class Harness:
         self.engine.scheduler.planner = planner
         return planner
 
+    def pic_planner(self):
+        """The `pic` planner (created on first use), leaving the engine's installed
+        planner as it is: what `store`, `keys_of` and `forget` use, so that reading the
+        store or making a request cold never switches the method a run is timed with."""
+        current = self.engine.scheduler.planner
+        try:
+            return self.planner("pic")
+        finally:
+            self.engine.scheduler.planner = current
+
     def _store_prefix_planner(self):
         """A `prefix` planner with a new (empty) tree whose checkpoints go to the daemon,
         over the PIC planner's store connection, its tree bounded as PIC's exact prefixes
@@ -110,7 +128,7 @@ class Harness:
         from engine.connector.prefix_planner import StorePrefixPlanner
         from engine.pic.prefix import PrefixTree
 
-        pic = self._store_planner or self.planner("pic")
+        pic = self.pic_planner()
         cfg = PicConfig(method="prefix", prefix_cache_bytes=self.pic_config.prefix_cache_bytes,
                         kernel=self.pic_config.kernel)
         return StorePrefixPlanner(cfg, PrefixTree(cfg.prefix_cache_bytes), self.engine.device, pic.store.cache,
@@ -132,11 +150,11 @@ class Harness:
 
     @property
     def store(self):
-        return self.planner("pic").store
+        return self.pic_planner().store
 
     def keys_of(self, req: BenchRequest) -> list[bytes]:
         """The segment keys PIC uses for `req` (same tokenisation as the engine)."""
-        planner = self._store_planner or self.planner("pic")
+        planner = self.pic_planner()
         ids, segs = self.engine._tokenize(req.as_prompt(), None)
         return planner.segment_keys(ids, segs)
 
@@ -151,13 +169,13 @@ class Harness:
             if p is not None and p.exact is not None and bounds:  # its exact prefixes too
                 p.exact.forget(ids, bounds)
         if self.connector is None:  # PIC over the engine's in-process cache
-            self.planner("pic").cache.discard(keys)
+            self.pic_planner().cache.discard(keys)
             return
         for p in (self._store_planner, self._timed_planner):
             if p is not None:
                 p.store.near.discard(keys)
         if bounds:  # engine.connector.prefix_store's keys of its prefixes
-            keys += [self.planner("pic").store.checkpoints.key(ids[:hi]) for _, hi in bounds]
+            keys += [self.pic_planner().store.checkpoints.key(ids[:hi]) for _, hi in bounds]
         if keys:
             self.store.flush()
             self.store.link.call("delete", lambda kv: kv.delete(keys))
@@ -220,7 +238,9 @@ class Harness:
         `<trace>-idle`."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rid = self._rid(req.id)
+        self.quiesce()
         prof = start_profile() if (trace and self.trace_dir) else None
+        usage = HostUsage(self.pids).start()
         with self.counting_rpcs() as rpcs:
             engine.add_request(req.as_prompt(), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
                                request_id=rid)
@@ -229,6 +249,7 @@ class Harness:
                 for out in engine.step():
                     if out.request_id == rid and out.finished:
                         final = out
+        used = usage.stop()
         if prof is not None:
             write_profile(prof, self.trace_dir, trace)
         rep = planner.take_report(rid)
@@ -252,7 +273,21 @@ class Harness:
                         "after_ms": (tl.first_token - tl.scheduled - host) * 1e3}
         return Run(req.id, tl.ttft * 1e3, final.num_prompt_tokens, d.get("reused_tokens", 0),
                    d.get("hit_segments", 0), d.get("miss_segments", 0), split, sr.as_dict() if sr else {}, timeline,
-                   dict(rpcs), bool(engine.sync_timings and engine.device.type == "cuda"))
+                   dict(rpcs), bool(engine.sync_timings and engine.device.type == "cuda"), used)
+
+    def quiesce(self) -> None:
+        """Before a request alone: nothing of earlier runs left to overlap it. The
+        engine's idle work is drained and queued puts are stored (as after every
+        `run_alone`; again here, for whatever ran in between), and on CUDA the device
+        has finished every stream's work (idle passes, put copies on side streams)."""
+        self.drain_idle()
+        planner = self.engine.scheduler.planner
+        if hasattr(planner, "store"):
+            planner.store.flush()
+        if getattr(self.engine.device, "type", "cpu") == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.engine.device)
 
     def run_poisson(self, reqs: Sequence[BenchRequest], rate: float, seed: int,
                     max_new_tokens: int = 4, info: Optional[dict] = None) -> list[float]:

@@ -62,16 +62,26 @@ def never() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- TTFT
+def method_order(i: int) -> tuple[str, str]:
+    """The caching methods' order for the i-th request of `ttft_after_twin`: alternated,
+    so neither method's runs all come first (or all overlap whatever the host does in
+    one stretch of the run)."""
+    return ("prefix", "pic") if i % 2 == 0 else ("pic", "prefix")
+
+
 def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest], mark=lambda method, state: None) -> dict:
     """TTFT per method (full, prefix, pic) in the layout of measure.ttft_by_method, each
     cache state set up the same way for prefix caching and PIC: *cold*, the request's
     segments and checkpoints deleted (daemon, device cache, trees) first; *warm*, the
     same, then only its twin run (tools.servebench.requests: the documents in another
     order; the request itself for `repeat`, the previous turn for `chat`), so neither
-    method finds an exact repeat of the request unless the workload is one. Each warm
-    state records its requests' `breakdown` (tools.servebench.breakdown). `mark(method,
-    state)` is called before each timed run (state "cold" / "warm"; "twin" before an
-    untimed twin), e.g. to label what a kernel-launch recorder sees."""
+    method finds an exact repeat of the request unless the workload is one. The two
+    caching methods run each request one after the other, first one then the other
+    alternately (`method_order`), each timed run alone on a quiesced engine
+    (Harness.run_alone). Each warm state records its requests' `breakdown`
+    (tools.servebench.breakdown). `mark(method, state)` is called before each timed run
+    (state "cold" / "warm"; "twin" before an untimed twin), e.g. to label what a
+    kernel-launch recorder sees."""
     from tools.servebench.breakdown import ttft_breakdown
     from tools.servebench.measure import mean_store, summarize
 
@@ -79,27 +89,30 @@ def ttft_after_twin(h: "Harness", reqs: Sequence[BenchRequest], mark=lambda meth
     mark("full", "cold")
     full = summarize([h.run_alone(r) for r in reqs])
     out: dict = {"full": {"cold": full, "warm": full}}
-    for method in ("prefix", "pic"):
-        cold, warm = [], []
-        for r in reqs:
+    cold: dict[str, list] = {"prefix": [], "pic": []}
+    warm: dict[str, list] = {"prefix": [], "pic": []}
+    for i, r in enumerate(reqs):
+        for method in method_order(i):
             h.forget(r)
             h.planner(method, fresh=True)
             mark(method, "cold")
-            cold.append(h.run_alone(r))
-        for r in reqs:
-            t = twin(r)
+            cold[method].append(h.run_alone(r))
+    for i, r in enumerate(reqs):
+        t = twin(r)
+        for method in method_order(i):
             h.forget(r)
             h.forget(t)
             h.planner(method, fresh=True)
             mark(method, "twin")
             h.run_alone(t)
             mark(method, "warm")
-            warm.append(h.run_alone(r))
-        out[method] = {"cold": summarize(cold), "warm": summarize(warm)}
-        out[method]["warm"]["store"] = mean_store(warm)
-        out[method]["warm"]["breakdown"] = [ttft_breakdown(r) for r in warm]
-        out[method]["cold"]["hits_by_source"] = hits_by_source(cold)
-        out[method]["warm"]["hits_by_source"] = hits_by_source(warm)
+            warm[method].append(h.run_alone(r))
+    for method in ("prefix", "pic"):
+        out[method] = {"cold": summarize(cold[method]), "warm": summarize(warm[method])}
+        out[method]["warm"]["store"] = mean_store(warm[method])
+        out[method]["warm"]["breakdown"] = [ttft_breakdown(r) for r in warm[method]]
+        out[method]["cold"]["hits_by_source"] = hits_by_source(cold[method])
+        out[method]["warm"]["hits_by_source"] = hits_by_source(warm[method])
     out["prefix_reuse"] = out["prefix"]["warm"]["reuse_fraction"]
     return out
 

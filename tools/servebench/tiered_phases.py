@@ -10,6 +10,7 @@ import gc
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from kvstore.config import parse_size
 
@@ -45,16 +46,20 @@ def make_harness(args, engine, socket: str, *, sweep: bool):
     return Harness(engine, conn, pic, prefix_store=True), budget
 
 
-def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, phase) -> None:
+def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, phase,
+                  daemon_pid: Optional[int] = None) -> None:
     """The phases of `args.phases` that share one engine and daemon (ENGINE_PHASES), in
     order, each under `phase(name)` (its PhaseClock). The untimed warm-up runs first, in
     the first phase's time: every timed workload's procedure (warmup_tasks), rag for the
-    pcie and qps phases."""
+    pcie and qps phases. `daemon_pid`: the daemon's process, whose CPU time each timed
+    request's breakdown accounts (tools.servebench.host_usage)."""
     from tools.servebench import measure, requests, tiered
     from tools.servebench.kernel_keys import CompileCounter, KernelLaunches
 
     scale = "tiny" if args.quick else "bench"
     h, budget = make_harness(args, engine, socket, sweep=False)
+    if daemon_pid is not None:
+        h.pids["kvstore-daemon"] = daemon_pid
     out["device_cache_bytes"] = budget
     load = lambda task, n: requests.load(task, n, args.seed + 10_000, scale, args.max_tokens,  # noqa: E731
                                          args.docs)
@@ -103,6 +108,15 @@ def engine_phases(args, engine, socket: str, run: dict, out: dict, log, save, ph
         h.close()
 
 
+def format_host(host: dict) -> str:
+    """A request's host usage means (breakdown `host`) in one log field."""
+    if not host:
+        return "-"
+    busy = {**host.get("other_threads_cpu_ms", {}), **host.get("processes_cpu_ms", {})}
+    return (f"request thread cpu {host['main_cpu_ms']:.1f} of {host['wall_ms']:.1f} ms wall, gc "
+            f"{host['gc_ms']:.1f} ms, others cpu ms {busy or '{}'}")
+
+
 def note_compiles(out: dict, unit: str, grew: dict, log) -> None:
     """Kernels compiled during `unit` after the warm-up (kernel_keys.CompileCounter): kept in
     warmup.compiled_after[unit] and logged; nothing when none was."""
@@ -139,7 +153,8 @@ def serve_phase(args, h, run, out: dict, log, save, clock, launches=None, compil
                 b = mean_breakdown(w[m]["warm"]["breakdown"])
                 log(f"  {task} {m} warm breakdown (ms): " + ", ".join(
                     f"{k[:-3]} {b[k]:.1f}" for k in ("lookup_ms", "restore_ms", "miss_ms", "forward_ms", "drain_ms",
-                                                     "other_ms")) + f"; store rpcs {b['store_rpcs_per_request']}")
+                                                     "other_ms")) + f"; store rpcs {b['store_rpcs_per_request']}"
+                    + f"; host {format_host(b['host'])}")
         save()
     if out["workloads"]:
         from tools.servebench.tiered import break_even, signature_parts, stored_by_tier
