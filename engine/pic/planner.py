@@ -278,17 +278,18 @@ class PicPlanner(ReportingPlanner):
                         self.store.put_prefix(state.token_ids, tip)
                     return logits
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
-        self._ready(runner, request, [s.unit for s in spec if isinstance(s, Splice)
-                                      and s.unit.key not in state.in_context], layered=True)
+        spliced = [s.unit for s in spec if isinstance(s, Splice) and s.unit.key not in state.in_context]
+        self._ready(runner, request, spliced, layered=True)
         sealed = set()
         if runner.backend == "fla" and self.has_delta and self.config.batch_long_ranges:
             sealed = seal_tails(spec, state.to_capture, state.in_context)
         items = fused_items(spec, state.signatures, state.in_context, sealed, self.linear_mode)
-        return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
-                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
-                             all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                             captures=captures, batch_long_ranges=self.config.batch_long_ranges,
-                             before_layer=self._layer_hook(request))
+        with self.costs.measure("full", 0 if spliced else len(state.token_ids) - start):  # all in context: a full pass
+            return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
+                                 backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
+                                 all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
+                                 captures=captures, batch_long_ranges=self.config.batch_long_ranges,
+                                 before_layer=self._layer_hook(request))
 
     def _run_prefix_only(self, runner, request: Request, all_logits: bool = False):
         """The rest of a request whose restored exact prefix leaves nothing to splice:

@@ -19,6 +19,9 @@ from engine.pic.config import PicConfig
 
 #: a cold request falls back to full recompute: the planner measures a full pass's cost per token
 PIC = PicConfig(cold_full_fraction=0.5, miss_path="alone")
+#: the defaults (misses in context, no fallback): a cold request's one pass computes everything
+#: in context, which the planner measures as a full pass
+DEFAULT = PicConfig()
 SLOW = 1e-6  # GB/s: a 100 KB signature would take ~100 s to read
 
 
@@ -27,7 +30,7 @@ def stored_segments(engine, planner, d) -> list[bytes]:
     by idle help; their keys in prompt order (docs 0, 1, 2)."""
     planner.costs.min_tokens = 1  # the tiny prompts are far below the default floor
     _, rep, _ = run_one(engine, planner, prompt((0, 1, 2)), "cold")
-    assert rep.cold_full and planner.costs.ms_per_token("full") is not None
+    assert rep.hit_segments == 0 and planner.costs.ms_per_token("full") is not None
     keys = list(planner.deferred)
     assert engine.help_idle() == 3 and planner.store.flush()
     with d.client() as kv:
@@ -40,18 +43,21 @@ def full_tokens(memory_engine, segments) -> list[int]:
     return run_one(engine, planner, segments, "full")[0].token_ids
 
 
+@pytest.mark.parametrize("pic", [PIC, DEFAULT], ids=["cold-fallback", "in-context"])
 def test_hits_slower_to_load_than_to_compute_are_recomputed_and_match_full_recompute(
-        start_daemon, store_engine, memory_engine):
+        start_daemon, store_engine, memory_engine, pic):
     d = start_daemon()
     p = prompt((2, 0, 1))
     want = full_tokens(memory_engine, p)
-    engine, planner = store_engine(d, pic=PIC)
+    engine, planner = store_engine(d, pic=pic)
     stored_segments(engine, planner, d)
     planner.store.cache.loader.rates.set("cpu", SLOW)
     out, rep, st = run_one(engine, planner, p, "slow")
     assert out.token_ids == want
-    # every hit skipped: their tokens are the prompt's bulk, so the cold fallback computes it all
-    assert rep.cold_full and rep.slow_hit_segments == 3 and rep.hit_segments == 0 and rep.reused_tokens == 0
+    # every hit skipped: the cold fallback computes the prompt (their tokens are its bulk), or
+    # without it the one pass computes each where it would have been spliced
+    assert rep.cold_full == (pic is PIC) and rep.slow_hit_segments == 3
+    assert rep.hit_segments == 0 and rep.reused_tokens == 0 and rep.miss_tokens == 0
     assert st.skipped_by_tier == {"gpu": 0, "cpu": 3, "nvme": 0} and st.hits_by_tier["cpu"] == 0
     assert st.as_dict()["store_skipped_slow_hits"]["cpu"] == 3
     snap = planner.store.metrics.snapshot()
