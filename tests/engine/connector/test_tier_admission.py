@@ -144,3 +144,25 @@ def test_tier_admission_is_a_store_setting_checked_with_a_one_line_error():
         StoreConnectorConfig(tier_admission="sometimes")
     with pytest.raises(PicSettingsError, match="store.tier_admission"):
         settings_from_mapping({"store": {"tier_admission": "sometimes"}}, "f.toml")
+
+
+def test_cpu_tier_hits_are_leased_before_the_nvme_hits_promotion_can_demote_them(start_daemon, store_engine):
+    # room for two signatures in the CPU tier: promoting the NVMe hit would have to demote a
+    # CPU-tier hit of the same request (which was then served from NVMe and timed as a CPU load)
+    d = start_daemon(cpu_capacity="800KiB", nvme_capacity="64MiB")
+    engine, planner = store_engine(d)
+    run_one(engine, planner, prompt((0, 1, 2)), "cold")
+    assert planner.store.flush()
+    with d.client() as kv:
+        keys = [o.key for o in kv.list()]
+        assert len(keys) == 3 and all(o.size > 300_000 for o in kv.list())
+        kv.evict("cpu")
+        assert kv.prefetch(keys[:2], tier="cpu") == 2
+        tiers = {e.key: e.tier for e in kv.lookup(keys)}
+        assert sorted(tiers.values()) == ["cpu", "cpu", "nvme"]
+        demotions = kv.stats()["demotions"]
+    _, rep, st = run_one(engine, planner, prompt((0, 1, 2)), "warm")
+    assert rep.hit_segments == 3 and st.hits_by_tier == {"gpu": 0, "cpu": 2, "nvme": 1}
+    with d.client() as kv:
+        assert kv.stats()["demotions"] == demotions  # no CPU-tier hit was pushed down to make room
+        assert {e.key: e.tier for e in kv.lookup(keys)} == tiers
