@@ -402,11 +402,12 @@ def table(run: dict) -> str:
     for name, v in (s.get("break_even_read_gb_per_s") or {}).items():
         lines.append(f"  break-even read bandwidth {name}: {v if v is None else round(v, 3)} GB/s")
     if s.get("working_set_sweep"):
-        lines.append("  working set (x tier)  ttft vs full  hits gpu/cpu/nvme  misses")
+        lines.append("  working set (x tier)  ttft vs full  hits gpu/cpu/nvme  misses  skipped (slow) gpu/cpu/nvme")
         for pt in s["working_set_sweep"]:
-            h = pt["hits_by_tier"]
+            h, k = pt["hits_by_tier"], pt.get("skipped_slow_hits_by_tier") or {}
             lines.append(f"  {pt['working_set_x_gpu_tier']:>18.2f}  {pt['ttft_vs_full'] or 0:>11.2f}  "
-                         f"{h.get('gpu', 0)}/{h.get('cpu', 0)}/{h.get('nvme', 0):<14}  {pt['miss_segments']}")
+                         f"{h.get('gpu', 0)}/{h.get('cpu', 0)}/{h.get('nvme', 0):<14}  {pt['miss_segments']:<6}  "
+                         f"{k.get('gpu', 0)}/{k.get('cpu', 0)}/{k.get('nvme', 0)}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,10 @@ engine (a `Harness`) over the kvstore daemon:
   device cache is off (StoreConnectorConfig.device_cache_bytes=0) and so are exact
   prefixes (PicConfig.exact_prefix=False): every hit comes from a daemon tier, counted per
   tier (`hits_by_tier`), with the bytes each tier moved (`load_bytes_by_tier`), what each
-  tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`).
+  tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`); the
+  hits the connector's cost admission computed instead of loading them, by tier
+  (`skipped_slow_hits_by_tier`, not in `hits_by_tier`), and its read-rate estimates
+  (`tier_read_rates`: engine.connector.tier_admission).
 - `warm_up`: the TTFT procedure untimed on throwaway requests of each workload, so no
   timed request pays kernel compilation; `hits_by_source`: a set of runs' hits by where
   they came from (the engine's device cache, a daemon tier, exact prefixes).
