@@ -17,7 +17,10 @@ update it, the loader thread reads it).
 
 `TierAdmission.admit(tier, nbytes, compute_ms) -> bool` is the policy, one sentence each:
 - `CostAdmission`: load a hit unless `nbytes` at the tier's read rate takes longer than
-  `compute_ms`, the time computing its positions in context takes.
+  `compute_ms`, the time computing its positions in context takes; after `probe_every`
+  hits of a tier skipped in a row it loads the next one anyway, so a tier whose estimate
+  one slow load pulled down is measured again (NVMe rates are also measured by the
+  background promotions of skipped hits: engine.connector.loader).
 - `AlwaysAdmit`: load every hit (the behaviour without a cost model).
 `compute_ms` None (the planner has no measured compute cost yet, or cannot compute a hit
 in context) always admits.
@@ -35,6 +38,8 @@ TIER_ADMISSIONS = ("cost", "always")
 SEED_GB_PER_S = {"gpu": 100.0, "cpu": 10.0, "nvme": 1.0}
 #: loads smaller than this are not measured (their fixed costs would dominate the rate)
 MIN_MEASURED_BYTES = 256 << 10
+#: CostAdmission loads a tier's hit after this many of its hits were skipped in a row
+PROBE_EVERY = 32
 
 
 class TierReadRates:
@@ -102,13 +107,22 @@ class AlwaysAdmit(TierAdmission):
 class CostAdmission(TierAdmission):
     """Load a hit unless its expected load time exceeds the compute it saves."""
 
-    def __init__(self, rates: TierReadRates) -> None:
+    def __init__(self, rates: TierReadRates, probe_every: int = PROBE_EVERY) -> None:
+        if not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every={probe_every!r} must be an int >= 1")
         self.rates = rates
+        self.probe_every = probe_every
+        self._lock = threading.Lock()
+        self._skipped_in_a_row: dict[str, int] = {}
 
     def admit(self, tier: str, nbytes: int, compute_ms: Optional[float]) -> bool:
-        if compute_ms is None:
+        if compute_ms is None or self.rates.load_ms(tier, nbytes) <= compute_ms:
             return True
-        return self.rates.load_ms(tier, nbytes) <= compute_ms
+        with self._lock:
+            n = self._skipped_in_a_row.get(tier, 0) + 1
+            probe = n > self.probe_every
+            self._skipped_in_a_row[tier] = 0 if probe else n
+        return probe
 
 
 def make_admission(name: str, rates: TierReadRates) -> TierAdmission:

@@ -136,6 +136,15 @@ def test_cost_admission_loads_a_hit_unless_its_load_takes_longer_than_its_comput
     assert AlwaysAdmit().admit("nvme", 100_000_000, compute_ms=1e-9)
 
 
+def test_cost_admission_loads_one_hit_of_a_tier_after_skipping_probe_every_in_a_row():
+    r = TierReadRates()
+    r.set("cpu", SLOW)
+    cost = CostAdmission(r, probe_every=3)
+    assert [cost.admit("cpu", 1 << 20, compute_ms=1.0) for _ in range(8)] == [False] * 3 + [True] + [False] * 3 + [True]
+    with pytest.raises(ValueError, match="probe_every=0"):
+        CostAdmission(r, probe_every=0)
+
+
 def test_tier_admission_is_a_store_setting_checked_with_a_one_line_error():
     assert StoreConnectorConfig().tier_admission == "cost"
     s = settings_from_mapping({"store": {"tier_admission": "always"}})
