@@ -112,7 +112,10 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
   demoting to CPU then NVMe); without CUDA the daemon's CPU tier stands in for the GPU
   tier (recorded as `gpu_tier_stand_in: "cpu"`). The engine's device cache and exact
   prefixes are off there: every hit comes from a daemon tier (hits, bytes and time per
-  tier, device memory; tools/servebench/tiered.py).
+  tier, device memory; tools/servebench/tiered.py). Every phase's PIC loads go through
+  the connector's admission (`--tier-admission`: cost, the default, computes a hit whose
+  load is expected slower than computing it, counted per point in
+  `skipped_slow_hits_by_tier`; always loads every hit).
 
 Also measured, in the serve phase: per preset the break-even disk bandwidth of a hit.
 `summary` (issue 23's names): `ttft_vs_best_baseline_avg` / `_min` (warm TTFT of the
@@ -225,6 +228,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="serve/qps daemon GPU tier (default with CUDA: 16GiB, at most a quarter of the device memory "
                          "free once the model and its KV cache are loaded)")
     ap.add_argument("--nvme-capacity", default=None, help="serve/qps daemon NVMe tier (default 24GiB; quick 1GiB)")
+    ap.add_argument("--tier-admission", default="cost", choices=("cost", "always"),
+                    help="PIC's loads of daemon-tier hits: cost (a hit slower to load than to compute is computed "
+                         "instead) or always (every hit loaded); StoreConnectorConfig.tier_admission")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
     ap.add_argument("--pic-kernel", default="auto", choices=("auto", "triton", "torch"),
                     help="PicConfig.kernel: auto (Triton on CUDA, torch references on the CPU); triton on the CPU runs "
@@ -406,11 +412,12 @@ def table(run: dict) -> str:
     for name, v in (s.get("break_even_read_gb_per_s") or {}).items():
         lines.append(f"  break-even read bandwidth {name}: {v if v is None else round(v, 3)} GB/s")
     if s.get("working_set_sweep"):
-        lines.append("  working set (x tier)  ttft vs full  hits gpu/cpu/nvme  misses")
+        lines.append("  working set (x tier)  ttft vs full  hits gpu/cpu/nvme  misses  skipped (slow) gpu/cpu/nvme")
         for pt in s["working_set_sweep"]:
-            h = pt["hits_by_tier"]
+            h, k = pt["hits_by_tier"], pt.get("skipped_slow_hits_by_tier") or {}
             lines.append(f"  {pt['working_set_x_gpu_tier']:>18.2f}  {pt['ttft_vs_full'] or 0:>11.2f}  "
-                         f"{h.get('gpu', 0)}/{h.get('cpu', 0)}/{h.get('nvme', 0):<14}  {pt['miss_segments']}")
+                         f"{h.get('gpu', 0)}/{h.get('cpu', 0)}/{h.get('nvme', 0):<14}  {pt['miss_segments']:<6}  "
+                         f"{k.get('gpu', 0)}/{k.get('cpu', 0)}/{k.get('nvme', 0)}")
     return "\n".join(lines)
 
 

@@ -53,6 +53,12 @@ bounded wait before it is served by recomputation:
   `kvikio` (cuFile straight into device memory), `posix` (the Get promotes them to the
   CPU arena, then the pinned copy), or `auto` (kvikio where it reads with GPUDirect
   Storage, else posix). `kvikio` where kvikio cannot run is refused when attaching.
+- `tier_admission`: which daemon-tier hits a PIC request loads (engine.connector.
+  tier_admission). `cost`: a hit whose expected load time (its bytes over the measured
+  read rate of its tier) exceeds the time computing its positions in context takes (the
+  planner's measured full-pass cost per token) is not loaded but computed in the
+  request's fused pass, counted in `skipped_slow_hits`; an NVMe one is promoted to the
+  CPU tier in the background. `always`: every hit is loaded, however slow its tier.
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ from typing import Optional
 import torch
 
 from engine.connector.errors import ConnectorConfigError
+from engine.connector.tier_admission import TIER_ADMISSIONS
 
 TIERS = ("gpu", "cpu", "nvme")
 #: how NVMe hits reach the device (kvstore.tiers.nvme_read)
@@ -99,6 +106,7 @@ class StoreConnectorConfig:
     device_cache_bytes: Optional[int] = None
     device_cache_fraction: Optional[float] = None
     nvme_read_backend: str = "auto"
+    tier_admission: str = "cost"
 
     @property
     def sharing(self) -> bool:
@@ -130,6 +138,9 @@ class StoreConnectorConfig:
         if self.nvme_read_backend not in NVME_READ_BACKENDS:
             raise ConnectorConfigError(f"nvme_read_backend={self.nvme_read_backend!r} must be one of "
                                        f"{', '.join(NVME_READ_BACKENDS)}")
+        if self.tier_admission not in TIER_ADMISSIONS:
+            raise ConnectorConfigError(f"tier_admission={self.tier_admission!r} must be one of "
+                                       f"{', '.join(TIER_ADMISSIONS)}")
         if self.put_tier is not None and self.put_tier not in TIERS:
             raise ConnectorConfigError(f"put_tier={self.put_tier!r} must be one of {', '.join(TIERS)} or None")
         if self.socket is not None and not str(self.socket):

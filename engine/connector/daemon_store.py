@@ -6,8 +6,10 @@ cold segments are computed once across engines; `store_pic_planner` builds a
 What each call of the SegmentStore contract (engine.pic.segment_store) does here:
 
 1. `admit` (plan time): the engine's own device cache answers first (no daemon round
-   trip); the rest of the request's keys go to the loader as one batch (one Lookup + one
-   Get on the loader thread). `hint` (queued requests, `prefetch_queued` of them while
+   trip); the rest of the request's keys go to the loader as one batch (one Lookup, then
+   one Get per tier group on the loader thread), with the planner's per-key compute
+   estimate for the cost admission (engine.connector.tier_admission: hits slower to load
+   than to compute are skipped, `slow_hits`). `hint` (queued requests, `prefetch_queued` of them while
    the daemon answers): lookup + NVMe -> CPU promotion, no lease. Requests admitted
    together load in admission order while earlier ones prefill.
 2. `lookup`: waits only for the batch's Lookup answer (bounded by `load_timeout_s`):
@@ -75,6 +77,9 @@ class StoreReport:
     request_id: str
     segments: int = 0  # distinct cached segments in the prompt
     hits_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    #: hits not loaded (their load expected slower than computing them; tier_admission "cost")
+    skipped_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    skipped: set[bytes] = field(default_factory=set, repr=False)  # their keys (SegmentStore.slow_hits)
     computed: int = 0  # computed alone here
     claimed: int = 0  # computed here under a claim other engines could see
     waited: int = 0  # computed by another engine while this one waited
@@ -107,7 +112,8 @@ class StoreReport:
         load = self.load_ms
         return {
             "store_segments": self.segments, "store_hits": sum(self.hits_by_tier.values()),
-            "store_hits_by_tier": dict(self.hits_by_tier), "store_computed": self.computed,
+            "store_hits_by_tier": dict(self.hits_by_tier), "store_skipped_slow_hits": dict(self.skipped_by_tier),
+            "store_computed": self.computed,
             "store_claimed": self.claimed, "store_waited": self.waited, "store_offloaded": self.offloaded,
             "store_wait_inflight_ms": round(self.wait_inflight_ms, 3), "store_load_ms": round(load, 3),
             "store_load_wait_ms": round(self.load_wait_ms, 3),
@@ -174,7 +180,8 @@ class DaemonSegmentStore(SegmentStore):
         return self._reports.pop(request_id, None)
 
     # ------------------------------------------------------------ plan time
-    def admit(self, request_id: str, keys: Sequence[bytes], prefix=None) -> None:
+    def admit(self, request_id: str, keys: Sequence[bytes], prefix=None,
+              compute_ms: Optional[dict[bytes, float]] = None) -> None:
         sr = StoreReport(request_id, segments=len(keys))
         if prefix is not None:
             sr.prefix_source, sr.prefix_tokens, sr.prefix_tier = prefix.source, prefix.end, prefix.tier
@@ -184,7 +191,7 @@ class DaemonSegmentStore(SegmentStore):
                 sr.near[k] = sig
         rest = [k for k in keys if k not in sr.near]
         if rest:
-            sr.batch = self.cache.prefetch(request_id, rest)
+            sr.batch = self.cache.prefetch(request_id, rest, compute_ms)
         self._requests[request_id] = sr
 
     def hint_depth(self) -> int:
@@ -206,6 +213,9 @@ class DaemonSegmentStore(SegmentStore):
         if batch is not None:
             if batch.wait_lookup(self.cache.config.load_timeout_s):
                 hits = batch.hits
+                for key, tier in batch.skipped.items():
+                    sr.skipped.add(key)
+                    sr.skipped_by_tier[tier if tier in sr.skipped_by_tier else "cpu"] += 1
             else:
                 self.metrics.inc("load_timeouts")
                 log.warning("lookup for request %s not answered after %.1f s; recomputing its segments",
@@ -222,9 +232,13 @@ class DaemonSegmentStore(SegmentStore):
             elif key in hits:
                 out[key] = None
                 sr.pending.add(key)
-            else:
+            elif key not in sr.skipped:
                 self.metrics.inc("misses")
         return out
+
+    def slow_hits(self, request_id: str) -> frozenset[bytes]:
+        sr = self._requests.get(request_id)
+        return frozenset() if sr is None else frozenset(sr.skipped)
 
     def _use(self, sr: StoreReport, key: bytes, seg: LoadedSegment) -> SegmentSignature:
         sr.held.append(key)

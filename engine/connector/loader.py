@@ -27,6 +27,19 @@ Leases of copied segments are released by the loader thread once the copies fini
 `hint(keys)` (queued, not yet admitted requests) looks keys up and asks the daemon to
 promote NVMe hits to the CPU tier ahead of use; it takes no lease.
 
+Gets, by tier: the memory-tier hits (GPU, CPU arena) are leased by one Get and placed
+(their device copies issued) before the NVMe hits' Get, whose promotions read the disk
+(and may make room in the CPU arena); so a memory-tier hit never waits for a disk read,
+and each segment's `load_ms` holds a share of its own Get only.
+
+Cost admission (engine.connector.tier_admission; StoreConnectorConfig.tier_admission):
+a batch submitted with `compute_ms` (per key: what computing its positions in context
+would take) loads only the hits whose expected load time, bytes over the tier's measured
+read rate (`rates`, fed by every load this loader times), is at most that; the others
+are `skipped` (key -> tier; not hits of the batch: the planner computes them) and, when
+on NVMe, promoted to the CPU tier in the background (timed: the NVMe read rate stays
+measured while its hits are skipped).
+
 Timing: each batch records when it was submitted, started and finished (copies done),
 and how long the engine loop blocked in `wait` (`wait_ms`), which gives the overlap.
 """
@@ -47,6 +60,7 @@ from engine.connector.layer_loads import (MIN_COPY_BYTES, CudaCopyQueue, LayerEv
                                           issue_layered, layer_plan)
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
+from engine.connector.tier_admission import AlwaysAdmit, TierAdmission, TierReadRates
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import SegmentSignature
 from kvstore import format as fmt
@@ -141,9 +155,13 @@ class LoadBatch:
     it is placed (`wait_key`), so the engine can splice the first segments while the
     loader still decodes and copies later ones."""
 
-    def __init__(self, request_id: Optional[str], keys: Sequence[bytes]) -> None:
+    def __init__(self, request_id: Optional[str], keys: Sequence[bytes],
+                 compute_ms: Optional[dict[bytes, float]] = None) -> None:
         self.request_id = request_id
         self.keys = list(dict.fromkeys(keys))
+        #: per key, ms computing it in context would take (cost admission); None: load every hit
+        self.compute_ms = compute_ms
+        self.skipped: dict[bytes, str] = {}  # hits not loaded (slower than computing them) -> tier
         self.submitted = time.perf_counter()
         self.started: Optional[float] = None
         self.finished: Optional[float] = None  # every copy complete
@@ -204,9 +222,10 @@ class LoadBatch:
             seg.release()
 
     # ------------------------------------------------------------------ loader side
-    def _set_looked_up(self, tiers: dict[bytes, str]) -> None:
+    def _set_looked_up(self, tiers: dict[bytes, str], skipped: Optional[dict[bytes, str]] = None) -> None:
         with self._cond:
             self.tiers = tiers
+            self.skipped = dict(skipped or {})
             self._looked_up = True
             self._cond.notify_all()
 
@@ -231,9 +250,13 @@ class SegmentLoader:
     """Runs LoadBatches on a loader thread (module docstring)."""
 
     def __init__(self, link: StoreLink, metrics: ConnectorMetrics, fingerprint: str, device: torch.device,
-                 verify: bool = False, nvme_read_backend: str = "auto") -> None:
+                 verify: bool = False, nvme_read_backend: str = "auto",
+                 admission: Optional[TierAdmission] = None, rates: Optional[TierReadRates] = None) -> None:
         self.link = link
         self.metrics = metrics
+        #: measured read rate per tier (every timed load feeds it) and the admission over it
+        self.rates = rates or TierReadRates()
+        self.admission = admission or AlwaysAdmit()
         self.fingerprint = fingerprint
         self.device = _indexed(torch.device(device))
         self.verify = verify
@@ -256,9 +279,11 @@ class SegmentLoader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ API
-    def submit(self, request_id: Optional[str], keys: Sequence[bytes]) -> LoadBatch:
-        """Queue the loads of `keys` (see the module docstring)."""
-        batch = LoadBatch(request_id, keys)
+    def submit(self, request_id: Optional[str], keys: Sequence[bytes],
+               compute_ms: Optional[dict[bytes, float]] = None) -> LoadBatch:
+        """Queue the loads of `keys` (see the module docstring); `compute_ms`: per key,
+        the in-context compute a hit saves (cost admission; None: load every hit)."""
+        batch = LoadBatch(request_id, keys, compute_ms)
         if not batch.keys:
             batch.started = batch.finished = batch.submitted
             batch._finish()
@@ -286,6 +311,18 @@ class SegmentLoader:
                 pass
 
     # ------------------------------------------------------------------ worker
+    def _promote(self, keys: list[bytes], nbytes: int) -> None:
+        """Skipped NVMe hits up to the CPU tier (hint thread), timed as NVMe reads."""
+        try:
+            t0 = time.perf_counter()
+            moved = self.link.call("prefetch", lambda kv: kv.prefetch(keys, tier="cpu"))
+            if moved == len(keys):  # each one read from the disk (or was promoted meanwhile)
+                self.rates.observe("nvme", nbytes, (time.perf_counter() - t0) * 1e3)
+        except StoreUnavailable:
+            pass
+        except KVStoreError as exc:
+            log.debug("promoting skipped hits failed: %s", exc)
+
     def _hint(self, keys: list[bytes]) -> None:
         try:
             entries = self.link.call("lookup", lambda kv: kv.lookup(keys))
@@ -325,6 +362,7 @@ class SegmentLoader:
                     self.metrics.inc("h2d_copy_ms_total", copy_ms)
                 seg.release()  # the device copy is complete: the store's bytes are no longer read
             self.metrics.add_load(seg.tier, seg.nbytes, seg.load_ms)
+            self.rates.observe(seg.tier, seg.nbytes, seg.load_ms)
         batch.finished = time.perf_counter()
         if batch.request_id is not None and batch.keys:
             self.metrics.inc("load_ms_total", batch.load_ms)
@@ -337,19 +375,45 @@ class SegmentLoader:
         self.metrics.inc("lookup_keys", len(keys))
         hits = [e for e in entries if e.hit]
         self.metrics.inc("lookup_hits", len(hits))
-        batch._set_looked_up({e.key: e.tier or "cpu" for e in hits})
+        hits, skipped = self._admit(batch, hits)
+        batch._set_looked_up({e.key: e.tier or "cpu" for e in hits}, {e.key: e.tier or "cpu" for e in skipped})
+        cold = [e for e in skipped if e.tier == "nvme"]
+        if cold:
+            try:
+                self._hints.submit(self._promote, [e.key for e in cold], sum(e.size for e in cold))
+            except RuntimeError:
+                pass
         if not hits:
             return
+        lookup_share = (time.perf_counter() - t0) * 1e3 / len(hits)
+        # memory-tier hits first, so none waits for the NVMe hits' disk reads (module docstring)
+        memory = [e.key for e in hits if e.tier != "nvme"]
         direct = [e.key for e in hits if e.tier == "nvme" and self._nvme is not None]
-        promoted = [e.key for e in hits if e.key not in set(direct)]
-        views: list[tuple[bytes, Optional[ObjectView]]] = []
-        if promoted:
-            got = self.link.call("get", lambda kv: kv.get_many(promoted, promote=True))
-            views += list(zip(promoted, got))
-        if direct:  # pragma: no cover - GPU boxes with kvikio only
-            got = self.link.call("get", lambda kv: kv.get_many(direct, promote=False))
-            views += list(zip(direct, got))
-        rpc_share = (time.perf_counter() - t0) * 1e3 / max(1, len(views))
+        promoted = [e.key for e in hits if e.tier == "nvme" and self._nvme is None]
+        for group, promote in ((memory, True), (promoted, True), (direct, False)):
+            if group:
+                self._get_and_place(batch, group, promote, lookup_share, segments)
+
+    def _admit(self, batch: LoadBatch, hits: list) -> tuple[list, list]:
+        """Split the Lookup's hits into those to load and those the admission skips."""
+        if batch.compute_ms is None:
+            return hits, []
+        keep, skip = [], []
+        for e in hits:
+            ok = self.admission.admit(e.tier or "cpu", e.size, batch.compute_ms.get(e.key))
+            (keep if ok else skip).append(e)
+        for e in skip:
+            self.metrics.add_skipped(e.tier or "cpu")
+        return keep, skip
+
+    def _get_and_place(self, batch: LoadBatch, group: list[bytes], promote: bool, lookup_share: float,
+                       segments: list[LoadedSegment]) -> None:
+        """One Get for `group` (one tier's hits), then each segment decoded and placed;
+        each one's `load_ms` starts with its share of the lookup and of this Get."""
+        t0 = time.perf_counter()
+        got = self.link.call("get", lambda kv: kv.get_many(group, promote=promote))
+        views = list(zip(group, got))
+        rpc_share = lookup_share + (time.perf_counter() - t0) * 1e3 / len(views)
         for i, (key, view) in enumerate(views):
             if view is None:  # evicted between lookup and get
                 batch._place(key, None)

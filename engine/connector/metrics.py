@@ -15,6 +15,9 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
 - loads by the tier that held the segment at lookup: `loads{tier}`, `load_bytes{tier}`,
   `load_ms{tier}` (loader wall time: lease, decode, copy to the device, copy done);
   `promotions` (an NVMe hit served from the CPU arena after promotion).
+- `skipped_slow_hits{tier}`: hits at lookup not loaded because their load was expected
+  to take longer than computing them in context (StoreConnectorConfig.tier_admission
+  "cost", engine.connector.tier_admission); the planner computed them.
 - overlap: `load_ms_total` (loader time for admitted requests), `load_wait_ms_total`
   (time the engine loop blocked on loads); `overlap` = 1 - wait / load.
 - fallbacks: `fallback_requests` (requests that found the daemon unavailable),
@@ -80,6 +83,7 @@ class ConnectorMetrics:
         self._loads = {t: 0 for t in TIERS}
         self._load_bytes = {t: 0 for t in TIERS}
         self._load_ms = {t: 0.0 for t in TIERS}
+        self._skipped = {t: 0 for t in TIERS}
         self._put_failed = {r: 0 for r in PUT_FAILURE_REASONS}
         self._available = 0
 
@@ -100,6 +104,12 @@ class ConnectorMetrics:
             self._loads[tier] += 1
             self._load_bytes[tier] += int(nbytes)
             self._load_ms[tier] += ms
+
+    def add_skipped(self, tier: str) -> None:
+        """A hit in `tier` the cost admission did not load."""
+        tier = tier if tier in self._skipped else "cpu"
+        with self._lock:
+            self._skipped[tier] += 1
 
     def add_put_failure(self, reason: str) -> None:
         reason = reason if reason in self._put_failed else "error"
@@ -124,6 +134,7 @@ class ConnectorMetrics:
             out["loads"] = dict(self._loads)
             out["load_bytes"] = dict(self._load_bytes)
             out["load_ms"] = {t: round(v, 3) for t, v in self._load_ms.items()}
+            out["skipped_slow_hits"] = dict(self._skipped)
             out["puts_failed"] = dict(self._put_failed)
             load, wait = self._c["load_ms_total"], self._c["load_wait_ms_total"]
         out["overlap"] = overlap_fraction(load, wait)
@@ -163,13 +174,17 @@ class PrometheusCollector:
         loads = CounterMetricFamily(p + "segment_loads", "Segments loaded, by the tier that held them.", labels=["tier"])
         nbytes = CounterMetricFamily(p + "segment_load_bytes", "Bytes loaded, by tier.", labels=["tier"])
         secs = CounterMetricFamily(p + "segment_load_seconds", "Loader time, by tier.", labels=["tier"])
+        skipped = CounterMetricFamily(p + "skipped_slow_hits", "Hits not loaded (slower than computing them), by tier.",
+                                      labels=["tier"])
         for t in TIERS:
             loads.add_metric([t], s["loads"][t])
             nbytes.add_metric([t], s["load_bytes"][t])
             secs.add_metric([t], s["load_ms"][t] / 1e3)
+            skipped.add_metric([t], s["skipped_slow_hits"][t])
         yield loads
         yield nbytes
         yield secs
+        yield skipped
         failed = CounterMetricFamily(p + "puts_failed", "Signature puts that failed, by reason.", labels=["reason"])
         for r in PUT_FAILURE_REASONS:
             failed.add_metric([r], s["puts_failed"][r])

@@ -69,6 +69,7 @@ STORE_KEYS: dict[str, tuple[type, ...]] = {
     "device_cache_bytes": (int,),
     "device_cache_fraction": (int, float),
     "nvme_read_backend": (str,),
+    "tier_admission": (str,),
 }
 TABLES = {"pic": PIC_KEYS, "store": STORE_KEYS}
 #: a TOML value that stands for None where the field allows it (TOML has no null)

@@ -17,7 +17,9 @@ The plain interface works as engine.pic documents it:
 
 and the segment store over it (engine.connector.daemon_store) uses its capabilities:
 
-    prefetch(request_id, keys)  at admission: one batch load on the loader thread
+    prefetch(request_id, keys, compute_ms=None)  at admission: one batch load on the
+                                loader thread (hits slower to load than `compute_ms`
+                                are skipped: engine.connector.tier_admission)
     acquire(key, request_id, wait_device=False) -> LoadedSegment | None
     finish_request(request_id)  release what the request's prefetch holds, account it
     hint(keys)                  queued requests: lookup + NVMe->CPU promotion, no lease
@@ -71,6 +73,7 @@ from engine.connector.link import StoreLink
 from engine.connector.loader import LoadBatch, LoadedSegment, SegmentLoader
 from engine.connector.metrics import ConnectorMetrics
 from engine.connector.putter import PutJob, SignaturePutter
+from engine.connector.tier_admission import TierReadRates, make_admission
 from engine.pic.signature import SegmentSignature
 from engine.pic.signature_cache import InMemorySignatureCache, SignatureCache, SignatureCacheStats
 from kvstore.errors import KVStoreError
@@ -97,8 +100,10 @@ class StoreSignatureCache(SignatureCache):
         self.metrics = metrics or ConnectorMetrics()
         self.link = link or StoreLink(self.config, self.metrics)
         self.link.on_restart(self._forget_claims)
+        rates = TierReadRates()
         self.loader = SegmentLoader(self.link, self.metrics, fingerprint, self.device, self.config.verify,
-                                    nvme_read_backend=self.config.nvme_read_backend)
+                                    nvme_read_backend=self.config.nvme_read_backend,
+                                    admission=make_admission(self.config.tier_admission, rates), rates=rates)
         self.putter = SignaturePutter(self.link, self.metrics, self.config.put_queue_depth,
                                       renew_claims=self._renew_claims)
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvconn-release")
@@ -218,9 +223,12 @@ class StoreSignatureCache(SignatureCache):
                                    evictions, entries, used, capacity)
 
     # ------------------------------------------------------------------ loads
-    def prefetch(self, request_id: str, keys: Sequence[bytes]) -> LoadBatch:
-        """Start loading `keys` for `request_id` on the loader thread (admission)."""
-        batch = self.loader.submit(request_id, keys)
+    def prefetch(self, request_id: str, keys: Sequence[bytes],
+                 compute_ms: Optional[dict[bytes, float]] = None) -> LoadBatch:
+        """Start loading `keys` for `request_id` on the loader thread (admission);
+        `compute_ms`: per key, the in-context compute a hit saves, for the cost
+        admission (SegmentLoader.submit; None: every hit is loaded)."""
+        batch = self.loader.submit(request_id, keys, compute_ms)
         with self._lock:
             old = self._batches.pop(request_id, None)
             self._batches[request_id] = batch

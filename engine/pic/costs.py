@@ -8,7 +8,9 @@ waiting for it): the device time between them is the pass's wall time whether th
 was bound by the GPU (a full pass) or by the host launching it (alone passes are), as
 long as the GPU was idle when it started, which is the case between requests. Elsewhere
 it takes the wall clock. Each kind keeps an exponential moving average of milliseconds
-per token.
+per token. "full" passes are the cold fallback's and the fused passes that splice nothing
+(every position computed in context); the planner also prices a hit with it (what a hit
+saves, for the store's cost admission: engine.connector.tier_admission).
 
 `break_even()` is full / alone: the share of a prompt's tokens that alone passes can
 compute in the time a full pass computes the whole prompt. A request whose misses hold

@@ -45,7 +45,8 @@ that was not exact yet is queued for an idle-time pass (`help_idle`, after the q
 alone passes); the cold fallback's pass takes the checkpoints itself.
 
 Where signatures come from and go to is the planner's `SegmentStore` (engine.pic.
-segment_store: its call order): lookup at the `lookup` step, claim at the `miss` step
+segment_store: its call order): lookup at the `lookup` step (hits it chose not to load,
+`slow_hits`, are computed in context: engine.pic.miss_routing), claim at the `miss` step
 (the store decides what this engine computes and what it waits for), take at each
 splice, publish, finish, idle work. `make_planner` gives the in-process store; the
 kvstore daemon's is engine.connector.daemon_store. The layout is engine.pic.layout.
@@ -75,7 +76,7 @@ from engine.pic.full import FullPlanner, full_pass
 from engine.pic.fused import fused_prefill
 from engine.pic.layout import (LayoutItem, Splice, SpliceUnit, fused_items, fused_spec, layout,
                                seal_tails, splice_units)
-from engine.pic.miss_routing import fall_back_to_full, misses_in_context
+from engine.pic.miss_routing import fall_back_to_full, hit_compute_ms, misses_in_context, slow_hits_in_context
 from engine.pic.prefix import PrefixNode, PrefixTree, prefix_bounds, restore_checkpoints
 from engine.pic.report import STATE_KEY, PlanBuilder, ReportingPlanner
 from engine.pic.segment_store import ClaimedJob, InProcessSegmentStore, SegmentJob, SegmentStore
@@ -100,6 +101,7 @@ class _RequestState:
     token_ids: list[int]
     signatures: dict[bytes, SegmentSignature] = field(default_factory=dict)
     missing: list[SpliceUnit] = field(default_factory=list)
+    slow: list[SpliceUnit] = field(default_factory=list)  # hits the store did not load (SegmentStore.slow_hits)
     full: bool = False  # cold fallback: the fused step computes the whole prompt
     in_context: set[bytes] = field(default_factory=set)  # misses the fused step computes (miss_path)
     to_capture: list[SpliceUnit] = field(default_factory=list)  # misses whose signatures the pass takes
@@ -241,7 +243,8 @@ class PicPlanner(ReportingPlanner):
             self._flush(b, run)
         request.planner_state[STATE_KEY] = state
         request.planner_state[HINTED_KEY] = True
-        self.store.admit(request.request_id, list(dict.fromkeys(u.key for u in units)), prefix)
+        self.store.admit(request.request_id, list(dict.fromkeys(u.key for u in units)), prefix,
+                         hit_compute_ms(self.config, self.costs.ms_per_token("full"), units, self._reused))
         if not prefix_only:
             self._hint_queued()
         return b.build()
@@ -275,17 +278,18 @@ class PicPlanner(ReportingPlanner):
                         self.store.put_prefix(state.token_ids, tip)
                     return logits
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
-        self._ready(runner, request, [s.unit for s in spec if isinstance(s, Splice)
-                                      and s.unit.key not in state.in_context], layered=True)
+        spliced = [s.unit for s in spec if isinstance(s, Splice) and s.unit.key not in state.in_context]
+        self._ready(runner, request, spliced, layered=True)
         sealed = set()
         if runner.backend == "fla" and self.has_delta and self.config.batch_long_ranges:
             sealed = seal_tails(spec, state.to_capture, state.in_context)
         items = fused_items(spec, state.signatures, state.in_context, sealed, self.linear_mode)
-        return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
-                             backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
-                             all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                             captures=captures, batch_long_ranges=self.config.batch_long_ranges,
-                             before_layer=self._layer_hook(request))
+        with self.costs.measure("full", 0 if spliced else len(state.token_ids) - start):  # all in context: a full pass
+            return fused_prefill(runner.model, runner.cache, request.seq, state.token_ids, items,
+                                 backend=runner.backend, kernel=self.config.kernel, chain=self.config.seam_chain,
+                                 all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
+                                 captures=captures, batch_long_ranges=self.config.batch_long_ranges,
+                                 before_layer=self._layer_hook(request))
 
     def _run_prefix_only(self, runner, request: Request, all_logits: bool = False):
         """The rest of a request whose restored exact prefix leaves nothing to splice:
@@ -327,6 +331,7 @@ class PicPlanner(ReportingPlanner):
         state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
         hits = self.store.lookup(request.request_id, list(dict.fromkeys(u.key for u in state.units)))
+        slow = self.store.slow_hits(request.request_id)
         for key, sig in hits.items():
             if sig is not None:
                 state.signatures[key] = sig.to(runner.cache.device)
@@ -336,14 +341,17 @@ class PicPlanner(ReportingPlanner):
                 report.add_hit(self._reused(u))
             elif u.key not in seen:
                 seen.add(u.key)
-                state.missing.append(u)
+                (state.slow if u.key in slow else state.missing).append(u)
 
     def _compute_misses(self, runner, request: Request) -> None:
         """The store's `claim` over the misses, unless the cold fallback or miss_path
         takes them; what it computed here counts as misses, what it found as hits."""
         state: _RequestState = request.planner_state[STATE_KEY]
         report = state.builder.report
-        if self._fall_back_to_full(state) or self._misses_in_context(state):
+        # cold fallback (module docstring), then the slow hits in context (none left after it)
+        full = fall_back_to_full(self.config, self.cold_full_threshold(), state, self.deferred, self._job)
+        slow_hits_in_context(state)
+        if full or self._misses_in_context(state):
             return
         missing, state.missing = state.missing, []
         if not missing:
@@ -391,10 +399,6 @@ class PicPlanner(ReportingPlanner):
         splice(runner.cache, runner.model, request.seq, pieces, kernel=self.config.kernel)
 
     # ------------------------------------------------------------ where misses go
-    def _fall_back_to_full(self, state: _RequestState) -> bool:
-        """Cold fallback (module docstring; engine.pic.miss_routing.fall_back_to_full)."""
-        return fall_back_to_full(self.config, self.cold_full_threshold(), state, self.deferred, self._job)
-
     def _misses_in_context(self, state: _RequestState) -> bool:
         """miss_path="context" (engine.pic.miss_routing.misses_in_context)."""
         return misses_in_context(self.config, state, self.deferred, self._job)

@@ -67,6 +67,7 @@ class PrefillReport:
     fused_ms: float = 0.0  # the one-pass prefill (seams + splices + suffix together)
     deferred_segments: int = 0  # cold fallback: misses queued for idle-time alone passes
     captured_segments: int = 0  # misses whose signatures the request's own pass took (miss_signatures)
+    slow_hit_segments: int = 0  # hits not loaded (slower than computing them): computed in context
     cold_full: bool = False  # cold fallback: the prompt was computed by full recompute
     complete: bool = False  # the plan ran to its end (False after a preemption mid-way)
 
@@ -92,6 +93,12 @@ class PrefillReport:
             self.captured_segments += 1
         else:
             self.deferred_segments += 1
+
+    def add_slow_hit(self, n: int) -> None:
+        """A hit the store did not load (slower than computing it: SegmentStore.slow_hits)
+        computed in context: its `n` positions (all its placements) count as suffix compute."""
+        self.add_compute("suffix", n)
+        self.slow_hit_segments += 1
 
     def add_hit(self, reused: int) -> None:
         self.hit_segments += 1

@@ -13,9 +13,13 @@ contract suite over all three).
 Calls, in the order they happen for one request (all from the engine loop's thread):
 
   plan time (scheduler side)
-    admit(request_id, keys, prefix)   optional: the request's distinct segment keys, so
+    admit(request_id, keys, prefix, compute_ms)
+                                      optional: the request's distinct segment keys, so
                                       loading can start now (prefetch); `prefix` is the
-                                      exact prefix the request restores, if any
+                                      exact prefix the request restores, if any;
+                                      `compute_ms` (None: unknown), per key, the time
+                                      computing its positions in context would take: a
+                                      store may skip a hit slower to load than that
     hint_depth() / hint(keys)         optional: how many queued requests to look ahead at
                                       (0: none), then their keys (promotion, no lease)
   the `lookup` step
@@ -23,6 +27,11 @@ Calls, in the order they happen for one request (all from the engine loop's thre
                                       the hits, exactly: a key absent from the answer is a
                                       miss. A signature is usable now; None means "a hit
                                       whose signature `take` hands over at its splice"
+    slow_hits(request_id) -> {key}    optional, after `lookup`: the keys it left out that
+                                      are hits the store chose not to load (slower than
+                                      `compute_ms`): the planner computes them in context
+                                      and neither claims nor publishes them (the store
+                                      holds them). Default: none
   the `miss` step
     claim(request_id, jobs, compute) -> [Filled]
                                       the misses (one `SegmentJob` per distinct key, prompt
@@ -148,8 +157,10 @@ class SegmentStore(abc.ABC):
     cache: Optional[SignatureCache] = None
 
     # ------------------------------------------------------------ plan time (optional)
-    def admit(self, request_id: str, keys: Sequence[bytes], prefix=None) -> None:
-        """A request was planned; `keys`: its distinct segment keys. Default: nothing."""
+    def admit(self, request_id: str, keys: Sequence[bytes], prefix=None,
+              compute_ms: Optional[dict[bytes, float]] = None) -> None:
+        """A request was planned; `keys`: its distinct segment keys; `compute_ms`: per
+        key, the in-context compute a hit saves (None: unknown). Default: nothing."""
         return None
 
     def hint_depth(self) -> int:
@@ -164,6 +175,11 @@ class SegmentStore(abc.ABC):
     @abc.abstractmethod
     def lookup(self, request_id: str, keys: Sequence[bytes]) -> dict[bytes, Optional[SegmentSignature]]:
         """The hits among `keys`: key -> signature, or None for one `take` hands over."""
+
+    def slow_hits(self, request_id: str) -> frozenset[bytes]:
+        """Hits `lookup` left out because loading them was expected to take longer than
+        computing them (module docstring). Default: none."""
+        return frozenset()
 
     @abc.abstractmethod
     def claim(self, request_id: str, jobs: Sequence[SegmentJob], compute: ComputeFn) -> list[Filled]:

@@ -16,7 +16,10 @@ engine (a `Harness`) over the kvstore daemon:
   device cache is off (StoreConnectorConfig.device_cache_bytes=0) and so are exact
   prefixes (PicConfig.exact_prefix=False): every hit comes from a daemon tier, counted per
   tier (`hits_by_tier`), with the bytes each tier moved (`load_bytes_by_tier`), what each
-  tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`).
+  tier holds (`stored_bytes_by_tier`) and the engine's device memory (`gpu_memory`); the
+  hits the connector's cost admission computed instead of loading them, by tier
+  (`skipped_slow_hits_by_tier`, not in `hits_by_tier`), and its read-rate estimates
+  (`tier_read_rates`: engine.connector.tier_admission).
 - `warm_up`: the TTFT procedure untimed on throwaway requests of each workload, so no
   timed request pays kernel compilation; `hits_by_source`: a set of runs' hits by where
   they came from (the engine's device cache, a daemon tier, exact prefixes).
@@ -382,6 +385,7 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
         if getattr(h.engine.device, "type", "cpu") == "cuda":
             torch.cuda.reset_peak_memory_stats(h.engine.device)
         hits = {t: 0 for t in TIER_NAMES}
+        skipped = {t: 0 for t in TIER_NAMES}  # hits the cost admission did not load (computed in context)
         misses = 0
         full_ms, pic_ms = [], []
         for i in range(requests_per_point):
@@ -396,6 +400,8 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
             pic_ms.append(run.ttft_ms)
             for t, n in (run.store.get("store_hits_by_tier") or {}).items():
                 hits[t] = hits.get(t, 0) + n
+            for t, n in (run.store.get("store_skipped_slow_hits") or {}).items():
+                skipped[t] = skipped.get(t, 0) + n
             misses += run.miss_segments
         snap1 = h.store.metrics.snapshot()
         moved = {t: snap1["load_bytes"].get(t, 0) - snap0["load_bytes"].get(t, 0) for t in TIER_NAMES}
@@ -409,16 +415,23 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
                  "ttft_ms_full_mean": f_mean, "ttft_ms_pic_mean": p_mean,
                  "ttft_ms_full_p50": percentile(full_ms, 50), "ttft_ms_pic_p50": percentile(pic_ms, 50),
                  "ttft_ms_pic_p99": percentile(pic_ms, 99), "ttft_vs_full": f_mean / p_mean if p_mean else None,
-                 "hits_by_tier": hits, "miss_segments": misses, "load_bytes_by_tier": moved,
+                 "hits_by_tier": hits, "skipped_slow_hits_by_tier": skipped, "miss_segments": misses,
+                 "tier_read_rates": _read_rates(h), "load_bytes_by_tier": moved,
                  "load_ms_by_tier": load_ms, "stored_bytes_by_tier": {t: v["bytes"] for t, v in held.items()},
                  "gpu_memory": _gpu_memory(h.engine.device)}
         out.append(point)
         log(f"sweep {x}x: corpus {n_docs} docs ({_total(held) / 2**20:.1f} MiB), full {f_mean:.1f} ms, "
-            f"pic {p_mean:.1f} ms, hits {hits}, misses {misses}")
+            f"pic {p_mean:.1f} ms, hits {hits}, skipped (slow) {skipped}, misses {misses}")
         save(out)
         if point["stopped"]:
             break
     return out
+
+
+def _read_rates(h: "Harness") -> Optional[dict]:
+    """The connector's measured read rate per tier (engine.connector.tier_admission)."""
+    loader = getattr(getattr(h.store, "cache", None), "loader", None)
+    return None if loader is None else loader.rates.snapshot()
 
 
 # ---------------------------------------------------------------------- PCIe and break-even

@@ -38,7 +38,8 @@ def make_harness(args, engine, socket: str, *, sweep: bool):
     conn = StoreConnectorConfig(socket=socket, rpc_timeout_s=30.0, load_timeout_s=60.0, inflight_wait_s=120.0,
                                 device_cache_fraction=None if sweep else args.device_cache_fraction,
                                 device_cache_bytes=0 if sweep else None,
-                                put_tier=("gpu" if cuda else "cpu") if sweep else None)
+                                put_tier=("gpu" if cuda else "cpu") if sweep else None,
+                                tier_admission=getattr(args, "tier_admission", "cost"))
     budget = device_cache_capacity(conn, engine.device)
     pic = PicConfig(cold_full_fraction=0.5, exact_prefix=not sweep, kernel=args.pic_kernel)
     if budget:  # prefix caching's tree and PIC's exact prefixes: the byte budget of the device cache

@@ -90,13 +90,16 @@ class RecordingStore(SegmentStore):
     def _rec(self, name: str, request_id: Optional[str] = None) -> None:
         self.calls.append((name, request_id))
 
-    def admit(self, request_id, keys, prefix=None):
+    def admit(self, request_id, keys, prefix=None, compute_ms=None):
         self._rec("admit", request_id)
-        return self.inner.admit(request_id, keys, prefix)
+        return self.inner.admit(request_id, keys, prefix, compute_ms)
 
     def lookup(self, request_id, keys):
         self._rec("lookup", request_id)
         return self.inner.lookup(request_id, keys)
+
+    def slow_hits(self, request_id):
+        return self.inner.slow_hits(request_id)
 
     def claim(self, request_id, jobs, compute):
         self._rec("claim", request_id)
