@@ -19,7 +19,8 @@ half-written object is never read.
 
 Chunked reads: a get of one object in one range larger than `read_chunk` (default 4MiB)
 asks the master for the object's replica once (`batch_get_session_start`), reads it in
-`read_chunk` pieces in order (`batch_get_into_multi_buffer_ranges`, ranged reads
+pieces of at most `read_chunk` in order (as many as that takes, of even size: a 4 MiB
+object with its trailer is two pieces of about 2 MiB, not 4 MiB and a runt) (`batch_get_into_multi_buffer_ranges`, ranged reads
 from that replica) and calls the item's `landed` after each, so the remote tier hashes
 each piece while it is still in the CPU's cache, then ends the session. On loopback TCP
 that is as fast as or faster than one `get_into` of a 16-64 MiB object
@@ -273,7 +274,9 @@ class MooncakeAdapter(BlockingAdapter):
         code = int(c.batch_get_session_start([name])[0])
         if code != 0:
             return code if code < 0 else FAILED
-        step = self.target.read_chunk_bytes
+        most = self.target.read_chunk_bytes
+        per = -(-n // -(-n // most))  # n over as many pieces as `most` needs, evenly: no runt at the end
+        step = min(most, -(-per // 4096) * 4096)
         landed = item.landed
         try:
             for off in range(0, n, step):
