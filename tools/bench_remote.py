@@ -73,8 +73,8 @@ import torch  # noqa: E402
 from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
-from kvstore.remote.envelope import MAX_TRAILER_BYTES, PayloadVerifier, trailer_body  # noqa: E402
-from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
+from kvstore.remote.envelope import FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVerifier, trailer_body  # noqa: E402
+from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class, piece_bytes  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
 from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
 
@@ -140,8 +140,9 @@ class RawVerified(Raw):
 class RawRanged(Raw):
     """Mooncake's client reading an object in pieces from one replica lookup, as our get does, unverified."""
 
-    def __init__(self, client: Any, chunk: int) -> None:
-        self.own, self.c, self.chunk = False, client, chunk
+    def __init__(self, client: Any, piece: int) -> None:
+        """`piece`: the piece size our get uses for the object with its trailer (`piece_bytes`)."""
+        self.own, self.c, self.chunk = False, client, piece
 
     def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
         c, n, ptr = self.c, buf.numel(), buf.data_ptr()
@@ -306,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
             csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
-            if 0 < chunk < n:  # our get reads in pieces: the raw client doing the same, unverified
-                sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, chunk), "mooncake_verified": rawv,
+            name = f"bench/ours/{n}/{time.monotonic_ns()}".encode()  # as `one_op` names our objects
+            ours_size = n + len(trailer_body(name, ours.meta)) + FOOTER_BYTES
+            piece = piece_bytes(ours_size, chunk)
+            if piece < ours_size:  # our get reads in pieces: the raw client doing the same, unverified
+                sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, piece), "mooncake_verified": rawv,
                          "ours": ours}
             ours.prepare(src_slot, dst_slot)
             run_repeat(sides, src, dst, 2, csum)  # warm-up

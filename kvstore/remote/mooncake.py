@@ -151,6 +151,16 @@ def _default_local_host(master_host: str) -> str:
     return socket.gethostname()
 
 
+def piece_bytes(size: int, read_chunk: int) -> int:
+    """The piece size a chunked read of a `size`-byte object uses (module docstring): the
+    object over as many pieces as `read_chunk` needs, evenly (rounded up to 4 KiB, at
+    most `read_chunk`), so the last piece is no runt; `size` itself when one piece does."""
+    if read_chunk <= 0 or size <= read_chunk:
+        return size
+    per = -(-size // -(-size // read_chunk))
+    return min(read_chunk, -(-per // 4096) * 4096)
+
+
 def load_client_class() -> Any:
     """Mooncake's client class; RemoteConfigError saying how to install it when absent."""
     try:
@@ -274,9 +284,7 @@ class MooncakeAdapter(BlockingAdapter):
         code = int(c.batch_get_session_start([name])[0])
         if code != 0:
             return code if code < 0 else FAILED
-        most = self.target.read_chunk_bytes
-        per = -(-n // -(-n // most))  # n over as many pieces as `most` needs, evenly: no runt at the end
-        step = min(most, -(-per // 4096) * 4096)
+        step = piece_bytes(n, self.target.read_chunk_bytes)
         landed = item.landed
         try:
             for off in range(0, n, step):
