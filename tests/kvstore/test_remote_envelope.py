@@ -63,3 +63,39 @@ def test_a_truncated_or_foreign_object_fed_in_pieces_is_refused():
         v.landed(len(view))
         with pytest.raises(BadObject, match=why):
             v.finish()
+
+
+def test_a_faulty_adapters_corrupted_get_is_caught_even_over_an_adapter_that_reports_progress():
+    import torch
+
+    from kvstore.remote.base import GetItem
+    from kvstore.remote.faulty import FaultyAdapter, RemoteFaults
+    from kvstore.remote.memory import MemoryAdapter
+
+    class Progressing(MemoryAdapter):  # reports each object as landed, as the Mooncake adapter's chunked get does
+        def get_now(self, items):
+            codes = super().get_now(items)
+            for it, c in zip(items, codes):
+                if c > 0 and it.landed is not None:
+                    it.landed(c)
+            return codes
+
+    inner = Progressing()
+    obj = _object(os.urandom(100_000))
+    inner.remote.objects["ns/x"] = bytes(obj)
+    a = FaultyAdapter(inner, RemoteFaults(corrupt_gets=True))
+    try:
+        for corrupt in (False, True):
+            a.faults.corrupt_gets = corrupt
+            dst = torch.zeros(len(obj), dtype=torch.uint8)
+            v = PayloadVerifier(memoryview(dst.numpy()), b"key")
+            assert a.call("get", [GetItem("ns/x", ((dst.data_ptr(), len(obj)),), v.landed)], 5.0).codes == (len(obj),)
+            if corrupt:
+                with pytest.raises(BadObject, match="payload hashes"):
+                    v.finish()
+            else:
+                assert v.finish().payload_bytes == 100_000
+        assert a.injected["corrupted_gets"] == 1
+    finally:
+        a.close()
+        inner.close()
