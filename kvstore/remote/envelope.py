@@ -30,12 +30,13 @@ checksum, that the key is the one it asked for and that P + K + M + 56 is the ob
 size; then it hashes the payload and compares it with the transfer checksum: a remote
 object is never served unverified, and a truncated, torn or foreign object fails the
 checks. `PayloadVerifier` does the same while the object arrives: a get that lands it
-in chunks (the Mooncake adapter's ranged reads, kvstore.remote.mooncake) hands it each
-chunk's end as it lands, and the bytes that are certainly payload (all but the last
-`MAX_TRAILER_BYTES`) are hashed then, while they are still in the CPU's cache; `finish`
-checks the trailer and hashes the rest. Names are `<namespace>/<hex key>` (keys over 64 bytes: `<namespace>/h<blake2b-256
-of the key>`, the full key is still checked in the trailer), so every host finds a key
-under one name.
+in pieces (the Mooncake adapter's chunked reads, kvstore.remote.mooncake) hands it each
+piece's end as it lands, and the bytes that are certainly payload (all but the last
+`MAX_TRAILER_BYTES`) are hashed right then, between the pieces' transfers; `finish`
+checks the trailer and hashes the rest (streaming xxh3: the same checksum as one call
+over the whole payload). Names are `<namespace>/<hex key>` (keys over 64 bytes:
+`<namespace>/h<blake2b-256 of the key>`, the full key is still checked in the trailer),
+so every host finds a key under one name.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ probe fails: a master that is away), `delay_s` (a slow store: each call sleeps f
 `fail_gets` / `fail_puts` (calls fail with FAILED), `corrupt_gets` (a get that succeeded
 has one byte flipped a third of the way into the object: in the payload of any object
 over twice its envelope trailer, as a damaged replica would; the inner get then reports
-no progress through `GetItem.landed`, so the reader hashes the flipped byte), `truncate_puts` (a put writes
-its object short by this many bytes: what a broken or foreign writer might leave).
+no progress through `GetItem.landed`, so the reader hashes the flipped byte),
+`truncate_puts` (a put writes its object short by this many bytes: what a broken or
+foreign writer might leave).
 `injected` counts what was injected.
 """
 

@@ -19,14 +19,15 @@ half-written object is never read.
 
 Chunked reads: a get of one object in one range larger than `read_chunk` (default 4MiB)
 asks the master for the object's replica once (`batch_get_session_start`), reads it in
-pieces of at most `read_chunk` in order (as many as that takes, of even size: a 4 MiB
-object with its trailer is two pieces of about 2 MiB, not 4 MiB and a runt) (`batch_get_into_multi_buffer_ranges`, ranged reads
-from that replica) and calls the item's `landed` after each, so the remote tier hashes
-each piece while it is still in the CPU's cache, then ends the session. On loopback TCP
-that is as fast as or faster than one `get_into` of a 16-64 MiB object
-(tools/bench_remote.py measures both). Two gets of one name at once on one client share
-Mooncake's session for it: one ending it can fail the other's remaining pieces (an
-error, counted as such; the caller's checksum check means it is never wrong bytes).
+order in pieces of at most `read_chunk` (`piece_bytes`: as many as that takes, of even
+size, so a 4 MiB object with its trailer is two pieces of about 2 MiB, not 4 MiB and a
+runt) with `batch_get_into_multi_buffer_ranges` (ranged reads from that replica, into
+any memory on TCP), calls the item's `landed` after each, so the remote tier hashes each
+piece right after it landed, and ends the session. On loopback TCP this measured as
+fast as or faster than one `get_into` of a 16-64 MiB object, verification included
+(tools/bench_remote.py, docs/remote.md); over RDMA it is untested. Two gets of one name
+at once on one client share Mooncake's session for it: one ending it can fail the
+other's remaining pieces (an error, counted; the checksum means never wrong bytes).
 
 URL parameters: `metadata` (the metadata server, e.g. the master's embedded one at
 `http://HOST:8080/metadata`; default that URL on the master's host), `protocol` (tcp),
@@ -278,8 +279,8 @@ class MooncakeAdapter(BlockingAdapter):
             [[n for _, n in i.ranges] for i in items]))
 
     def _get_chunked(self, c: Any, item: GetItem, addr: int, n: int) -> int:
-        """One object read in `read_chunk` pieces from one replica lookup (module
-        docstring); bytes read, or a negative code."""
+        """One object read in pieces (`piece_bytes`) from one replica lookup, `landed`
+        called after each (module docstring); bytes read, or a negative code."""
         name = item.name
         code = int(c.batch_get_session_start([name])[0])
         if code != 0:

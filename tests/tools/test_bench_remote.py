@@ -23,7 +23,8 @@ def test_bench_remote_writes_every_side_and_the_overhead_verdict(tmp_path):
     out_path = tmp_path / "remote.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_remote.py"), "--sizes", "1", "--repeats", "1",
-                          "--iters", "3", "--read-chunk", str(256 << 10), "--out", str(out_path)], env=env, capture_output=True, text=True, timeout=180)
+                          "--iters", "3", "--read-chunk", str(256 << 10), "--out", str(out_path)],
+                         env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out_path.read_text())
     (row,) = d["rows"]
