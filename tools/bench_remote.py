@@ -9,7 +9,7 @@ per repeat:
   mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
              zero-copy calls of Mooncake's Python API
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
-  mooncake_ranged  (objects over the adapter's `read_chunk`, 4 MiB unless `--read-chunk`)
+  mooncake_ranged  (objects over the adapter's `read_chunk`, 8 MiB unless `--read-chunk`)
              the raw client reading the object as our get does, unverified: one
              `batch_get_session_start`, `batch_get_into_multi_buffer_ranges` per piece,
              `batch_get_session_end`: how much of our get's time is the chunked transfer

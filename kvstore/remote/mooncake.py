@@ -17,11 +17,11 @@ object in one range (the envelope's trailer in the slot's tail room), `put_from`
 an object visible only when its put completed (PutStart / PutEnd at the master), so a
 half-written object is never read.
 
-Chunked reads: a get of one object in one range larger than `read_chunk` (default 4MiB)
+Chunked reads: a get of one object in one range larger than `read_chunk` (default 8MiB)
 asks the master for the object's replica once (`batch_get_session_start`), reads it in
 order in pieces of at most `read_chunk` (`piece_bytes`: as many as that takes, of even
-size, so a 4 MiB object with its trailer is two pieces of about 2 MiB, not 4 MiB and a
-runt) with `batch_get_into_multi_buffer_ranges` (ranged reads from that replica, into
+size, so a 16 MiB object with its trailer is three pieces of about 5.3 MiB, not two of
+8 MiB and a runt) with `batch_get_into_multi_buffer_ranges` (ranged reads from that replica, into
 any memory on TCP), calls the item's `landed` after each, so the remote tier hashes each
 piece right after it landed, and ends the session. On loopback TCP this measured as
 fast as or faster than one `get_into` of a 16-64 MiB object, verification included
@@ -89,7 +89,7 @@ class MooncakeTarget:
     buffer_bytes: int = 16 << 20
     namespace: str = "kvstore"
     rpc_timeout_s: float = 1.0  # each master RPC (MC_RPC_TIMEOUT_MS, unless the environment sets it)
-    read_chunk_bytes: int = 4 << 20  # gets of one range larger than this are chunked (module docstring); 0: never
+    read_chunk_bytes: int = 8 << 20  # gets of one range larger than this are chunked (module docstring); 0: never
 
     @classmethod
     def from_url(cls, url: str) -> "MooncakeTarget":
@@ -119,7 +119,7 @@ class MooncakeTarget:
         try:
             seg = parse_size(p.get("segment", 256 << 20), "segment")
             buf = parse_size(p.get("buffer", 16 << 20), "buffer")
-            chunk = parse_size(p.get("read_chunk", 4 << 20), "read_chunk")
+            chunk = parse_size(p.get("read_chunk", 8 << 20), "read_chunk")
         except ConfigError as exc:
             raise RemoteConfigError(f"remote URL {url!r}: {exc}") from None
         if 0 < chunk < MIN_READ_CHUNK:

@@ -563,7 +563,7 @@ def test_the_mooncake_url_takes_an_rpc_timeout_and_a_read_chunk():
     for bad, why in (("x", "must be seconds"), ("0", "0.01..600")):
         with pytest.raises(RemoteConfigError, match=why):
             MooncakeTarget.from_url(f"mooncake://h:5?rpc_timeout={bad}")
-    assert MooncakeTarget.from_url("mooncake://h:5").read_chunk_bytes == 4 << 20
+    assert MooncakeTarget.from_url("mooncake://h:5").read_chunk_bytes == 8 << 20
     assert MooncakeTarget.from_url("mooncake://h:5?read_chunk=0").read_chunk_bytes == 0
     with pytest.raises(RemoteConfigError, match="read_chunk must be 0"):
         MooncakeTarget.from_url("mooncake://h:5?read_chunk=1000")
