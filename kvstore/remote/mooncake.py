@@ -23,8 +23,8 @@ order in pieces of at most `read_chunk` (`piece_bytes`: as many as that takes, o
 size, so a 16 MiB object with its trailer is three pieces of about 5.3 MiB, not two of
 8 MiB and a runt) with `batch_get_into_multi_buffer_ranges` (ranged reads from that replica, into
 any memory on TCP), calls the item's `landed` after each, so the remote tier hashes each
-piece right after it landed, and ends the session. On loopback TCP this measured as
-fast as or faster than one `get_into` of a 16-64 MiB object, verification included
+piece right after it landed, and ends the session. On loopback TCP this measured -23..+5%
+against one unverified `get_into` of a 16-64 MiB object, verification included
 (tools/bench_remote.py, docs/remote.md); over RDMA it is untested. Two gets of one name
 at once on one client share Mooncake's session for it: one ending it can fail the
 other's remaining pieces (an error, counted; the checksum means never wrong bytes).
