@@ -9,6 +9,11 @@ per repeat:
   mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
              zero-copy calls of Mooncake's Python API
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
+  mooncake_ranged  (objects over the adapter's `read_chunk`, 8 MiB unless `--read-chunk`)
+             the raw client reading the object as our get does, unverified: one
+             `batch_get_session_start`, `batch_get_into_multi_buffer_ranges` per piece,
+             `batch_get_session_end`: how much of our get's time is the chunked transfer
+             itself and how much the verification beside it
   ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
              tier calls it (inline on the caller's thread, the client's RPC timeout
              bounding it), plus what the remote tier does around it: on a put,
@@ -18,8 +23,10 @@ per repeat:
              `--no-tail-room`: a slot without that room, the trailer as a second range;
              the trailer's key + meta part is made before the timed put, as
              `RemoteTier.offer` makes it when the object is committed);
-             on a get, one range into a slot with room for the trailer, then
-             `verify_object` (the trailer checked and the payload hashed: the checksum
+             on a get, one range into a slot with room for the trailer, with a
+             `PayloadVerifier` as the item's `landed` (as `RemoteTier.fill` does: objects
+             over `read_chunk` are read in pieces, each hashed as it lands), then its
+             `finish` (the trailer checked, the rest of the payload hashed: the checksum
              verified on every remote read)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
@@ -31,7 +38,8 @@ Each op is one object (put, get, remove); the sides alternate op by op, so all
 see the same load on a shared machine, and all move the same arena-shaped source and
 destination buffers. A get is timed without the stat that tells the tier an object's
 size (on either side). Per row, `ours_steps_ms`: the medians of our steps (put:
-encode, call; get: call, verify), where our time goes. Per repeat: p50 / p99
+encode, call; get: call, including the hashing of pieces as they land, and verify,
+what `finish` has left), where our time goes. Per repeat: p50 / p99
 latency and throughput (bytes / total time); the JSON holds the median of the repeats
 with their min..max spread and our overhead vs the raw client (p50 latency and
 throughput), against the 10% target; and the *paired* overhead: the median, over every
@@ -65,8 +73,8 @@ import torch  # noqa: E402
 from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
 from kvstore.remote.base import GetItem, PutItem  # noqa: E402
-from kvstore.remote.envelope import MAX_TRAILER_BYTES, trailer_body, verify_object  # noqa: E402
-from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class  # noqa: E402
+from kvstore.remote.envelope import FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVerifier, trailer_body  # noqa: E402
+from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class, piece_bytes  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
 from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
 
@@ -129,11 +137,34 @@ class RawVerified(Raw):
         return buf
 
 
+class RawRanged(Raw):
+    """Mooncake's client reading an object in pieces from one replica lookup, as our get does, unverified."""
+
+    def __init__(self, client: Any, piece: int) -> None:
+        """`piece`: the piece size our get uses for the object with its trailer (`piece_bytes`)."""
+        self.own, self.c, self.chunk = False, client, piece
+
+    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
+        c, n, ptr = self.c, buf.numel(), buf.data_ptr()
+        if c.batch_get_session_start([name])[0] != 0:
+            raise RuntimeError(f"raw session start {name} failed")
+        try:
+            for off in range(0, n, self.chunk):
+                ln = min(self.chunk, n - off)
+                if c.batch_get_into_multi_buffer_ranges([name], [[ptr + off]], [[ln]], [[off]])[0] != ln:
+                    raise RuntimeError(f"raw ranged get {name} at {off} failed")
+        finally:
+            c.batch_get_session_end([name])
+        return buf
+
+
 class Ours:
     """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
 
-    def __init__(self, master: MooncakeMaster, room: bool = True) -> None:
-        self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=0"))
+    def __init__(self, master: MooncakeMaster, room: bool = True, read_chunk: int = -1) -> None:
+        """`read_chunk`: the adapter's `read_chunk` URL parameter (-1: its default)."""
+        extra = "&segment=0" + (f"&read_chunk={read_chunk}" if read_chunk >= 0 else "")
+        self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + extra))
         self.meta = ObjectMeta("bench", 0, 0.0, {})
         self.room = room
         self.sizes: dict[str, int] = {}
@@ -169,11 +200,12 @@ class Ours:
         size = self.sizes.pop(name)  # the tier learns it from its stat
         slot = self._dst  # `buf` starts it: the fill's slot, with room for the trailer
         t0 = time.perf_counter()
-        res = self.a.call("get", [GetItem(name, ((slot.data_ptr(), size),))], TIMEOUT_S)
+        check = PayloadVerifier(memoryview(slot.numpy())[:size], name.encode())
+        res = self.a.call("get", [GetItem(name, ((slot.data_ptr(), size),), check.landed)], TIMEOUT_S)
         t1 = time.perf_counter()
         if res.codes[0] != size:
             raise RuntimeError(f"adapter get {name}: {res}")
-        h = verify_object(memoryview(slot.numpy())[:size], name.encode())
+        h = check.finish()
         self.steps["get_call"].append(t1 - t0)
         self.steps["get_verify"].append(time.perf_counter() - t1)
         if h.checksum != want or h.payload_bytes != buf.numel():
@@ -238,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tail-room", action="store_true",
                     help="our puts send objects from slots without room for the trailer (as the CPU arena's slots "
                          "made before the remote tier opened): the trailer goes as a second range")
+    ap.add_argument("--read-chunk", type=int, default=-1,
+                    help="bytes per piece of our chunked gets (the adapter's read_chunk; 0: one get_into per "
+                         "object; default: the adapter's default)")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -256,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        ours = Ours(master, room=not args.no_tail_room)
+        ours = Ours(master, room=not args.no_tail_room, read_chunk=args.read_chunk)
+        chunk = ours.a.target.read_chunk_bytes
         raw = Raw(master, ours.a.client if args.client == "shared" else None)
         if raw.c is None:
             raise RuntimeError("the adapter did not join the Mooncake cluster")
@@ -271,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
             src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
             csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
+            name = f"bench/ours/{n}/{time.monotonic_ns()}".encode()  # as `one_op` names our objects
+            ours_size = n + len(trailer_body(name, ours.meta)) + FOOTER_BYTES
+            piece = piece_bytes(ours_size, chunk)
+            if piece < ours_size:  # our get reads in pieces: the raw client doing the same, unverified
+                sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, piece), "mooncake_verified": rawv,
+                         "ours": ours}
             ours.prepare(src_slot, dst_slot)
             run_repeat(sides, src, dst, 2, csum)  # warm-up
             for v in ours.steps.values():
@@ -287,17 +329,18 @@ def main(argv: list[str] | None = None) -> int:
             for tag in per:
                 row[tag] = {k: spread([p[k] for p in per[tag]]) for k in per[tag][0]}
             ov: dict[str, Any] = {}
-            for base in ("mooncake", "mooncake_verified"):
+            bases = [b for b in ("mooncake", "mooncake_verified", "mooncake_ranged") if b in per]
+            for base in bases:
                 for op in ("put", "get"):
-                    sfx = "" if base == "mooncake" else "_vs_verified"
+                    sfx = "" if base == "mooncake" else "_vs_" + base.split("_")[1]
                     ov[f"{op}_p50_latency_pct{sfx}"] = 100.0 * (row["ours"][f"{op}_p50_ms"]["median"]
                                                                / row[base][f"{op}_p50_ms"]["median"] - 1)
                     ov[f"{op}_throughput_pct{sfx}"] = 100.0 * (1 - row["ours"][f"{op}_gbps"]["median"]
                                                               / row[base][f"{op}_gbps"]["median"])
             # Paired: each op of ours against the baseline's op next to it in time (the same
             # load), median over every op of every repeat: robust to load that drifts.
-            for base in ("mooncake", "mooncake_verified"):
-                sfx = "" if base == "mooncake" else "_vs_verified"
+            for base in bases:
+                sfx = "" if base == "mooncake" else "_vs_" + base.split("_")[1]
                 for j, op in enumerate(("put", "get")):
                     ratios = [a[j] / b[j] for a, b in zip(ops["ours"], ops[base])]
                     ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
@@ -309,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mib:>3} MiB  put p50 {row['mooncake']['put_p50_ms']['median']:.2f} -> "
                   f"{row['ours']['put_p50_ms']['median']:.2f} ms ({ov['put_p50_latency_pct']:+.1f}%)  "
                   f"get p50 {row['mooncake']['get_p50_ms']['median']:.2f} -> {row['ours']['get_p50_ms']['median']:.2f} ms "
-                  f"({ov['get_p50_latency_pct']:+.1f}%; vs verified {ov['get_p50_latency_pct_vs_verified']:+.1f}%)  "
+                  f"({ov['get_p50_latency_pct']:+.1f}%; vs verified {ov['get_p50_latency_pct_vs_verified']:+.1f}%"
+                  + (f", vs ranged {ov['get_paired_median_pct_vs_ranged']:+.1f}% paired" if "mooncake_ranged" in per
+                     else "") + ")  "
                   f"paired put {ov['put_paired_median_pct']:+.1f}% get {ov['get_paired_median_pct']:+.1f}%  "
                   f"get {row['ours']['get_gbps']['median']:.2f} GB/s; ours per step (ms) "
                   + " ".join(f"{k} {v:.3f}" for k, v in row["ours_steps_ms"].items()), flush=True)
@@ -331,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                      "bench client mounts none, so every byte crosses loopback TCP; objects removed after each get; "
                      f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",
             "client": args.client,
+            "read_chunk_bytes": chunk,
             "mooncake_version": _mooncake_version(),
             "repeats": args.repeats,
             "rows": rows,
@@ -339,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                         "worst_paired_median_overhead_pct": worst_paired,
                         "per_size_paired_overhead_pct": {str(r["size_mib"]): {
                             "put": r["overhead"]["put_paired_median_pct"], "get": r["overhead"]["get_paired_median_pct"],
-                            "get_vs_verified": r["overhead"]["get_paired_median_pct_vs_verified"]} for r in rows},
+                            "get_vs_verified": r["overhead"]["get_paired_median_pct_vs_verified"],
+                            "get_vs_ranged": r["overhead"].get("get_paired_median_pct_vs_ranged")} for r in rows},
                         "per_size_p50_overhead_pct": {str(r["size_mib"]): {"put": r["overhead"]["put_p50_latency_pct"],
                                                                           "get": r["overhead"]["get_p50_latency_pct"]}
                                                       for r in rows}},

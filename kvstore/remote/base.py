@@ -27,7 +27,8 @@ Contract (every adapter keeps it):
 - Buffers: the caller owns every buffer named in a `PutItem`/`GetItem` and must keep it
   alive and unchanged (put) or untouched (get) until the task's result has been
   delivered, even after a `wait` timed out. A put never keeps a reference after that;
-  a get writes only inside the ranges given.
+  a get writes only inside the ranges given (and may report its progress through
+  `GetItem.landed`).
 - Objects are all-or-nothing: an object is visible to `submit_stat`/`submit_get` only
   once its put has completed; a reader never sees a half-written object (a put that
   fails or dies half-way leaves nothing, or the previous complete object).
@@ -100,10 +101,18 @@ class PutItem:
 
 @dataclass(frozen=True)
 class GetItem:
-    """One object to read into (address, length) ranges whose lengths sum to its exact size."""
+    """One object to read into (address, length) ranges whose lengths sum to its exact size.
+
+    `landed` (optional): called with `end` each time the object's bytes [0, end) have
+    landed in the ranges, in order, on the thread running the get, so the caller can
+    check them while they are still in cache (kvstore.remote.envelope.PayloadVerifier).
+    An adapter may call it after each chunk it reads, or never (then the caller sees the
+    bytes only when the get has ended); the caller trusts no byte before the get's
+    result says the whole object was read."""
 
     name: str
     ranges: tuple[tuple[int, int], ...]
+    landed: Optional[Callable[[int], None]] = field(default=None, compare=False)
 
     @property
     def size(self) -> int:

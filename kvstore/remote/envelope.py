@@ -29,9 +29,14 @@ object (its size from a stat) and checks, from the end: the magic, version, trai
 checksum, that the key is the one it asked for and that P + K + M + 56 is the object's
 size; then it hashes the payload and compares it with the transfer checksum: a remote
 object is never served unverified, and a truncated, torn or foreign object fails the
-checks. Names are `<namespace>/<hex key>` (keys over 64 bytes: `<namespace>/h<blake2b-256
-of the key>`, the full key is still checked in the trailer), so every host finds a key
-under one name.
+checks. `PayloadVerifier` does the same while the object arrives: a get that lands it
+in pieces (the Mooncake adapter's chunked reads, kvstore.remote.mooncake) hands it each
+piece's end as it lands, and the bytes that are certainly payload (all but the last
+`MAX_TRAILER_BYTES`) are hashed right then, between the pieces' transfers; `finish`
+checks the trailer and hashes the rest (streaming xxh3: the same checksum as one call
+over the whole payload). Names are `<namespace>/<hex key>` (keys over 64 bytes:
+`<namespace>/h<blake2b-256 of the key>`, the full key is still checked in the trailer),
+so every host finds a key under one name.
 """
 
 from __future__ import annotations
@@ -137,12 +142,51 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
     return RemoteHeader(bytes(key), meta, plen, psum, xsum)
 
 
+class PayloadVerifier:
+    """Verifies one remote object while its bytes land (module docstring).
+
+    `obj` is the buffer the whole object is read into (its exact size); the caller owns
+    it and keeps it alive. Call order: `landed(end)` any number of times, with
+    non-decreasing `end`, each time the object's bytes [0, end) have landed (from the
+    thread doing the get; not thread-safe: one get drives it), then `finish()` once, after
+    the whole object has landed. `landed` may never be called (`finish` hashes all)."""
+
+    __slots__ = ("_obj", "_key", "_hash", "_done", "_safe")
+
+    def __init__(self, obj: memoryview, key: bytes) -> None:
+        self._obj = obj
+        self._key = key
+        self._hash: Optional[xxhash.xxh3_64] = None
+        self._done = 0  # payload bytes hashed so far
+        self._safe = max(0, len(obj) - MAX_TRAILER_BYTES)  # bytes that are payload whatever the trailer says
+
+    def landed(self, end: int) -> None:
+        """Bytes [0, end) of the object have landed: hash those that are certainly payload."""
+        stop = min(end, self._safe)
+        if stop > self._done:
+            if self._hash is None:
+                self._hash = xxhash.xxh3_64()
+            self._hash.update(self._obj[self._done:stop])
+            self._done = stop
+
+    def finish(self) -> RemoteHeader:
+        """The decoded trailer of the whole object, its payload hash checked against the
+        transfer checksum; BadObject naming what is wrong otherwise (never wrong bytes)."""
+        h = decode_trailer(self._obj, self._key)
+        p = h.payload_bytes
+        if self._hash is None:  # nothing hashed while landing: one call over the payload
+            actual = transfer_checksum(self._obj[:p])
+        else:
+            if p > self._done:
+                self._hash.update(self._obj[self._done:p])
+            actual = self._hash.intdigest()
+        if actual != h.transfer_checksum:
+            raise BadObject(f"remote object of {self._key!r}: payload hashes to {actual:#x}, "
+                            f"its trailer records {h.transfer_checksum:#x}")
+        return h
+
+
 def verify_object(obj: memoryview, key: bytes) -> RemoteHeader:
     """`decode_trailer`, then the payload hashed and compared with the transfer checksum:
     the decoded trailer of an object whose every byte checked out; BadObject otherwise."""
-    h = decode_trailer(obj, key)
-    actual = transfer_checksum(obj[: h.payload_bytes])
-    if actual != h.transfer_checksum:
-        raise BadObject(f"remote object of {key!r}: payload hashes to {actual:#x}, "
-                        f"its trailer records {h.transfer_checksum:#x}")
-    return h
+    return PayloadVerifier(obj, key).finish()

@@ -7,14 +7,17 @@ Owns: `RemoteFaults` (the switches a test flips while the adapter runs) and
 probe fails: a master that is away), `delay_s` (a slow store: each call sleeps first),
 `fail_gets` / `fail_puts` (calls fail with FAILED), `corrupt_gets` (a get that succeeded
 has one byte flipped a third of the way into the object: in the payload of any object
-over twice its envelope trailer, as a damaged replica would), `truncate_puts` (a put writes
-its object short by this many bytes: what a broken or foreign writer might leave).
+over twice its envelope trailer, as a damaged replica would; the inner get then reports
+no progress through `GetItem.landed`, so the reader hashes the flipped byte),
+`truncate_puts` (a put writes its object short by this many bytes: what a broken or
+foreign writer might leave).
 `injected` counts what was injected.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -67,8 +70,11 @@ class FaultyAdapter(BlockingAdapter):
         if self.faults.fail_gets:
             self.injected["failed_gets"] += 1
             return [FAILED] * len(items)
+        corrupt = self.faults.corrupt_gets
+        if corrupt:  # the flip models a damaged replica: the inner get must not report bytes before it
+            items = [dataclasses.replace(it, landed=None) for it in items]
         codes = self.inner.get_now(items)
-        if self.faults.corrupt_gets:
+        if corrupt:
             for it, c in zip(items, codes):
                 if c > 0:
                     at = c // 3  # the byte to flip, as an offset into the object's ranges

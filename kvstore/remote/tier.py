@@ -19,7 +19,8 @@ Fills: a local miss (`Store.lookup`, the Lookup fast path through a worker threa
 `Store.get`) asks `fill(keys)`: one stat of the missing names, then for each present
 object a memory-tier slot of the whole remote object is allocated (making room as a put
 would) and one get reads it into the slot as one range; the trailer (in the slot's tail,
-past the object) is checked and the payload hashed (xxh3, the transfer checksum) before
+past the object) is checked and the payload hashed (xxh3, the transfer checksum: a
+`PayloadVerifier`, fed each chunk as it lands when the adapter reads in chunks) before
 the object is committed to the memory tier as verified, with the store checksum the
 trailer records, so the usual zero-copy read serves it.
 A damaged object is freed, counted in `corrupt_dropped` and removed from the remote
@@ -52,8 +53,8 @@ from kvstore.errors import BadObject, KVStoreError
 from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
-from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, RemoteHeader, encode_trailer, remote_name,
-                                     trailer_body, transfer_checksum, verify_object)
+from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVerifier, RemoteHeader, encode_trailer,
+                                     remote_name, trailer_body, transfer_checksum)
 from kvstore.remote.policy import RemotePolicy, parse_policy
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Slot, Tier
@@ -391,7 +392,8 @@ class RemoteTier:
         if not plans:
             return 0
         views = [mem.view(p.slot) for p in plans]
-        items = [GetItem(p.name, ((v.data_ptr(), p.size),)) for p, v in zip(plans, views)]
+        checks = [PayloadVerifier(memoryview(v.numpy()), p.key) for p, v in zip(plans, views)]
+        items = [GetItem(p.name, ((v.data_ptr(), p.size),), c.landed) for p, v, c in zip(plans, views, checks)]
         res = self.adapter.call("get", items, self.settings.timeout_s,
                                 late=lambda r: self._free([p.slot for p in plans], views))
         if res.timed_out:
@@ -402,13 +404,13 @@ class RemoteTier:
             self._get_latency.add(res.seconds)
         done: list[tuple[_Fill, RemoteHeader]] = []
         bad: list[_Fill] = []
-        for p, v, code in zip(plans, views, res.codes):
+        for p, check, code in zip(plans, checks, res.codes):
             if code != p.size:
                 self._count("misses" if code == NOT_FOUND else "errors")
                 bad.append(p)
                 continue
             try:
-                h = verify_object(memoryview(v.numpy()), p.key)
+                h = check.finish()  # what `landed` has not hashed yet, and the trailer
             except (BadObject, KVStoreError) as exc:
                 self._drop_corrupt(p.key, p.name, str(exc))
                 bad.append(p)

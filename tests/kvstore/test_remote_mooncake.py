@@ -36,7 +36,8 @@ def _start_master(root):
 
 
 def _daemon(root, master, *extra) -> DaemonProcess:
-    url = master.url.replace("&protocol=tcp", "&protocol=tcp&segment=64MiB")
+    # read_chunk=1MiB: objects over 1 MiB are read in pieces (chunked reads), smaller ones in one get
+    url = master.url.replace("&protocol=tcp", "&protocol=tcp&segment=64MiB&read_chunk=1MiB")
     return DaemonProcess(root, cpu_capacity="32MiB", nvme_capacity="64MiB",
                          extra_args=["--remote", url, "--remote-timeout", "1.0", *extra])
 
@@ -182,34 +183,40 @@ def test_a_corrupted_or_half_written_remote_object_is_dropped_and_counted_never_
     before = remote_stats(d2)
     with d2.client() as kv:
         before_objects = kv.stats()["tiers"][0]["objects"]
-    good, other = blob(256 << 10, 1), blob(256 << 10, 2)
+    # 256 KiB: read in one get; 3 MiB: read in 1 MiB pieces, hashed as they land (a byte
+    # flipped in a piece hashed while landing, one in the part `finish` hashes, a torn one)
+    objs = {b"damaged": blob(256 << 10, 1), b"half": blob(256 << 10, 2), b"big-mid": blob(3 << 20, 3),
+            b"big-end": blob(3 << 20, 4), b"big-half": blob(3 << 20, 5)}
+    flip = {b"damaged": 1000, b"big-mid": (1 << 20) + 5, b"big-end": (3 << 20) - 10}
     with d1.client() as kv:
-        kv.put(b"damaged", good)
-        kv.put(b"half", other)
-    assert drain(d1)["objects_written"] >= 2
+        for k, v in objs.items():
+            kv.put(k, v)
+    assert drain(d1)["objects_written"] >= len(objs)
     raw = _raw_client(master)
     try:
         name = remote_name("kvstore", b"damaged")
-        obj = bytearray(raw.get(name))
-        assert len(obj) > len(good) and bytes(obj[: len(good)]) == good  # the payload, then the trailer
-        obj[1000] ^= 0xFF  # one payload byte flipped in the remote store
-        assert raw.remove(name, True) == 0 and raw.put(name, bytes(obj)) == 0
-        half = remote_name("kvstore", b"half")
-        whole = raw.get(half)
-        assert raw.remove(half, True) == 0 and raw.put(half, whole[: len(other) // 2]) == 0
+        for k, v in objs.items():
+            n = remote_name("kvstore", k)
+            obj = bytearray(raw.get(n))
+            assert len(obj) > len(v) and bytes(obj[: len(v)]) == v  # the payload, then the trailer
+            if k in flip:
+                obj[flip[k]] ^= 0xFF  # one payload byte flipped in the remote store
+            else:
+                obj = obj[: len(v) // 2]  # half of it: a torn object
+            assert raw.remove(n, True) == 0 and raw.put(n, bytes(obj)) == 0
         with d2.client() as kv:
-            assert [e.hit for e in kv.lookup([b"damaged", b"half"])] == [False, False]
-            assert kv.get_many([b"damaged", b"half"]) == [None, None]
+            assert [e.hit for e in kv.lookup(list(objs))] == [False] * len(objs)
+            assert kv.get_many(list(objs)) == [None] * len(objs)
         r2 = remote_stats(d2)
-        assert r2["corrupt_dropped"] - before["corrupt_dropped"] == 2 and r2["hits"] == before["hits"]
+        assert r2["corrupt_dropped"] - before["corrupt_dropped"] == len(objs) and r2["hits"] == before["hits"]
         deadline = time.monotonic() + 10  # dropped from the remote store too
         while raw.is_exist(name) == 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert raw.is_exist(name) == 0
     finally:
         raw.close()
-    with d2.client() as kv:  # nothing of either object landed in the daemon's tiers
-        assert kv.lookup([b"damaged", b"half"])[0].hit is False
+    with d2.client() as kv:  # nothing of any of them landed in the daemon's tiers
+        assert not any(e.hit for e in kv.lookup(list(objs)))
         assert kv.stats()["tiers"][0]["objects"] == before_objects
 
 
@@ -263,4 +270,39 @@ def test_an_inline_call_against_a_hung_master_ends_by_the_client_rpc_timeout(tmp
         master.resume()
         if p.poll() is None:
             p.kill()
+        master.stop()
+
+
+def test_a_chunked_get_reads_every_piece_in_order_from_one_replica_lookup(tmp_path):
+    import torch
+
+    from kvstore.remote.base import NOT_FOUND, GetItem, PutItem
+    from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget
+
+    master = _start_master(tmp_path / "master")
+    a = None
+    try:
+        a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=32MiB&read_chunk=64KiB"))
+        n = (1 << 20) + 100  # 16 whole pieces and a short one
+        src = torch.from_numpy(np.frombuffer(bytearray(blob(n, 9)), dtype=np.uint8))
+        assert a.call("put", [PutItem("t/obj", ((src.data_ptr(), n),))], 5.0).codes == (n,)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        ends: list[int] = []
+        res = a.call("get", [GetItem("t/obj", ((dst.data_ptr(), n),), ends.append)], 5.0)
+        assert res.codes == (n,) and torch.equal(src, dst)
+        assert ends == [min(n, k << 16) for k in range(1, 18)]
+        ends.clear()  # an absent object: the replica lookup says so, no piece is read
+        assert a.call("get", [GetItem("t/none", ((dst.data_ptr(), n),), ends.append)], 5.0).codes == (NOT_FOUND,)
+        assert ends == []
+        big = torch.zeros(n + (1 << 16), dtype=torch.uint8)  # asks more than the object holds: an error
+        res = a.call("get", [GetItem("t/obj", ((big.data_ptr(), big.numel()),), ends.append)], 5.0)
+        assert res.codes[0] < 0 and res.codes[0] != NOT_FOUND  # the 17th piece runs past its end
+        assert ends == [k << 16 for k in range(1, 17)]  # the pieces before it landed, and were reported
+        ends.clear()  # an object within read_chunk: one get_into, no progress calls (the caller hashes it all)
+        assert a.call("put", [PutItem("t/small", ((src.data_ptr(), 100),))], 5.0).codes == (100,)
+        assert a.call("get", [GetItem("t/small", ((dst.data_ptr(), 100),), ends.append)], 5.0).codes == (100,)
+        assert ends == []
+    finally:
+        if a is not None:
+            a.close()
         master.stop()

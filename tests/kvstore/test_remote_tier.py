@@ -557,9 +557,13 @@ def test_a_client_timeout_inline_is_counted_fails_fast_after_and_reconnects(tmp_
         s.close()
 
 
-def test_the_mooncake_url_takes_an_rpc_timeout():
+def test_the_mooncake_url_takes_an_rpc_timeout_and_a_read_chunk():
     t = MooncakeTarget.from_url("mooncake://127.0.0.1:5?rpc_timeout=0.25")
     assert t.rpc_timeout_s == 0.25 and MooncakeTarget.from_url("mooncake://h:5").rpc_timeout_s == 1.0
     for bad, why in (("x", "must be seconds"), ("0", "0.01..600")):
         with pytest.raises(RemoteConfigError, match=why):
             MooncakeTarget.from_url(f"mooncake://h:5?rpc_timeout={bad}")
+    assert MooncakeTarget.from_url("mooncake://h:5").read_chunk_bytes == 8 << 20
+    assert MooncakeTarget.from_url("mooncake://h:5?read_chunk=0").read_chunk_bytes == 0
+    with pytest.raises(RemoteConfigError, match="read_chunk must be 0"):
+        MooncakeTarget.from_url("mooncake://h:5?read_chunk=1000")
