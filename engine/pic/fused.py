@@ -50,6 +50,7 @@ from engine.models.layers.base import ExternalKVCache
 from engine.models.layers.linear_ops import DENSE_FAMILIES
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
 from engine.pic.config import SEAM_CHAIN_MODES
+from engine.pic.conv_ranges import conv_ranges
 from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Computed, Event, Placed
 from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
@@ -267,7 +268,7 @@ def _linear_pass(p: _Pass, i: int, cache: StateSlotCache, mixer, proj):
     if not p.stateful and chain_on(p.chain, mixer, p.device):
         if "chain" not in p.shared:
             p.shared["chain"] = chain_tables(p.model, p.manager, p.events, p.device)
-        inp = prepare(_conv_ranges(p.seq, cache, mixer, i, p.events, conv_in, shared=p.shared))
+        inp = prepare(conv_ranges(p.seq, cache, mixer, i, p.events, conv_in, shared=p.shared))
         ops: dict = {}
         o = linear_layer_chain(p.seq, cache, mixer, i, p.events, inp, p.shared["chain"][i], p.force, p.backend,
                                ops_out=ops if tap is not None else None, batch_long_ranges=p.batch_long_ranges)
@@ -476,73 +477,6 @@ def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch
     return (decay[:, None, None] if decay.dim() == 1 else decay[..., None]) * state + E
 
 
-def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, layer: int) -> torch.Tensor:
-    tail = part.conv_tail
-    if tail is None:
-        raise SplicePlacementError(f"layer {layer}: signature has no conv tail, the model's layer has a conv")
-    tail = tail.to(device=cur.device, dtype=cur.dtype)
-    take = tail.shape[1] if piece.first else min(tail.shape[1], piece.signature.tail_len)
-    if take >= width1:  # the piece alone fills the window: its own tail, whatever came before
-        return tail[:, tail.shape[1] - width1:]
-    if piece.first:
-        return torch.cat([torch.zeros_like(cur), tail], dim=1)[:, -width1:]
-    return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
-
-
-def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tails_at: Optional[dict] = None,
-                 shared: Optional[dict] = None):
-    """The short conv of every computed range (each reads the tail left by what precedes
-    it: the previous range's, extended by the pieces in between); C's conv outputs, and
-    the tail left in the cache. `tails_at` (optional) gets the tail after each computed
-    range, keyed by the range's absolute end.
-
-    The tails are pre-conv inputs (C's own, or the pieces'), all known before any conv
-    runs: every range is laid out behind its tail in one buffer and the layer convolves
-    once (`ShortConv.valid`), whatever the number of seams. `shared`: the request's
-    per-layout dict; the output columns to keep are the same for every conv layer, so
-    they cross to the device once per request."""
-    tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
-    if tail is None or mixer.conv is None:
-        if tails_at is not None:
-            for ev in events:
-                if isinstance(ev, Computed):
-                    tails_at[ev.end] = None
-        return conv_in  # no conv: C's ranges tile conv_in in prompt order
-    width1 = tail.shape[-1]
-    xin = conv_in[0].transpose(0, 1)  # [C, T] pre-conv inputs of C, prompt order
-    parts: list[torch.Tensor] = []
-    take: list[torch.Tensor] = []  # per range: the output columns of the packed conv
-    at = 0
-    cur = tail
-    for ev in events:
-        if isinstance(ev, Placed):
-            cur = _conv_tail_after(linear_part(ev.piece, layer), ev.piece, cur, width1, layer)
-            continue
-        lo, hi = ev.lo, ev.hi
-        seg = xin[:, lo:hi]
-        parts += [cur.to(xin.dtype), seg]
-        take.append(torch.arange(at, at + hi - lo))
-        at += width1 + hi - lo
-        both = seg if hi - lo >= width1 else torch.cat([cur.to(xin.dtype), seg], dim=1)
-        cur = both[:, both.shape[1] - width1:].to(cache.conv_tail.dtype)
-        if tails_at is not None:
-            tails_at[ev.end] = cur
-    y = mixer.conv.valid(torch.cat(parts, dim=1))  # [C, at - width1]
-    cache.conv_tail[seq.slot] = cur  # after the conv: the first part may be a view of this slot
-    if len(take) == 1:
-        return y.transpose(0, 1)[None]
-    key = ("conv_take", width1)
-    idx = None if shared is None else shared.get(key)
-    if idx is None:
-        idx = torch.cat(take)
-        if y.device.type == "cuda":
-            idx = idx.pin_memory()
-        idx = idx.to(y.device, non_blocking=True)
-        if shared is not None:
-            shared[key] = idx
-    return y.index_select(1, idx).transpose(0, 1)[None]
-
-
 def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, prepare, backend, live, checkpoints=(),
                   shared: Optional[dict] = None, tap=None):
     """A linear layer's events one by one: C's output `[1, C, Hv, dv]`; the slot's state
@@ -550,8 +484,8 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, pre
     inputs `[1, C, ch]`; `prepare(conv_out)`: the layer's RecurrenceInputs; `tap(inp)`
     (optional) sees them before the recurrences run."""
     state = cache.state[seq.slot]
-    tails_at: dict[int, Optional[torch.Tensor]] = {}
-    inp = prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared))
+    tails_at: Optional[dict[int, Optional[torch.Tensor]]] = {} if checkpoints else None  # the tails they keep
+    inp = prepare(conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared))
     if tap is not None:
         tap(inp)
     outs: list[torch.Tensor] = []

@@ -5,7 +5,7 @@ each, or with two or more, one or two varlen calls for all of them: engine.pic.l
 
 `chain_on` says which layers take this path, `chain_tables` builds every layer's event
 table with one host-to-device copy per request, `linear_layer_chain` runs one layer over
-its computed inputs (the caller runs the short convs: engine.pic.fused._conv_ranges).
+its computed inputs (the caller runs the short convs: engine.pic.conv_ranges).
 """
 from __future__ import annotations
 
