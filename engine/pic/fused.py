@@ -13,7 +13,8 @@ ONE pass over the layers:
 - full-attention layer: every splice piece's K/V rows for this layer are written into the
   paged pool first (re-rotated through kernels.rope_scatter; where the rows go is worked
   out once per request), then C's own K/V; C's
-  queries attend causally over positions [0, end) of the pool: a seam token at p sees
+  queries attend causally over positions [0, end) of the pool (one attention call under
+  a mask made once per request for every full layer): a seam token at p sees
   exactly what it saw in the step-by-step plan (everything before p, spliced or
   computed), and nothing after it;
 - sliding-window layer: a dense K/V buffer of positions [0, end) holds the rows the
@@ -46,6 +47,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
+from engine.models.layers.attention import ranges_mask
 from engine.models.layers.base import ExternalKVCache
 from engine.models.layers.linear_ops import DENSE_FAMILIES
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
@@ -213,7 +215,8 @@ class _Pass:
 
 def _full_layer(p: _Pass, i: int, cache: PagedKVCache, mixer, proj):
     """A full-attention layer: pieces' rows into the pool, then C attends over [0, end)."""
-    o = _full_attend(p.shared, cache, mixer, i, p.pieces, proj, p.ranges, p.write_slots, p.ctx_slots, p.force)
+    o = _full_attend(p.shared, cache, mixer, i, p.pieces, proj, p.ranges, p.write_slots, p.ctx_slots, p.force,
+                     _ranges_mask(p, proj[0].dtype))
     if p.captures:
         capture_attention(p.captures, mixer, proj[1], proj[2])
     for cp in p.checkpoints:
@@ -242,7 +245,7 @@ def _external_layer(p: _Pass, i: int, cache: ExternalKVCache, mixer, proj):
         k_ctx, v_ctx = torch.cat([past_k.to(kb.dtype), kb]), torch.cat([past_v.to(vb.dtype), vb])
     else:
         k_ctx, v_ctx = kb, vb
-    o = mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), p.ranges)
+    o = mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), p.ranges, _ranges_mask(p, q.dtype))
     cache.append(p.seq.slot, kb, vb)
     if p.captures:
         capture_attention(p.captures, mixer, proj[1], proj[2])
@@ -357,10 +360,24 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
                  offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force)
 
 
-def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges, write_slots, ctx_slots, force):
-    """A full-attention layer's pieces and C's K/V into the pool; C's attention output: each
-    computed range against the pool's positions [0, its end), as host-known runs (no
-    position read back from the device, no mask over every query)."""
+def _ranges_mask(p: _Pass, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The full layers' attention mask of the computed ranges against positions [0, end)
+    (engine.models.layers.attention.ranges_mask), made once per request; None for one
+    range (it attends without a mask)."""
+    if len(p.ranges) < 2:
+        return None
+    key = ("full_mask", dtype)
+    if key not in p.shared:
+        p.shared[key] = ranges_mask(p.ranges, p.end, dtype, p.device, q_pos=p.pos)
+    return p.shared[key]
+
+
+def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges, write_slots, ctx_slots, force,
+                 mask: Optional[torch.Tensor] = None):
+    """A full-attention layer's pieces and C's K/V into the pool; C's attention output: the
+    computed ranges against the pool's positions [0, end) as host-known runs (no position
+    read back from the device; two or more ranges: one call under `mask`, their
+    `ranges_mask`)."""
     q, k, v, _ = proj
     if pieces:
         if "full_rows" not in state:
@@ -369,7 +386,7 @@ def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges,
             _splice_full_rows(state["full_rows"], cache, mixer, layer, pieces, force)
     cache.write(write_slots, k, v)
     k_ctx, v_ctx = cache.gather(ctx_slots)
-    return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges)
+    return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges, mask)
 
 
 def _present(state: dict, lo: int, start: int, pieces, layer: int, ranges, device) -> tuple[list[int], torch.Tensor]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers.attention import causal_attention, causal_attention_known, causal_attention_ranges
+from engine.models.layers.attention import (causal_attention, causal_attention_known, causal_attention_ranges,
+                                            ranges_mask)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="the CUDA form (SDPA lower-right causal) needs a GPU"))]
@@ -26,6 +27,24 @@ def test_runs_of_queries_attend_as_the_scattered_positions_do(runs, window, devi
                             d ** -0.5)[0]
     got = causal_attention_ranges(q, k, v, runs, window, d ** -0.5)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_mask_made_for_the_runs_serves_every_call_and_is_row_aligned():
+    """The fused pass makes the runs' mask once per request (from the positions already on
+    the device) and hands it to every full layer: the same output as the call that makes
+    its own, rows 16-element aligned, 0 exactly where a query may see a key."""
+    runs = [(0, 3), (9, 14), (30, 37)]
+    g = torch.Generator().manual_seed(3)
+    n, lk = 15, 37
+    q, k, v = torch.randn(n, 4, 8, generator=g), torch.randn(lk, 2, 8, generator=g), torch.randn(lk, 2, 8, generator=g)
+    pos = torch.cat([torch.arange(a, b) for a, b in runs])
+    mask = ranges_mask(runs, lk, q.dtype, q.device, q_pos=pos)
+    assert mask.shape == (n, lk) and mask.stride(0) % 16 == 0
+    assert torch.equal(mask == 0, torch.arange(lk)[None, :] <= pos[:, None])
+    own = causal_attention_ranges(q, k, v, runs, None, 0.3)
+    assert torch.equal(causal_attention_ranges(q, k, v, runs, None, 0.3, mask), own)
+    with pytest.raises(ValueError, match=r"mask \(15, 36\) is not \[queries, keys\]"):
+        causal_attention_ranges(q, k, v, runs, None, 0.3, mask[:, :36])
 
 
 def test_ranges_must_cover_the_queries():
