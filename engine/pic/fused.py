@@ -61,7 +61,7 @@ from engine.pic.tokenwise import TokenWise
 from engine.runtime.decode_batch import to_device
 from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
-from kernels import rope_scatter
+from kernels import rope_delta_cos_sin, rope_scatter
 
 #: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
 #: rather than its chunk kernel (several launches and host syncs per call)
@@ -323,6 +323,9 @@ class _FullRows:
     slots: torch.Tensor  # [rows] flat paged slots
     deltas: torch.Tensor  # [rows] position deltas
     single: Optional[int]  # the delta when every piece has the same one
+    #: rope_delta_cos_sin of the offsets, by what the layer's frequencies are made from
+    #: (Attention.inv_freq: rotary dim, theta, scaling), so every full layer of one RoPE shares it
+    cos_sin: dict = field(default_factory=dict)
 
 
 def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
@@ -356,8 +359,12 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
         cache.write(rows.slots, k, v)
         return
     offset = rows.single if rows.single is not None else rows.deltas
+    key = (type(mixer), rot, mixer.rope_theta, mixer.window, mixer.rope_linear_factor)
+    if key not in rows.cos_sin:
+        rows.cos_sin[key] = rope_delta_cos_sin(offset, mixer.inv_freq.to(cache.k_pages.device))
     rope_scatter(k.to(cache.k_pages.device), v.to(cache.k_pages.device), cache.k_pages, cache.v_pages, rows.slots,
-                 offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force)
+                 offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force,
+                 cos_sin=rows.cos_sin[key])
 
 
 def _ranges_mask(p: _Pass, dtype: torch.dtype) -> Optional[torch.Tensor]:
