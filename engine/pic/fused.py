@@ -47,7 +47,7 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
-from engine.models.layers.attention import ranges_mask
+from engine.models.layers.attention import one_masked_call, ranges_mask
 from engine.models.layers.base import ExternalKVCache
 from engine.models.layers.linear_ops import DENSE_FAMILIES
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
@@ -369,9 +369,9 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
 
 def _ranges_mask(p: _Pass, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The full layers' attention mask of the computed ranges against positions [0, end)
-    (engine.models.layers.attention.ranges_mask), made once per request; None for one
-    range (it attends without a mask)."""
-    if len(p.ranges) < 2:
+    (engine.models.layers.attention.ranges_mask), made once per request; None where they
+    attend without one (one range, or a mask past RANGES_MASK_MAX: a call per range)."""
+    if not one_masked_call(p.ranges, p.end):
         return None
     key = ("full_mask", dtype)
     if key not in p.shared:

@@ -134,6 +134,19 @@ def _causal_contiguous(qh, kh, vh, q_start: int, k_start: int, window: int | Non
     return torch.cat(outs, dim=2)
 
 
+#: full attention of two or more query runs takes ONE masked SDPA call while its mask
+#: (queries x keys) holds at most this many elements (32 MiB in bf16): a warm PIC pass's
+#: seams and question; past it (cold passes computing whole segments in context) a call
+#: per run, whose causal form skips the keys past each run and needs no mask in memory
+RANGES_MASK_MAX = 1 << 24
+
+
+def one_masked_call(ranges, lk: int) -> bool:
+    """Whether `causal_attention_ranges` (full attention) runs `ranges` against `lk` keys
+    as one masked call (`RANGES_MASK_MAX`)."""
+    return len(ranges) > 1 and sum(b - a for a, b in ranges) * lk <= RANGES_MASK_MAX
+
+
 def ranges_mask(ranges, lk: int, dtype: torch.dtype, device, q_pos: torch.Tensor | None = None) -> torch.Tensor:
     """The additive mask `[Lq, lk]` of full causal attention for queries in the runs
     `ranges` (absolute `[a, b)`, ascending) against keys at 0..lk-1: 0 where the query at p
@@ -157,17 +170,18 @@ def causal_attention_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
 
     The same numbers as `causal_attention` over the scattered positions (to rounding),
     without reading a position back from the device (no host sync); K/V are expanded for
-    GQA once. Full attention over two or more runs is ONE SDPA call with the additive
-    `ranges_mask` (`mask`: that mask, made once per request by the caller, else here); one
-    run, or a window, is a call per run, each a chunk at the end of its context [0, b)
-    (on CUDA SDPA's lower-right causal form, flash / efficient kernels)."""
+    GQA once. Full attention over two or more runs whose mask is small (`one_masked_call`)
+    is ONE SDPA call with the additive `ranges_mask` (`mask`: that mask, made once per
+    request by the caller, else here); otherwise (one run, a window, a large mask) a call
+    per run, each a chunk at the end of its context [0, b) (on CUDA SDPA's lower-right
+    causal form, flash / efficient kernels)."""
     at = sum(b - a for a, b in ranges)
     if at != q.shape[0]:
         raise ValueError(f"ranges cover {at} queries, q holds {q.shape[0]}")
     groups = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None]
     kh, vh = _expand_kv(k.transpose(0, 1)[None], groups, 1), _expand_kv(v.transpose(0, 1)[None], groups, 1)
-    if window is None and len(ranges) > 1:
+    if window is None and one_masked_call(ranges, k.shape[0]):
         if mask is None:
             mask = ranges_mask(ranges, k.shape[0], q.dtype, q.device)
         if tuple(mask.shape) != (q.shape[0], k.shape[0]):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.models.layers import attention
 from engine.models.layers.attention import (causal_attention, causal_attention_known, causal_attention_ranges,
-                                            ranges_mask)
+                                            one_masked_call, ranges_mask)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="the CUDA form (SDPA lower-right causal) needs a GPU"))]
@@ -45,6 +46,19 @@ def test_one_mask_made_for_the_runs_serves_every_call_and_is_row_aligned():
     assert torch.equal(causal_attention_ranges(q, k, v, runs, None, 0.3, mask), own)
     with pytest.raises(ValueError, match=r"mask \(15, 36\) is not \[queries, keys\]"):
         causal_attention_ranges(q, k, v, runs, None, 0.3, mask[:, :36])
+
+
+def test_runs_whose_mask_would_be_large_attend_run_by_run(monkeypatch):
+    """Past RANGES_MASK_MAX (queries x keys) the runs take a call each (no mask in memory),
+    with the same numbers; one run never takes the masked call."""
+    runs = [(0, 3), (9, 14), (30, 37)]
+    assert one_masked_call(runs, 37) and not one_masked_call([(0, 37)], 37)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(15, 4, 8, generator=g), torch.randn(37, 2, 8, generator=g), torch.randn(37, 2, 8, generator=g)
+    masked = causal_attention_ranges(q, k, v, runs, None, 0.3)
+    monkeypatch.setattr(attention, "RANGES_MASK_MAX", 15 * 37 - 1)
+    assert not one_masked_call(runs, 37)
+    torch.testing.assert_close(causal_attention_ranges(q, k, v, runs, None, 0.3), masked, rtol=1e-5, atol=1e-6)
 
 
 def test_ranges_must_cover_the_queries():
