@@ -261,7 +261,8 @@ def rope_scatter(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_page
                  slot_mapping: torch.Tensor, offset: Union[int, torch.Tensor], *,
                  rotary_dim: Optional[int] = None, theta: float = 10000.0,
                  inv_freq: Optional[torch.Tensor] = None, angle_precision: str = "fp64",
-                 check_slots: bool = True, force_triton: Optional[bool] = None) -> None:
+                 check_slots: bool = True, force_triton: Optional[bool] = None,
+                 cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """Rotate cached keys `k [n, Hkv, D]` (at base positions 0..n-1) by `offset` and write
     them, with `v [n, Hkv, D]`, into `k_pages`/`v_pages [num_blocks, block_size, Hkv, D]`
     at `slot_mapping [n]` (-1 skips a token). In place; returns None.
@@ -272,10 +273,20 @@ def rope_scatter(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_page
     variants); defaults to `rope_inv_freq(rotary_dim, theta)`. angle_precision: "fp64" or
     "fp32", see the module docstring. check_slots: verify every slot is -1 or inside the
     pool before writing (reads slot_mapping's range: one device sync on CUDA); pass False
-    on a hot path whose slots come from the engine's own allocator."""
+    on a hot path whose slots come from the engine's own allocator. cos_sin: the
+    `rope_delta_cos_sin(offset, inv_freq, angle_precision)` of this call, made once by a
+    caller that writes the same offsets for several layers (owned by the caller, read
+    only); None makes it here."""
     rotary_dim, inv_freq, offset = _validate(k, v, k_pages, v_pages, slot_mapping, offset,
                                              rotary_dim, inv_freq, theta, check_slots)
-    cos, sin = rope_delta_cos_sin(offset, inv_freq, angle_precision)
+    if cos_sin is None:
+        cos, sin = rope_delta_cos_sin(offset, inv_freq, angle_precision)
+    else:
+        cos, sin = cos_sin
+        rows = 1 if not isinstance(offset, torch.Tensor) else k.shape[0]
+        if cos.shape != (rows, rotary_dim // 2) or sin.shape != cos.shape or cos.device != k.device:
+            raise KernelInputError(f"cos_sin must be two [{rows}, {rotary_dim // 2}] tensors on {k.device}, "
+                                   f"got {tuple(cos.shape)} and {tuple(sin.shape)} on {cos.device}")
     if not use_triton((k, v, k_pages, v_pages), force_triton, "rope_scatter"):
         _rope_scatter_torch(k, v, k_pages, v_pages, slot_mapping, cos, sin, rotary_dim)
         return

@@ -75,9 +75,12 @@ class StateSlotCache:
     conv_tail: torch.Tensor | None
 
     def reset(self, slot: int) -> None:
-        self.state[slot].zero_()
-        if self.conv_tail is not None:
-            self.conv_tail[slot].zero_()
+        torch._foreach_zero_(self.slot_tensors(slot))
+
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """Views of what `slot` holds (its state, its conv tail if any): what `reset`
+        zeroes, for a caller that zeroes many layers' slots in one call."""
+        return [self.state[slot]] if self.conv_tail is None else [self.state[slot], self.conv_tail[slot]]
 
     def get_state(self, slot: int) -> torch.Tensor:
         return self.state[slot]

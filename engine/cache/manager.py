@@ -153,9 +153,14 @@ class CacheManager:
         if seq.is_allocated:
             raise CacheError(f"sequence {seq.seq_id!r} already holds slot {seq.slot}")
         slot = self.slots.allocate()
+        zero: list[torch.Tensor] = []  # every linear layer's slot, zeroed in one call
         for cache in self.layers:
-            if isinstance(cache, (StateSlotCache, ExternalKVCache)):
+            if isinstance(cache, StateSlotCache):
+                zero += cache.slot_tensors(slot)
+            elif isinstance(cache, ExternalKVCache):
                 cache.reset(slot)
+        if zero:
+            torch._foreach_zero_(zero)
         seq.slot, seq.block_table, seq.num_computed_tokens = slot, [], 0
         return seq
 

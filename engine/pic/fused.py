@@ -13,7 +13,8 @@ ONE pass over the layers:
 - full-attention layer: every splice piece's K/V rows for this layer are written into the
   paged pool first (re-rotated through kernels.rope_scatter; where the rows go is worked
   out once per request), then C's own K/V; C's
-  queries attend causally over positions [0, end) of the pool: a seam token at p sees
+  queries attend causally over positions [0, end) of the pool (one attention call under
+  a mask made once per request for every full layer): a seam token at p sees
   exactly what it saw in the step-by-step plan (everything before p, spliced or
   computed), and nothing after it;
 - sliding-window layer: a dense K/V buffer of positions [0, end) holds the rows the
@@ -46,10 +47,12 @@ import torch
 from engine.cache.layer_caches import PagedKVCache, StateSlotCache, WindowRingCache
 from engine.cache.manager import CacheManager
 from engine.models.decoder import HybridDecoder
+from engine.models.layers.attention import one_masked_call, ranges_mask
 from engine.models.layers.base import ExternalKVCache
 from engine.models.layers.linear_ops import DENSE_FAMILIES
 from engine.pic.capture import CaptureSet, LocalIndex, capture_attention, capture_linear
 from engine.pic.config import SEAM_CHAIN_MODES
+from engine.pic.conv_ranges import conv_ranges
 from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Computed, Event, Placed
 from engine.pic.seam_chain_layer import chain_on, chain_tables, linear_layer_chain
@@ -58,7 +61,7 @@ from engine.pic.tokenwise import TokenWise
 from engine.runtime.decode_batch import to_device
 from engine.runtime.prefill_graphs import PrefillStages
 from engine.runtime.sequence import Sequence as CacheSequence
-from kernels import rope_scatter
+from kernels import rope_delta_cos_sin, rope_scatter
 
 #: computed ranges up to this many tokens run fla's fused recurrent kernel (one launch)
 #: rather than its chunk kernel (several launches and host syncs per call)
@@ -212,7 +215,8 @@ class _Pass:
 
 def _full_layer(p: _Pass, i: int, cache: PagedKVCache, mixer, proj):
     """A full-attention layer: pieces' rows into the pool, then C attends over [0, end)."""
-    o = _full_attend(p.shared, cache, mixer, i, p.pieces, proj, p.ranges, p.write_slots, p.ctx_slots, p.force)
+    o = _full_attend(p.shared, cache, mixer, i, p.pieces, proj, p.ranges, p.write_slots, p.ctx_slots, p.force,
+                     _ranges_mask(p, proj[0].dtype))
     if p.captures:
         capture_attention(p.captures, mixer, proj[1], proj[2])
     for cp in p.checkpoints:
@@ -241,7 +245,7 @@ def _external_layer(p: _Pass, i: int, cache: ExternalKVCache, mixer, proj):
         k_ctx, v_ctx = torch.cat([past_k.to(kb.dtype), kb]), torch.cat([past_v.to(vb.dtype), vb])
     else:
         k_ctx, v_ctx = kb, vb
-    o = mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), p.ranges)
+    o = mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), p.ranges, _ranges_mask(p, q.dtype))
     cache.append(p.seq.slot, kb, vb)
     if p.captures:
         capture_attention(p.captures, mixer, proj[1], proj[2])
@@ -267,7 +271,7 @@ def _linear_pass(p: _Pass, i: int, cache: StateSlotCache, mixer, proj):
     if not p.stateful and chain_on(p.chain, mixer, p.device):
         if "chain" not in p.shared:
             p.shared["chain"] = chain_tables(p.model, p.manager, p.events, p.device)
-        inp = prepare(_conv_ranges(p.seq, cache, mixer, i, p.events, conv_in, shared=p.shared))
+        inp = prepare(conv_ranges(p.seq, cache, mixer, i, p.events, conv_in, shared=p.shared))
         ops: dict = {}
         o = linear_layer_chain(p.seq, cache, mixer, i, p.events, inp, p.shared["chain"][i], p.force, p.backend,
                                ops_out=ops if tap is not None else None, batch_long_ranges=p.batch_long_ranges)
@@ -319,6 +323,9 @@ class _FullRows:
     slots: torch.Tensor  # [rows] flat paged slots
     deltas: torch.Tensor  # [rows] position deltas
     single: Optional[int]  # the delta when every piece has the same one
+    #: rope_delta_cos_sin of the offsets, by what the layer's frequencies are made from
+    #: (Attention.inv_freq: rotary dim, theta, scaling), so every full layer of one RoPE shares it
+    cos_sin: dict = field(default_factory=dict)
 
 
 def _full_rows(pieces, layer, ctx_slots, device) -> Optional[_FullRows]:
@@ -352,14 +359,32 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
         cache.write(rows.slots, k, v)
         return
     offset = rows.single if rows.single is not None else rows.deltas
+    key = (type(mixer), rot, mixer.rope_theta, mixer.window, mixer.rope_linear_factor)
+    if key not in rows.cos_sin:
+        rows.cos_sin[key] = rope_delta_cos_sin(offset, mixer.inv_freq.to(cache.k_pages.device))
     rope_scatter(k.to(cache.k_pages.device), v.to(cache.k_pages.device), cache.k_pages, cache.v_pages, rows.slots,
-                 offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force)
+                 offset, rotary_dim=rot, inv_freq=mixer.inv_freq, check_slots=False, force_triton=force,
+                 cos_sin=rows.cos_sin[key])
 
 
-def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges, write_slots, ctx_slots, force):
-    """A full-attention layer's pieces and C's K/V into the pool; C's attention output: each
-    computed range against the pool's positions [0, its end), as host-known runs (no
-    position read back from the device, no mask over every query)."""
+def _ranges_mask(p: _Pass, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The full layers' attention mask of the computed ranges against positions [0, end)
+    (engine.models.layers.attention.ranges_mask), made once per request; None where they
+    attend without one (one range, or a mask past RANGES_MASK_MAX: a call per range)."""
+    if not one_masked_call(p.ranges, p.end):
+        return None
+    key = ("full_mask", dtype)
+    if key not in p.shared:
+        p.shared[key] = ranges_mask(p.ranges, p.end, dtype, p.device, q_pos=p.pos)
+    return p.shared[key]
+
+
+def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges, write_slots, ctx_slots, force,
+                 mask: Optional[torch.Tensor] = None):
+    """A full-attention layer's pieces and C's K/V into the pool; C's attention output: the
+    computed ranges against the pool's positions [0, end) as host-known runs (no position
+    read back from the device; two or more ranges: one call under `mask`, their
+    `ranges_mask`)."""
     q, k, v, _ = proj
     if pieces:
         if "full_rows" not in state:
@@ -368,7 +393,7 @@ def _full_attend(state, cache: PagedKVCache, mixer, layer, pieces, proj, ranges,
             _splice_full_rows(state["full_rows"], cache, mixer, layer, pieces, force)
     cache.write(write_slots, k, v)
     k_ctx, v_ctx = cache.gather(ctx_slots)
-    return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges)
+    return mixer.attend_ranges(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), ranges, mask)
 
 
 def _present(state: dict, lo: int, start: int, pieces, layer: int, ranges, device) -> tuple[list[int], torch.Tensor]:
@@ -476,73 +501,6 @@ def _compose(part, piece: SplicePiece, state: torch.Tensor, live: Optional[torch
     return (decay[:, None, None] if decay.dim() == 1 else decay[..., None]) * state + E
 
 
-def _conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, layer: int) -> torch.Tensor:
-    tail = part.conv_tail
-    if tail is None:
-        raise SplicePlacementError(f"layer {layer}: signature has no conv tail, the model's layer has a conv")
-    tail = tail.to(device=cur.device, dtype=cur.dtype)
-    take = tail.shape[1] if piece.first else min(tail.shape[1], piece.signature.tail_len)
-    if take >= width1:  # the piece alone fills the window: its own tail, whatever came before
-        return tail[:, tail.shape[1] - width1:]
-    if piece.first:
-        return torch.cat([torch.zeros_like(cur), tail], dim=1)[:, -width1:]
-    return torch.cat([cur, tail[:, tail.shape[1] - take:]], dim=1)[:, -width1:]
-
-
-def _conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tails_at: Optional[dict] = None,
-                 shared: Optional[dict] = None):
-    """The short conv of every computed range (each reads the tail left by what precedes
-    it: the previous range's, extended by the pieces in between); C's conv outputs, and
-    the tail left in the cache. `tails_at` (optional) gets the tail after each computed
-    range, keyed by the range's absolute end.
-
-    The tails are pre-conv inputs (C's own, or the pieces'), all known before any conv
-    runs: every range is laid out behind its tail in one buffer and the layer convolves
-    once (`ShortConv.valid`), whatever the number of seams. `shared`: the request's
-    per-layout dict; the output columns to keep are the same for every conv layer, so
-    they cross to the device once per request."""
-    tail = None if cache.conv_tail is None else cache.conv_tail[seq.slot]
-    if tail is None or mixer.conv is None:
-        if tails_at is not None:
-            for ev in events:
-                if isinstance(ev, Computed):
-                    tails_at[ev.end] = None
-        return conv_in  # no conv: C's ranges tile conv_in in prompt order
-    width1 = tail.shape[-1]
-    xin = conv_in[0].transpose(0, 1)  # [C, T] pre-conv inputs of C, prompt order
-    parts: list[torch.Tensor] = []
-    take: list[torch.Tensor] = []  # per range: the output columns of the packed conv
-    at = 0
-    cur = tail
-    for ev in events:
-        if isinstance(ev, Placed):
-            cur = _conv_tail_after(linear_part(ev.piece, layer), ev.piece, cur, width1, layer)
-            continue
-        lo, hi = ev.lo, ev.hi
-        seg = xin[:, lo:hi]
-        parts += [cur.to(xin.dtype), seg]
-        take.append(torch.arange(at, at + hi - lo))
-        at += width1 + hi - lo
-        both = seg if hi - lo >= width1 else torch.cat([cur.to(xin.dtype), seg], dim=1)
-        cur = both[:, both.shape[1] - width1:].to(cache.conv_tail.dtype)
-        if tails_at is not None:
-            tails_at[ev.end] = cur
-    y = mixer.conv.valid(torch.cat(parts, dim=1))  # [C, at - width1]
-    cache.conv_tail[seq.slot] = cur  # after the conv: the first part may be a view of this slot
-    if len(take) == 1:
-        return y.transpose(0, 1)[None]
-    key = ("conv_take", width1)
-    idx = None if shared is None else shared.get(key)
-    if idx is None:
-        idx = torch.cat(take)
-        if y.device.type == "cuda":
-            idx = idx.pin_memory()
-        idx = idx.to(y.device, non_blocking=True)
-        if shared is not None:
-            shared[key] = idx
-    return y.index_select(1, idx).transpose(0, 1)[None]
-
-
 def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, prepare, backend, live, checkpoints=(),
                   shared: Optional[dict] = None, tap=None):
     """A linear layer's events one by one: C's output `[1, C, Hv, dv]`; the slot's state
@@ -550,8 +508,8 @@ def _linear_layer(seq, cache: StateSlotCache, mixer, layer, events, conv_in, pre
     inputs `[1, C, ch]`; `prepare(conv_out)`: the layer's RecurrenceInputs; `tap(inp)`
     (optional) sees them before the recurrences run."""
     state = cache.state[seq.slot]
-    tails_at: dict[int, Optional[torch.Tensor]] = {}
-    inp = prepare(_conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared))
+    tails_at: Optional[dict[int, Optional[torch.Tensor]]] = {} if checkpoints else None  # the tails they keep
+    inp = prepare(conv_ranges(seq, cache, mixer, layer, events, conv_in, tails_at, shared))
     if tap is not None:
         tap(inp)
     outs: list[torch.Tensor] = []

@@ -5,7 +5,7 @@ each, or with two or more, one or two varlen calls for all of them: engine.pic.l
 
 `chain_on` says which layers take this path, `chain_tables` builds every layer's event
 table with one host-to-device copy per request, `linear_layer_chain` runs one layer over
-its computed inputs (the caller runs the short convs: engine.pic.fused._conv_ranges).
+its computed inputs (the caller runs the short convs: engine.pic.conv_ranges).
 """
 from __future__ import annotations
 
@@ -151,6 +151,14 @@ def _long(events, a: int, b: int, backend: str) -> bool:
     return b - a == 1 and isinstance(ev, Computed) and backend == "fla" and ev.num_tokens > CHAIN_MAX_TOKENS
 
 
+def _joined(join, ts: list, device) -> torch.Tensor:
+    """`join(ts)` on `device`: joined where the tensors lie when they all lie on one
+    device, then moved in one copy (not one copy per piece)."""
+    if all(t.device == ts[0].device for t in ts):
+        return join(ts).to(device)
+    return join([t.to(device) for t in ts])
+
+
 def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: RecurrenceInputs, cl: ChainLayer,
                        force, backend, ops_out: Optional[dict] = None, batch_long_ranges: bool = True):
     """`_linear_layer` with the recurrences and compositions as one kernels.seam_chain call
@@ -161,8 +169,8 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
     `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges)."""
     state = cache.state[seq.slot]
     device = state.device
-    E = torch.stack([e.to(device) for e in cl.E]) if cl.E else state.new_zeros(0, *state.shape)
-    T = torch.cat([t.to(device) for t in cl.T]) if cl.T else None
+    E = _joined(torch.stack, cl.E, device) if cl.E else state.new_zeros(0, *state.shape)
+    T = _joined(torch.cat, cl.T, device) if cl.T else None
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)
     groups = _chain_groups(events, CHAIN_MAX_TOKENS if backend == "fla" else None)
     longs = [(events[a].lo, events[a].hi) for a, b in groups if _long(events, a, b, backend)]

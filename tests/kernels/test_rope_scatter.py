@@ -8,6 +8,7 @@ from kernels.errors import KernelInputError
 from kernels.rope_scatter import (
     apply_rope_reference,
     ring_slot_mapping,
+    rope_delta_cos_sin,
     rope_inv_freq,
     rope_scatter,
     rope_scatter_reference,
@@ -161,3 +162,26 @@ def test_bad_inputs_raise_naming_the_argument():
         rope_scatter(k, k, torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8), slots, 0)
     with pytest.raises(KernelInputError, match="offset"):
         rope_scatter(k, k, pages, pages.clone(), slots, 1.5)
+
+
+@pytest.mark.parametrize("force_triton", [False, pytest.param(True, marks=needs_triton)])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_cos_sin_made_once_by_the_caller_write_what_the_call_makes_itself(per_token, force_triton):
+    """The fused prefill makes rope_delta_cos_sin once per request and passes it to every
+    full layer's call: the same pages as a call that makes its own; a mismatched shape is
+    rejected."""
+    gen = torch.Generator().manual_seed(23)
+    n, heads, head_dim, num_blocks, block_size = 19, 2, 16, 6, 8
+    k = torch.randn(n, heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(n, heads, head_dim, generator=gen).to(DEVICE)
+    slots = _random_slots(n, num_blocks, block_size, gen)
+    offset = torch.randint(-50, 900, (n,), generator=gen).to(DEVICE) if per_token else 777
+    inv = rope_inv_freq(16, 10000.0, device=DEVICE)
+    own_k, own_v = _pools(num_blocks, block_size, heads, head_dim, torch.float32, gen)
+    given_k, given_v = own_k.clone(), own_v.clone()
+    rope_scatter(k, v, own_k, own_v, slots, offset, inv_freq=inv, force_triton=force_triton)
+    cs = rope_delta_cos_sin(offset, inv)
+    rope_scatter(k, v, given_k, given_v, slots, offset, inv_freq=inv, force_triton=force_triton, cos_sin=cs)
+    assert torch.equal(given_k, own_k) and torch.equal(given_v, own_v)
+    with pytest.raises(KernelInputError, match="cos_sin must be two"):
+        rope_scatter(k, v, given_k, given_v, slots, offset, inv_freq=inv, cos_sin=(cs[0][:, :4], cs[1][:, :4]))

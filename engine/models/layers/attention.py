@@ -134,28 +134,65 @@ def _causal_contiguous(qh, kh, vh, q_start: int, k_start: int, window: int | Non
     return torch.cat(outs, dim=2)
 
 
+#: full attention of two or more query runs takes ONE masked SDPA call while its mask
+#: (queries x keys) holds at most this many elements (32 MiB in bf16): a warm PIC pass's
+#: seams and question; past it (cold passes computing whole segments in context) a call
+#: per run, whose causal form skips the keys past each run and needs no mask in memory
+RANGES_MASK_MAX = 1 << 24
+
+
+def one_masked_call(ranges, lk: int) -> bool:
+    """Whether `causal_attention_ranges` (full attention) runs `ranges` against `lk` keys
+    as one masked call (`RANGES_MASK_MAX`)."""
+    return len(ranges) > 1 and sum(b - a for a, b in ranges) * lk <= RANGES_MASK_MAX
+
+
+def ranges_mask(ranges, lk: int, dtype: torch.dtype, device, q_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """The additive mask `[Lq, lk]` of full causal attention for queries in the runs
+    `ranges` (absolute `[a, b)`, ascending) against keys at 0..lk-1: 0 where the query at p
+    may see key j (j <= p), -inf elsewhere. Its rows are laid out 16-element aligned (the
+    result is a view of the first lk columns), the alignment SDPA's memory-efficient CUDA
+    kernel takes without a copy per call, so one mask serves every full layer of a
+    request. `q_pos`: the queries' positions already on `device` (else copied there)."""
+    if q_pos is None:
+        q_pos = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device, non_blocking=True)
+    cols = torch.arange(-(-lk // 16) * 16, device=device)
+    mask = torch.zeros(q_pos.shape[0], cols.shape[0], dtype=dtype, device=device)
+    return mask.masked_fill_(cols[None, :] > q_pos[:, None], float("-inf"))[:, :lk]
+
+
 def causal_attention_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, window: int | None,
-                            scale: float) -> torch.Tensor:
+                            scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries that lie in host-known runs of positions against keys at
     positions 0..Lk-1: q `[Lq, H, D]` holds the queries of `ranges` (absolute `[a, b)`,
     ascending, b <= Lk) one after another, k/v `[Lk, Hkv, D]`. Query at p sees keys j <= p
     (and p - j < window). Returns `[Lq, H, D]`.
 
-    The same numbers as `causal_attention` over the scattered positions, without reading a
-    position back from the device (no host sync) or building a mask over all queries:
-    each run is a chunk at the end of its context [0, b), which on CUDA is SDPA's
-    lower-right causal form (flash / efficient kernels); K/V are expanded for GQA once."""
+    The same numbers as `causal_attention` over the scattered positions (to rounding),
+    without reading a position back from the device (no host sync); K/V are expanded for
+    GQA once. Full attention over two or more runs whose mask is small (`one_masked_call`)
+    is ONE SDPA call with the additive `ranges_mask` (`mask`: that mask, made once per
+    request by the caller, else here); otherwise (one run, a window, a large mask) a call
+    per run, each a chunk at the end of its context [0, b) (on CUDA SDPA's lower-right
+    causal form, flash / efficient kernels)."""
+    at = sum(b - a for a, b in ranges)
+    if at != q.shape[0]:
+        raise ValueError(f"ranges cover {at} queries, q holds {q.shape[0]}")
     groups = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None]
     kh, vh = _expand_kv(k.transpose(0, 1)[None], groups, 1), _expand_kv(v.transpose(0, 1)[None], groups, 1)
+    if window is None and one_masked_call(ranges, k.shape[0]):
+        if mask is None:
+            mask = ranges_mask(ranges, k.shape[0], q.dtype, q.device)
+        if tuple(mask.shape) != (q.shape[0], k.shape[0]):
+            raise ValueError(f"mask {tuple(mask.shape)} is not [queries, keys] = {(q.shape[0], k.shape[0])}")
+        return sdpa(qh, kh, vh, attn_mask=mask, scale=scale)[0].transpose(0, 1)
     outs, at = [], 0
     for a, b in ranges:
         n = b - a
         lo = 0 if window is None else max(0, a - window + 1)
         outs.append(_causal_contiguous(qh[:, :, at:at + n], kh[:, :, lo:b], vh[:, :, lo:b], a, lo, window, scale, 1))
         at += n
-    if at != q.shape[0]:
-        raise ValueError(f"ranges cover {at} queries, q holds {q.shape[0]}")
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out[0].transpose(0, 1)
 
@@ -283,10 +320,11 @@ class Attention(TokenMixer):
         return causal_attention(q[None], k_ctx[None], v_ctx[None], q_pos, k_pos, self.window, self.scale,
                                 q_start, k_start)[0]
 
-    def attend_ranges(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, ranges) -> torch.Tensor:
+    def attend_ranges(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, ranges,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence: the queries of host-known position runs `ranges` against context
-        K/V at positions 0..L-1 (see causal_attention_ranges)."""
-        return causal_attention_ranges(q, k_ctx, v_ctx, ranges, self.window, self.scale)
+        K/V at positions 0..L-1 (see causal_attention_ranges; `mask`: its `ranges_mask`)."""
+        return causal_attention_ranges(q, k_ctx, v_ctx, ranges, self.window, self.scale, mask)
 
     def attend_known(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges, k_pos,
                      k_pos_dev: torch.Tensor | None = None) -> torch.Tensor:

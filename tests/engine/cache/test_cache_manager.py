@@ -41,6 +41,16 @@ def test_allocate_zeroes_states_and_free_returns_blocks_and_slot(make_config, ma
     for s in (b, c):
         assert float(cm.layers[0].state[s.slot].abs().sum()) == 0.0
         assert float(cm.layers[0].conv_tail[s.slot].abs().sum()) == 0.0
+    # every linear layer's slot is zeroed (in one call), and only that slot
+    linear = [x for x in cm.layers if isinstance(x, StateSlotCache)]
+    for x in linear:
+        x.state.fill_(5.0)
+        x.conv_tail.fill_(5.0)
+    cm.free(b)
+    d = cm.allocate(Sequence("d"))
+    for x in linear:
+        assert float(x.state[d.slot].abs().sum()) == 0.0 and float(x.conv_tail[d.slot].abs().sum()) == 0.0
+        assert bool((x.state[c.slot] == 5.0).all()) and bool((x.conv_tail[c.slot] == 5.0).all())
 
 
 def test_capacity_grows_on_demand_all_or_nothing(make_config, make_model):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers.attention import causal_attention, causal_attention_known, causal_attention_ranges
+from engine.models.layers import attention
+from engine.models.layers.attention import (causal_attention, causal_attention_known, causal_attention_ranges,
+                                            one_masked_call, ranges_mask)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="the CUDA form (SDPA lower-right causal) needs a GPU"))]
@@ -26,6 +28,37 @@ def test_runs_of_queries_attend_as_the_scattered_positions_do(runs, window, devi
                             d ** -0.5)[0]
     got = causal_attention_ranges(q, k, v, runs, window, d ** -0.5)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_mask_made_for_the_runs_serves_every_call_and_is_row_aligned():
+    """The fused pass makes the runs' mask once per request (from the positions already on
+    the device) and hands it to every full layer: the same output as the call that makes
+    its own, rows 16-element aligned, 0 exactly where a query may see a key."""
+    runs = [(0, 3), (9, 14), (30, 37)]
+    g = torch.Generator().manual_seed(3)
+    n, lk = 15, 37
+    q, k, v = torch.randn(n, 4, 8, generator=g), torch.randn(lk, 2, 8, generator=g), torch.randn(lk, 2, 8, generator=g)
+    pos = torch.cat([torch.arange(a, b) for a, b in runs])
+    mask = ranges_mask(runs, lk, q.dtype, q.device, q_pos=pos)
+    assert mask.shape == (n, lk) and mask.stride(0) % 16 == 0
+    assert torch.equal(mask == 0, torch.arange(lk)[None, :] <= pos[:, None])
+    own = causal_attention_ranges(q, k, v, runs, None, 0.3)
+    assert torch.equal(causal_attention_ranges(q, k, v, runs, None, 0.3, mask), own)
+    with pytest.raises(ValueError, match=r"mask \(15, 36\) is not \[queries, keys\]"):
+        causal_attention_ranges(q, k, v, runs, None, 0.3, mask[:, :36])
+
+
+def test_runs_whose_mask_would_be_large_attend_run_by_run(monkeypatch):
+    """Past RANGES_MASK_MAX (queries x keys) the runs take a call each (no mask in memory),
+    with the same numbers; one run never takes the masked call."""
+    runs = [(0, 3), (9, 14), (30, 37)]
+    assert one_masked_call(runs, 37) and not one_masked_call([(0, 37)], 37)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(15, 4, 8, generator=g), torch.randn(37, 2, 8, generator=g), torch.randn(37, 2, 8, generator=g)
+    masked = causal_attention_ranges(q, k, v, runs, None, 0.3)
+    monkeypatch.setattr(attention, "RANGES_MASK_MAX", 15 * 37 - 1)
+    assert not one_masked_call(runs, 37)
+    torch.testing.assert_close(causal_attention_ranges(q, k, v, runs, None, 0.3), masked, rtol=1e-5, atol=1e-6)
 
 
 def test_ranges_must_cover_the_queries():
