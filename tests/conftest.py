@@ -13,6 +13,8 @@ machine makes the kernels fall back to their torch references).
 import os
 import shutil
 
+import pytest
+
 
 def _gpu_present() -> bool:
     return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
@@ -20,3 +22,16 @@ def _gpu_present() -> bool:
 
 if "TRITON_INTERPRET" not in os.environ and not _gpu_present():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (tiny matmuls run fastest so, and the test
+    machine is shared); the thread count before it is restored after. Imports torch lazily:
+    this file must not (module docstring)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -18,11 +18,8 @@ from tools.servebench.requests import BenchRequest, twin
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture

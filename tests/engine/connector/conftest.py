@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-import torch
 
 from connector_testlib import new_engine
 from engine.connector.attach import attach_store
@@ -19,12 +18,8 @@ from kvstore.testing import DaemonProcess
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls run fastest on one thread, and the test machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture

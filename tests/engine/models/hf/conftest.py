@@ -3,18 +3,13 @@ architecture per module, built on first use."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hf_testlib as H
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls run fastest on one thread, and the test machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
