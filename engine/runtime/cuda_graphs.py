@@ -2,7 +2,8 @@
 
 A decode step of a hybrid model is hundreds of small kernels; launched one by one from
 Python the GPU waits on the host most of the time. `DecodeGraphs` keeps, per bucket
-(`BUCKETS`: 1, 2, 4, 8, 16, 32 sequences), one static device tensor of packed decode rows
+(`decode_buckets(slots)`: 1, 2, 4, 8, 16, 32 sequences, then every 16 up to the cache's
+sequence slots, at most 256), one static device tensor of packed decode rows
 (engine/runtime/decode_batch.py: token ids, positions, state slots, KV write slots, block
 tables padded to `max_blocks`), and one CUDA graph of `model.decode` over views of it.
 A step of B sequences takes the smallest bucket >= B: its rows are packed on the host
@@ -57,7 +58,23 @@ from engine.runtime.sequence import Sequence
 
 log = logging.getLogger("engine.runtime")
 
+#: batch buckets up to 32 sequences: powers of two
 BUCKETS = (1, 2, 4, 8, 16, 32)
+#: above BUCKETS[-1], a bucket every BUCKET_STEP sequences (a step pads at most 15 rows)...
+BUCKET_STEP = 16
+#: ...up to the cache's sequence slots, at most this many (larger batches run eagerly)
+MAX_BUCKET = 256
+
+
+def decode_buckets(max_seqs: int) -> tuple[int, ...]:
+    """The batch buckets of a cache that holds `max_seqs` sequences at once: BUCKETS, then
+    every BUCKET_STEP above them up to `max_seqs` rounded up to BUCKET_STEP, at most
+    MAX_BUCKET. Buckets above `max_seqs` are never used (no step has more sequences than
+    the cache has slots), so a small cache keeps BUCKETS as they are."""
+    if max_seqs < 1:
+        raise ValueError(f"max_seqs={max_seqs!r} must be >= 1")
+    top = min(MAX_BUCKET, -(-max_seqs // BUCKET_STEP) * BUCKET_STEP)
+    return BUCKETS + tuple(range(BUCKETS[-1] + BUCKET_STEP, top + 1, BUCKET_STEP))
 
 
 @dataclass(frozen=True)
@@ -71,12 +88,16 @@ class StepPlan:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache, backend: str, buckets: Seq[int] = BUCKETS,
+    def __init__(self, model, cache, backend: str, buckets: Seq[int] | None = None,
                  max_blocks: int | None = None, capture: bool | None = None) -> None:
+        """`buckets`: the batch sizes graphs are kept for (default `decode_buckets` of the
+        cache's sequence slots)."""
         self.model = model
         self.cache = cache
         self.backend = backend
         self.device = model.device
+        if buckets is None:
+            buckets = decode_buckets(cache.config.num_slots)
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets={buckets!r} must be positive batch sizes")

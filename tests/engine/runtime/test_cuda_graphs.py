@@ -189,3 +189,34 @@ def test_an_idle_decode_capture_that_fails_leaves_the_rest_to_first_use(models, 
     assert warm.step() and warm.pending == [] and "out of memory" in warm.failed
     with pytest.raises(RuntimeError, match="out of memory"):
         DecodeGraphWarmup(runner, 5, "upfront")
+
+
+def test_decode_buckets_follow_the_cache_slots():
+    from engine.runtime.cuda_graphs import BUCKETS, MAX_BUCKET, decode_buckets
+
+    assert decode_buckets(1) == decode_buckets(32) == BUCKETS  # a small cache keeps the powers of two
+    assert decode_buckets(33) == decode_buckets(48) == BUCKETS + (48,)
+    assert decode_buckets(76) == BUCKETS + (48, 64, 80)
+    assert decode_buckets(10_000)[-1] == MAX_BUCKET
+    with pytest.raises(ValueError, match="max_seqs"):
+        decode_buckets(0)
+
+
+def test_batch_above_32_runs_through_a_slot_sized_bucket(models):
+    """A cache of 40 slots gets a bucket of 48: a step of 35 sequences goes through it (12
+    padding rows) and gives the plain decode's logits."""
+    model = models["qwen3next-tiny"]
+
+    def runner(graphs: bool) -> ModelRunner:
+        cache = CacheManager.for_model(model, CacheConfig(block_size=4, num_blocks=400, num_slots=40))
+        return ModelRunner(model, cache, backend="torch", cuda_graphs=graphs,
+                           **({} if graphs else {"decode_attention": "gather"}))
+
+    graphed, plain = runner(True), runner(False)
+    assert graphed.graphs.buckets[-1] == 48
+    lengths = [2 + i % 7 for i in range(35)]
+    g_seqs, streams = prefilled(graphed, lengths, 1)
+    p_seqs, _ = prefilled(plain, lengths, 1)
+    toks = torch.stack([ids[n] for ids, n in zip(streams, lengths)])
+    torch.testing.assert_close(graphed.decode(g_seqs, toks), plain.decode(p_seqs, toks), **TOL)
+    assert graphed.graphs.last_bucket == 48 and not graphed.graphs.fallbacks
