@@ -106,7 +106,10 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
 - `qps`: sustainable Poisson rate at p99 TTFT <= SLO (`--slo-factor` x the idle
   full-recompute rag p99 of the serve phase, or `--slo-ms`), found by bracketing and
   bisection to within `--qps-tolerance` (10%), `--qps-repeats` (3) times per method
-  (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/tiered.py).
+  (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/tiered.py);
+  each method starts at half of what it serves back to back when idle (500 / its warm rag
+  TTFT of the serve phase; full recompute's when the serve phase did not run:
+  `qps.start_rates`).
 - `sweep`: a document corpus whose signatures occupy `--sweep` (0.5,2,8,32) times the GPU
   tier, in a daemon of its own (GPU tier `--sweep-gpu-tier`, puts into it, evictions
   demoting to CPU then NVMe); without CUDA the daemon's CPU tier stands in for the GPU

@@ -82,6 +82,19 @@ def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
         tiered.qps_repeats(h, _reqs(5), per_trial=2, slo_ms=1.0, start_rate=1.0)
 
 
+def test_qps_repeats_start_each_method_from_its_own_rate():
+    h = FakeHarness(40.0)
+    out = tiered.qps_repeats(h, _reqs(1 + 2 + 2 * 12), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
+                             max_trials=12, warmup=0, start_rates={"pic": 16.0})
+    assert out["start_rates"] == {"prefix": 1.0, "pic": 16.0}
+    trials = {m: [t["rate"] for t in out["repeats"][0][m]["trials"]] for m in ("prefix", "pic")}
+    assert trials["prefix"][0] == 1.0 and trials["pic"][0] == 16.0
+    assert out["repeats"][0]["pic"]["converged"] and len(trials["pic"]) < len(trials["prefix"])
+    with pytest.raises(ValueError, match="start rates"):
+        tiered.qps_repeats(h, _reqs(27), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
+                           start_rates={"pic": float("nan")})
+
+
 def test_break_even_is_bytes_per_token_over_recompute_time_per_token():
     stored = {"gpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},
               "cpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},

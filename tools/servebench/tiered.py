@@ -6,6 +6,9 @@ engine (a `Harness`) over the kvstore daemon:
   [highest pass, lowest failure] is within `tolerance` (relative to the failure);
   `qps_repeats` runs it `repeats` times per method (fresh requests each time, the same
   stream for both methods of a repeat) and reports each repeat, the median, min and max.
+  Each method may start from its own rate (`start_rates`: bench_tiered starts each at half
+  of what it serves back to back when idle), so a fast method does not spend its trials
+  doubling up from a slow method's start.
 - `working_set_sweep`: a document corpus whose signatures occupy `x` times the GPU tier
   (the daemon's GPU tier; on a machine without one, its CPU tier stands in: `stand_in`),
   grown point by point (0.5x, 2x, ...) by cold PIC requests of up to `build_docs` new
@@ -227,7 +230,7 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
 def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_ms: float, start_rate: float,
                 repeats: int = 3, tolerance: float = 0.1, max_trials: int = 12, warmup: int = 0,
                 methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None,
-                stop: Stop = never) -> dict:
+                stop: Stop = never, start_rates: Optional[dict[str, float]] = None) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
     `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
@@ -236,7 +239,12 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     first). `on_repeat(result so far)` after each repeat (a run stopped later keeps them).
     `stop()` is asked before each search and each trial: once it answers, the repeat under
     way is kept only when every method's search has a result (`stopped` names the reason;
-    `repeats` holds the repeats done)."""
+    `repeats` holds the repeats done). `start_rates`: a method's own start rate (its burst
+    and first trial), else `start_rate`."""
+    starts = {m: float((start_rates or {}).get(m) or start_rate) for m in methods}
+    bad = {m: r for m, r in starts.items() if not (math.isfinite(r) and r > 0)}
+    if bad:
+        raise ValueError(f"qps_repeats: start rates must be finite and > 0, got {bad}")
     need = warmup + per_trial + per_trial * max_trials
     if len(pool) < need * repeats:
         raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
@@ -252,8 +260,8 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
             h.planner(method)
             for _ in range(warmup):
                 h.run_alone(next(stream))
-            h.run_poisson([next(stream) for _ in range(per_trial)], start_rate, seed + 100 * j - 1)
-            one[method] = qps_search(h, method, stream, per_trial, slo_ms, start_rate, tolerance, max_trials,
+            h.run_poisson([next(stream) for _ in range(per_trial)], starts[method], seed + 100 * j - 1)
+            one[method] = qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
                                      seed + 100 * j, stop)
         if any(m not in one or not one[m]["trials"] for m in methods):
             stopped = stopped or stop()
@@ -265,15 +273,16 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
         if stopped:
             break
         if on_repeat is not None and j + 1 < repeats:
-            on_repeat(_qps_stats(runs, methods, slo_ms, start_rate))
-    out = _qps_stats(runs, methods, slo_ms, start_rate)
+            on_repeat(_qps_stats(runs, methods, slo_ms, start_rate, starts))
+    out = _qps_stats(runs, methods, slo_ms, start_rate, starts)
     out["stopped"] = stopped
     return out
 
 
-def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: float) -> dict:
+def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: float,
+               starts: dict[str, float]) -> dict:
     """Median, min and max over the repeats so far."""
-    out: dict = {"slo_ms": slo_ms, "start_rate": start_rate, "repeats": list(runs)}
+    out: dict = {"slo_ms": slo_ms, "start_rate": start_rate, "start_rates": dict(starts), "repeats": list(runs)}
     for method in methods:
         vals = [r[method]["sustainable_qps"] for r in runs]
         out[method] = ({"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}

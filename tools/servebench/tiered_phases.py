@@ -214,6 +214,10 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
         base = rag["full"]["warm"]
     slo = args.slo_ms or args.slo_factor * base["ttft_ms_p99"]
     start = 500.0 / base["ttft_ms_mean"]  # half of what full recompute serves back to back
+    # each method from half of what it serves back to back when idle (its warm rag TTFT of
+    # the serve phase in this process), so PIC does not double up from full recompute's rate
+    starts = {m: 500.0 / rag[m]["warm"]["ttft_ms_mean"] for m in ("prefix", "pic")
+              if rag is not None and m in rag and rag[m]["warm"].get("ttft_ms_mean")}
     need = (args.qps_warmup + args.qps_requests * (1 + args.qps_max_trials)) * args.qps_repeats
     pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
     rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
@@ -226,7 +230,7 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
         launches.label = "qps"
     q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
                            args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
-                           stop=clock or tiered.never)
+                           stop=clock or tiered.never, start_rates=starts)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule
     out["qps"] = q
