@@ -77,9 +77,9 @@ class StoreReport:
     request_id: str
     segments: int = 0  # distinct cached segments in the prompt
     hits_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    #: hits not loaded (their load expected slower than computing them; tier_admission "cost")
-    skipped_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    skipped: set[bytes] = field(default_factory=set, repr=False)  # their keys (SegmentStore.slow_hits)
+    #: hits not loaded (their load expected slower than computing them; tier_admission
+    #: "cost"): key -> the tier that held it (SegmentStore.slow_hits)
+    skipped: dict[bytes, str] = field(default_factory=dict, repr=False)
     computed: int = 0  # computed alone here
     claimed: int = 0  # computed here under a claim other engines could see
     waited: int = 0  # computed by another engine while this one waited
@@ -108,11 +108,19 @@ class StoreReport:
         """Latency of the request's batch load (admission -> last copy complete)."""
         return 0.0 if self.batch is None else self.batch.load_ms
 
+    @property
+    def skipped_by_tier(self) -> dict[str, int]:
+        """`skipped` counted by tier."""
+        out = dict.fromkeys(TIERS, 0)
+        for tier in self.skipped.values():
+            out[tier if tier in out else "cpu"] += 1
+        return out
+
     def as_dict(self) -> dict:
         load = self.load_ms
         return {
             "store_segments": self.segments, "store_hits": sum(self.hits_by_tier.values()),
-            "store_hits_by_tier": dict(self.hits_by_tier), "store_skipped_slow_hits": dict(self.skipped_by_tier),
+            "store_hits_by_tier": dict(self.hits_by_tier), "store_skipped_slow_hits": self.skipped_by_tier,
             "store_computed": self.computed,
             "store_claimed": self.claimed, "store_waited": self.waited, "store_offloaded": self.offloaded,
             "store_wait_inflight_ms": round(self.wait_inflight_ms, 3), "store_load_ms": round(load, 3),
@@ -213,9 +221,7 @@ class DaemonSegmentStore(SegmentStore):
         if batch is not None:
             if batch.wait_lookup(self.cache.config.load_timeout_s):
                 hits = batch.hits
-                for key, tier in batch.skipped.items():
-                    sr.skipped.add(key)
-                    sr.skipped_by_tier[tier if tier in sr.skipped_by_tier else "cpu"] += 1
+                sr.skipped.update(batch.skipped)
             else:
                 self.metrics.inc("load_timeouts")
                 log.warning("lookup for request %s not answered after %.1f s; recomputing its segments",

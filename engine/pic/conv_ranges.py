@@ -22,6 +22,7 @@ from engine.cache.layer_caches import StateSlotCache
 from engine.pic.errors import SplicePlacementError
 from engine.pic.fused_events import Placed
 from engine.pic.splice import SplicePiece, linear_part
+from engine.runtime.decode_batch import to_device
 
 
 def conv_tail_after(part, piece: SplicePiece, cur: torch.Tensor, width1: int, layer: int) -> torch.Tensor:
@@ -56,13 +57,6 @@ class ConvLayout:
     packed: int
     gather: torch.Tensor
     take: Optional[torch.Tensor]
-
-
-def _to_device(idx: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(idx, dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def conv_layout(events, width1: int, widths: tuple, num_tokens: int, device: torch.device) -> ConvLayout:
@@ -109,8 +103,9 @@ def conv_layout(events, width1: int, widths: tuple, num_tokens: int, device: tor
         a += width1 + n
     if len(out_take) != num_tokens:
         raise SplicePlacementError(f"computed ranges cover {len(out_take)} tokens, C holds {num_tokens}")
-    return ConvLayout(width1, widths, zeros, len(packed), _to_device(packed + cur, device),
-                      _to_device(out_take, device) if ranges > 1 else None)
+    gather = to_device(torch.tensor(packed + cur, dtype=torch.long), device)
+    take = to_device(torch.tensor(out_take, dtype=torch.long), device) if ranges > 1 else None
+    return ConvLayout(width1, widths, zeros, len(packed), gather, take)
 
 
 def conv_ranges(seq, cache: StateSlotCache, mixer, layer, events, conv_in, tails_at: Optional[dict] = None,
@@ -181,10 +176,7 @@ def _conv_walk(seq, cache: StateSlotCache, mixer, layer, events, xin, tail, tail
     key = ("conv_take", width1)
     idx = None if shared is None else shared.get(key)
     if idx is None:
-        idx = torch.cat(take)
-        if y.device.type == "cuda":
-            idx = idx.pin_memory()
-        idx = idx.to(y.device, non_blocking=True)
+        idx = to_device(torch.cat(take), y.device)
         if shared is not None:
             shared[key] = idx
     return y.index_select(1, idx).transpose(0, 1)[None]

@@ -323,8 +323,8 @@ class _FullRows:
     slots: torch.Tensor  # [rows] flat paged slots
     deltas: torch.Tensor  # [rows] position deltas
     single: Optional[int]  # the delta when every piece has the same one
-    #: rope_delta_cos_sin of the offsets, by what the layer's frequencies are made from
-    #: (Attention.inv_freq: rotary dim, theta, scaling), so every full layer of one RoPE shares it
+    #: rope_delta_cos_sin of the offsets, by Attention.rope_key (what the layer's
+    #: frequencies are made from), so every full layer of one RoPE shares it
     cos_sin: dict = field(default_factory=dict)
 
 
@@ -359,7 +359,7 @@ def _splice_full_rows(rows: _FullRows, cache: PagedKVCache, mixer, layer, pieces
         cache.write(rows.slots, k, v)
         return
     offset = rows.single if rows.single is not None else rows.deltas
-    key = (type(mixer), rot, mixer.rope_theta, mixer.window, mixer.rope_linear_factor)
+    key = mixer.rope_key
     if key not in rows.cos_sin:
         rows.cos_sin[key] = rope_delta_cos_sin(offset, mixer.inv_freq.to(cache.k_pages.device))
     rope_scatter(k.to(cache.k_pages.device), v.to(cache.k_pages.device), cache.k_pages, cache.v_pages, rows.slots,

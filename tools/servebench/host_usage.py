@@ -73,8 +73,9 @@ def thread_ticks() -> dict[tuple[int, str], int]:
 
 
 class HostUsage:
-    """Host usage around one request (module docstring): `start()`, run it, `stop()`;
-    `as_dict()` afterwards. `pids`: other processes to account, by name."""
+    """Host usage around one request (module docstring): `start()`, run it, `stop()`
+    (returns the figures, also kept in `result`). `pids`: other processes to account, by
+    name."""
 
     def __init__(self, pids: Optional[Mapping[str, int]] = None) -> None:
         self.pids = dict(pids or {})

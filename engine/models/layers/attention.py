@@ -277,13 +277,19 @@ class Attention(TokenMixer):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     @property
+    def rope_key(self) -> tuple[int, float, float]:
+        """What `inv_freq` is made from (rotary dim, theta, linear scaling: full attention
+        only): layers with equal keys rotate by the same angles."""
+        return self.rotary_dim, self.rope_theta, 1.0 if self.window is not None else self.rope_linear_factor
+
+    @property
     def inv_freq(self) -> torch.Tensor:
-        """float32 RoPE inverse frequencies on the layer's device. Not a buffer, so casting the
-        model to bf16 never degrades the angles."""
+        """float32 RoPE inverse frequencies on the layer's device (from `rope_key`). Not a
+        buffer, so casting the model to bf16 never degrades the angles."""
         device = self.o_proj.weight.device
         if device not in self._inv_freq:
-            inv = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
-            self._inv_freq[device] = inv if self.window is not None else inv / self.rope_linear_factor
+            rot, theta, factor = self.rope_key
+            self._inv_freq[device] = rope_inv_freq(rot, theta, device) / factor
         return self._inv_freq[device]
 
     # ------------------------------------------------------------ pieces (PIC hooks)
