@@ -219,6 +219,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--qps-max-trials", type=int, default=None, help="trials per search (default 8; quick 6)")
     ap.add_argument("--qps-warmup", type=int, default=None, help="untimed requests before each search (default 4; "
                                                                   "quick 1)")
+    ap.add_argument("--qps-trial-s", type=float, default=None,
+                    help="seconds of arrivals per QPS trial: a trial at rate R sends max(--qps-requests, R x this) "
+                         "requests, at most --qps-max-per-trial (default 8 x the SLO: a queue growing 10%% faster "
+                         "than it drains passes the SLO within it)")
+    ap.add_argument("--qps-max-per-trial", type=int, default=None,
+                    help="requests per QPS trial at most (default 300; quick 8)")
     ap.add_argument("--sweep", default="0.5,2,8,32", help="working-set sizes, in multiples of the GPU tier")
     ap.add_argument("--sweep-gpu-tier", default=None,
                     help="the sweep daemon's GPU tier (default 512MiB; quick: its CPU tier, 2MiB, stands in)")
@@ -274,14 +280,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--warmup-n {args.warmup_n}: must be >= 1")
     if args.qps_repeats < 1:
         ap.error(f"--qps-repeats {args.qps_repeats}: must be >= 1")
+    if args.qps_trial_s is not None and not args.qps_trial_s > 0:
+        ap.error(f"--qps-trial-s {args.qps_trial_s}: must be > 0")
     defaults = dict(preset=("qwen3next-tiny", "qwen3next-bench"), n=(2, 5), max_tokens=(450, None),
-                    docs=("2-3", None), qps_requests=(3, 8), qps_max_trials=(6, 8), qps_warmup=(1, 4),
+                    docs=("2-3", None), qps_requests=(3, 8), qps_max_trials=(6, 8), qps_warmup=(1, 4), qps_max_per_trial=(8, 300),
                     sweep_gpu_tier=("2MiB", "512MiB"), sweep_cpu_capacity=(None, "4GiB"),
                     sweep_nvme_capacity=("256MiB", "24GiB"), sweep_requests=(3, 6), sweep_docs=(3, 4),
                     cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "24GiB"), device=("cpu", "auto"))
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
+    if args.qps_max_per_trial < args.qps_requests:
+        ap.error(f"--qps-max-per-trial {args.qps_max_per_trial}: must be >= --qps-requests ({args.qps_requests})")
     for name in ("sweep_gpu_tier", "sweep_nvme_capacity", "cpu_capacity", "nvme_capacity"):
         try:
             _size(getattr(args, name))

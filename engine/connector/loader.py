@@ -36,9 +36,12 @@ Cost admission (engine.connector.tier_admission; StoreConnectorConfig.tier_admis
 a batch submitted with `compute_ms` (per key: what computing its positions in context
 would take) loads only the hits whose expected load time, bytes over the tier's measured
 read rate (`rates`, fed by every load this loader times), is at most that; the others
-are `skipped` (key -> tier; not hits of the batch: the planner computes them) and, when
-on NVMe, promoted to the CPU tier in the background (timed: the NVMe read rate stays
-measured while its hits are skipped).
+are `skipped` (key -> tier; not hits of the batch: the planner computes them). Of a
+batch's skipped NVMe hits the first is promoted to the CPU tier in the background, timed
+(the NVMe read rate stays measured while its hits are skipped), and only while no other
+such promotion runs: a promotion can make room in a full CPU tier by demoting to the disk
+under the daemon's lock, and a working set that lives on the disk must not have the
+serving path's Lookups and Gets wait behind a stream of speculative promotions.
 
 Timing: each batch records when it was submitted, started and finished (copies done),
 and how long the engine loop blocked in `wait` (`wait_ms`), which gives the overlap.
@@ -257,6 +260,8 @@ class SegmentLoader:
         #: measured read rate per tier (every timed load feeds it) and the admission over it
         self.rates = rates or TierReadRates()
         self.admission = admission or AlwaysAdmit()
+        #: held while a skipped NVMe hit is being promoted (one promotion in flight: _load)
+        self._promoting = threading.Lock()
         self.fingerprint = fingerprint
         self.device = _indexed(torch.device(device))
         self.verify = verify
@@ -312,7 +317,8 @@ class SegmentLoader:
 
     # ------------------------------------------------------------------ worker
     def _promote(self, keys: list[bytes], nbytes: int) -> None:
-        """Skipped NVMe hits up to the CPU tier (hint thread), timed as NVMe reads."""
+        """Skipped NVMe hits up to the CPU tier (hint thread), timed as NVMe reads; the
+        caller holds `_promoting`, released here."""
         try:
             t0 = time.perf_counter()
             moved = self.link.call("prefetch", lambda kv: kv.prefetch(keys, tier="cpu"))
@@ -322,6 +328,8 @@ class SegmentLoader:
             pass
         except KVStoreError as exc:
             log.debug("promoting skipped hits failed: %s", exc)
+        finally:
+            self._promoting.release()
 
     def _hint(self, keys: list[bytes]) -> None:
         try:
@@ -378,11 +386,11 @@ class SegmentLoader:
         hits, skipped = self._admit(batch, hits)
         batch._set_looked_up({e.key: e.tier or "cpu" for e in hits}, {e.key: e.tier or "cpu" for e in skipped})
         cold = [e for e in skipped if e.tier == "nvme"]
-        if cold:
+        if cold and self._promoting.acquire(blocking=False):  # one at a time (module docstring)
             try:
-                self._hints.submit(self._promote, [e.key for e in cold], sum(e.size for e in cold))
+                self._hints.submit(self._promote, [cold[0].key], cold[0].size)
             except RuntimeError:
-                pass
+                self._promoting.release()
         if not hits:
             return
         lookup_share = (time.perf_counter() - t0) * 1e3 / len(hits)

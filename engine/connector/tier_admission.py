@@ -17,7 +17,10 @@ update it, the loader thread reads it).
 
 `TierAdmission.admit(tier, nbytes, compute_ms) -> bool` is the policy, one sentence each:
 - `CostAdmission`: load a hit unless `nbytes` at the tier's read rate takes longer than
-  `compute_ms`, the time computing its positions in context takes; after `probe_every`
+  `compute_ms`, the time computing its positions in context takes (GPU-tier hits are
+  always loaded: read in place over CUDA IPC or by a peer copy, they move nothing over a
+  slow bus, and what their loads measure is fixed cost, the RPCs and a first IPC open,
+  not a rate a compute could beat); after `probe_every`
   hits of a tier skipped in a row it loads the next one anyway, so a tier whose estimate
   one slow load pulled down is measured again (NVMe rates are also measured by the
   background promotions of skipped hits: engine.connector.loader).
@@ -38,6 +41,8 @@ TIER_ADMISSIONS = ("cost", "always")
 SEED_GB_PER_S = {"gpu": 100.0, "cpu": 10.0, "nvme": 1.0}
 #: loads smaller than this are not measured (their fixed costs would dominate the rate)
 MIN_MEASURED_BYTES = 256 << 10
+#: tiers whose hits CostAdmission always loads (read in place: module docstring)
+ALWAYS_LOADED_TIERS = frozenset({"gpu"})
 #: CostAdmission loads a tier's hit after this many of its hits were skipped in a row
 PROBE_EVERY = 32
 
@@ -116,7 +121,7 @@ class CostAdmission(TierAdmission):
         self._skipped_in_a_row: dict[str, int] = {}
 
     def admit(self, tier: str, nbytes: int, compute_ms: Optional[float]) -> bool:
-        if compute_ms is None or self.rates.load_ms(tier, nbytes) <= compute_ms:
+        if compute_ms is None or tier in ALWAYS_LOADED_TIERS or self.rates.load_ms(tier, nbytes) <= compute_ms:
             return True
         with self._lock:
             n = self._skipped_in_a_row.get(tier, 0) + 1

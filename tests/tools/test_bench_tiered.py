@@ -37,7 +37,7 @@ class FakeHarness:
     def run_alone(self, req):
         self.alone += 1
 
-    def run_poisson(self, reqs, rate, seed, info=None):
+    def run_poisson(self, reqs, rate, seed, info=None, slo_ms=None):
         self.rates.append(rate)
         ttft = 100.0 if rate <= self.limit else 1000.0
         if info is not None:

@@ -290,14 +290,23 @@ class Harness:
             torch.cuda.synchronize(self.engine.device)
 
     def run_poisson(self, reqs: Sequence[BenchRequest], rate: float, seed: int,
-                    max_new_tokens: int = 4, info: Optional[dict] = None) -> list[float]:
+                    max_new_tokens: int = 4, info: Optional[dict] = None,
+                    slo_ms: Optional[float] = None) -> list[float]:
         """TTFTs (ms) of `reqs` arriving as a Poisson process of `rate` per second. `info`
         (optional) gets where the time went: `queue_ms` per request (arrival to
         scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals; it gives
         way, between layers, to a request that is due), `idle_stopped` (idle passes
         dropped for one), `hit_segments` / `miss_segments` (summed over the requests' reports),
         and per request `prompt_tokens`, `computed_tokens` (run through the model in context
-        for it) and `prefill_host_ms` (host wall time of its prefill steps)."""
+        for it) and `prefill_host_ms` (host wall time of its prefill steps).
+
+        `slo_ms` (optional) ends the run early once its p99 TTFT is sure to exceed the SLO
+        (`over_slo_certain`: more than 1% of the requests, plus one, have a TTFT above it or
+        are still waiting for their first token past it): the requests not yet arrived are
+        not sent, those in the engine are aborted, and `info` gets `aborted: True` with
+        `over_slo` (that count) and `sent` (requests added to the engine). The TTFTs
+        returned are then those of the requests that got a first token; a caller must read
+        the run as failed, not take their p99."""
         engine, planner = self.engine, self.engine.scheduler.planner
         rng = random.Random(seed)
         t = time.perf_counter() + 0.01
@@ -310,6 +319,9 @@ class Harness:
         queued: dict[str, float] = {}
         host_ms: dict[str, float] = {}
         ids: list[str] = []
+        arrived: dict[str, float] = {}  # request id -> arrival, while it has no first token
+        over = 0  # requests whose first token came after the SLO
+        aborted = False
         idle_calls, idle_s = 0, 0.0
         stopped0 = getattr(planner, "idle_stopped", 0)
         while arrivals or engine.has_unfinished():
@@ -319,6 +331,21 @@ class Harness:
                 rid = self._rid(r.id)
                 ids.append(rid)
                 engine.add_request(r.as_prompt(), params, request_id=rid, arrival_time=at)
+                if slo_ms is not None:
+                    arrived[rid] = at
+            if slo_ms is not None and not aborted and arrived:
+                for rid in list(arrived):
+                    tl = engine.get_request(rid).timeline  # still in the engine: finished ones left below
+                    if tl.first_token is not None:
+                        over += tl.ttft * 1e3 > slo_ms
+                        del arrived[rid]
+                late = sum(1 for at in arrived.values() if (now - at) * 1e3 > slo_ms)
+                if over_slo_certain(over + late, len(reqs)):
+                    aborted, over = True, over + late
+                    arrivals.clear()
+                    for rid in list(arrived):
+                        engine.abort(rid)
+                    arrived.clear()
             if not engine.has_unfinished():
                 t_idle = time.perf_counter()
                 # idle work (cold-fallback segments) between arrivals; it gives way when the
@@ -332,6 +359,9 @@ class Harness:
                     time.sleep(max(0.0, min(arrivals[0][0] - time.perf_counter(), 0.05)))
                 continue
             for out in engine.step():
+                if out.finished and out.request_id in arrived:  # finished before the check saw its first token
+                    del arrived[out.request_id]
+                    over += out.timeline.ttft is not None and out.timeline.ttft * 1e3 > slo_ms
                 if out.finished and out.timeline.ttft is not None:
                     ttfts[out.request_id] = out.timeline.ttft * 1e3
                     tl = out.timeline
@@ -352,11 +382,21 @@ class Harness:
         if hasattr(planner, "store"):
             planner.store.flush()
         if info is not None:
+            if slo_ms is not None:
+                info.update(aborted=aborted, over_slo=over, sent=len(ids))
             info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
                         idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0,
                         hit_segments=hits, miss_segments=misses, prompt_tokens=prompt, computed_tokens=computed,
                         prefill_host_ms=[round(host_ms[i], 3) for i in ids if i in host_ms])
         return [ttfts[i] for i in ids if i in ttfts]
+
+
+def over_slo_certain(over: int, n: int) -> bool:
+    """Whether `over` of `n` TTFTs above the SLO already put the p99 (numpy's linear
+    interpolation) above it whatever the others are: the p99 lies at 0.99 (n - 1) in the
+    sorted values, so with `over` above the SLO it sits among them (or between two of
+    them) once over >= 0.01 (n - 1) + 1."""
+    return n > 0 and 100 * (over - 1) >= n - 1  # over >= 0.01 (n - 1) + 1, in integers
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:

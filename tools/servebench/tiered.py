@@ -8,7 +8,9 @@ engine (a `Harness`) over the kvstore daemon:
   stream for both methods of a repeat) and reports each repeat, the median, min and max.
   Each method may start from its own rate (`start_rates`: bench_tiered starts each at half
   of what it serves back to back when idle), so a fast method does not spend its trials
-  doubling up from a slow method's start.
+  doubling up from a slow method's start. A trial lasts `trial_s` seconds of arrivals
+  (`trial_size`: rate x trial_s requests, bounded): only a trial long enough for a queue
+  to build can fail a rate above what the engine sustains; one sure to fail is cut short.
 - `working_set_sweep`: a document corpus whose signatures occupy `x` times the GPU tier
   (the daemon's GPU tier; on a machine without one, its CPU tier stands in: `stand_in`),
   grown point by point (0.5x, 2x, ...) by cold PIC requests of up to `build_docs` new
@@ -43,6 +45,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
@@ -186,13 +189,26 @@ def warm_up(h: "Harness", load, tasks: Sequence[str], n: int = 1, stop: Stop = n
 
 
 # ---------------------------------------------------------------------- QPS
+def trial_size(rate: float, per_trial: int, trial_s: Optional[float], max_per_trial: Optional[int]) -> int:
+    """Requests of a trial at `rate`: `per_trial`, or with `trial_s` enough for `trial_s`
+    seconds of arrivals (at least `per_trial`, at most `max_per_trial`). A trial must last
+    long enough for an overloaded queue to show: a burst of a few requests passes any
+    rate once they fit in the SLO back to back."""
+    if trial_s is None:
+        return per_trial
+    n = max(per_trial, math.ceil(rate * trial_s))
+    return min(n, max_per_trial) if max_per_trial else n
+
+
 def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_trial: int, slo_ms: float,
                start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0,
-               stop: Stop = never) -> dict:
+               stop: Stop = never, trial_s: Optional[float] = None, max_per_trial: Optional[int] = None) -> dict:
     """Sustainable rate of `method` at p99 TTFT <= slo_ms (module docstring). Each trial
-    takes the next `per_trial` requests of `stream`. `stop()` is asked before each trial:
-    a reason ends the search where it is (`stopped`; `converged` says whether the bracket
-    was narrow enough by then)."""
+    takes the next `trial_size(rate, ...)` requests of `stream` (`per_trial` without
+    `trial_s`); a trial whose p99 is sure to exceed the SLO before its end is cut short
+    (Harness.run_poisson's `slo_ms`; `aborted` in the trial). `stop()` is asked before
+    each trial: a reason ends the search where it is (`stopped`; `converged` says whether
+    the bracket was narrow enough by then)."""
     h.planner(method)
     best: Optional[float] = None
     fail: Optional[float] = None
@@ -203,12 +219,17 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
         stopped = stop()
         if stopped:
             break
-        chunk = [next(stream) for _ in range(per_trial)]
+        n = trial_size(rate, per_trial, trial_s, max_per_trial)
+        chunk = [next(stream) for _ in range(n)]
         info: dict = {}
-        ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
-        p99 = percentile(ttfts, 99)
+        t0 = time.perf_counter()
+        ttfts = h.run_poisson(chunk, rate, seed + i, info=info, slo_ms=slo_ms)
+        aborted = bool(info.get("aborted"))
+        p99 = None if aborted else percentile(ttfts, 99)
         ok = p99 is not None and p99 <= slo_ms
-        tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok,
+        tried.append({"rate": rate, "requests": n, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50),
+                      "ok": ok, "aborted": aborted, "over_slo": info.get("over_slo"), "sent": info.get("sent", n),
+                      "s": round(time.perf_counter() - t0, 3),
                       "hit_segments": info.get("hit_segments"), "miss_segments": info.get("miss_segments")})
         if ok:
             best = rate if best is None else max(best, rate)
@@ -224,13 +245,14 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
             rate = rate * 2
     converged = best is not None and fail is not None and (fail - best) / fail <= tolerance
     return {"method": method, "sustainable_qps": best or 0.0, "lowest_failed_qps": fail, "converged": converged,
-            "tolerance": tolerance, "trials": tried, "stopped": stopped}
+            "tolerance": tolerance, "trial_s": trial_s, "trials": tried, "stopped": stopped}
 
 
 def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_ms: float, start_rate: float,
                 repeats: int = 3, tolerance: float = 0.1, max_trials: int = 12, warmup: int = 0,
                 methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None,
-                stop: Stop = never, start_rates: Optional[dict[str, float]] = None) -> dict:
+                stop: Stop = never, start_rates: Optional[dict[str, float]] = None,
+                trial_s: Optional[float] = None, max_per_trial: Optional[int] = None) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
     `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
@@ -240,12 +262,18 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     `stop()` is asked before each search and each trial: once it answers, the repeat under
     way is kept only when every method's search has a result (`stopped` names the reason;
     `repeats` holds the repeats done). `start_rates`: a method's own start rate (its burst
-    and first trial), else `start_rate`."""
+    and first trial), else `start_rate`. `trial_s` / `max_per_trial`: each trial's size
+    (`trial_size`); the pool must then hold `repeats` x (warmup + per_trial + max_trials x
+    max_per_trial) requests (`pool_needed`)."""
     starts = {m: float((start_rates or {}).get(m) or start_rate) for m in methods}
     bad = {m: r for m, r in starts.items() if not (math.isfinite(r) and r > 0)}
     if bad:
         raise ValueError(f"qps_repeats: start rates must be finite and > 0, got {bad}")
-    need = warmup + per_trial + per_trial * max_trials
+    if trial_s is not None and not (math.isfinite(trial_s) and trial_s > 0):
+        raise ValueError(f"qps_repeats: trial_s must be finite and > 0, got {trial_s}")
+    if trial_s is not None and not (max_per_trial and max_per_trial >= per_trial):
+        raise ValueError(f"qps_repeats: a trial_s needs max_per_trial >= per_trial ({per_trial}), got {max_per_trial}")
+    need = pool_needed(1, warmup, per_trial, max_trials, max_per_trial if trial_s is not None else None)
     if len(pool) < need * repeats:
         raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
     runs = []
@@ -262,7 +290,7 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
                 h.run_alone(next(stream))
             h.run_poisson([next(stream) for _ in range(per_trial)], starts[method], seed + 100 * j - 1)
             one[method] = qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
-                                     seed + 100 * j, stop)
+                                     seed + 100 * j, stop, trial_s, max_per_trial)
         if any(m not in one or not one[m]["trials"] for m in methods):
             stopped = stopped or stop()
             break
@@ -277,6 +305,12 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     out = _qps_stats(runs, methods, slo_ms, start_rate, starts)
     out["stopped"] = stopped
     return out
+
+
+def pool_needed(repeats: int, warmup: int, per_trial: int, max_trials: int, max_per_trial: Optional[int]) -> int:
+    """Requests `qps_repeats` reads from its pool: per repeat the warm-up, the burst and
+    `max_trials` trials of at most `max_per_trial` (or `per_trial`) requests."""
+    return repeats * (warmup + per_trial + max_trials * (max_per_trial or per_trial))
 
 
 def _qps_stats(runs: list, methods: Sequence[str], slo_ms: float, start_rate: float,

@@ -218,21 +218,26 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     # the serve phase in this process), so PIC does not double up from full recompute's rate
     starts = {m: 500.0 / rag[m]["warm"]["ttft_ms_mean"] for m in ("prefix", "pic")
               if rag is not None and m in rag and rag[m]["warm"].get("ttft_ms_mean")}
-    need = (args.qps_warmup + args.qps_requests * (1 + args.qps_max_trials)) * args.qps_repeats
+    trial_s = args.qps_trial_s or 8 * slo / 1e3
+    need = tiered.pool_needed(args.qps_repeats, args.qps_warmup, args.qps_requests, args.qps_max_trials,
+                              args.qps_max_per_trial)
     pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
     rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
 
     def partial(q: dict) -> None:
-        out["qps"] = {**q, "slo_rule": rule, "complete": False}
+        out["qps"] = {**q, "slo_rule": rule, "trial_s": trial_s, "max_per_trial": args.qps_max_per_trial,
+                      "complete": False}
         save()
 
     if launches is not None:
         launches.label = "qps"
     q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
                            args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
-                           stop=clock or tiered.never, start_rates=starts)
+                           stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
+                           max_per_trial=args.qps_max_per_trial)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule
+    q["trial_s"], q["max_per_trial"] = trial_s, args.qps_max_per_trial
     out["qps"] = q
     log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}"
         + (f" ({q['stopped']} after {len(q['repeats'])} repeats)" if q["stopped"] else ""))

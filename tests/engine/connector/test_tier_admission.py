@@ -93,6 +93,25 @@ def test_a_slow_nvme_hit_is_computed_in_context_beside_loaded_cpu_hits_and_promo
     wait_until(lambda: rates.gb_per_s("nvme") > SLOW, what="the promotion's measured rate")
 
 
+def test_of_several_skipped_nvme_hits_one_is_promoted_at_a_time(start_daemon, store_engine):
+    """Skipped NVMe hits are promoted one per batch and never while another promotion
+    runs (engine.connector.loader: promotions can demote under the daemon's lock)."""
+    d = start_daemon(nvme_capacity="64MiB")
+    engine, planner = store_engine(d, pic=PIC)
+    keys = stored_segments(engine, planner, d)
+    with d.client() as kv:
+        kv.evict("cpu")
+        assert [e.tier for e in kv.lookup(keys)] == ["nvme"] * 3
+    rates = planner.store.cache.loader.rates
+    rates.set("nvme", SLOW)
+    _, rep, st = run_one(engine, planner, prompt((2, 0, 1)), "all-skipped")
+    assert rep.slow_hit_segments == 3 and st.skipped_by_tier["nvme"] == 3
+    with d.client() as kv:
+        wait_until(lambda: not planner.store.cache.loader._promoting.locked(), what="the promotion's end")
+        tiers = [e.tier for e in kv.lookup(keys)]
+    assert sorted(tiers) == ["cpu", "nvme", "nvme"]  # the batch's first skipped hit only
+
+
 def test_with_always_the_slow_tier_is_loaded_anyway(start_daemon, store_engine, memory_engine):
     d = start_daemon()
     p = prompt((2, 0, 1))
@@ -134,6 +153,14 @@ def test_cost_admission_loads_a_hit_unless_its_load_takes_longer_than_its_comput
     assert not cost.admit("nvme", 100_000_000, compute_ms=50.0)
     assert cost.admit("nvme", 100_000_000, compute_ms=None)  # no compute estimate yet: load it
     assert AlwaysAdmit().admit("nvme", 100_000_000, compute_ms=1e-9)
+
+
+def test_cost_admission_always_loads_gpu_tier_hits():
+    r = TierReadRates()
+    r.set("gpu", SLOW)  # a first IPC open measured as a rate
+    assert CostAdmission(r).admit("gpu", 100_000_000, compute_ms=1e-3)
+    r.set("cpu", SLOW)
+    assert not CostAdmission(r).admit("cpu", 100_000_000, compute_ms=1e-3)
 
 
 def test_cost_admission_loads_one_hit_of_a_tier_after_skipping_probe_every_in_a_row():
