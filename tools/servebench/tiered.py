@@ -431,6 +431,7 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
         skipped = {t: 0 for t in TIER_NAMES}  # hits the cost admission did not load (computed in context)
         misses = 0
         full_ms, pic_ms = [], []
+        pic_runs: list[dict] = []  # per PIC request: where its TTFT went
         for i in range(requests_per_point):
             if stop() and full_ms:
                 break
@@ -441,6 +442,11 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
             h.planner("pic")
             run = h.run_alone(req)
             pic_ms.append(run.ttft_ms)
+            pic_runs.append({"ttft_ms": round(run.ttft_ms, 3), "full_ms": round(full_ms[-1], 3),
+                             "hits_by_tier": run.store.get("store_hits_by_tier"),
+                             "skipped_slow_hits_by_tier": run.store.get("store_skipped_slow_hits"),
+                             "split_ms": {k: round(v, 3) for k, v in run.split.items()}, "timeline": run.timeline,
+                             "rpcs": run.rpcs})
             for t, n in (run.store.get("store_hits_by_tier") or {}).items():
                 hits[t] = hits.get(t, 0) + n
             for t, n in (run.store.get("store_skipped_slow_hits") or {}).items():
@@ -461,7 +467,7 @@ def working_set_sweep(h: "Harness", corpus_docs, tier_bytes: int, points: Sequen
                  "hits_by_tier": hits, "skipped_slow_hits_by_tier": skipped, "miss_segments": misses,
                  "tier_read_rates": _read_rates(h), "load_bytes_by_tier": moved,
                  "load_ms_by_tier": load_ms, "stored_bytes_by_tier": {t: v["bytes"] for t, v in held.items()},
-                 "gpu_memory": _gpu_memory(h.engine.device)}
+                 "gpu_memory": _gpu_memory(h.engine.device), "pic_requests": pic_runs}
         out.append(point)
         log(f"sweep {x}x: corpus {n_docs} docs ({_total(held) / 2**20:.1f} MiB), full {f_mean:.1f} ms, "
             f"pic {p_mean:.1f} ms, hits {hits}, skipped (slow) {skipped}, misses {misses}")
