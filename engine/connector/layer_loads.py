@@ -5,9 +5,9 @@ own (`L<i>.<part>`, the part's `layer`), or as row r of a stacked part `S<n>.<pa
 `[layers, ...]` whose header meta `stacked` names the rows (`L<i>.<part>`). `layer_plan`
 turns a blob header into the byte spans of each layer, in layer order (adjacent spans
 merged). `group_layers` merges consecutive layers into groups of at least `min_bytes`
-(MIN_COPY_BYTES in the loader): the rows of consecutive layers in a stacked part are
-adjacent, so a group of layers costs one copy per stacked part instead of one per part
-and layer. Per layer, a qwen3next-bench signature is 4 copies per delta-rule layer
+(MIN_COPY_BYTES in the loader, each later group twice the one before up to
+MAX_COPY_GROUP_BYTES): the rows of consecutive layers in a stacked part are adjacent, so
+a group of layers costs one copy per stacked part instead of one per part and layer. Per layer, a qwen3next-bench signature is 4 copies per delta-rule layer
 (state, tail state, tail transition, conv tail) and 2 per full-attention layer (K, V):
 ~80 copies of a few KiB to a few MiB for a segment of ~70 MB, each issued from Python
 (slices, `copy_`, an event per layer; on the loader's thread, next to the engine's) in
@@ -43,6 +43,10 @@ class LayerPlanError(ConnectorError):
 #: the smallest group of layers copied together by the loader (`group_layers`): large
 #: enough that a copy's fixed cost is a few percent of its transfer at PCIe speed
 MIN_COPY_BYTES = 8 << 20
+#: the loader's groups after the first grow by this factor up to MAX_COPY_GROUP_BYTES
+#: (`group_layers`: the first layers early, the rest in fewer copies)
+COPY_GROUP_GROWTH = 2.0
+MAX_COPY_GROUP_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -99,21 +103,29 @@ def layer_plan(parts: Sequence[Any], stacked: Optional[dict] = None) -> list[Lay
     return [LayerSpans(layer, _merged(spans)) for layer, spans in sorted(by_layer.items())]
 
 
-def group_layers(plan: Sequence[LayerSpans], min_bytes: int) -> list[LayerSpans]:
+def group_layers(plan: Sequence[LayerSpans], min_bytes: int, growth: float = 1.0,
+                 max_bytes: Optional[int] = None) -> list[LayerSpans]:
     """Consecutive layers of `plan` merged into groups of at least `min_bytes` (the last
     group may be smaller), in order, each group's spans merged where they touch (module
-    docstring). `min_bytes` <= 0 keeps one group per layer."""
+    docstring). `min_bytes` <= 0 keeps one group per layer. With `growth` > 1 each
+    group's floor is `growth` times the one before (at most `max_bytes`): the first
+    layers still arrive in a small group, so the pass starts early, and the rest in fewer,
+    larger copies (each copy's fixed cost is paid fewer times per byte)."""
     if min_bytes <= 0:
         return list(plan)
+    if not growth >= 1.0:
+        raise ValueError(f"growth={growth!r} must be >= 1")
     out: list[LayerSpans] = []
     group: list[LayerSpans] = []
     size = 0
+    floor = float(min_bytes)
     for ls in plan:
         group.append(ls)
         size += ls.nbytes
-        if size >= min_bytes:
+        if size >= floor:
             out.append(_group(group))
             group, size = [], 0
+            floor = floor * growth if max_bytes is None else min(floor * growth, float(max(max_bytes, min_bytes)))
     if group:
         out.append(_group(group))
     return out

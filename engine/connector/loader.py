@@ -18,8 +18,8 @@ as soon as its copies are *issued* (`wait_key`). Each `LoadedSegment` carries th
 event its copies complete on, and its consumer makes the compute stream wait on that
 event just before the splice that reads it (`LoadedSegment.wait_device`), so later
 segments decode and copy while earlier ones are spliced and their seams computed; a
-segment copied layer by layer (in groups of consecutive layers of >= MIN_COPY_BYTES:
-engine.connector.layer_loads) is waited on per layer by the fused pass instead
+segment copied layer by layer (in groups of consecutive layers of >= MIN_COPY_BYTES, later
+groups larger: engine.connector.layer_loads) is waited on per layer by the fused pass instead
 (`LoadedSegment.wait_layer`, from its `before_layer` hook), so early layers compute
 while later groups' bytes arrive.
 Leases of copied segments are released by the loader thread once the copies finish.
@@ -59,8 +59,8 @@ import torch
 
 from engine.connector.codec import signature_from_blob
 from engine.connector.errors import ConnectorConfigError, StoreUnavailable
-from engine.connector.layer_loads import (MIN_COPY_BYTES, CudaCopyQueue, LayerEvents, LayerPlanError, group_layers,
-                                          issue_layered, layer_plan)
+from engine.connector.layer_loads import (COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES, MIN_COPY_BYTES, CudaCopyQueue,
+                                          LayerEvents, LayerPlanError, group_layers, issue_layered, layer_plan)
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
 from engine.connector.tier_admission import AlwaysAdmit, TierAdmission, TierReadRates
@@ -486,7 +486,8 @@ class SegmentLoader:
         layers = plan = None
         if buf.device.type == "cpu" and not self.verify and view.lease.region.kind != "file":
             try:
-                plan = group_layers(layer_plan(header.parts, header.meta.get("stacked")), MIN_COPY_BYTES)
+                plan = group_layers(layer_plan(header.parts, header.meta.get("stacked")), MIN_COPY_BYTES,
+                                    COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES)
             except LayerPlanError as exc:  # copied in one piece instead
                 log.debug("segment %s: no per-layer plan (%s)", key.hex()[:16], exc)
         if plan is not None:

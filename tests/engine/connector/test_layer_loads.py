@@ -126,6 +126,27 @@ def test_grouped_layers_copy_every_byte_once_in_fewer_larger_copies(blob_of, gro
     assert group_layers(plan, 0) == plan
 
 
+def test_growing_groups_start_small_then_double_up_to_the_cap_and_copy_every_byte_once(blob_of):
+    _, buf = blob_of([GDN, GDN, FULL, GDN, FULL, MAMBA2, SWA, GDN] * 3)
+    header = fmt.read_header(buf)
+    plan = layer_plan(header.parts, header.meta.get("stacked"))
+    total = sum(p.nbytes for p in plan)
+    small = max(p.nbytes for p in plan)  # the largest layer
+    flat = group_layers(plan, 1)  # every layer its own group
+    grown = group_layers(plan, small, growth=2.0, max_bytes=4 * small)
+    assert len(flat) == len(plan) and len(grown) < len(flat)
+    floors = [min(small * 2 ** i, 4 * small) for i in range(len(grown))]
+    assert all(g.nbytes >= f for g, f in zip(grown[:-1], floors))
+    assert grown[0].nbytes < 2 * small  # the first layers still come early
+    assert _merged_bytes(_covered(grown)) == _merged_bytes(_covered(plan)) and total == sum(g.nbytes for g in grown)
+    firsts = [g.layer for g in grown]
+    lasts = [g.layer if g.last is None else g.last for g in grown]
+    assert firsts[0] == 0 and lasts[-1] == len(plan) - 1 and all(b == a + 1 for a, b in zip(lasts, firsts[1:]))
+    assert group_layers(plan, small, growth=2.0) != grown  # without a cap the floors keep doubling
+    with pytest.raises(ValueError, match="growth=0.5"):
+        group_layers(plan, small, growth=0.5)
+
+
 def test_waiting_for_a_layer_of_a_group_lands_the_group_and_nothing_after_it(blob_of):
     sig, buf = blob_of([GDN, FULL, GDN, MAMBA2, SWA, GDN])
     header = fmt.read_header(buf)
