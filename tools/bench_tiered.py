@@ -13,7 +13,7 @@ most the unit under way:
     # 1. serve + pcie: ~2 min on a box whose Triton cache is warm, ~4 min fresh
     python tools/bench_tiered.py --phases serve,pcie --n 2 --limit-s serve=360,pcie=60 --json $OUT --merge
     # 2. qps: ~2.5 min warm, ~4 min fresh
-    python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 5 \
+    python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 \
         --qps-warmup 2 --limit-s qps=330 --json $OUT --merge
     # 3. sweep: ~2 min warm, ~4 min fresh
     python tools/bench_tiered.py --phases sweep --sweep 0.5,2,8,32 --limit-s sweep=360 --json $OUT --merge
@@ -41,10 +41,10 @@ daemon start) and, on a box whose Triton cache is cold, 60-120 s of kernel compi
 - pcie: 6 pinned 256 MiB copies (< 1 s), `--n` rag requests x 3 passes through the CPU
   tier (~2 s).
 - qps: per repeat and method `--qps-warmup` requests alone, one burst, then up to
-  `--qps-max-trials` trials of `--qps-requests` Poisson arrivals near the sustainable
-  rate (3-10/s, a trial ~1.5-3 s with its drain): ~12 s a search with 2/6/5, ~25 s with
-  the defaults 4/8/8; x 2 methods x `--qps-repeats`; alone in its process it first runs
-  3 rag requests for its SLO base and warms up on rag.
+  `--qps-max-trials` trials, each `--qps-trial-s` seconds of Poisson arrivals (default 8 x
+  the SLO, ~4.6 s; a trial sure to fail is cut short): ~25 s a search with 5 trials, x 2
+  methods x `--qps-repeats` (~150 s for 3); alone in its process it first runs 3 rag
+  requests for its SLO base and warms up on rag.
 - sweep (0.5,2,8,32 x a 512 MiB GPU tier): its own engine and daemon (~30 s); the corpus
   grows to 16 GiB (~190 documents of ~85 MB, ~48 cold build requests with their puts and
   ~12 GiB demoted to NVMe: ~40 s); 4 points x `--sweep-requests` (6) x (full + PIC
@@ -105,7 +105,10 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
   then the serving path's CPU-tier loads (`cpu_tier_step`, below).
 - `qps`: sustainable Poisson rate at p99 TTFT <= SLO (`--slo-factor` x the idle
   full-recompute rag p99 of the serve phase, or `--slo-ms`), found by bracketing and
-  bisection to within `--qps-tolerance` (10%), `--qps-repeats` (3) times per method
+  bisection to within `--qps-tolerance` (10%), each trial `--qps-trial-s` seconds of
+  arrivals (rate x seconds requests, at least `--qps-requests`, at most
+  `--qps-max-per-trial`; a trial whose p99 is sure to miss the SLO is cut short, its
+  requests aborted: `aborted` in `trials`), `--qps-repeats` (3) times per method
   (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/tiered.py);
   each method starts at half of what it serves back to back when idle (500 / its warm rag
   TTFT of the serve phase; full recompute's when the serve phase did not run:
