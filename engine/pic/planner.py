@@ -40,9 +40,13 @@ restored prefix leaves nothing to splice (an exact repeat: only the uncached res
 left), everything after the restore is prefix caching's path: its one pass
 (engine.pic.prefix.fill_with_checkpoints), and no lookup, claim, take, layer hook,
 capture, look-ahead hint or publishing of earlier captures on the request's path (those
-wait for the next request that splices, or for idle time). After the prefill, a prefix
-that was not exact yet is queued for an idle-time pass (`help_idle`, after the queued
-alone passes); the cold fallback's pass takes the checkpoints itself.
+wait for the next request that splices, or for idle time). When the prefix ends at the
+last cacheable boundary (`layout.cached_after` is False) the plan is made without a
+layout or a hit-cost estimate (`_plan_rest`): such a request costs the host no more than
+prefix caching's (tests/engine/connector/test_exact_repeat_host.py counts it). After
+the prefill, a prefix that was not exact yet is queued for an idle-time pass
+(`help_idle`, after the queued alone passes); the cold fallback's pass takes the
+checkpoints itself.
 
 Where signatures come from and go to is the planner's `SegmentStore` (engine.pic.
 segment_store: its call order): lookup at the `lookup` step (hits it chose not to load,
@@ -322,15 +326,17 @@ class PicPlanner(ReportingPlanner):
         any further boundary, put in the tree), with no store take, layer hook or
         captures. A checkpoint deeper than the restored one goes to the store too."""
         state: _RequestState = request.planner_state[STATE_KEY]
-        state.prefix_done = True
         if state.rest_only:  # no boundary after the restored one: no checkpoint to take
             ids = state.token_ids
-            return fill_with_checkpoints(runner, request.seq, ids, [], frozenset(), len(ids), self.config,
-                                         all_logits)[0]
+            logits = fill_with_checkpoints(runner, request.seq, ids, [], frozenset(), len(ids), self.config,
+                                           all_logits)[0]
+            state.prefix_done = True
+            return logits
         m = state.prefix
         restored_tip = m.tree_tip
         logits, tip = self.exact.fill_request(runner, request.seq, state.token_ids, state.bounds, m,
                                               state.prefix_pinned, all_logits)
+        state.prefix_done = True
         if tip is not None and tip is not restored_tip:
             self.store.put_prefix(state.token_ids, tip)
         return logits
