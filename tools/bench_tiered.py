@@ -29,6 +29,8 @@ most the unit under way:
     # device times in the breakdowns; kernel specialisations a timed request compiled
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 3 --sync-timings --json /root/out/sync.json
     python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
+    # PIC without cold sharing, so no idle poll (a daemon List RPC) precedes its timed requests
+    python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 2 --share-cold off --json /root/out/noshare.json
 
 Time estimates, from the code and the 2026-12-02 H200 run (qwen3next-bench: full rag
 ~14k tokens 150-310 ms, warm PIC 20-40 ms, 50 KB of signature per token): every command
