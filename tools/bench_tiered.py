@@ -29,6 +29,8 @@ most the unit under way:
     # device times in the breakdowns; kernel specialisations a timed request compiled
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 3 --sync-timings --json /root/out/sync.json
     python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
+    # PIC without cold sharing, so no idle poll (a daemon List RPC) precedes its timed requests
+    python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 2 --share-cold off --json /root/out/noshare.json
 
 Time estimates, from the code and the 2026-12-02 H200 run (qwen3next-bench: full rag
 ~14k tokens 150-310 ms, warm PIC 20-40 ms, 50 KB of signature per token): every command
@@ -243,6 +245,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tier-admission", default="cost", choices=("cost", "always"),
                     help="PIC's loads of daemon-tier hits: cost (a hit slower to load than to compute is computed "
                          "instead) or always (every hit loaded); StoreConnectorConfig.tier_admission")
+    ap.add_argument("--share-cold", default="on", choices=("on", "off"),
+                    help="StoreConnectorConfig.share_cold of PIC's connector: on (default) offers cold segments to "
+                         "idle engines and, while idle, polls the daemon for others' offers (one List RPC per "
+                         "share_poll_s, also in the quiesce before each timed request); off: neither (a diagnostic: "
+                         "a timed PIC request then starts after no daemon call, as prefix caching's does)")
     ap.add_argument("--device", default=None, help="engine device (default auto; quick cpu)")
     ap.add_argument("--pic-kernel", default="auto", choices=("auto", "triton", "torch"),
                     help="PicConfig.kernel: auto (Triton on CUDA, torch references on the CPU); triton on the CPU runs "

@@ -193,13 +193,14 @@ class DaemonSegmentStore(SegmentStore):
         sr = StoreReport(request_id, segments=len(keys))
         if prefix is not None:
             sr.prefix_source, sr.prefix_tokens, sr.prefix_tier = prefix.source, prefix.end, prefix.tier
-        for k in keys:  # the engine's own device cache first: no daemon round trip for those
-            sig = self.cache.near_get(k)
-            if sig is not None:
-                sr.near[k] = sig
-        rest = [k for k in keys if k not in sr.near]
-        if rest:
-            sr.batch = self.cache.prefetch(request_id, rest, compute_ms)
+        if keys:  # none after an exact prefix that covers every cached segment
+            for k in keys:  # the engine's own device cache first: no daemon round trip for those
+                sig = self.cache.near_get(k)
+                if sig is not None:
+                    sr.near[k] = sig
+            rest = [k for k in keys if k not in sr.near]
+            if rest:
+                sr.batch = self.cache.prefetch(request_id, rest, compute_ms)
         self._requests[request_id] = sr
 
     def hint_depth(self) -> int:
@@ -402,7 +403,8 @@ class DaemonSegmentStore(SegmentStore):
         for key in sr.held:
             self.cache.release(key)
         sr.held.clear()
-        batch = self.cache.finish_request(request_id)
+        # only admit's prefetch starts a batch for the request (StoreSignatureCache.prefetch)
+        batch = self.cache.finish_request(request_id) if sr.batch is not None else None
         if batch is not None:
             sr.load_wait_ms = batch.wait_ms
             sr.fallback = sr.fallback or batch.unavailable

@@ -75,7 +75,8 @@ class PrefixMatch:
         node in the tree, e.g. a daemon checkpoint that did not fit)."""
         if not self.path:
             return None
-        return next((n for n in self.matched if n.checkpoint.end == self.end), None)
+        end = self.end
+        return next((n for n in self.matched if n.checkpoint.end == end), None)
 
     @property
     def end(self) -> int:
@@ -106,11 +107,16 @@ class ExactPrefixes:
         This tree first; when it does not reach the request's deepest boundary, the
         `store`'s `find_prefix` (engine.pic.segment_store): a deeper checkpoint found there
         is restored (and kept in the tree for the next request)."""
-        local = self.match(ids, bounds)
-        local = local if local.path else None
-        have = 0 if local is None else local.end
-        deeper = [hi for _, hi in bounds if hi > have]
-        found = store.find_prefix(ids, deeper) if deeper else None
+        matched = self.tree.match([tuple(ids[lo:hi]) for lo, hi in bounds])  # `match`, inlined: per request
+        path = usable_path(matched)
+        local, have = None, 0
+        if path:
+            for n in path:
+                n.pins += 1
+            local, have = PrefixMatch(matched, path), path[-1].checkpoint.end
+        if have >= bounds[-1][1]:  # this tree reaches the deepest boundary: nothing to ask the store
+            return local
+        found = store.find_prefix(ids, [hi for _, hi in bounds if hi > have])
         if found is None:
             return local
         cp, tier = found

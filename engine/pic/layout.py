@@ -127,6 +127,22 @@ def layout(ids: Sequence[int], segments: Sequence[PromptSegment], anchor_ids: Se
     return items
 
 
+def cached_after(segments: Sequence[PromptSegment], start: int) -> bool:
+    """Whether a cached segment other than the prompt's last (non-empty) one ends after
+    position `start`. When none does, `layout(..., start)` is one computed range from
+    `start` to the prompt's end (no splice, no seam), e.g. after an exact prefix that
+    covers every cacheable segment."""
+    last = None
+    for s in reversed(segments):
+        if s.token_end > s.token_start:
+            last = s
+            break
+    for s in segments:
+        if s.cache and s.token_end > start and s.token_end > s.token_start and s is not last:
+            return True
+    return False
+
+
 def fused_spec(items: Sequence[LayoutItem], start: int) -> tuple[list[SpecItem], dict[str, int], int]:
     """The fused step's ranges from `start`, the positions it computes by kind, and its end."""
     spec: list[SpecItem] = []

@@ -40,9 +40,13 @@ restored prefix leaves nothing to splice (an exact repeat: only the uncached res
 left), everything after the restore is prefix caching's path: its one pass
 (engine.pic.prefix.fill_with_checkpoints), and no lookup, claim, take, layer hook,
 capture, look-ahead hint or publishing of earlier captures on the request's path (those
-wait for the next request that splices, or for idle time). After the prefill, a prefix
-that was not exact yet is queued for an idle-time pass (`help_idle`, after the queued
-alone passes); the cold fallback's pass takes the checkpoints itself.
+wait for the next request that splices, or for idle time). When the prefix ends at the
+last cacheable boundary (`layout.cached_after` is False) the plan is made without a
+layout or a hit-cost estimate (`_plan_rest`): such a request costs the host no more than
+prefix caching's (tests/engine/connector/test_exact_repeat_host.py counts it). After
+the prefill, a prefix that was not exact yet is queued for an idle-time pass
+(`help_idle`, after the queued alone passes); the cold fallback's pass takes the
+checkpoints itself.
 
 Where signatures come from and go to is the planner's `SegmentStore` (engine.pic.
 segment_store: its call order): lookup at the `lookup` step (hits it chose not to load,
@@ -71,13 +75,13 @@ from engine.pic.config import PicConfig
 from engine.pic.costs import PathCosts
 from engine.pic.deferred import DeferredQueue
 from engine.pic.errors import AlonePassStopped, PicConfigError
-from engine.pic.exact_prefix import ExactPrefixes, PrefixMatch, unpin
+from engine.pic.exact_prefix import ExactPrefixes, PrefixMatch
 from engine.pic.full import FullPlanner, full_pass
 from engine.pic.fused import fused_prefill
-from engine.pic.layout import (LayoutItem, Splice, SpliceUnit, fused_items, fused_spec, layout,
+from engine.pic.layout import (LayoutItem, Splice, SpliceUnit, cached_after, fused_items, fused_spec, layout,
                                seal_tails, splice_units)
 from engine.pic.miss_routing import fall_back_to_full, hit_compute_ms, misses_in_context, slow_hits_in_context
-from engine.pic.prefix import PrefixNode, PrefixTree, prefix_bounds, restore_checkpoints
+from engine.pic.prefix import PrefixNode, PrefixTree, fill_with_checkpoints, prefix_bounds, restore_checkpoints
 from engine.pic.report import STATE_KEY, PlanBuilder, ReportingPlanner
 from engine.pic.segment_store import ClaimedJob, InProcessSegmentStore, SegmentJob, SegmentStore
 from engine.pic.signature import SegmentSignature
@@ -110,6 +114,7 @@ class _RequestState:
     prefix: Optional[PrefixMatch] = None  # the exact prefix restored (exact_prefix)
     prefix_done: bool = False  # the request's own pass took its exact checkpoints (cold fallback)
     prefix_pinned: list[PrefixNode] = field(default_factory=list)  # nodes that pass inserted
+    rest_only: bool = False  # the exact prefix ends at the last cacheable boundary: nothing spliced after it
 
 
 class PicPlanner(ReportingPlanner):
@@ -199,15 +204,18 @@ class PicPlanner(ReportingPlanner):
 
     def plan(self, request: Request) -> PrefillPlan:
         ids = list(request.prefill_token_ids())
+        segments = request.prefill_segments()
         b = self._new_builder(request)
-        bounds = prefix_bounds(request.prefill_segments()) if self.exact is not None else []
+        bounds = prefix_bounds(segments) if self.exact is not None else []
         prefix = None
         if bounds:
             t0 = time.perf_counter()
             prefix = self.exact.find(ids, bounds, self.store)
             b.report.lookup_ms += (time.perf_counter() - t0) * 1e3
         start = 0 if prefix is None else prefix.end
-        items = self._layout(ids, request.prefill_segments(), start)
+        if start and self.config.fused and not cached_after(segments, start):
+            return self._plan_rest(request, b, ids, bounds, prefix, start)
+        items = self._layout(ids, segments, start)
         units = splice_units(items)
         state = _RequestState(b, units, ids, bounds=bounds, prefix=prefix)
         # an exact prefix that leaves nothing to splice: prefix caching's path after the
@@ -219,12 +227,7 @@ class PicPlanner(ReportingPlanner):
             b.apply(0, self._lookup, "lookup")
             b.apply(0, self._compute_misses, "miss")
         if start:  # the exact state at the deepest matched boundary: no seam, no composition
-            checkpoints = [n.checkpoint for n in prefix.path]
-            b.apply(start, lambda runner, req, _c=checkpoints: restore_checkpoints(runner.cache, req.seq, _c), "load")
-            for cp in checkpoints:
-                b.report.add_hit(cp.end - cp.start)
-            b.report.prefix_tokens = start
-            self.exact.restored += 1
+            self._restore_step(b, prefix, start)
         if prefix_only:
             _, kinds, end = fused_spec(items, b.position)
             b.fused(end, lambda runner, req, **kw: self._run_prefix_only(runner, req, **kw), kinds)
@@ -247,6 +250,31 @@ class PicPlanner(ReportingPlanner):
                          hit_compute_ms(self.config, self.costs.ms_per_token("full"), units, self._reused))
         if not prefix_only:
             self._hint_queued()
+        return b.build()
+
+    def _restore_step(self, b: PlanBuilder, prefix: PrefixMatch, start: int) -> None:
+        """The `load` step restoring the exact prefix [0, start), counted as its hits."""
+        checkpoints = [n.checkpoint for n in prefix.path]
+        b.apply(start, lambda runner, req, _c=checkpoints: restore_checkpoints(runner.cache, req.seq, _c), "load")
+        for cp in checkpoints:
+            b.report.add_hit(cp.end - cp.start)
+        b.report.prefix_tokens = start
+        self.exact.restored += 1
+
+    def _plan_rest(self, request: Request, b: PlanBuilder, ids: list[int], bounds: list[tuple[int, int]],
+                   prefix: PrefixMatch, start: int) -> PrefillPlan:
+        """The plan of a request whose restored exact prefix [0, start) ends at its last
+        cacheable boundary and leaves no cached segment to splice after it (`cached_after`
+        is False: an exact repeat): prefix caching's plan after its restore, the `load`
+        step then one fused step computing [start, len(ids)), found without a layout, a
+        hit-cost estimate (no device event read) or any store work but the request's
+        bookkeeping (`admit` with no keys, `finish`). Same plan, report and pass as the
+        general path gives such a request."""
+        self._restore_step(b, prefix, start)
+        b.fused(len(ids), self._run_prefix_only, {"suffix": len(ids) - start})
+        request.planner_state[STATE_KEY] = _RequestState(b, [], ids, bounds=bounds, prefix=prefix, rest_only=True)
+        request.planner_state[HINTED_KEY] = True
+        self.store.admit(request.request_id, (), prefix)
         return b.build()
 
     def _hint_queued(self) -> None:
@@ -298,6 +326,12 @@ class PicPlanner(ReportingPlanner):
         any further boundary, put in the tree), with no store take, layer hook or
         captures. A checkpoint deeper than the restored one goes to the store too."""
         state: _RequestState = request.planner_state[STATE_KEY]
+        if state.rest_only:  # no boundary after the restored one: no checkpoint to take
+            ids = state.token_ids
+            logits = fill_with_checkpoints(runner, request.seq, ids, [], frozenset(), len(ids), self.config,
+                                           all_logits)[0]
+            state.prefix_done = True
+            return logits
         m = state.prefix
         restored_tip = m.tree_tip
         logits, tip = self.exact.fill_request(runner, request.seq, state.token_ids, state.bounds, m,
@@ -449,14 +483,18 @@ class PicPlanner(ReportingPlanner):
         self.store.finish(request.request_id, done=True)
 
     def on_request_freed(self, request: Request) -> None:
+        state = request.planner_state.get(STATE_KEY)
         super().on_request_freed(request)
-        self.store.finish(request.request_id, done=False)
+        if state is None or not state.builder.report.complete:  # complete: on_prefill_done finished it
+            self.store.finish(request.request_id, done=False)
 
     def _release(self, state: _RequestState) -> None:
-        if state.prefix is not None:
-            unpin(state.prefix.path)
+        if state.prefix is not None:  # exact_prefix.unpin, inlined: twice per request
+            for n in state.prefix.path:
+                n.pins -= 1
             state.prefix = None
-        unpin(state.prefix_pinned)
+        for n in state.prefix_pinned:
+            n.pins -= 1
         state.prefix_pinned.clear()
 
     # ------------------------------------------------------------------ idle work

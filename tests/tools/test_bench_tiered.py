@@ -399,3 +399,43 @@ def test_compile_counter_reports_the_kernels_whose_compiled_count_grew():
     assert counter.since() == {"_toy_kernel": 2} and counter.since() == {}
     jit.device_caches[1][0]["spec-a"] = object()  # another device
     assert counter.since() == {"_toy_kernel": 1}
+
+
+def test_share_cold_off_leaves_no_daemon_call_in_the_quiesce_before_a_timed_pic_request(tmp_path):
+    """--share-cold: with it on (default) an idle PIC engine polls the daemon for offered
+    cold segments, so the quiesce before each timed PIC request ends with a List RPC
+    (prefix caching, which has no idle work, makes none); off, PIC's quiesce makes none."""
+    import time
+
+    import torch
+
+    from engine.builder import EngineConfig, build_engine
+    from kvstore.testing import DaemonProcess
+    from tools import bench_tiered
+    from tools.bench_serving import engine_options
+    from tools.servebench.requests import load
+    from tools.servebench.tiered_phases import make_harness
+
+    d = DaemonProcess(tmp_path / "d", entry="kvstore.server").start()
+    try:
+        calls = {}
+        for flag in ("on", "off"):
+            args = bench_tiered.parse_args(["--quick", "--share-cold", flag])
+            engine = build_engine("qwen3next-tiny", EngineConfig(**engine_options(args, torch.device("cpu"))))
+            h, _ = make_harness(args, engine, str(d.socket), sweep=False)
+            try:
+                assert h.connector.share_cold is (flag == "on")
+                (req,) = load("repeat", 1, 0, "tiny", args.max_tokens, args.docs)
+                for method in ("pic", "prefix"):
+                    h.planner(method)
+                    h.run_alone(req)
+                    time.sleep(0.05)  # past the poll interval (share_poll_s), as between timed requests
+                    with h.counting_rpcs() as rpcs:
+                        h.quiesce()
+                    calls[flag, method] = dict(rpcs)
+            finally:
+                h.close()
+        assert calls["on", "pic"] == {"share": 1}
+        assert calls["off", "pic"] == calls["on", "prefix"] == calls["off", "prefix"] == {}
+    finally:
+        d.cleanup()

@@ -39,7 +39,8 @@ def make_harness(args, engine, socket: str, *, sweep: bool):
                                 device_cache_fraction=None if sweep else args.device_cache_fraction,
                                 device_cache_bytes=0 if sweep else None,
                                 put_tier=("gpu" if cuda else "cpu") if sweep else None,
-                                tier_admission=getattr(args, "tier_admission", "cost"))
+                                tier_admission=getattr(args, "tier_admission", "cost"),
+                                share_cold=getattr(args, "share_cold", "on") == "on")
     budget = device_cache_capacity(conn, engine.device)
     pic = PicConfig(cold_full_fraction=0.5, exact_prefix=not sweep, kernel=args.pic_kernel)
     if budget:  # prefix caching's tree and PIC's exact prefixes: the byte budget of the device cache

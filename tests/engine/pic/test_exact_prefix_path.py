@@ -200,3 +200,36 @@ def test_a_restore_computes_each_checkpoints_slots_once_for_every_layer(mix, mod
     logits = runner.prefill(seq, ids[46:], start_pos=46, all_logits=True)
     full = plain_prefill(runner, ids, [len(ids)])
     torch.testing.assert_close(logits[-1], full.logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_after_is_false_exactly_when_the_layout_after_start_is_one_computed_range():
+    """`layout.cached_after`, the exact-repeat planner's shortcut, against the layout it
+    skips: whenever it says no cached segment follows `start`, the layout from `start`
+    splices nothing and computes [start, end) as suffix; where it says one does, the
+    layout splices or seams it."""
+    from engine.pic.layout import cached_after, fused_spec, layout, splice_units
+
+    key = lambda content, split: bytes([len(content), split])  # noqa: E731
+    docs, q = [rand_ids(n, 300 + n) for n in (9, 3, 11)], rand_ids(4, 9)
+    layouts = {"docs then question": _layout(docs, q),
+               "uncached in between": [(docs[0], True), (q, False), (docs[1], True), (docs[2], True), (q, False)],
+               "all cached": [(d, True) for d in docs],
+               "empty last": _layout(docs, []),
+               "nothing cached": [(d, False) for d in docs]}
+    seen = set()
+    for name, segs in layouts.items():
+        req = make_request(segs)
+        ids, segments = req.prompt_token_ids, req.segments
+        for start in sorted({0} | {s.token_end for s in segments}):
+            if start >= len(ids):
+                continue
+            items = layout(ids, segments, [ids[0]], 4, key, True, start)
+            spec, kinds, end = fused_spec(items, start)
+            covered = not cached_after(segments, start)
+            seen.add(covered)
+            if covered:
+                assert not splice_units(items) and kinds == {"seam": 0, "suffix": len(ids) - start}, (name, start)
+                assert end == len(ids)
+            else:
+                assert splice_units(items) or kinds["seam"], (name, start)
+    assert seen == {True, False}
