@@ -58,6 +58,8 @@ MAX_TRAILER_BYTES = 4096
 _FOOTER = struct.Struct("<8sIIII QQQ")  # magic, version, key len, meta len, reserved, payload len, store sum, xfer sum
 _SUM = struct.Struct("<Q")
 FOOTER_BYTES = _FOOTER.size + _SUM.size  # 56: the fixed part at the end of every object
+_FOOTER_READ = struct.Struct("<8sIIII QQQQ")  # the whole footer at once, the trailer checksum last (readers)
+_xxh3 = xxhash.xxh3_64_intdigest
 MAX_INLINE_KEY = 64
 
 
@@ -114,12 +116,14 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
     """Check and decode the trailer of a whole remote object `obj` (its bytes as read)
     read for `key`; BadObject naming what is wrong (a damaged, foreign, truncated or
     half-written object). The payload itself is verified by the caller
-    (`transfer_checksum`), against the returned `transfer_checksum`."""
+    (`transfer_checksum`), against the returned `transfer_checksum`. Lean on purpose
+    (one unpack of the footer, no intermediate copies): it runs once per remote read,
+    right after the transfer has flushed the caches."""
     size = len(obj)
     if size < FOOTER_BYTES:
         raise BadObject(f"remote object of {key!r} is {size} bytes, shorter than its {FOOTER_BYTES}-byte footer")
     fo = size - FOOTER_BYTES
-    magic, version, klen, mlen, _, plen, psum, xsum = _FOOTER.unpack_from(obj, fo)
+    magic, version, klen, mlen, _, plen, psum, xsum, tsum = _FOOTER_READ.unpack_from(obj, fo)
     if magic != MAGIC:
         raise BadObject(f"remote object of {key!r}: bad magic {bytes(magic)!r}")
     if version != VERSION:
@@ -128,7 +132,7 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
     if tlen > MAX_TRAILER_BYTES or tlen > size:
         raise BadObject(f"remote object of {key!r}: key and meta lengths {klen}+{mlen} overrun the object")
     start = size - tlen
-    if xxhash.xxh3_64_intdigest(obj[start:size - _SUM.size]) != _SUM.unpack_from(obj, size - _SUM.size)[0]:
+    if _xxh3(obj[start:size - _SUM.size]) != tsum:
         raise BadObject(f"remote object of {key!r}: trailer checksum mismatch")
     if obj[start:start + klen] != key:
         raise BadObject(f"remote object of {key!r} holds key {bytes(obj[start:start + klen])!r}")
@@ -139,7 +143,7 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
         meta = ObjectMeta(str(m["f"]), int(m["t"]), float(m["c"]), dict(m["x"]))
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None
-    return RemoteHeader(bytes(key), meta, plen, psum, xsum)
+    return RemoteHeader(key if type(key) is bytes else bytes(key), meta, plen, psum, xsum)
 
 
 class PayloadVerifier:
@@ -175,7 +179,7 @@ class PayloadVerifier:
         h = decode_trailer(self._obj, self._key)
         p = h.payload_bytes
         if self._hash is None:  # nothing hashed while landing: one call over the payload
-            actual = transfer_checksum(self._obj[:p])
+            actual = _xxh3(self._obj[:p])
         else:
             if p > self._done:
                 self._hash.update(self._obj[self._done:p])

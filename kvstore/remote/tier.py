@@ -44,7 +44,7 @@ import logging
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -138,6 +138,18 @@ class StoreSeam(Protocol):
     def free_memory(self, slots: Sequence[Slot]) -> None: ...
 
 
+class _Made(NamedTuple):
+    """What `RemoteTier.offer` made of a committed object for its write: the meta it
+    packed, the trailer body, and (given the checksum) the whole trailer, valid for an
+    object of `size` bytes with store checksum `checksum` that is not a kvsum64 blob."""
+
+    meta: ObjectMeta
+    body: bytes
+    size: int = -1
+    checksum: Optional[int] = None
+    trailer: Optional[bytes] = None
+
+
 @dataclass
 class _Fill:
     key: bytes
@@ -158,28 +170,43 @@ def reserve_trailer_room(memory_tier: Tier) -> None:
 
 
 def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, addr: int, size: int, room: int = 0,
-                  body: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], Any]:
+                  body: Optional[bytes] = None, trailer: Optional[bytes] = None,
+                  extent: Optional[memoryview] = None) -> tuple[tuple[tuple[int, int], ...], Any]:
     """The transfer ranges of one remote object (kvstore.remote.envelope): its `size`
     payload bytes at host address `addr`, with store checksum `checksum`, then its
     trailer; and the buffer (if any) that must live until the put has ended. `room`:
     how many bytes at `addr` may be written, the payload included (an arena slot's
     page-rounded extent, a staging buffer); when the trailer fits there it is written
     there and the object goes as one range. `body`: the trailer's key and meta part when
-    already made (`offer` makes it). Kept lean (plain addresses, no tensor calls): it
-    runs once per put, right after other transfers have flushed the caches, where every
-    call costs several times what it does warm."""
-    prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
-    if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:
-        xsum = checksum  # the store's checksum is the transfer checksum
+    already made (`offer` makes it). `trailer`: the whole trailer when already made
+    (`offer` makes it) with the store checksum as the transfer checksum: used only when
+    the bytes are not a kvsum64 blob (whose trailer records an xxh3 of its bytes, made
+    here); it must be `encode_trailer(key, meta, size, checksum, checksum)`. `extent`:
+    a writable memoryview of the `room` bytes at `addr` (`Tier.host_extent`), through
+    which the blob header is read and the trailer written instead of ctypes calls.
+    Kept lean (plain addresses and memoryviews, no tensor calls): it runs once per put,
+    right after other transfers have flushed the caches, where every call costs several
+    times what it does warm."""
+    if extent is not None:
+        prefix = extent[:PREFIX_BYTES] if size >= PREFIX_BYTES else b""
+    else:
+        prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
+    if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:  # the store's checksum is the transfer checksum
+        if trailer is None:
+            trailer = encode_trailer(key, meta, size, checksum, checksum, body)
     else:  # a kvsum64 blob: readers verify an xxh3 of its bytes
-        xsum = transfer_checksum(memoryview((ctypes.c_char * size).from_address(addr)).cast("B"))
-    trailer = encode_trailer(key, meta, size, checksum, xsum, body)
-    whole = size + len(trailer)
+        data = extent[:size] if extent is not None else (ctypes.c_char * size).from_address(addr)
+        trailer = encode_trailer(key, meta, size, checksum, transfer_checksum(memoryview(data).cast("B")), body)
+    t = len(trailer)
+    whole = size + t
     if room >= whole:
-        ctypes.memmove(addr + size, trailer, len(trailer))
+        if extent is not None:
+            extent[size:whole] = trailer
+        else:
+            ctypes.memmove(addr + size, trailer, t)
         return ((addr, whole),), None
-    tail = ctypes.create_string_buffer(trailer, len(trailer))
-    return ((addr, size), (ctypes.addressof(tail), len(trailer))), tail
+    tail = ctypes.create_string_buffer(trailer, t)
+    return ((addr, size), (ctypes.addressof(tail), t)), tail
 
 
 class RemoteTier:
@@ -197,9 +224,10 @@ class RemoteTier:
         self._put_latency = _Latency()
         self._stat_lock = threading.Lock()
         self._queue: deque[bytes] = deque()
-        # queued keys -> (meta, trailer body): offer packs the meta to check that it fits a
-        # trailer; the writer reuses those bytes (when the object's meta is still that one)
-        self._queued: dict[bytes, tuple[ObjectMeta, bytes]] = {}
+        # queued keys -> what offer made of them (`_Made`): it packs the meta to check that
+        # it fits a trailer, and with the checksum makes the whole trailer; the writer
+        # reuses those bytes when the object is still the one they describe
+        self._queued: dict[bytes, _Made] = {}
         self._qcond = threading.Condition()
         self._stop = False
         self._writing = 0  # objects whose put has not ended
@@ -229,8 +257,11 @@ class RemoteTier:
         return remote_name(self.adapter.namespace, key)
 
     # ------------------------------------------------------------------ writes
-    def offer(self, key: bytes, size: int, meta: ObjectMeta) -> None:
-        """A committed object: queue it for the remote tier when the policy says so."""
+    def offer(self, key: bytes, size: int, meta: ObjectMeta, checksum: Optional[int] = None) -> None:
+        """A committed object: queue it for the remote tier when the policy says so.
+        `checksum` (its store checksum, when the caller has it): the whole trailer is
+        made now, off the write's path, for the writer to use when the object is not a
+        kvsum64 blob (`object_ranges`)."""
         if not self.policy.should_write(size, meta):
             self._count("put_skipped_policy")
             return
@@ -239,6 +270,7 @@ class RemoteTier:
         except BadObject:  # key and meta too large for a trailer
             self._count("put_skipped_policy")
             return
+        trailer = None if checksum is None else encode_trailer(key, meta, size, checksum, checksum, body)
         with self._qcond:
             if key in self._queued:
                 return
@@ -246,7 +278,7 @@ class RemoteTier:
                 self._count("put_queue_full")
                 return
             self._queue.append(key)
-            self._queued[key] = (meta, body)
+            self._queued[key] = _Made(meta, body, size, checksum, trailer)
             self._qcond.notify()
 
     def pending(self) -> int:
@@ -275,9 +307,10 @@ class RemoteTier:
         with self._qcond:
             self._writing -= n
 
-    def write(self, keys: Sequence[bytes], bodies: Optional[dict[bytes, tuple[ObjectMeta, bytes]]] = None) -> None:
+    def write(self, keys: Sequence[bytes], bodies: Optional[dict[bytes, Any]] = None) -> None:
         """Write the committed objects among `keys` to the remote tier (one put task).
-        `bodies`: trailer bodies made by `offer`, by key, with the meta they encode."""
+        `bodies`: what `offer` made, by key: a `_Made`, or a (meta, trailer body) pair;
+        each is used only for an object that is still the one it describes."""
         if not self.adapter.reachable():
             self._count("put_skipped_unreachable", len(keys))
             self._written(len(keys))
@@ -290,9 +323,13 @@ class RemoteTier:
         sent: list[StoredObject] = []
         for o in jobs:
             try:
+                body = trailer = None
                 made = bodies.get(o.key) if bodies else None
-                body = made[1] if made is not None and (made[0] is o.meta or made[0] == o.meta) else None
-                ranges, bufs = self._put_ranges(o, s.tiers[o.tier], body)
+                if made is not None and (made[0] is o.meta or made[0] == o.meta):
+                    body = made[1]
+                    if isinstance(made, _Made) and made.size == o.size and made.checksum == o.checksum:
+                        trailer = made.trailer
+                ranges, bufs = self._put_ranges(o, s.tiers[o.tier], body, trailer)
             except (KVStoreError, OSError) as exc:
                 log.warning("remote write of %r skipped: %s", o.key, exc)
                 self._count("put_errors")
@@ -324,12 +361,20 @@ class RemoteTier:
             settle(res)
 
     @staticmethod
-    def _put_ranges(o: StoredObject, tier: Tier, body: Optional[bytes]) -> tuple[tuple[tuple[int, int], ...],
-                                                                                 tuple[Any, ...]]:
+    def _put_ranges(o: StoredObject, tier: Tier, body: Optional[bytes],
+                    trailer: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
         """The transfer ranges of pinned object `o` followed by its trailer, and the
-        tensors that must live until the put has ended. One range when the bytes are in a
+        buffers that must live until the put has ended. One range when the bytes are in a
         memory arena whose slot has tail room for the trailer (written there: past the
-        object, bytes no reader of the object sees) or were staged; else two."""
+        object, bytes no reader of the object sees) or were staged; else two. `body`,
+        `trailer`: as `object_ranges` takes them."""
+        host = tier.host_extent(o.slot)
+        if host is not None:  # plain host memory: no tensor calls (object_ranges)
+            if not o.verified and tier.checksum(o.slot) != o.checksum:
+                raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
+            addr, extent = host
+            ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, len(extent), body, trailer, extent)
+            return ranges, (extent, tail)
         view = tier.view(o.slot)
         staged: Optional[torch.Tensor] = None
         if view is None or not view.is_cpu:  # a file or GPU tier: stage the bytes in host memory
@@ -340,7 +385,7 @@ class RemoteTier:
             addr, room = view.data_ptr(), (o.slot.length if isinstance(tier, ArenaTier) else o.size)
         if not o.verified and tier.checksum(o.slot) != o.checksum:
             raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
-        ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, room, body)
+        ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, room, body, trailer)
         return ranges, (view, staged, tail)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
@@ -391,9 +436,15 @@ class RemoteTier:
                 plans.append(_Fill(k, n, size, slot))
         if not plans:
             return 0
-        views = [mem.view(p.slot) for p in plans]
-        checks = [PayloadVerifier(memoryview(v.numpy()), p.key) for p, v in zip(plans, views)]
-        items = [GetItem(p.name, ((v.data_ptr(), p.size),), c.landed) for p, v, c in zip(plans, views, checks)]
+        views = []
+        for p in plans:  # (address, memoryview of the slot's extent); no tensor calls where the tier has them
+            host = mem.host_extent(p.slot)
+            if host is None:
+                v = mem.view(p.slot)
+                host = (v.data_ptr(), memoryview(v.numpy()))
+            views.append(host)
+        checks = [PayloadVerifier(ext[:p.size], p.key) for p, (_, ext) in zip(plans, views)]
+        items = [GetItem(p.name, ((addr, p.size),), c.landed) for p, (addr, _), c in zip(plans, views, checks)]
         res = self.adapter.call("get", items, self.settings.timeout_s,
                                 late=lambda r: self._free([p.slot for p in plans], views))
         if res.timed_out:
