@@ -140,7 +140,10 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
         raise BadObject(f"remote object of {key!r} is {size} bytes, its trailer says {plen + tlen}")
     try:
         m = msgpack.unpackb(obj[start + klen:fo], raw=False)
-        meta = ObjectMeta(str(m["f"]), int(m["t"]), float(m["c"]), dict(m["x"]))
+        f, t, c, x = m["f"], m["t"], m["c"], m["x"]
+        if type(f) is not str or type(t) is not int or type(c) is not float or type(x) is not dict:
+            f, t, c, x = str(f), int(t), float(c), dict(x)  # what the writer's encoder makes has these types
+        meta = ObjectMeta(f, t, c, x)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None
     return RemoteHeader(key if type(key) is bytes else bytes(key), meta, plen, psum, xsum)
