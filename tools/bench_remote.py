@@ -14,20 +14,21 @@ per repeat:
              `batch_get_session_start`, `batch_get_into_multi_buffer_ranges` per piece,
              `batch_get_session_end`: how much of our get's time is the chunked transfer
              itself and how much the verification beside it
-  ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
-             tier calls it (inline on the caller's thread, the client's RPC timeout
-             bounding it), plus what the remote tier does around it: on a put,
-             `kvstore.remote.tier.object_ranges` from the object in a slot as the CPU
-             arena allocates it with a remote tier on (`TRAILER_ROOM` past the object:
-             the trailer is written there and the object goes as one range;
-             `--no-tail-room`: a slot without that room, the trailer as a second range;
-             the trailer's key + meta part is made before the timed put, as
-             `RemoteTier.offer` makes it when the object is committed);
-             on a get, one range into a slot with room for the trailer, with a
-             `PayloadVerifier` as the item's `landed` (as `RemoteTier.fill` does: objects
-             over `read_chunk` are read in pieces, each hashed as it lands), then its
-             `finish` (the trailer checked, the rest of the payload hashed: the checksum
-             verified on every remote read)
+  ours       the daemon's remote path: the adapter's one-object calls as the remote tier
+             makes them for one object (`MooncakeAdapter.put_one` / `get_one`, inline on
+             the caller's thread, the client's RPC timeout bounding them), plus what the
+             tier does around them: on a put, `Tier.host_extent` of the object's slot in a
+             real CPU arena with the remote tier's tail room, then
+             `kvstore.remote.tier.object_ranges` through that view (`TRAILER_ROOM` past
+             the object: the trailer is written there and the object goes as one range;
+             `--no-tail-room`: a slot without that room, the trailer as a second range,
+             through `call`); the trailer itself is made before the timed put, as
+             `RemoteTier.offer` makes it from the commit's checksum;
+             on a get, `host_extent` of a fill's slot (the object with its trailer), a
+             `PayloadVerifier` over it as the get's `landed` (as `RemoteTier.fill` does:
+             objects over `read_chunk` are read in pieces, each hashed as it lands), then
+             its `finish` (the trailer checked, the rest of the payload hashed: the
+             checksum verified on every remote read)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -35,8 +36,10 @@ put latency on a loaded host, whichever of them was made first (`--client separa
 gives the raw sides a client of their own, as before).
 
 Each op is one object (put, get, remove); the sides alternate op by op, so all
-see the same load on a shared machine, and all move the same arena-shaped source and
-destination buffers. A get is timed without the stat that tells the tier an object's
+see the same load on a shared machine, and all move the same source and destination
+bytes (two slots of one CPU arena, `Buffers`; the raw sides take their addresses once,
+so no side makes a tensor call per op; each side's first gets of a repeat land into
+zeroed memory and are compared with what was put). A get is timed without the stat that tells the tier an object's
 size (on either side). Per row, `ours_steps_ms`: the medians of our steps (put:
 encode, call; get: call, including the hashing of pieces as they land, and verify,
 what `finish` has left), where our time goes. Per repeat: p50 / p99
@@ -78,7 +81,8 @@ from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVer
                                      trailer_body)
 from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class, piece_bytes  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
-from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
+from kvstore.remote.tier import TRAILER_ROOM, object_ranges, reserve_trailer_room  # noqa: E402
+from kvstore.tiers.cpu_arena import CpuArena  # noqa: E402
 
 MIB = 1 << 20
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -105,18 +109,30 @@ def spread(values: list[float]) -> dict[str, float]:
 
 class Buffers:
     """The source and destination memory of one object size, shared by every side: two
-    slots shaped as the CPU arena allocates them (`arena_slot`), their host addresses and
-    memoryviews taken once (as the arena takes its mapping's at open), so that no side
-    makes a tensor call per op."""
+    slots of a real CPU arena (`kvstore.tiers.cpu_arena.CpuArena`, with the tail room a
+    remote tier makes it keep): the source as a committed object's slot, the destination
+    as a fill's (the object with its trailer). The raw sides take their addresses once;
+    ours asks the arena for them per op, as the remote tier does (`Tier.host_extent`).
+    `close()` gives both slots back."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.src_slot, self.dst_slot = arena_slot(n, TRAILER_ROOM), arena_slot(n, MAX_TRAILER_BYTES)
-        self.src, self.dst = self.src_slot[:n], self.dst_slot[:n]
-        self.src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
-        self.src_addr, self.dst_addr = self.src_slot.data_ptr(), self.dst_slot.data_ptr()
-        self.src_mv, self.dst_mv = memoryview(self.src_slot.numpy()), memoryview(self.dst_slot.numpy())
-        self.csum = host_checksum(self.src_mv[:n])  # raw bytes: xxh3_64
+    def __init__(self, arena: CpuArena, n: int, remote_size: int) -> None:
+        """`remote_size`: our object's size with its trailer (what a fill allocates)."""
+        self.arena, self.n = arena, n
+        self.src_slot = arena.allocate(n, "src")
+        self.dst_slot = arena.allocate(remote_size, "dst")
+        if self.src_slot is None or self.dst_slot is None:
+            raise RuntimeError(f"the bench arena has no room for two {n}-byte slots")
+        self.src_addr, src_mv = arena.host_extent(self.src_slot)
+        self.dst_addr, dst_mv = arena.host_extent(self.dst_slot)
+        src_mv[:n] = torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes()
+        self.src_mv, self.dst_mv = src_mv[:n], dst_mv[:n]  # the object's bytes, for the raw sides and checks
+        self.csum = host_checksum(self.src_mv)  # raw bytes: xxh3_64
+
+    def close(self) -> None:
+        self.src_mv.release()
+        self.dst_mv.release()
+        self.arena.free(self.src_slot)
+        self.arena.free(self.dst_slot)
 
 
 class Raw:
@@ -202,13 +218,14 @@ class Ours:
     def put(self, name: str, b: Buffers) -> None:
         """As `RemoteTier._put_ranges` from a CPU-arena slot (`Tier.host_extent`: its
         address and a view of its extent, tail room included, unless --no-tail-room),
-        then the adapter's call."""
+        then the adapter's call (`RemoteTier.write`: `put_one` for one range)."""
         t0 = time.perf_counter()
         n = b.n
-        room = len(b.src_mv) if self.room else n
+        addr, extent = b.arena.host_extent(b.src_slot)
+        if not self.room:
+            extent = extent[:n]
         body, trailer = self.made.pop(name)
-        ranges, keep = object_ranges(name.encode(), self.meta, b.csum, b.src_addr, n, room, body, trailer,
-                                     b.src_mv[:room])
+        ranges, keep = object_ranges(name.encode(), self.meta, b.csum, addr, n, len(extent), body, trailer, extent)
         t1 = time.perf_counter()
         if len(ranges) == 1:  # as RemoteTier.write puts one object in one range
             code = self.a.put_one(name, ranges[0][0], ranges[0][1], TIMEOUT_S)
@@ -224,8 +241,9 @@ class Ours:
         """As `RemoteTier.fill` into a CPU-arena slot with room for the trailer."""
         size = self.sizes.pop(name)  # the tier learns it from its stat
         t0 = time.perf_counter()
-        check = PayloadVerifier(b.dst_mv[:size], name.encode())
-        code = self.a.get_one(name, b.dst_addr, size, TIMEOUT_S, check.landed)  # as RemoteTier.fill, one object
+        addr, extent = b.arena.host_extent(b.dst_slot)
+        check = PayloadVerifier(extent[:size], name.encode())
+        code = self.a.get_one(name, addr, size, TIMEOUT_S, check.landed)  # as RemoteTier.fill, one object
         t1 = time.perf_counter()
         if code != size:
             raise RuntimeError(f"adapter get {name}: code {code}")
@@ -244,11 +262,6 @@ class Ours:
 
     def remove(self, name: str) -> None:
         self.a.call("remove", [name], TIMEOUT_S)
-
-
-def arena_slot(n: int, room: int) -> torch.Tensor:
-    """A buffer shaped like a CPU-arena slot for an n-byte object with `room` bytes kept past it (page-rounded)."""
-    return torch.zeros(-(-(n + room) // 4096) * 4096, dtype=torch.uint8)
 
 
 def one_op(side: Any, tag: str, b: Buffers, check: bool) -> tuple[float, float]:
@@ -321,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.metadata, f"127.0.0.1:{master.rpc_port}",
                                str(1 << 30)], stdout=subprocess.PIPE, stderr=open(root / "holder.log", "wb"),
                               text=True)
+    # the CPU arena our sides' slots come from, keeping the remote tier's tail room past each object
+    arena = CpuArena(2 * (max(sizes) * MIB + MAX_TRAILER_BYTES + TRAILER_ROOM + 2 * 4096),
+                     f"bench-remote-{os.getpid()}", pin=False)
+    arena.open()
+    reserve_trailer_room(arena)
     try:
         line = holder.stdout.readline().strip()
         if line != "ready":
@@ -336,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         for mib in sizes:
             n = mib * MIB
             iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
-            b = Buffers(n)  # every side puts from and gets into the same memory
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
             name = f"bench/ours/{n}/{time.monotonic_ns()}".encode()  # as `one_op` names our objects
             ours_size = n + len(trailer_body(name, ours.meta)) + FOOTER_BYTES
+            b = Buffers(arena, n, ours_size)  # every side puts from and gets into the same memory
             piece = piece_bytes(ours_size, chunk)
             if piece < ours_size:  # our get reads in pieces: the raw client doing the same, unverified
                 sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, piece), "mooncake_verified": rawv,
@@ -379,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             # one call, so put_call / get_call vs its p50 is the call's own overhead
             row["ours_steps_ms"] = {k: 1e3 * statistics.median(v) for k, v in ours.steps.items() if v}
             rows.append(row)
+            b.close()
             print(f"{mib:>3} MiB  put p50 {row['mooncake']['put_p50_ms']['median']:.2f} -> "
                   f"{row['ours']['put_p50_ms']['median']:.2f} ms ({ov['put_p50_latency_pct']:+.1f}%)  "
                   f"get p50 {row['mooncake']['get_p50_ms']['median']:.2f} -> {row['ours']['get_p50_ms']['median']:.2f} ms "
@@ -434,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         holder.kill()
         holder.wait(10)
         master.stop()
+        arena.close()
 
 
 def _mooncake_version() -> str:
