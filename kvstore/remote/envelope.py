@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import msgpack
 import xxhash
@@ -70,9 +69,9 @@ def remote_name(namespace: str, key: bytes) -> str:
     return f"{namespace}/h{hashlib.blake2b(key, digest_size=32).hexdigest()}"
 
 
-@dataclass(frozen=True)
-class RemoteHeader:
-    """A decoded envelope trailer."""
+class RemoteHeader(NamedTuple):
+    """A decoded envelope trailer (a named tuple: made once per remote read, where a
+    frozen dataclass's field-by-field construction costs several times more)."""
 
     key: bytes
     meta: ObjectMeta
@@ -116,19 +115,28 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
     """Check and decode the trailer of a whole remote object `obj` (its bytes as read)
     read for `key`; BadObject naming what is wrong (a damaged, foreign, truncated or
     half-written object). The payload itself is verified by the caller
-    (`transfer_checksum`), against the returned `transfer_checksum`. Lean on purpose
-    (one unpack of the footer, no intermediate copies): it runs once per remote read,
-    right after the transfer has flushed the caches."""
+    (`transfer_checksum`), against the returned `transfer_checksum`."""
+    return _decode(obj, key, False)[0]
+
+
+def _decode(obj: memoryview, key: bytes, hash_payload: bool) -> tuple[RemoteHeader, int]:
+    """`decode_trailer`, and with `hash_payload` the xxh3 of the payload the footer
+    delimits (-1 without). The payload is hashed before the rest of the trailer is read:
+    streaming through it brings the trailer that follows it into the cache; its hash is
+    compared by the caller, after every check here, so a damaged trailer is named as
+    such. Lean on purpose (one unpack of the footer, no intermediate copies): it runs
+    once per remote read, right after the transfer has flushed the caches."""
     size = len(obj)
     if size < FOOTER_BYTES:
         raise BadObject(f"remote object of {key!r} is {size} bytes, shorter than its {FOOTER_BYTES}-byte footer")
     fo = size - FOOTER_BYTES
     magic, version, klen, mlen, _, plen, psum, xsum, tsum = _FOOTER_READ.unpack_from(obj, fo)
+    tlen = klen + mlen + FOOTER_BYTES
+    actual = _xxh3(obj[:plen]) if hash_payload and plen + tlen == size else -1
     if magic != MAGIC:
         raise BadObject(f"remote object of {key!r}: bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise BadObject(f"remote object of {key!r}: envelope version {version}, this daemon reads {VERSION}")
-    tlen = klen + mlen + FOOTER_BYTES
     if tlen > MAX_TRAILER_BYTES or tlen > size:
         raise BadObject(f"remote object of {key!r}: key and meta lengths {klen}+{mlen} overrun the object")
     start = size - tlen
@@ -146,7 +154,7 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
         meta = ObjectMeta(f, t, c, x)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None
-    return RemoteHeader(key if type(key) is bytes else bytes(key), meta, plen, psum, xsum)
+    return RemoteHeader(key if type(key) is bytes else bytes(key), meta, plen, psum, xsum), actual
 
 
 class PayloadVerifier:
@@ -179,11 +187,11 @@ class PayloadVerifier:
     def finish(self) -> RemoteHeader:
         """The decoded trailer of the whole object, its payload hash checked against the
         transfer checksum; BadObject naming what is wrong otherwise (never wrong bytes)."""
-        h = decode_trailer(self._obj, self._key)
-        p = h.payload_bytes
-        if self._hash is None:  # nothing hashed while landing: one call over the payload
-            actual = _xxh3(self._obj[:p])
+        if self._hash is None:  # nothing hashed while landing: one call over the payload, first
+            h, actual = _decode(self._obj, self._key, True)
         else:
+            h = _decode(self._obj, self._key, False)[0]
+            p = h.payload_bytes
             if p > self._done:
                 self._hash.update(self._obj[self._done:p])
             actual = self._hash.intdigest()
