@@ -59,6 +59,7 @@ _SUM = struct.Struct("<Q")
 FOOTER_BYTES = _FOOTER.size + _SUM.size  # 56: the fixed part at the end of every object
 _FOOTER_READ = struct.Struct("<8sIIII QQQQ")  # the whole footer at once, the trailer checksum last (readers)
 _xxh3 = xxhash.xxh3_64_intdigest
+_tuple_new = tuple.__new__
 MAX_INLINE_KEY = 64
 
 
@@ -154,7 +155,8 @@ def _decode(obj: memoryview, key: bytes, hash_payload: bool) -> tuple[RemoteHead
         meta = ObjectMeta(f, t, c, x)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None
-    return RemoteHeader(key if type(key) is bytes else bytes(key), meta, plen, psum, xsum), actual
+    # tuple.__new__ is what RemoteHeader(...) ends in, without its Python-level __new__
+    return _tuple_new(RemoteHeader, (key if type(key) is bytes else bytes(key), meta, plen, psum, xsum)), actual
 
 
 class PayloadVerifier:
@@ -166,18 +168,18 @@ class PayloadVerifier:
     thread doing the get; not thread-safe: one get drives it), then `finish()` once, after
     the whole object has landed. `landed` may never be called (`finish` hashes all)."""
 
-    __slots__ = ("_obj", "_key", "_hash", "_done", "_safe")
+    __slots__ = ("_obj", "_key", "_hash", "_done")
 
     def __init__(self, obj: memoryview, key: bytes) -> None:
         self._obj = obj
         self._key = key
         self._hash: Optional[xxhash.xxh3_64] = None
         self._done = 0  # payload bytes hashed so far
-        self._safe = max(0, len(obj) - MAX_TRAILER_BYTES)  # bytes that are payload whatever the trailer says
 
     def landed(self, end: int) -> None:
-        """Bytes [0, end) of the object have landed: hash those that are certainly payload."""
-        stop = min(end, self._safe)
+        """Bytes [0, end) of the object have landed: hash those that are certainly payload
+        (all but the last MAX_TRAILER_BYTES of the object, whatever its trailer says)."""
+        stop = min(end, len(self._obj) - MAX_TRAILER_BYTES)
         if stop > self._done:
             if self._hash is None:
                 self._hash = xxhash.xxh3_64()
