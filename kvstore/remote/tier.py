@@ -39,7 +39,6 @@ objects, allocate/adopt/free memory-tier slots); tiers are known by role, not na
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import threading
 import time
@@ -497,7 +496,8 @@ class RemoteTier:
         the slot's tail, past the object, until the slot is freed)."""
         n = 0
         for p, h in done:
-            slot = dataclasses.replace(p.slot, size=h.payload_bytes)
+            f = p.slot  # the same slot, as an object of the payload's size (not dataclasses.replace: per fill)
+            slot = Slot(f.tier, f.offset, f.length, h.payload_bytes, f.path)
             outcome = self.store.adopt_memory(p.key, slot, h.checksum, h.meta)
             if outcome == "closed":
                 return n
