@@ -161,9 +161,9 @@ class CpuArena(ArenaTier):
             _cuda_host_unregister(self._base)
             self._pinned = False
         self._base = None
-        if self._host is not None:
-            self._host[1].release()  # views sliced from it still hold the mapping (then: BufferError below)
-            self._host = None
+        # dropped, not released: a view sliced from it by a call racing this close stays
+        # valid (and holds the mapping: then the BufferError below)
+        self._host = None
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
