@@ -52,7 +52,7 @@ Contract (every adapter keeps it):
   `pending`; `late` as for `call`). Same contract, without the item and result records:
   inline, they cost a Python call or two beside the client's, where `call` makes five
   records and calls (each several microseconds right after a transfer has flushed the
-  caches, 3-8% of a 1 MiB object's get or put on loopback).
+  caches: together 1-4% of a 1 MiB object's get or put on loopback).
 - Reachability: `reachable()` is False after an operation failed because the store
   could not be reached, or a caller's wait timed out (`suspect()`: a hung or very slow
   store), until a background probe (every `probe_interval_s`) gets an answer again;
