@@ -347,7 +347,7 @@ class Store:
         if p.tier == self.roles.memory:
             self._writeback.kick()
         if self._remote is not None:
-            self._remote.offer(p.key, slot.size, p.meta)
+            self._remote.offer(p.key, slot.size, p.meta, checksum)
         return LookupEntry(p.key, True, p.tier, slot.size)
 
     def _owned_locked(self, table: LeaseTable, lease_id: int, client_id: Optional[str]) -> Optional[LeaseEntry]:

@@ -14,20 +14,21 @@ per repeat:
              `batch_get_session_start`, `batch_get_into_multi_buffer_ranges` per piece,
              `batch_get_session_end`: how much of our get's time is the chunked transfer
              itself and how much the verification beside it
-  ours       the daemon's remote path: `MooncakeAdapter.call("put" | "get")` as the remote
-             tier calls it (inline on the caller's thread, the client's RPC timeout
-             bounding it), plus what the remote tier does around it: on a put,
-             `kvstore.remote.tier.object_ranges` from the object in a slot as the CPU
-             arena allocates it with a remote tier on (`TRAILER_ROOM` past the object:
-             the trailer is written there and the object goes as one range;
-             `--no-tail-room`: a slot without that room, the trailer as a second range;
-             the trailer's key + meta part is made before the timed put, as
-             `RemoteTier.offer` makes it when the object is committed);
-             on a get, one range into a slot with room for the trailer, with a
-             `PayloadVerifier` as the item's `landed` (as `RemoteTier.fill` does: objects
-             over `read_chunk` are read in pieces, each hashed as it lands), then its
-             `finish` (the trailer checked, the rest of the payload hashed: the checksum
-             verified on every remote read)
+  ours       the daemon's remote path: the adapter's one-object calls as the remote tier
+             makes them for one object (`MooncakeAdapter.put_one` / `get_one`, inline on
+             the caller's thread, the client's RPC timeout bounding them), plus what the
+             tier does around them: on a put, `Tier.host_extent` of the object's slot in a
+             real CPU arena with the remote tier's tail room, then
+             `kvstore.remote.tier.object_ranges` through that view (`TRAILER_ROOM` past
+             the object: the trailer is written there and the object goes as one range;
+             `--no-tail-room`: a slot without that room, the trailer as a second range,
+             through `call`); the trailer itself is made before the timed put, as
+             `RemoteTier.offer` makes it from the commit's checksum;
+             on a get, `host_extent` of a fill's slot (the object with its trailer), a
+             `PayloadVerifier` over it as the get's `landed` (as `RemoteTier.fill` does:
+             objects over `read_chunk` are read in pieces, each hashed as it lands), then
+             its `finish` (the trailer checked, the rest of the payload hashed: the
+             checksum verified on every remote read)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -35,8 +36,10 @@ put latency on a loaded host, whichever of them was made first (`--client separa
 gives the raw sides a client of their own, as before).
 
 Each op is one object (put, get, remove); the sides alternate op by op, so all
-see the same load on a shared machine, and all move the same arena-shaped source and
-destination buffers. A get is timed without the stat that tells the tier an object's
+see the same load on a shared machine, and all move the same source and destination
+bytes (two slots of one CPU arena, `Buffers`; the raw sides take their addresses once,
+so no side makes a tensor call per op; each side's first gets of a repeat land into
+zeroed memory and are compared with what was put). A get is timed without the stat that tells the tier an object's
 size (on either side). Per row, `ours_steps_ms`: the medians of our steps (put:
 encode, call; get: call, including the hashing of pieces as they land, and verify,
 what `finish` has left), where our time goes. Per repeat: p50 / p99
@@ -69,16 +72,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import xxhash  # noqa: E402
 
 from kvstore.checksums import host_checksum  # noqa: E402
 from kvstore.records import ObjectMeta  # noqa: E402
-from kvstore.remote.base import GetItem, PutItem  # noqa: E402
-from kvstore.remote.envelope import FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVerifier, trailer_body  # noqa: E402
+from kvstore.remote.base import PutItem  # noqa: E402
+from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVerifier, encode_trailer,  # noqa: E402
+                                     trailer_body)
 from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, load_client_class, piece_bytes  # noqa: E402
 from kvstore.remote.testing import MooncakeMaster, mooncake_unavailable  # noqa: E402
-from kvstore.remote.tier import TRAILER_ROOM, object_ranges  # noqa: E402
+from kvstore.remote.tier import TRAILER_ROOM, object_ranges, reserve_trailer_room  # noqa: E402
+from kvstore.tiers.cpu_arena import CpuArena  # noqa: E402
 
 MIB = 1 << 20
+_xxh3 = xxhash.xxh3_64_intdigest
 TIMEOUT_S = 2.0  # the remote tier's default timeout (RemoteSettings.timeout_s)
 HOLDER = """
 import sys, time
@@ -100,6 +107,34 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+class Buffers:
+    """The source and destination memory of one object size, shared by every side: two
+    slots of a real CPU arena (`kvstore.tiers.cpu_arena.CpuArena`, with the tail room a
+    remote tier makes it keep): the source as a committed object's slot, the destination
+    as a fill's (the object with its trailer). The raw sides take their addresses once;
+    ours asks the arena for them per op, as the remote tier does (`Tier.host_extent`).
+    `close()` gives both slots back."""
+
+    def __init__(self, arena: CpuArena, n: int, remote_size: int) -> None:
+        """`remote_size`: our object's size with its trailer (what a fill allocates)."""
+        self.arena, self.n = arena, n
+        self.src_slot = arena.allocate(n, "src")
+        self.dst_slot = arena.allocate(remote_size, "dst")
+        if self.src_slot is None or self.dst_slot is None:
+            raise RuntimeError(f"the bench arena has no room for two {n}-byte slots")
+        self.src_addr, src_mv = arena.host_extent(self.src_slot)
+        self.dst_addr, dst_mv = arena.host_extent(self.dst_slot)
+        src_mv[:n] = torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().tobytes()
+        self.src_mv, self.dst_mv = src_mv[:n], dst_mv[:n]  # the object's bytes, for the raw sides and checks
+        self.csum = host_checksum(self.src_mv)  # raw bytes: xxh3_64
+
+    def close(self) -> None:
+        self.src_mv.release()
+        self.dst_mv.release()
+        self.arena.free(self.src_slot)
+        self.arena.free(self.dst_slot)
+
+
 class Raw:
     """Mooncake's own client, the baseline."""
 
@@ -112,16 +147,16 @@ class Raw:
             if rc != 0:
                 raise RuntimeError(f"raw client setup returned {rc}")
 
-    def put(self, name: str, buf: torch.Tensor) -> None:
-        rc = self.c.put_from(name, buf.data_ptr(), buf.numel())
+    def put(self, name: str, b: Buffers) -> None:
+        rc = self.c.put_from(name, b.src_addr, b.n)
         if rc != 0:
             raise RuntimeError(f"raw put_from {name} returned {rc}")
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
-        n = self.c.get_into(name, buf.data_ptr(), buf.numel())
-        if n != buf.numel():
+    def get(self, name: str, b: Buffers) -> memoryview:
+        n = self.c.get_into(name, b.dst_addr, b.n)
+        if n != b.n:
             raise RuntimeError(f"raw get_into {name} returned {n}")
-        return buf
+        return b.dst_mv[:n]
 
     def remove(self, name: str) -> None:
         self.c.remove(name, True)
@@ -130,11 +165,11 @@ class Raw:
 class RawVerified(Raw):
     """Mooncake's client plus the one thing a careful caller must add: hashing what it read."""
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
-        super().get(name, buf, want)
-        if host_checksum(memoryview(buf.numpy())) != want:
+    def get(self, name: str, b: Buffers) -> memoryview:
+        got = super().get(name, b)
+        if _xxh3(got) != b.csum:
             raise RuntimeError(f"raw get_into {name}: checksum mismatch")
-        return buf
+        return got
 
 
 class RawRanged(Raw):
@@ -144,8 +179,8 @@ class RawRanged(Raw):
         """`piece`: the piece size our get uses for the object with its trailer (`piece_bytes`)."""
         self.own, self.c, self.chunk = False, client, piece
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
-        c, n, ptr = self.c, buf.numel(), buf.data_ptr()
+    def get(self, name: str, b: Buffers) -> memoryview:
+        c, n, ptr = self.c, b.n, b.dst_addr
         if c.batch_get_session_start([name])[0] != 0:
             raise RuntimeError(f"raw session start {name} failed")
         try:
@@ -155,7 +190,7 @@ class RawRanged(Raw):
                     raise RuntimeError(f"raw ranged get {name} at {off} failed")
         finally:
             c.batch_get_session_end([name])
-        return buf
+        return b.dst_mv[:n]
 
 
 class Ours:
@@ -168,87 +203,99 @@ class Ours:
         self.meta = ObjectMeta("bench", 0, 0.0, {})
         self.room = room
         self.sizes: dict[str, int] = {}
-        self.bodies: dict[str, bytes] = {}
+        self.made: dict[str, tuple[bytes, bytes]] = {}
         #: seconds of each step of our ops (`steps_ms`): where our time goes
         self.steps: dict[str, list[float]] = {k: [] for k in ("put_encode", "put_call", "get_call", "get_verify")}
-        self._src = self._dst = torch.empty(0, dtype=torch.uint8)
+        self._marks = (0.0, 0.0, 0.0)
 
-    def prepare(self, src_slot: torch.Tensor, dst_slot: torch.Tensor) -> None:
-        """Before timing a size: the slots (`arena_slot`) every side's source and
-        destination bytes start, so all sides move the same memory."""
-        self._src, self._dst = src_slot, dst_slot
+    def offer(self, name: str, b: Buffers) -> None:
+        """What `RemoteTier.offer` does at the object's commit, before any put: the trailer
+        body and, from the store checksum the commit has, the whole trailer."""
+        key = name.encode()
+        body = trailer_body(key, self.meta)
+        self.made[name] = (body, encode_trailer(key, self.meta, b.n, b.csum, b.csum, body))
 
-    def offer(self, name: str) -> None:
-        """What `RemoteTier.offer` does at the object's commit, before any put: the trailer body."""
-        self.bodies[name] = trailer_body(name.encode(), self.meta)
-
-    def put(self, name: str, buf: torch.Tensor, csum: int) -> None:
+    def put(self, name: str, b: Buffers) -> None:
+        """As `RemoteTier._put_ranges` from a CPU-arena slot (`Tier.host_extent`: its
+        address and a view of its extent, tail room included, unless --no-tail-room),
+        then the adapter's call (`RemoteTier.write`: `put_one` for one range)."""
         t0 = time.perf_counter()
-        n = buf.numel()  # `buf` starts a slot with the arena's tail room (`prepare`), unless --no-tail-room
-        ranges, keep = object_ranges(name.encode(), self.meta, csum, buf.data_ptr(), n,
-                                     self._src.numel() if self.room else n, self.bodies.pop(name))
+        n = b.n
+        addr, extent = b.arena.host_extent(b.src_slot)
+        if not self.room:
+            extent = extent[:n]
+        body, trailer = self.made.pop(name)
+        ranges, keep = object_ranges(name.encode(), self.meta, b.csum, addr, n, len(extent), body, trailer, extent)
         t1 = time.perf_counter()
-        res = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S)
-        self.steps["put_encode"].append(t1 - t0)
-        self.steps["put_call"].append(time.perf_counter() - t1)
-        if not res.ok:
-            raise RuntimeError(f"adapter put {name}: {res}")
-        self.sizes[name] = sum(n for _, n in ranges)
+        if len(ranges) == 1:  # as RemoteTier.write puts one object in one range
+            code = self.a.put_one(name, ranges[0][0], ranges[0][1], TIMEOUT_S)
+        else:
+            code = self.a.call("put", [PutItem(name, ranges)], TIMEOUT_S).codes[0]
+        self._marks = (t0, t1, time.perf_counter())
+        if code < 0:
+            raise RuntimeError(f"adapter put {name}: code {code}")
+        self.sizes[name] = code  # bytes written: the object with its trailer
         del keep
 
-    def get(self, name: str, buf: torch.Tensor, want: int) -> torch.Tensor:
+    def get(self, name: str, b: Buffers) -> memoryview:
+        """As `RemoteTier.fill` into a CPU-arena slot with room for the trailer."""
         size = self.sizes.pop(name)  # the tier learns it from its stat
-        slot = self._dst  # `buf` starts it: the fill's slot, with room for the trailer
         t0 = time.perf_counter()
-        check = PayloadVerifier(memoryview(slot.numpy())[:size], name.encode())
-        res = self.a.call("get", [GetItem(name, ((slot.data_ptr(), size),), check.landed)], TIMEOUT_S)
+        addr, extent = b.arena.host_extent(b.dst_slot)
+        check = PayloadVerifier(extent[:size], name.encode())
+        code = self.a.get_one(name, addr, size, TIMEOUT_S, check.landed)  # as RemoteTier.fill, one object
         t1 = time.perf_counter()
-        if res.codes[0] != size:
-            raise RuntimeError(f"adapter get {name}: {res}")
+        if code != size:
+            raise RuntimeError(f"adapter get {name}: code {code}")
         h = check.finish()
-        self.steps["get_call"].append(t1 - t0)
-        self.steps["get_verify"].append(time.perf_counter() - t1)
-        if h.checksum != want or h.payload_bytes != buf.numel():
+        self._marks = (t0, t1, time.perf_counter())
+        if h.checksum != b.csum or h.payload_bytes != b.n:
             raise RuntimeError(f"adapter get {name}: checksum mismatch")
-        return slot[: buf.numel()]
+        return b.dst_mv[:h.payload_bytes]
+
+    def note(self, op: str) -> None:
+        """Record the steps of the op just timed (outside its timing)."""
+        t0, t1, t2 = self._marks
+        a, c = ("put_encode", "put_call") if op == "put" else ("get_call", "get_verify")
+        self.steps[a].append(t1 - t0)
+        self.steps[c].append(t2 - t1)
 
     def remove(self, name: str) -> None:
         self.a.call("remove", [name], TIMEOUT_S)
 
 
-def arena_slot(n: int, room: int) -> torch.Tensor:
-    """A buffer shaped like a CPU-arena slot for an n-byte object with `room` bytes kept past it (page-rounded)."""
-    return torch.zeros(-(-(n + room) // 4096) * 4096, dtype=torch.uint8)
-
-
-def one_op(side: Any, tag: str, src: torch.Tensor, dst: torch.Tensor, csum: int, check: bool) -> tuple[float, float]:
+def one_op(side: Any, tag: str, b: Buffers, check: bool) -> tuple[float, float]:
     """One put, get and remove of one object; (put seconds, get seconds)."""
-    name = f"bench/{tag}/{src.numel()}/{time.monotonic_ns()}"
-    if isinstance(side, Ours):
-        side.offer(name)
+    name = f"bench/{tag}/{b.n}/{time.monotonic_ns()}"
+    ours = isinstance(side, Ours)
+    if ours:
+        side.offer(name, b)
     t0 = time.perf_counter()
-    if isinstance(side, Ours):
-        side.put(name, src, csum)
-    else:
-        side.put(name, src)
+    side.put(name, b)
     t1 = time.perf_counter()
-    got = side.get(name, dst, csum)
+    if ours:
+        side.note("put")
     t2 = time.perf_counter()
+    got = side.get(name, b)
+    t3 = time.perf_counter()
+    if ours:
+        side.note("get")
     side.remove(name)
-    if check and not torch.equal(src, got):
+    if check and got != b.src_mv[:b.n]:
         raise RuntimeError(f"{tag}: bytes read back differ")
-    return t1 - t0, t2 - t1
+    if check:
+        b.dst_mv[:b.n] = bytes(b.n)  # the next side's first get must land its own bytes
+    return t1 - t0, t3 - t2
 
 
-def run_repeat(sides: dict[str, Any], src: torch.Tensor, dst: torch.Tensor, iters: int,
-               csum: int) -> dict[str, dict[str, float]]:
+def run_repeat(sides: dict[str, Any], b: Buffers, iters: int) -> dict[str, dict[str, float]]:
     """`iters` ops per side, the sides alternating op by op (so both see the same load)."""
     lat: dict[str, list[tuple[float, float]]] = {tag: [] for tag in sides}
     for i in range(iters):
         order = list(sides.items()) if i % 2 == 0 else list(reversed(sides.items()))
         for tag, side in order:
-            lat[tag].append(one_op(side, tag, src, dst, csum, check=i < 2))
-    n = src.numel()
+            lat[tag].append(one_op(side, tag, b, check=i < 2))
+    n = b.n
     out: dict[str, Any] = {"_ops": lat}
     for tag, v in lat.items():
         puts, gets = [a for a, _ in v], [b for _, b in v]
@@ -287,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, master.metadata, f"127.0.0.1:{master.rpc_port}",
                                str(1 << 30)], stdout=subprocess.PIPE, stderr=open(root / "holder.log", "wb"),
                               text=True)
+    # the CPU arena our sides' slots come from, keeping the remote tier's tail room past each object
+    arena = CpuArena(2 * (max(sizes) * MIB + MAX_TRAILER_BYTES + TRAILER_ROOM + 2 * 4096),
+                     f"bench-remote-{os.getpid()}", pin=False)
+    arena.open()
+    reserve_trailer_room(arena)
     try:
         line = holder.stdout.readline().strip()
         if line != "ready":
@@ -302,25 +354,21 @@ def main(argv: list[str] | None = None) -> int:
         for mib in sizes:
             n = mib * MIB
             iters = args.iters or {1: 24, 4: 16, 16: 10}.get(mib, 6)
-            src_slot, dst_slot = arena_slot(n, TRAILER_ROOM), arena_slot(n, MAX_TRAILER_BYTES)
-            src, dst = src_slot[:n], dst_slot[:n]  # every side puts from and gets into the same memory
-            src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
-            csum = host_checksum(memoryview(src.numpy()))
             sides = {"mooncake": raw, "mooncake_verified": rawv, "ours": ours}
             name = f"bench/ours/{n}/{time.monotonic_ns()}".encode()  # as `one_op` names our objects
             ours_size = n + len(trailer_body(name, ours.meta)) + FOOTER_BYTES
+            b = Buffers(arena, n, ours_size)  # every side puts from and gets into the same memory
             piece = piece_bytes(ours_size, chunk)
             if piece < ours_size:  # our get reads in pieces: the raw client doing the same, unverified
                 sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, piece), "mooncake_verified": rawv,
                          "ours": ours}
-            ours.prepare(src_slot, dst_slot)
-            run_repeat(sides, src, dst, 2, csum)  # warm-up
+            run_repeat(sides, b, 2)  # warm-up
             for v in ours.steps.values():
                 v.clear()
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
             ops: dict[str, list[tuple[float, float]]] = {}
             for _ in range(args.repeats):
-                rep = run_repeat(sides, src, dst, iters, csum)
+                rep = run_repeat(sides, b, iters)
                 for tag in per:
                     per[tag].append(rep[tag])
                 for tag, v in rep["_ops"].items():
@@ -349,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             # one call, so put_call / get_call vs its p50 is the call's own overhead
             row["ours_steps_ms"] = {k: 1e3 * statistics.median(v) for k, v in ours.steps.items() if v}
             rows.append(row)
+            b.close()
             print(f"{mib:>3} MiB  put p50 {row['mooncake']['put_p50_ms']['median']:.2f} -> "
                   f"{row['ours']['put_p50_ms']['median']:.2f} ms ({ov['put_p50_latency_pct']:+.1f}%)  "
                   f"get p50 {row['mooncake']['get_p50_ms']['median']:.2f} -> {row['ours']['get_p50_ms']['median']:.2f} ms "
@@ -404,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         holder.kill()
         holder.wait(10)
         master.stop()
+        arena.close()
 
 
 def _mooncake_version() -> str:

@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import msgpack
 import xxhash
@@ -58,6 +57,9 @@ MAX_TRAILER_BYTES = 4096
 _FOOTER = struct.Struct("<8sIIII QQQ")  # magic, version, key len, meta len, reserved, payload len, store sum, xfer sum
 _SUM = struct.Struct("<Q")
 FOOTER_BYTES = _FOOTER.size + _SUM.size  # 56: the fixed part at the end of every object
+_FOOTER_READ = struct.Struct("<8sIIII QQQQ")  # the whole footer at once, the trailer checksum last (readers)
+_xxh3 = xxhash.xxh3_64_intdigest
+_tuple_new = tuple.__new__
 MAX_INLINE_KEY = 64
 
 
@@ -68,9 +70,9 @@ def remote_name(namespace: str, key: bytes) -> str:
     return f"{namespace}/h{hashlib.blake2b(key, digest_size=32).hexdigest()}"
 
 
-@dataclass(frozen=True)
-class RemoteHeader:
-    """A decoded envelope trailer."""
+class RemoteHeader(NamedTuple):
+    """A decoded envelope trailer (a named tuple: made once per remote read, where a
+    frozen dataclass's field-by-field construction costs several times more)."""
 
     key: bytes
     meta: ObjectMeta
@@ -115,20 +117,31 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
     read for `key`; BadObject naming what is wrong (a damaged, foreign, truncated or
     half-written object). The payload itself is verified by the caller
     (`transfer_checksum`), against the returned `transfer_checksum`."""
+    return _decode(obj, key, False)[0]
+
+
+def _decode(obj: memoryview, key: bytes, hash_payload: bool) -> tuple[RemoteHeader, int]:
+    """`decode_trailer`, and with `hash_payload` the xxh3 of the payload the footer
+    delimits (-1 without). The payload is hashed before the rest of the trailer is read:
+    streaming through it brings the trailer that follows it into the cache; its hash is
+    compared by the caller, after every check here, so a damaged trailer is named as
+    such. Lean on purpose (one unpack of the footer, no intermediate copies): it runs
+    once per remote read, right after the transfer has flushed the caches."""
     size = len(obj)
     if size < FOOTER_BYTES:
         raise BadObject(f"remote object of {key!r} is {size} bytes, shorter than its {FOOTER_BYTES}-byte footer")
     fo = size - FOOTER_BYTES
-    magic, version, klen, mlen, _, plen, psum, xsum = _FOOTER.unpack_from(obj, fo)
+    magic, version, klen, mlen, _, plen, psum, xsum, tsum = _FOOTER_READ.unpack_from(obj, fo)
+    tlen = klen + mlen + FOOTER_BYTES
+    actual = _xxh3(obj[:plen]) if hash_payload and plen + tlen == size else -1
     if magic != MAGIC:
         raise BadObject(f"remote object of {key!r}: bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise BadObject(f"remote object of {key!r}: envelope version {version}, this daemon reads {VERSION}")
-    tlen = klen + mlen + FOOTER_BYTES
     if tlen > MAX_TRAILER_BYTES or tlen > size:
         raise BadObject(f"remote object of {key!r}: key and meta lengths {klen}+{mlen} overrun the object")
     start = size - tlen
-    if xxhash.xxh3_64_intdigest(obj[start:size - _SUM.size]) != _SUM.unpack_from(obj, size - _SUM.size)[0]:
+    if _xxh3(obj[start:size - _SUM.size]) != tsum:
         raise BadObject(f"remote object of {key!r}: trailer checksum mismatch")
     if obj[start:start + klen] != key:
         raise BadObject(f"remote object of {key!r} holds key {bytes(obj[start:start + klen])!r}")
@@ -136,10 +149,14 @@ def decode_trailer(obj: memoryview, key: bytes) -> RemoteHeader:
         raise BadObject(f"remote object of {key!r} is {size} bytes, its trailer says {plen + tlen}")
     try:
         m = msgpack.unpackb(obj[start + klen:fo], raw=False)
-        meta = ObjectMeta(str(m["f"]), int(m["t"]), float(m["c"]), dict(m["x"]))
+        f, t, c, x = m["f"], m["t"], m["c"], m["x"]
+        if type(f) is not str or type(t) is not int or type(c) is not float or type(x) is not dict:
+            f, t, c, x = str(f), int(t), float(c), dict(x)  # what the writer's encoder makes has these types
+        meta = ObjectMeta(f, t, c, x)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad object
         raise BadObject(f"remote object of {key!r}: undecodable meta ({exc})") from None
-    return RemoteHeader(bytes(key), meta, plen, psum, xsum)
+    # tuple.__new__ is what RemoteHeader(...) ends in, without its Python-level __new__
+    return _tuple_new(RemoteHeader, (key if type(key) is bytes else bytes(key), meta, plen, psum, xsum)), actual
 
 
 class PayloadVerifier:
@@ -151,18 +168,18 @@ class PayloadVerifier:
     thread doing the get; not thread-safe: one get drives it), then `finish()` once, after
     the whole object has landed. `landed` may never be called (`finish` hashes all)."""
 
-    __slots__ = ("_obj", "_key", "_hash", "_done", "_safe")
+    __slots__ = ("_obj", "_key", "_hash", "_done")
 
     def __init__(self, obj: memoryview, key: bytes) -> None:
         self._obj = obj
         self._key = key
         self._hash: Optional[xxhash.xxh3_64] = None
         self._done = 0  # payload bytes hashed so far
-        self._safe = max(0, len(obj) - MAX_TRAILER_BYTES)  # bytes that are payload whatever the trailer says
 
     def landed(self, end: int) -> None:
-        """Bytes [0, end) of the object have landed: hash those that are certainly payload."""
-        stop = min(end, self._safe)
+        """Bytes [0, end) of the object have landed: hash those that are certainly payload
+        (all but the last MAX_TRAILER_BYTES of the object, whatever its trailer says)."""
+        stop = min(end, len(self._obj) - MAX_TRAILER_BYTES)
         if stop > self._done:
             if self._hash is None:
                 self._hash = xxhash.xxh3_64()
@@ -172,11 +189,11 @@ class PayloadVerifier:
     def finish(self) -> RemoteHeader:
         """The decoded trailer of the whole object, its payload hash checked against the
         transfer checksum; BadObject naming what is wrong otherwise (never wrong bytes)."""
-        h = decode_trailer(self._obj, self._key)
-        p = h.payload_bytes
-        if self._hash is None:  # nothing hashed while landing: one call over the payload
-            actual = transfer_checksum(self._obj[:p])
+        if self._hash is None:  # nothing hashed while landing: one call over the payload, first
+            h, actual = _decode(self._obj, self._key, True)
         else:
+            h = _decode(self._obj, self._key, False)[0]
+            p = h.payload_bytes
             if p > self._done:
                 self._hash.update(self._obj[self._done:p])
             actual = self._hash.intdigest()

@@ -60,7 +60,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 from kvstore.config import ConfigError, parse_size
@@ -271,22 +271,26 @@ class MooncakeAdapter(BlockingAdapter):
             return [UNREACHABLE] * len(items)
         if len(items) == 1 and len(items[0].ranges) == 1:  # the single-object call: cheaper than a batch one
             ((addr, n),) = items[0].ranges
-            if 0 < self.target.read_chunk_bytes < n:
-                return [self._get_chunked(c, items[0], addr, n)]
-            return [int(c.get_into(items[0].name, addr, n))]
+            return [self.get_one_now(items[0].name, addr, n, items[0].landed)]
         return list(c.batch_get_into_multi_buffers(
             [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
             [[n for _, n in i.ranges] for i in items]))
 
-    def _get_chunked(self, c: Any, item: GetItem, addr: int, n: int) -> int:
+    def get_one_now(self, name: str, addr: int, n: int, landed: Optional[Callable[[int], None]] = None) -> int:
+        c = self._client
+        if c is None:
+            return UNREACHABLE
+        if 0 < self.target.read_chunk_bytes < n:
+            return self._get_chunked(c, name, addr, n, landed)
+        return c.get_into(name, addr, n)
+
+    def _get_chunked(self, c: Any, name: str, addr: int, n: int, landed: Optional[Callable[[int], None]]) -> int:
         """One object read in pieces (`piece_bytes`) from one replica lookup, `landed`
         called after each (module docstring); bytes read, or a negative code."""
-        name = item.name
         code = int(c.batch_get_session_start([name])[0])
         if code != 0:
             return code if code < 0 else FAILED
         step = piece_bytes(n, self.target.read_chunk_bytes)
-        landed = item.landed
         try:
             for off in range(0, n, step):
                 ln = min(step, n - off)
@@ -305,12 +309,18 @@ class MooncakeAdapter(BlockingAdapter):
             return [UNREACHABLE] * len(items)
         if len(items) == 1 and len(items[0].ranges) == 1:  # the single-object call: cheaper than a batch one
             ((addr, n),) = items[0].ranges
-            code = int(c.put_from(items[0].name, addr, n))
-            return [n if code == 0 else code]
+            return [self.put_one_now(items[0].name, addr, n)]
         codes = c.batch_put_from_multi_buffers(
             [i.name for i in items], [[a for a, _ in i.ranges] for i in items],
             [[n for _, n in i.ranges] for i in items])
         return [i.size if c == 0 else int(c) for i, c in zip(items, codes)]
+
+    def put_one_now(self, name: str, addr: int, n: int) -> int:
+        c = self._client
+        if c is None:
+            return UNREACHABLE
+        code = c.put_from(name, addr, n)
+        return n if code == 0 else code
 
     def remove_now(self, names: Sequence[str]) -> list[int]:
         c = self._client

@@ -39,12 +39,12 @@ objects, allocate/adopt/free memory-tier slots); tiers are known by role, not na
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -52,7 +52,8 @@ from kvstore.checksums import BLOB_MAGIC, PREFIX_BYTES, XXH3, algorithm_of
 from kvstore.errors import BadObject, KVStoreError
 from kvstore.placement import StoredObject
 from kvstore.records import ObjectMeta
-from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteAdapter, RemoteConfigError, TaskResult
+from kvstore.remote.base import (NOT_FOUND, PENDING, TIMED_OUT, GetItem, PutItem, RemoteAdapter,
+                                RemoteConfigError)
 from kvstore.remote.envelope import (FOOTER_BYTES, MAX_TRAILER_BYTES, PayloadVerifier, RemoteHeader, encode_trailer,
                                      remote_name, trailer_body, transfer_checksum)
 from kvstore.remote.policy import RemotePolicy, parse_policy
@@ -138,6 +139,18 @@ class StoreSeam(Protocol):
     def free_memory(self, slots: Sequence[Slot]) -> None: ...
 
 
+class _Made(NamedTuple):
+    """What `RemoteTier.offer` made of a committed object for its write: the meta it
+    packed, the trailer body, and (given the checksum) the whole trailer, valid for an
+    object of `size` bytes with store checksum `checksum` that is not a kvsum64 blob."""
+
+    meta: ObjectMeta
+    body: bytes
+    size: int = -1
+    checksum: Optional[int] = None
+    trailer: Optional[bytes] = None
+
+
 @dataclass
 class _Fill:
     key: bytes
@@ -158,28 +171,43 @@ def reserve_trailer_room(memory_tier: Tier) -> None:
 
 
 def object_ranges(key: bytes, meta: ObjectMeta, checksum: int, addr: int, size: int, room: int = 0,
-                  body: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], Any]:
+                  body: Optional[bytes] = None, trailer: Optional[bytes] = None,
+                  extent: Optional[memoryview] = None) -> tuple[tuple[tuple[int, int], ...], Any]:
     """The transfer ranges of one remote object (kvstore.remote.envelope): its `size`
     payload bytes at host address `addr`, with store checksum `checksum`, then its
     trailer; and the buffer (if any) that must live until the put has ended. `room`:
     how many bytes at `addr` may be written, the payload included (an arena slot's
     page-rounded extent, a staging buffer); when the trailer fits there it is written
     there and the object goes as one range. `body`: the trailer's key and meta part when
-    already made (`offer` makes it). Kept lean (plain addresses, no tensor calls): it
-    runs once per put, right after other transfers have flushed the caches, where every
-    call costs several times what it does warm."""
-    prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
-    if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:
-        xsum = checksum  # the store's checksum is the transfer checksum
+    already made (`offer` makes it). `trailer`: the whole trailer when already made
+    (`offer` makes it) with the store checksum as the transfer checksum: used only when
+    the bytes are not a kvsum64 blob (whose trailer records an xxh3 of its bytes, made
+    here); it must be `encode_trailer(key, meta, size, checksum, checksum)`. `extent`:
+    a writable memoryview of the `room` bytes at `addr` (`Tier.host_extent`), through
+    which the blob header is read and the trailer written instead of ctypes calls.
+    Kept lean (plain addresses and memoryviews, no tensor calls): it runs once per put,
+    right after other transfers have flushed the caches, where every call costs several
+    times what it does warm."""
+    if extent is not None:
+        prefix = extent[:PREFIX_BYTES] if size >= PREFIX_BYTES else b""
+    else:
+        prefix = ctypes.string_at(addr, min(size, PREFIX_BYTES))
+    if prefix[:8] != BLOB_MAGIC or algorithm_of(prefix) == XXH3:  # the store's checksum is the transfer checksum
+        if trailer is None:
+            trailer = encode_trailer(key, meta, size, checksum, checksum, body)
     else:  # a kvsum64 blob: readers verify an xxh3 of its bytes
-        xsum = transfer_checksum(memoryview((ctypes.c_char * size).from_address(addr)).cast("B"))
-    trailer = encode_trailer(key, meta, size, checksum, xsum, body)
-    whole = size + len(trailer)
+        data = extent[:size] if extent is not None else (ctypes.c_char * size).from_address(addr)
+        trailer = encode_trailer(key, meta, size, checksum, transfer_checksum(memoryview(data).cast("B")), body)
+    t = len(trailer)
+    whole = size + t
     if room >= whole:
-        ctypes.memmove(addr + size, trailer, len(trailer))
+        if extent is not None:
+            extent[size:whole] = trailer
+        else:
+            ctypes.memmove(addr + size, trailer, t)
         return ((addr, whole),), None
-    tail = ctypes.create_string_buffer(trailer, len(trailer))
-    return ((addr, size), (ctypes.addressof(tail), len(trailer))), tail
+    tail = ctypes.create_string_buffer(trailer, t)
+    return ((addr, size), (ctypes.addressof(tail), t)), tail
 
 
 class RemoteTier:
@@ -197,9 +225,10 @@ class RemoteTier:
         self._put_latency = _Latency()
         self._stat_lock = threading.Lock()
         self._queue: deque[bytes] = deque()
-        # queued keys -> (meta, trailer body): offer packs the meta to check that it fits a
-        # trailer; the writer reuses those bytes (when the object's meta is still that one)
-        self._queued: dict[bytes, tuple[ObjectMeta, bytes]] = {}
+        # queued keys -> what offer made of them (`_Made`): it packs the meta to check that
+        # it fits a trailer, and with the checksum makes the whole trailer; the writer
+        # reuses those bytes when the object is still the one they describe
+        self._queued: dict[bytes, _Made] = {}
         self._qcond = threading.Condition()
         self._stop = False
         self._writing = 0  # objects whose put has not ended
@@ -229,8 +258,11 @@ class RemoteTier:
         return remote_name(self.adapter.namespace, key)
 
     # ------------------------------------------------------------------ writes
-    def offer(self, key: bytes, size: int, meta: ObjectMeta) -> None:
-        """A committed object: queue it for the remote tier when the policy says so."""
+    def offer(self, key: bytes, size: int, meta: ObjectMeta, checksum: Optional[int] = None) -> None:
+        """A committed object: queue it for the remote tier when the policy says so.
+        `checksum` (its store checksum, when the caller has it): the whole trailer is
+        made now, off the write's path, for the writer to use when the object is not a
+        kvsum64 blob (`object_ranges`)."""
         if not self.policy.should_write(size, meta):
             self._count("put_skipped_policy")
             return
@@ -239,6 +271,7 @@ class RemoteTier:
         except BadObject:  # key and meta too large for a trailer
             self._count("put_skipped_policy")
             return
+        trailer = None if checksum is None else encode_trailer(key, meta, size, checksum, checksum, body)
         with self._qcond:
             if key in self._queued:
                 return
@@ -246,7 +279,7 @@ class RemoteTier:
                 self._count("put_queue_full")
                 return
             self._queue.append(key)
-            self._queued[key] = (meta, body)
+            self._queued[key] = _Made(meta, body, size, checksum, trailer)
             self._qcond.notify()
 
     def pending(self) -> int:
@@ -275,9 +308,10 @@ class RemoteTier:
         with self._qcond:
             self._writing -= n
 
-    def write(self, keys: Sequence[bytes], bodies: Optional[dict[bytes, tuple[ObjectMeta, bytes]]] = None) -> None:
+    def write(self, keys: Sequence[bytes], bodies: Optional[dict[bytes, Any]] = None) -> None:
         """Write the committed objects among `keys` to the remote tier (one put task).
-        `bodies`: trailer bodies made by `offer`, by key, with the meta they encode."""
+        `bodies`: what `offer` made, by key: a `_Made`, or a (meta, trailer body) pair;
+        each is used only for an object that is still the one it describes."""
         if not self.adapter.reachable():
             self._count("put_skipped_unreachable", len(keys))
             self._written(len(keys))
@@ -285,30 +319,34 @@ class RemoteTier:
         s = self.store
         jobs = s.pin_objects(keys)  # [] once the store closed
         self._written(len(keys) - len(jobs))
-        items: list[PutItem] = []
+        items: list[tuple[str, tuple[tuple[int, int], ...]]] = []  # (name, ranges)
         keep: list[Any] = []  # buffers that must live until the put has ended
         sent: list[StoredObject] = []
         for o in jobs:
             try:
+                body = trailer = None
                 made = bodies.get(o.key) if bodies else None
-                body = made[1] if made is not None and (made[0] is o.meta or made[0] == o.meta) else None
-                ranges, bufs = self._put_ranges(o, s.tiers[o.tier], body)
+                if made is not None and (made[0] is o.meta or made[0] == o.meta):
+                    body = made[1]
+                    if isinstance(made, _Made) and made.size == o.size and made.checksum == o.checksum:
+                        trailer = made.trailer
+                ranges, bufs = self._put_ranges(o, s.tiers[o.tier], body, trailer)
             except (KVStoreError, OSError) as exc:
                 log.warning("remote write of %r skipped: %s", o.key, exc)
                 self._count("put_errors")
                 self._unpin([o])
                 continue
-            items.append(PutItem(self._name(o.key), ranges))
+            items.append((self._name(o.key), ranges))
             keep.append(bufs)
             sent.append(o)
         if not items:
             return
 
-        def settle(res: TaskResult) -> None:
+        def settle(codes: Sequence[int], seconds: float) -> None:
             keep.clear()
             with self._stat_lock:
-                self._put_latency.add(res.seconds)
-            for o, code in zip(sent, res.codes):
+                self._put_latency.add(seconds)
+            for o, code in zip(sent, codes):
                 if code >= 0:
                     self._count("objects_written")
                     self._count("bytes_written", o.size)
@@ -317,19 +355,38 @@ class RemoteTier:
                     self._count("errors")
             self._unpin(sent)
 
-        res = self.adapter.call("put", items, self.settings.timeout_s, late=settle)
+        late = lambda r: settle(r.codes, r.seconds)  # noqa: E731 - a put that outlived its wait
+        if len(items) == 1 and len(items[0][1]) == 1:  # one object in one range (RemoteAdapter.put_one)
+            name, ((addr, size),) = items[0]
+            t0 = time.perf_counter()
+            code = self.adapter.put_one(name, addr, size, self.settings.timeout_s, late)
+            seconds = time.perf_counter() - t0
+            if code == PENDING or code == TIMED_OUT:
+                self._timed_out("put")
+            if code != PENDING:
+                settle((code,), seconds)
+            return
+        res = self.adapter.call("put", [PutItem(n, r) for n, r in items], self.settings.timeout_s, late)
         if res.timed_out:
             self._timed_out("put")
         if not res.pending:
-            settle(res)
+            settle(res.codes, res.seconds)
 
     @staticmethod
-    def _put_ranges(o: StoredObject, tier: Tier, body: Optional[bytes]) -> tuple[tuple[tuple[int, int], ...],
-                                                                                 tuple[Any, ...]]:
+    def _put_ranges(o: StoredObject, tier: Tier, body: Optional[bytes],
+                    trailer: Optional[bytes] = None) -> tuple[tuple[tuple[int, int], ...], tuple[Any, ...]]:
         """The transfer ranges of pinned object `o` followed by its trailer, and the
-        tensors that must live until the put has ended. One range when the bytes are in a
+        buffers that must live until the put has ended. One range when the bytes are in a
         memory arena whose slot has tail room for the trailer (written there: past the
-        object, bytes no reader of the object sees) or were staged; else two."""
+        object, bytes no reader of the object sees) or were staged; else two. `body`,
+        `trailer`: as `object_ranges` takes them."""
+        host = tier.host_extent(o.slot)
+        if host is not None:  # plain host memory: no tensor calls (object_ranges)
+            if not o.verified and tier.checksum(o.slot) != o.checksum:
+                raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
+            addr, extent = host
+            ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, len(extent), body, trailer, extent)
+            return ranges, (extent, tail)
         view = tier.view(o.slot)
         staged: Optional[torch.Tensor] = None
         if view is None or not view.is_cpu:  # a file or GPU tier: stage the bytes in host memory
@@ -340,7 +397,7 @@ class RemoteTier:
             addr, room = view.data_ptr(), (o.slot.length if isinstance(tier, ArenaTier) else o.size)
         if not o.verified and tier.checksum(o.slot) != o.checksum:
             raise BadObject(f"object {o.key!r} fails its checksum; not written to the remote tier")
-        ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, room, body)
+        ranges, tail = object_ranges(o.key, o.meta, o.checksum, addr, o.size, room, body, trailer)
         return ranges, (view, staged, tail)
 
     def _unpin(self, objs: Sequence[StoredObject]) -> None:
@@ -391,20 +448,35 @@ class RemoteTier:
                 plans.append(_Fill(k, n, size, slot))
         if not plans:
             return 0
-        views = [mem.view(p.slot) for p in plans]
-        checks = [PayloadVerifier(memoryview(v.numpy()), p.key) for p, v in zip(plans, views)]
-        items = [GetItem(p.name, ((v.data_ptr(), p.size),), c.landed) for p, v, c in zip(plans, views, checks)]
-        res = self.adapter.call("get", items, self.settings.timeout_s,
-                                late=lambda r: self._free([p.slot for p in plans], views))
-        if res.timed_out:
+        views = []
+        for p in plans:  # (address, memoryview of the slot's extent); no tensor calls where the tier has them
+            host = mem.host_extent(p.slot)
+            if host is None:
+                v = mem.view(p.slot)
+                host = (v.data_ptr(), memoryview(v.numpy()))
+            views.append(host)
+        checks = [PayloadVerifier(ext[:p.size], p.key) for p, (_, ext) in zip(plans, views)]
+        late = lambda r: self._free([p.slot for p in plans], views)  # noqa: E731 - a get that outlived its wait
+        if len(plans) == 1:  # one object in one range: no item or result records (RemoteAdapter.get_one)
+            t0 = time.perf_counter()
+            code = self.adapter.get_one(plans[0].name, views[0][0], plans[0].size, self.settings.timeout_s,
+                                        checks[0].landed, late)
+            seconds = time.perf_counter() - t0
+            codes: Sequence[int] = (code,)
+            pending, timed_out = code == PENDING, code == PENDING or code == TIMED_OUT
+        else:
+            items = [GetItem(p.name, ((addr, p.size),), c.landed) for p, (addr, _), c in zip(plans, views, checks)]
+            res = self.adapter.call("get", items, self.settings.timeout_s, late)
+            codes, seconds, pending, timed_out = res.codes, res.seconds, res.pending, res.timed_out
+        if timed_out:
             self._timed_out("get")
-        if res.pending:
+        if pending:
             return 0
         with self._stat_lock:
-            self._get_latency.add(res.seconds)
+            self._get_latency.add(seconds)
         done: list[tuple[_Fill, RemoteHeader]] = []
         bad: list[_Fill] = []
-        for p, check, code in zip(plans, checks, res.codes):
+        for p, check, code in zip(plans, checks, codes):
             if code != p.size:
                 self._count("misses" if code == NOT_FOUND else "errors")
                 bad.append(p)
@@ -424,7 +496,8 @@ class RemoteTier:
         the slot's tail, past the object, until the slot is freed)."""
         n = 0
         for p, h in done:
-            slot = dataclasses.replace(p.slot, size=h.payload_bytes)
+            f = p.slot  # the same slot, as an object of the payload's size (not dataclasses.replace: per fill)
+            slot = Slot(f.tier, f.offset, f.length, h.payload_bytes, f.path)
             outcome = self.store.adopt_memory(p.key, slot, h.checksum, h.meta)
             if outcome == "closed":
                 return n

@@ -139,6 +139,15 @@ class Tier(ABC):
         """A uint8 tensor aliasing the slot's bytes, for memory tiers; None for file tiers."""
         return None
 
+    def host_extent(self, slot: Slot) -> Optional[tuple[int, memoryview]]:
+        """`(address, bytes)`: the host address of the slot's first byte and a writable
+        memoryview of its whole extent (`slot.length` bytes: the object's `size` bytes,
+        then any room past them), both valid while the slot is allocated and the tier
+        open; None where the slot's bytes are not plain memory of this process (file and
+        device tiers, wrappers). Costs no tensor call, for per-object paths that run right
+        after a transfer has flushed the caches (the remote tier)."""
+        return None
+
     @abstractmethod
     def checksum(self, slot: Slot) -> int:
         """`kvstore.format.checksum` of the slot's `size` bytes. Raises StorageError."""

@@ -93,6 +93,7 @@ class CpuArena(ArenaTier):
         self._fd = -1
         self._mm: Optional[mmap.mmap] = None
         self._pinned = False
+        self._host: Optional[tuple[int, memoryview]] = None  # (base address, view of the whole mapping) while open
 
     def _sweep(self) -> None:
         """AlreadyExists when a live daemon holds an arena of this name; remove the ones
@@ -149,6 +150,7 @@ class CpuArena(ArenaTier):
         self._fd, self._mm = fd, mm
         np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0  # pre-fault every page of our mapping
         self._base = torch.frombuffer(mm, dtype=torch.uint8)
+        self._host = (self._base.data_ptr(), memoryview(mm))
         if self._pin:
             self._pinned = _cuda_host_register(self._base)
 
@@ -159,6 +161,9 @@ class CpuArena(ArenaTier):
             _cuda_host_unregister(self._base)
             self._pinned = False
         self._base = None
+        # dropped, not released: a view sliced from it by a call racing this close stays
+        # valid (and holds the mapping: then the BufferError below)
+        self._host = None
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
@@ -178,6 +183,13 @@ class CpuArena(ArenaTier):
 
     def region(self, slot: Slot) -> Region:
         return Region("shm", str(self.path), slot.offset, slot.size)
+
+    def host_extent(self, slot: Slot) -> Optional[tuple[int, memoryview]]:
+        h = self._host
+        if h is None:
+            raise StorageError(f"cpu arena {self.path} is not open")
+        off = slot.offset
+        return h[0] + off, h[1][off : off + slot.length]
 
     def read_into(self, slot: Slot, dst: torch.Tensor) -> None:
         check_tensor_arg(self.name, "read_into", dst, slot.size)

@@ -306,3 +306,39 @@ def test_a_chunked_get_reads_every_piece_in_order_from_one_replica_lookup(tmp_pa
         if a is not None:
             a.close()
         master.stop()
+
+
+def test_one_object_calls_on_a_real_master_run_inline_and_answer_codes(tmp_path):
+    import threading
+
+    import torch
+
+    from kvstore.remote.base import NOT_FOUND
+    from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, piece_bytes
+
+    master = _start_master(tmp_path / "master")
+    a = None
+    try:
+        a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=32MiB&read_chunk=64KiB"))
+        seen = []
+        get_one_now = a.get_one_now
+        a.get_one_now = lambda *args: seen.append(threading.current_thread().name) or get_one_now(*args)
+        n = (1 << 18) + 10
+        src = torch.from_numpy(np.frombuffer(bytearray(blob(n, 4)), dtype=np.uint8))
+        assert a.put_one("t/one", src.data_ptr(), n, 5.0) == n
+        dst = torch.zeros(n, dtype=torch.uint8)
+        ends: list[int] = []
+        assert a.get_one("t/one", dst.data_ptr(), n, 5.0, ends.append) == n and torch.equal(src, dst)
+        step = piece_bytes(n, 1 << 16)  # five even pieces of at most 64 KiB
+        assert ends == [min(n, k * step) for k in range(1, 6)] and step * 4 < n  # each reported as it landed
+        assert seen == [threading.current_thread().name]  # inline: the client's RPC timeout bounds it
+        assert a.get_one("t/none", dst.data_ptr(), n, 5.0) == NOT_FOUND
+        assert a.put_one("t/small", src.data_ptr(), 100, 5.0) == 100
+        dst.zero_()
+        ends.clear()  # within read_chunk: one get_into, no progress calls
+        assert a.get_one("t/small", dst.data_ptr(), 100, 5.0, ends.append) == 100 and ends == []
+        assert torch.equal(dst[:100], src[:100])
+    finally:
+        if a is not None:
+            a.close()
+        master.stop()

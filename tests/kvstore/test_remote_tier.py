@@ -16,7 +16,8 @@ import torch
 from kvstore.errors import InvalidRequest
 from kvstore.records import ObjectMeta
 from kvstore.remote.base import NOT_FOUND, GetItem, PutItem, RemoteConfigError, RemoteError
-from kvstore.remote.envelope import FOOTER_BYTES, decode_trailer, encode_trailer, remote_name, verify_object
+from kvstore.remote.envelope import (FOOTER_BYTES, decode_trailer, encode_trailer, remote_name, trailer_body,
+                                     verify_object)
 from kvstore.remote.faulty import FaultyAdapter, RemoteFaults
 from kvstore.remote.memory import MemoryAdapter, MemoryRemote
 from kvstore.remote.mooncake import MooncakeTarget
@@ -375,6 +376,69 @@ def test_object_ranges_use_tail_room_and_a_kvsum_blob_gets_an_xxh3_transfer_chec
     assert h.checksum == 0x1234 and h.transfer_checksum == xxhash.xxh3_64_intdigest(bytes(blob))
 
 
+def test_object_ranges_through_a_memoryview_extent_use_the_trailer_made_in_advance_only_where_it_holds():
+    import struct
+
+    import xxhash
+
+    from kvstore.checksums import BLOB_MAGIC, KVSUM64
+    from kvstore.remote.tier import object_ranges
+
+    meta = ObjectMeta("fp", 1, 0.0, {})
+    payload = os.urandom(3000)
+    xsum = xxhash.xxh3_64_intdigest(payload)
+    slot = torch.zeros(4096, dtype=torch.uint8)
+    slot[:3000] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    ext = memoryview(slot.numpy())
+    made = encode_trailer(b"k", meta, 3000, xsum, xsum)
+    # an xxh3 object with room: the made trailer written through the view, one range, as the ctypes path makes it
+    ranges, keep = object_ranges(b"k", meta, xsum, slot.data_ptr(), 3000, 4096, None, made, ext)
+    assert ranges == ((slot.data_ptr(), 3000 + len(made)),) and keep is None
+    assert bytes(ext[:3000 + len(made)]) == payload + made and not any(ext[3000 + len(made):])
+    assert verify_object(ext[:3000 + len(made)], b"k").checksum == xsum
+    # no room: the same trailer as a second range
+    ranges, keep = object_ranges(b"k", meta, xsum, slot.data_ptr(), 3000, 3000, None, made, ext[:3000])
+    assert len(ranges) == 2 and _joined(ranges) == payload + made
+    # a kvsum64 blob: the made trailer (store checksum as transfer checksum) is not used
+    blob = bytearray(os.urandom(3000))
+    blob[:16] = struct.pack("<8sHHI", BLOB_MAGIC, 1, KVSUM64, 0)
+    slot[:3000] = torch.frombuffer(blob, dtype=torch.uint8)
+    wrong = encode_trailer(b"b", meta, 3000, 0x1234, 0x1234)
+    ranges, keep = object_ranges(b"b", meta, 0x1234, slot.data_ptr(), 3000, 4096, None, wrong, ext)
+    h = verify_object(memoryview(_joined(ranges)), b"b")
+    assert h.checksum == 0x1234 and h.transfer_checksum == xxhash.xxh3_64_intdigest(bytes(blob))
+    # objects shorter than a blob header are raw bytes
+    ranges, keep = object_ranges(b"s", meta, xxhash.xxh3_64_intdigest(b"tiny"), slot.data_ptr(), 4, 4096, None,
+                                 None, ext)
+    slot[:4] = torch.frombuffer(bytearray(b"tiny"), dtype=torch.uint8)
+    assert verify_object(memoryview(_joined(ranges)), b"s").payload_bytes == 4
+
+
+def test_a_trailer_made_at_offer_is_used_only_for_the_object_it_was_made_for(tmp_path):
+    from kvstore.remote.tier import _Made
+
+    remote, [(s1, _), (s2, _)] = _pair(tmp_path)
+    try:
+        body = data(3 * PAGE + 100, 5)
+        put(s1, b"k", body)  # the commit offers it with its checksum: the writer uses the made trailer
+        _drain(s1)
+        h = verify_object(memoryview(remote.objects[remote_name("kvstore", b"k")]), b"k")
+        info = s1.object_info(b"k")
+        assert h.checksum == h.transfer_checksum == info.checksum and h.payload_bytes == len(body)
+        # a made trailer for other bytes (a stale checksum, as if the key had been replaced): not used
+        del remote.objects[remote_name("kvstore", b"k")]
+        meta = ObjectMeta(info.meta.fingerprint, info.meta.token_count, info.meta.cost, dict(info.meta.extra))
+        stale = _Made(info.meta, trailer_body(b"k", info.meta), len(body), info.checksum ^ 1,
+                      encode_trailer(b"k", meta, len(body), info.checksum ^ 1, info.checksum ^ 1))
+        s1._remote.write([b"k"], {b"k": stale})
+        h = verify_object(memoryview(remote.objects[remote_name("kvstore", b"k")]), b"k")
+        assert h.checksum == info.checksum and h.meta == meta
+        assert get_bytes(s2, b"k") == body
+    finally:
+        s1.close()
+        s2.close()
+
+
 def _joined(ranges):
     """The bytes a put of these (address, length) ranges sends."""
     return b"".join(ctypes.string_at(a, n) for a, n in ranges)
@@ -555,6 +619,131 @@ def test_a_client_timeout_inline_is_counted_fails_fast_after_and_reconnects(tmp_
         assert a.reachable() and a.stats()["reconnects"] == 1
     finally:
         s.close()
+
+
+class _Recorder(_InlineAdapter):
+    """An inline adapter recording the thread of every get/put; `boom` makes them raise."""
+
+    boom = False
+
+    def get_now(self, items):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        if self.boom:
+            raise OSError("client exploded")
+        return super().get_now(items)
+
+    def put_now(self, items):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        if self.boom:
+            raise OSError("client exploded")
+        return super().put_now(items)
+
+
+def test_one_object_calls_answer_the_code_call_would_inline_and_through_a_worker():
+    import threading
+
+    from kvstore.remote.base import FAILED, PENDING, UNREACHABLE
+
+    src = torch.frombuffer(bytearray(os.urandom(5000)), dtype=torch.uint8)
+    dst = torch.zeros(5000, dtype=torch.uint8)
+    a = _Recorder()
+    try:
+        assert a.put_one("o", src.data_ptr(), 5000, 1.0) == 5000  # inline: on this thread
+        assert a.threads[-1] == threading.current_thread().name
+        assert a.get_one("o", dst.data_ptr(), 5000, 1.0) == 5000 and torch.equal(src, dst)
+        assert a.get_one("none", dst.data_ptr(), 5000, 1.0) == NOT_FOUND
+        assert a.get_one("o", dst.data_ptr(), 4000, 1.0) == -600  # not the object's size: an error, no bytes
+        assert a.get_one("o", dst.data_ptr(), 5000, 0.2) == 5000  # bound above the timeout: a worker
+        assert a.threads[-1].startswith("kvstore-remote")
+        a.boom = True  # a client that raises: FAILED, as `call` reports it
+        assert a.get_one("o", dst.data_ptr(), 5000, 1.0) == FAILED and a.put_one("o", src.data_ptr(), 9, 1.0) == FAILED
+        assert a.reachable()
+    finally:
+        a.close()
+    down = FaultyAdapter(MemoryAdapter(), RemoteFaults(down=True))
+    down.inline_bound_s = 0.5
+    try:  # an unreachable store: UNREACHABLE, marked so, then failed fast without a call
+        assert down.get_one("o", dst.data_ptr(), 5000, 1.0) == UNREACHABLE and not down.reachable()
+        assert down.put_one("o", src.data_ptr(), 5000, 1.0) == UNREACHABLE
+        assert down.injected["unreachable"] == 1 and down.stats()["unreachable_fast_fails"] == 1
+    finally:
+        down.close()
+    slow = FaultyAdapter(MemoryAdapter(), RemoteFaults(delay_s=0.3))
+    try:  # a wait that runs out: PENDING at once, the real result to `late` once, the buffer the get's till then
+        assert slow.put_one("o", src.data_ptr(), 5000, 5.0) == 5000
+        late = []
+        dst.zero_()
+        t0 = time.monotonic()
+        assert slow.get_one("o", dst.data_ptr(), 5000, 0.05, None, late.append) == PENDING
+        assert time.monotonic() - t0 < 0.25 and not late
+        deadline = time.monotonic() + 5
+        while not late and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert len(late) == 1 and late[0].codes == (5000,) and torch.equal(src, dst)
+    finally:
+        slow.close()
+
+
+def test_a_fill_and_a_write_of_one_object_take_the_one_object_calls(tmp_path):
+    calls = []
+
+    class Counting(MemoryAdapter):
+        def get_one(self, *a, **kw):
+            calls.append("get_one")
+            return super().get_one(*a, **kw)
+
+        def put_one(self, *a, **kw):
+            calls.append("put_one")
+            return super().put_one(*a, **kw)
+
+        def call(self, op, batch, timeout_s, late=None):
+            calls.append(op)
+            return super().call(op, batch, timeout_s, late)
+
+    remote = MemoryRemote()
+    s1 = Store(make_settings(tmp_path / "h1", remote_timeout_s=1.0), remote_adapter=Counting(remote))
+    s2 = Store(make_settings(tmp_path / "h2", remote_timeout_s=1.0), remote_adapter=Counting(remote))
+    s1.open()
+    s2.open()
+    try:
+        body = data(2 * PAGE, 11)
+        put(s1, b"one", body)
+        _drain(s1)
+        assert calls.count("put_one") == 1 and "put" in calls  # put_one's default goes through call
+        calls.clear()
+        assert get_bytes(s2, b"one") == body
+        assert calls[:2] == ["stat", "get_one"]
+        r = _remote_stats(s2)
+        assert r["hits"] == 1 and r["get_latency"]["count"] == 1 and r["get_latency"]["p50_s"] > 0
+        assert _remote_stats(s1)["put_latency"]["count"] == 1 and _remote_stats(s1)["objects_written"] == 1
+    finally:
+        s1.close()
+        s2.close()
+
+
+def test_a_meta_of_other_types_than_the_encoder_writes_is_read_as_the_declared_types():
+    import msgpack
+    import xxhash
+
+    from kvstore.remote import envelope
+
+    payload = os.urandom(100)
+    xsum = xxhash.xxh3_64_intdigest(payload)
+    odd = msgpack.packb({"f": "fp", "t": True, "c": 2, "x": {}}, use_bin_type=True)  # a bool count, an int cost
+    head = b"k" + odd + envelope._FOOTER.pack(envelope.MAGIC, envelope.VERSION, 1, len(odd), 0, 100, xsum, xsum)
+    obj = payload + head + envelope._SUM.pack(xxhash.xxh3_64_intdigest(head))
+    h = verify_object(memoryview(obj), b"k")
+    assert h.meta == ObjectMeta("fp", 1, 2.0, {}) and type(h.meta.token_count) is int
+    assert type(h.meta.cost) is float
+    bad = msgpack.packb({"f": "fp", "t": "many", "c": 0.0, "x": {}}, use_bin_type=True)
+    head = b"k" + bad + envelope._FOOTER.pack(envelope.MAGIC, envelope.VERSION, 1, len(bad), 0, 100, xsum, xsum)
+    with pytest.raises(BadObject, match="undecodable meta"):
+        verify_object(memoryview(payload + head + envelope._SUM.pack(xxhash.xxh3_64_intdigest(head))), b"k")
 
 
 def test_the_mooncake_url_takes_an_rpc_timeout_and_a_read_chunk():

@@ -46,6 +46,28 @@ def test_cpu_arena_is_a_private_shm_file_other_processes_can_map(arena):
     assert torch.equal(dst, src)
 
 
+def test_cpu_arena_hands_out_a_slots_address_and_whole_extent_as_plain_memory(arena, tmp_path):
+    slot = arena.allocate(5000, "x")  # 5000 bytes in a two-page extent
+    addr, ext = arena.host_extent(slot)
+    view = arena.view(slot)
+    assert addr == view.data_ptr() and len(ext) == slot.length == 2 * PAGE and not ext.readonly
+    ext[:5000] = bytes(payload(5000, 3).numpy())  # writes through the view are the slot's bytes
+    assert torch.equal(view, payload(5000, 3))
+    ext[5000:5010] = b"\x07" * 10  # the room past the object is the slot's too, and nobody else's
+    other = arena.allocate(PAGE, "y")
+    assert arena.host_extent(other)[0] == addr + 2 * PAGE and not any(bytes(arena.view(other).numpy()))
+    t = NvmeTier(tmp_path / "objects", 4 * PAGE, io_threads=1)
+    t.open()
+    try:  # a file tier, and a wrapper, hand out no host memory
+        assert t.host_extent(t.allocate(100, "z")) is None and FaultyTier(arena).host_extent(slot) is None
+    finally:
+        t.close()
+    del ext
+    arena.close()
+    with pytest.raises(StorageError, match="not open"):
+        arena.host_extent(slot)
+
+
 def test_cpu_arena_accounts_and_reports_fragmentation(arena):
     slots = [arena.allocate(PAGE, str(i)) for i in range(8)]
     assert arena.allocate(1, "full") is None and arena.used_bytes == 8 * PAGE
