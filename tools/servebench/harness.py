@@ -324,6 +324,7 @@ class Harness:
         aborted = False
         idle_calls, idle_s = 0, 0.0
         stopped0 = getattr(planner, "idle_stopped", 0)
+        m0 = _connector_counts(planner)
         while arrivals or engine.has_unfinished():
             now = time.perf_counter()
             while arrivals and arrivals[0][0] <= now:
@@ -384,11 +385,34 @@ class Harness:
         if info is not None:
             if slo_ms is not None:
                 info.update(aborted=aborted, over_slo=over, sent=len(ids))
+            m1 = _connector_counts(planner)
+            if m0 is not None and m1 is not None:
+                info["connector"] = {k: m1[k] - m0[k] for k in m1}
             info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
                         idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0,
                         hit_segments=hits, miss_segments=misses, prompt_tokens=prompt, computed_tokens=computed,
                         prefill_host_ms=[round(host_ms[i], 3) for i in ids if i in host_ms])
         return [ttfts[i] for i in ids if i in ttfts]
+
+
+#: connector counters a Poisson run reports the change of (`info["connector"]`)
+_CONNECTOR_COUNTS = ("put_bytes", "puts_stored", "puts_dropped", "puts_failed", "prefix_puts", "hits", "misses",
+                     "near_hits", "deferred_computed", "deferred_ms_total", "put_ms_total", "load_ms_total",
+                     "load_wait_ms_total", "promotions")
+
+
+def _connector_counts(planner) -> Optional[dict]:
+    """The planner's store connector counters (`_CONNECTOR_COUNTS`, and loads / load
+    bytes per tier), None without a store connector."""
+    metrics = getattr(getattr(planner, "store", None), "metrics", None)
+    if metrics is None or not hasattr(metrics, "snapshot"):
+        return None
+    snap = metrics.snapshot()
+    out = {k: snap[k] for k in _CONNECTOR_COUNTS if isinstance(snap.get(k), (int, float))}
+    for k in ("loads", "load_bytes"):
+        for t, v in (snap.get(k) or {}).items():
+            out[f"{k}_{t}"] = v
+    return out
 
 
 def over_slo_certain(over: int, n: int) -> bool:

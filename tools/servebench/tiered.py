@@ -230,7 +230,8 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
         tried.append({"rate": rate, "requests": n, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50),
                       "ok": ok, "aborted": aborted, "over_slo": info.get("over_slo"), "sent": info.get("sent", n),
                       "s": round(time.perf_counter() - t0, 3),
-                      "hit_segments": info.get("hit_segments"), "miss_segments": info.get("miss_segments")})
+                      "hit_segments": info.get("hit_segments"), "miss_segments": info.get("miss_segments"),
+                      **_where_time_went(info)})
         if ok:
             best = rate if best is None else max(best, rate)
         else:
@@ -304,6 +305,24 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
             on_repeat(_qps_stats(runs, methods, slo_ms, start_rate, starts))
     out = _qps_stats(runs, methods, slo_ms, start_rate, starts)
     out["stopped"] = stopped
+    return out
+
+
+def _where_time_went(info: dict) -> dict:
+    """A Poisson trial's `info` (Harness.run_poisson) in a few fields: the share of the
+    prompt tokens computed in context, the median queue wait and host prefill time, the
+    idle work run between arrivals and the connector counters' change (puts, loads)."""
+    out: dict = {}
+    prompt, computed = sum(info.get("prompt_tokens") or ()), sum(info.get("computed_tokens") or ())
+    if prompt:
+        out["computed_share"] = round(computed / prompt, 4)
+    for k in ("queue_ms", "prefill_host_ms"):
+        if info.get(k):
+            out[f"{k}_p50"] = round(percentile(info[k], 50), 3)
+    if "idle_ms" in info:
+        out["idle_ms"], out["idle_calls"] = info["idle_ms"], info.get("idle_calls")
+    if info.get("connector"):
+        out["connector"] = info["connector"]
     return out
 
 
