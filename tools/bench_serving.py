@@ -97,6 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the idle full-recompute rag TTFT percentile the SLO is a multiple of")
     ap.add_argument("--qps-trials", type=int, default=None, help="rates tried per method (default 4; quick 3)")
     ap.add_argument("--qps-requests", type=int, default=None, help="requests per rate (default 8; quick 4)")
+    ap.add_argument("--qps-trial-s", type=float, default=None,
+                    help="seconds of arrivals per QPS trial (rate x this requests, at least --qps-requests, at "
+                         "most --qps-max-per-trial; a trial sure to miss the SLO is cut short); default 8 x the SLO. "
+                         "0: trials of --qps-requests requests (the old search: a method whose requests fit in the "
+                         "SLO back to back passes any rate)")
+    ap.add_argument("--qps-max-per-trial", type=int, default=None,
+                    help="requests per QPS trial at most (default 300; quick 8)")
     ap.add_argument("--qps-cache", default="both", choices=("stream", "warm", "both"),
                     help="QPS cache state (tools.servebench.measure): stream (a cold start on the pool: what the "
                          "warm-up and earlier trials left), warm (each trial's segments cached first through its "
@@ -205,11 +212,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         if any(r <= 0 for r in args.share_qps_rates):
             ap.error("--share-qps-rates: every rate must be > 0")
     defaults = dict(n=(2, 5), max_tokens=(450, None), docs=("2-3", None), qps_trials=(3, 4), qps_requests=(4, 8),
-                    share_requests=(4, 6), cold_requests=(2, 4), cold_docs=("4-5", None), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
+                    qps_max_per_trial=(8, 300), share_requests=(4, 6), cold_requests=(2, 4), cold_docs=("4-5", None), cpu_capacity=("512MiB", "32GiB"), nvme_capacity=("1GiB", "40GiB"),
                     device=("cpu", "auto"))
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
+    if args.qps_trial_s is not None and args.qps_trial_s < 0:
+        ap.error(f"--qps-trial-s {args.qps_trial_s}: must be >= 0 (0: fixed trials of --qps-requests)")
     return args
 
 
@@ -382,8 +391,10 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
             slo = args.slo_ms or args.slo_factor * rag["full"]["warm"][f"ttft_ms_{args.slo_of}"]
             k, trials = args.qps_requests, args.qps_trials
             warm = args.qps_warmup if args.qps_warmup is not None else 2 * k
-            stream = requests.load("rag", warm + k * trials, args.seed + 1, scale, args.max_tokens, args.docs)
-            q = {"slo_ms": slo, "slo_rule": f"{args.slo_ms} ms" if args.slo_ms else
+            trial_s = None if args.qps_trial_s == 0 else (args.qps_trial_s or 8 * slo / 1e3)
+            most = max(k, args.qps_max_per_trial) if trial_s else k
+            stream = requests.load("rag", warm + most * trials, args.seed + 1, scale, args.max_tokens, args.docs)
+            q = {"slo_ms": slo, "trial_s": trial_s, "max_per_trial": most, "slo_rule": f"{args.slo_ms} ms" if args.slo_ms else
                  f"{args.slo_factor} x full-recompute rag {args.slo_of} (idle)", "idle_between_arrivals": args.qps_idle}
             # both methods start at the same rate, half of what full recompute serves back to
             # back, and double it while the SLO holds (bisecting after the first miss)
@@ -392,14 +403,16 @@ def bench_preset(preset: str, args, socket: str, tiers: tuple[str, ...], log, sa
             if args.qps_cache in ("stream", "both"):
                 for method in ("prefix", "pic"):
                     q[method] = measure.qps_at_slo(h, method, stream, warm, k, trials, slo, start, args.seed,
-                                                   trace_trial=args.qps_trace_trial)
+                                                   trace_trial=args.qps_trace_trial, trial_s=trial_s,
+                                                   max_per_trial=most)
                     log(f"{preset} qps {method}: {q[method]['sustainable_qps']:.2f}/s at p99 <= {slo:.0f} ms")
             if args.qps_cache in ("warm", "both"):
                 q["warm"] = {}
-                wstream = requests.load("rag", warm + k * trials, args.seed + 5, scale, args.max_tokens, args.docs)
+                wstream = requests.load("rag", warm + most * trials, args.seed + 5, scale, args.max_tokens, args.docs)
                 for method in ("prefix", "pic"):
                     q["warm"][method] = measure.qps_at_slo(h, method, wstream, warm, k, trials, slo, start,
-                                                           args.seed + 5, warm_twins=True)
+                                                           args.seed + 5, warm_twins=True, trial_s=trial_s,
+                                                           max_per_trial=most)
                     log(f"{preset} qps {method} (warm): {q['warm'][method]['sustainable_qps']:.2f}/s "
                         f"at p99 <= {slo:.0f} ms")
             out["qps"] = q

@@ -154,3 +154,17 @@ def test_a_trial_records_where_its_time_went():
     assert got == {"computed_share": 0.25, "queue_ms_p50": 3.0, "prefill_host_ms_p50": 30.0, "idle_ms": 7.5,
                    "idle_calls": 2, "connector": {"put_bytes": 5}}
     assert tiered._where_time_went({}) == {}
+
+
+def test_bench_serving_search_with_timed_trials_finds_the_queue_capacity_where_fixed_trials_do_not():
+    from tools.servebench import measure
+
+    h = QueueHarness(service_s=0.1)  # capacity 10 / s
+    fixed = measure.qps_at_slo(h, "pic", _reqs(4 + 6 * 8), warmup=4, per_trial=8, trials=6, slo_ms=900.0,
+                               start_rate=5.0, seed=3)
+    assert fixed["sustainable_qps"] >= 80.0  # 8 back to back take 800 ms: every rate passes
+    timed = measure.qps_at_slo(h, "pic", _reqs(4 + 6 * 400), warmup=4, per_trial=8, trials=6, slo_ms=900.0,
+                               start_rate=5.0, seed=3, trial_s=9.0, max_per_trial=400)
+    assert 5.0 <= timed["sustainable_qps"] <= 11.5 and timed["trial_s"] == 9.0
+    assert [t["requests"] for t in timed["trials"]] == [max(8, min(400, int(np.ceil(t["rate"] * 9.0))))
+                                                        for t in timed["trials"]]

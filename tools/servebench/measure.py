@@ -115,7 +115,8 @@ def mean_store(runs: Sequence[Run]) -> dict:
 
 def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: int, per_trial: int,
                trials: int, slo_ms: float, start_rate: float, seed: int, factor: float = 2.0,
-               warm_twins: bool = False, trace_trial: Optional[int] = None) -> dict:
+               warm_twins: bool = False, trace_trial: Optional[int] = None, trial_s: Optional[float] = None,
+               max_per_trial: Optional[int] = None) -> dict:
     """Highest tried rate with p99 TTFT <= slo_ms (module docstring). `stream` holds
     warmup + trials * per_trial requests. The warm-up runs its requests alone, its last
     `per_trial` as an untimed Poisson burst at `start_rate` (`warmup_burst`): the first
@@ -124,7 +125,15 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
     them, and the other method would not. `trace_trial` (with `h.trace_dir`): profile
     that trial (0-based; host and device, every thread: the idle work and the puts
     between arrivals too) as `qps-<method>-trial<N>`; it is marked `traced` (the
-    profiler slows it, so its pass or fail is not a clean figure: for diagnosis only)."""
+    profiler slows it, so its pass or fail is not a clean figure: for diagnosis only).
+    `trial_s` / `max_per_trial`: each trial sends `trial_s` seconds of arrivals at its
+    rate (tools.servebench.tiered.trial_size: at least `per_trial`, at most
+    `max_per_trial` requests; `stream` then holds warmup + trials * max_per_trial) and is
+    cut short once its p99 is sure to miss the SLO; without them a trial is `per_trial`
+    requests, which any rate passes once they fit in the SLO back to back (a fast
+    method's figure is then the search's top, not a sustainable rate)."""
+    from tools.servebench.tiered import trial_size
+
     h.planner(method, fresh=(method == "prefix"))
     burst = stream[max(0, warmup - per_trial):warmup]
     for r in stream[:max(0, warmup - per_trial)]:
@@ -136,9 +145,12 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
     best: Optional[float] = None
     worst_fail: Optional[float] = None
     rate = start_rate
+    taken = 0
     for i in range(trials):
-        chunk = rest[i * per_trial:(i + 1) * per_trial]
-        if len(chunk) < per_trial:
+        n = trial_size(rate, per_trial, trial_s, max_per_trial)
+        chunk = rest[taken:taken + n]
+        taken += n
+        if len(chunk) < n:
             break
         if warm_twins:  # every segment of the trial cached, in another order (the TTFT phase's warm state)
             for r in chunk:
@@ -147,13 +159,13 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
                 pass
         info: dict = {}
         prof = start_profile() if (trace_trial == i and h.trace_dir) else None
-        ttfts = h.run_poisson(chunk, rate, seed + i, info=info)
+        ttfts = h.run_poisson(chunk, rate, seed + i, info=info, slo_ms=slo_ms if trial_s is not None else None)
         if prof is not None:
             write_profile(prof, h.trace_dir, f"qps-{method}{'-warm' if warm_twins else ''}-trial{i}")
             info["traced"] = True
-        p99 = percentile(ttfts, 99)
+        p99 = None if info.get("aborted") else percentile(ttfts, 99)
         ok = p99 is not None and p99 <= slo_ms
-        tried.append({"rate": rate, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok,
+        tried.append({"rate": rate, "requests": n, "ttft_ms_p99": p99, "ttft_ms_p50": percentile(ttfts, 50), "ok": ok,
                       "ttft_ms": [round(t, 3) for t in ttfts], **info})
         if ok:
             best = rate if best is None else max(best, rate)
@@ -164,7 +176,7 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
         else:
             rate = rate * factor if ok else rate / factor
     return {"method": method, "slo_ms": slo_ms, "sustainable_qps": best or 0.0, "trials": tried,
-            "cache": "warm" if warm_twins else "stream",
+            "cache": "warm" if warm_twins else "stream", "trial_s": trial_s,
             "warmup_burst": {"rate": start_rate, "ttft_ms": [round(t, 3) for t in burst_ttfts], **burst_info}}
 
 
