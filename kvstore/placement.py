@@ -27,10 +27,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -45,6 +45,11 @@ from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.registry import TIERS, TierRoles
 
 log = logging.getLogger(__name__)
+
+
+class StoreClosed(StorageError):
+    """The store closed while a demotion had released its lock (raised through
+    `allocate`, `move` and `demote` to the Store call that needed the room)."""
 
 
 class StoredObject:
@@ -247,7 +252,7 @@ class Placement:
     def allocate(self, tier: str, size: int, key: bytes, exclude: frozenset = frozenset()) -> Slot:
         """A slot of `size` bytes in `tier`, demoting/evicting unpinned objects for room.
         May release and retake the lock (a demotion that writes; module docstring);
-        StorageError when the store closed meanwhile, CapacityExhausted when no room can
+        StoreClosed when the store closed meanwhile, CapacityExhausted when no room can
         be made (pinned objects are never taken; while other demotions are writing, their
         room is waited for, 30 s at most)."""
         t = self.tiers[tier]
@@ -264,7 +269,7 @@ class Placement:
                 # every candidate is pinned, some by demotions writing outside the lock: the
                 # room they make may be ours (or theirs): wait for one to settle, look again
                 if not self.wait_room(0.05):
-                    raise StorageError(f"the store closed while making room in tier {tier!r}")
+                    raise StoreClosed(f"the store closed while making room in tier {tier!r}")
                 tried = set(exclude)
                 slot = t.allocate(size, name)
                 continue
@@ -305,6 +310,8 @@ class Placement:
                 self.move(o, below, allow_evict=True)
                 self.counters["demotions"] += 1
                 return
+            except StoreClosed:
+                raise  # nothing to undo: close() dropped every object and tier
             except KVStoreError as exc:
                 if o.removed or o.pinned:  # deleted or leased while the lock was released
                     return
@@ -320,7 +327,7 @@ class Placement:
         from its header) or a half-written one (deleted at open). Returns True when `o` is
         still present and unpinned (its demotion now moves nothing), False when it was
         deleted or leased meanwhile. Raises what the copy raised (StorageError, BadObject),
-        or StorageError when the store closed meanwhile."""
+        or StoreClosed when the store closed meanwhile."""
         slot = self.allocate(durable, o.size, o.key, frozenset({o.key}))  # the last tier: drops, never writes
         job = BackingJob(o, self.tiers[o.tier], self.tiers[durable], slot)
         o.busy += 1
@@ -331,7 +338,7 @@ class Placement:
             o.busy -= 1
             self.demoting -= 1
         if not still_open:  # close() freed the tiers' slots with the tiers
-            raise StorageError(f"the store closed while demoting {o.key!r} to {durable}")
+            raise StoreClosed(f"the store closed while demoting {o.key!r} to {durable}")
         error = job.error
         if error is None and not o.removed:
             o.backing = job.slot

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.errors import StorageError
 from kvstore.store import Store
 from kvstore.testing import REPO_ROOT
+from kvstore.tiers.faulty import FaultyTier
 
 from storeutil import PAGE, get_bytes, make_settings, put, read_region
 from test_store import data
@@ -116,6 +118,47 @@ def test_a_victim_leased_during_its_demotion_write_stays_readable_with_a_backing
         assert s.lookup([b"a"])[0].tier == "cpu" and s._place.objects[b"a"].backing is not None
         s.release([lease.lease_id])
         assert s.stats()["demotions"] == 1 and s.stats()["evictions"] == 0
+    finally:
+        go.set()
+        s.close()
+
+
+def test_a_failed_demotion_write_drops_the_victim_and_frees_its_nvme_file(tmp_path):
+    s = Store(make_settings(tmp_path, cpu_capacity=8 * PAGE), wrap_tier=FaultyTier)
+    s.open()
+    try:
+        for i, k in enumerate(KEYS):
+            put(s, k, data(PAGE, i))
+        s.tiers["nvme"].fail("seal")
+        assert put(s, b"z", data(PAGE, 99)).tier == "cpu"
+        assert s.lookup([b"a"])[0].hit is False  # dropped, as a failed demotion always was
+        st = s.stats()
+        assert st["evictions"] == 1 and st["demotions"] == 0
+        assert [p for p in (s.dir / "objects").rglob("*") if p.is_file()] == []
+        assert next(t for t in st["tiers"] if t["name"] == "nvme")["used_bytes"] == 0
+    finally:
+        s.close()
+
+
+def test_a_store_closed_during_a_demotion_write_fails_the_waiting_put(tmp_path, monkeypatch):
+    s = _full_store(tmp_path)
+    entered, go = _gate_copies(s, monkeypatch)
+    errors: list = []
+
+    def putter():
+        try:
+            put(s, b"z", data(PAGE, 99))
+        except StorageError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=putter)
+    t.start()
+    try:
+        assert entered.wait(30)
+        _in_thread(s.close)  # takes the lock the demotion released
+        go.set()
+        t.join(30)
+        assert not t.is_alive() and errors and "closed" in str(errors[0])
     finally:
         go.set()
         s.close()
