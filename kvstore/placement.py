@@ -593,38 +593,44 @@ class Placement:
 
     def settle_backing(self, jobs: list["BackingJob"], is_open: bool, max_attempts: int) -> int:
         """Unpin written jobs; a good copy of an object still unbacked in the memory tier
-        becomes its backing copy and is recorded in the index, anything else is freed
-        (when the store is still open) and a failure counted. Returns how many objects
-        were backed. Called with the lock."""
-        backed = 0
+        becomes its backing copy and is recorded in the index (one transaction for the
+        round, so one sync under the lock), anything else is freed (when the store is
+        still open) and a failure counted. Returns how many objects were backed. Called
+        with the lock."""
+        kept: list[BackingJob] = []
         for job in jobs:
-            o, slot, error = job.obj, job.slot, job.error
+            o = job.obj
             o.busy -= 1
-            keep = (error is None and is_open and not o.removed and o.tier == self.roles.memory
-                    and o.backing is None)
-            if keep:
-                o.backing = slot
-                try:
-                    assert self.index is not None
-                    self.index.put(self.record(o))
-                except KVStoreError as exc:
-                    log.warning("write-back of %r: index record failed (%s); copy dropped", o.key, exc)
-                    o.backing, keep, error = None, False, exc
-            if keep:
-                backed += 1
+            if (job.error is None and is_open and not o.removed and o.tier == self.roles.memory
+                    and o.backing is None):
+                o.backing = job.slot
+                kept.append(job)
+        if kept:
+            try:
+                assert self.index is not None
+                self.index.put_many([self.record(job.obj) for job in kept])
+            except KVStoreError as exc:
+                log.warning("write-back of %d objects: index record failed (%s); copies dropped", len(kept), exc)
+                for job in kept:
+                    job.obj.backing, job.error = None, exc
+                kept = []
+        kept_ids = {id(job) for job in kept}
+        for job in jobs:
+            o = job.obj
+            if id(job) in kept_ids:
                 self.counters["writebacks"] += 1
                 self.counters["writeback_bytes"] += o.size
             else:
-                if error is not None:
+                if job.error is not None:
                     self.counters["writeback_failures"] += 1
                     o.writeback_failures += 1
                     if o.writeback_failures == max_attempts:
                         self.counters["writeback_given_up"] += 1
                         log.warning("write-back of %r failed %d times; not trying it again", o.key, max_attempts)
                 if is_open:
-                    job.dst.free(slot)
+                    job.dst.free(job.slot)
             self.release_slot_if_unpinned(o)
-        return backed
+        return len(kept)
 
 
 @dataclass
