@@ -11,6 +11,15 @@ or freed, and a dropped pinned object's slot is freed at its last unpin.
 
 Not thread-safe: the Store calls every method under its lock, except `copy`,
 `verify_or_copy` and `write_backing`, which it runs outside the lock on pinned objects.
+
+Demotions that write (a memory-tier victim without a durable copy, going to the durable
+tier) do their disk write outside the lock too, through the Store's `outside_lock` hook:
+the victim is pinned and given a durable slot under the lock, its bytes are written and
+sealed (fsync, rename) with the lock released, then, under the lock again, the copy
+becomes its backing copy and is recorded in the index, and the demotion itself moves
+nothing (`demote`). So `allocate`, `move` and `demote` may release and retake the lock:
+their callers re-check what may have changed meanwhile (a key committed or reserved, an
+object deleted or leased). Without the hook (None) every demotion runs under the lock.
 """
 
 from __future__ import annotations
@@ -18,10 +27,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -35,6 +45,11 @@ from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.registry import TIERS, TierRoles
 
 log = logging.getLogger(__name__)
+
+
+class StoreClosed(StorageError):
+    """The store closed while a demotion had released its lock (raised through
+    `allocate`, `move` and `demote` to the Store call that needed the room)."""
 
 
 class StoredObject:
@@ -84,6 +99,13 @@ class Placement:
         # StoreSettings.verify_memory == "always": a memory-tier object's bytes are not
         # trusted after commit, so a move or write-back out of it re-checks them
         self.verify_moves = False
+        # set by the Store: `outside_lock(fn)` runs fn with the lock released and returns
+        # whether the store is still open once it holds the lock again; `wait_room(s)`
+        # waits up to s seconds on the lock's condition (woken when a demotion settles)
+        # and returns the same. None: demotions write under the lock.
+        self.outside_lock: Optional[Callable[[Callable[[], None]], bool]] = None
+        self.wait_room: Optional[Callable[[float], bool]] = None
+        self.demoting = 0  # demotions whose disk write runs outside the lock now
 
     def recover_nvme(self) -> None:
         """Rebuild the NVMe tier's objects from the index, then adopt the object files it
@@ -228,8 +250,13 @@ class Placement:
 
     # ------------------------------------------------------------------ room and movement
     def allocate(self, tier: str, size: int, key: bytes, exclude: frozenset = frozenset()) -> Slot:
-        """A slot of `size` bytes in `tier`, demoting/evicting unpinned objects for room."""
+        """A slot of `size` bytes in `tier`, demoting/evicting unpinned objects for room.
+        May release and retake the lock (a demotion that writes; module docstring);
+        StoreClosed when the store closed meanwhile, CapacityExhausted when no room can
+        be made (pinned objects are never taken; while other demotions are writing, their
+        room is waited for, 30 s at most)."""
         t = self.tiers[tier]
+        deadline = time.monotonic() + 30.0
         name = object_name(key)
         slot = t.allocate(size, name)
         tried = set(exclude)
@@ -238,6 +265,14 @@ class Placement:
                      for o in self.objects.values()
                      if o.key not in tried and ((o.tier == tier and not o.pinned)
                                                 or (o.backing is not None and o.backing.tier == tier))]
+            if not cands and self.demoting and self.wait_room is not None and time.monotonic() < deadline:
+                # every candidate is pinned, some by demotions writing outside the lock: the
+                # room they make may be ours (or theirs): wait for one to settle, look again
+                if not self.wait_room(0.05):
+                    raise StoreClosed(f"the store closed while making room in tier {tier!r}")
+                tried = set(exclude)
+                slot = t.allocate(size, name)
+                continue
             if not cands:
                 pinned = sum(o.slot.length for o in self.objects.values() if o.tier == tier and o.pinned)
                 raise CapacityExhausted(
@@ -250,27 +285,75 @@ class Placement:
                 cands = backed  # demoting these costs no I/O (kvstore.writeback made their NVMe copies)
             for k in self.policy.choose_victims(cands, need):
                 tried.add(k)
-                o = self.objects.get(k)
+                o = self.objects.get(k)  # (re-checked: a demotion may have released the lock)
                 if o is None:
                     continue
                 if o.backing is not None and o.backing.tier == tier:
                     self.drop_backing(o)  # a copy: the object stays in its faster tier
-                else:
+                elif o.tier == tier and not o.pinned:
                     self.demote(o)
             slot = t.allocate(size, name)
         return slot
 
     def demote(self, o: StoredObject) -> None:
+        """Move an unpinned object one tier down (dropped from the last tier, or when the
+        move fails). A victim that needs a durable copy written gets it outside the lock
+        first (`_back_outside_lock`); if it was leased or deleted meanwhile it is left as
+        it is (a leased one keeps the new copy as its backing copy)."""
         below = self.below(o.tier)
         if below is not None:
             try:
+                if (self.outside_lock is not None and self.tiers[below].durable
+                        and not self.tiers[o.tier].durable and o.backing is None):
+                    if not self._back_outside_lock(o, below):
+                        return
                 self.move(o, below, allow_evict=True)
                 self.counters["demotions"] += 1
                 return
+            except StoreClosed:
+                raise  # nothing to undo: close() dropped every object and tier
             except KVStoreError as exc:
+                if o.removed or o.pinned:  # deleted or leased while the lock was released
+                    return
                 log.info("demoting %r from %s to %s failed (%s); dropping it", o.key, o.tier, below, exc)
         self.drop(o)
         self.counters["evictions"] += 1
+
+    def _back_outside_lock(self, o: StoredObject, durable: str) -> bool:
+        """Give `o` (unpinned, in a memory tier, no durable copy) a durable backing copy,
+        written and sealed with the lock released (`outside_lock`); `o` stays readable from
+        its memory copy throughout. The index records the copy only once it is sealed, so
+        a crash before that leaves a sealed file the index does not name (adopted at open
+        from its header) or a half-written one (deleted at open). Returns True when `o` is
+        still present and unpinned (its demotion now moves nothing), False when it was
+        deleted or leased meanwhile. Raises what the copy raised (StorageError, BadObject),
+        or StoreClosed when the store closed meanwhile."""
+        slot = self.allocate(durable, o.size, o.key, frozenset({o.key}))  # the last tier: drops, never writes
+        job = BackingJob(o, self.tiers[o.tier], self.tiers[durable], slot)
+        o.busy += 1
+        self.demoting += 1
+        try:
+            still_open = self.outside_lock(lambda: self.write_backing(job, quiet=True))
+        finally:
+            o.busy -= 1
+            self.demoting -= 1
+        if not still_open:  # close() freed the tiers' slots with the tiers
+            raise StoreClosed(f"the store closed while demoting {o.key!r} to {durable}")
+        error = job.error
+        if error is None and not o.removed:
+            o.backing = job.slot
+            try:
+                assert self.index is not None
+                self.index.put(self.record(o))
+            except KVStoreError as exc:
+                o.backing, error = None, exc
+            else:
+                return not o.pinned
+        job.dst.free(job.slot)
+        self.release_slot_if_unpinned(o)  # deleted meanwhile: its slot goes now
+        if error is None:
+            return False
+        raise error if isinstance(error, KVStoreError) else StorageError(f"demoting {o.key!r}: {error}")
 
     def copy(self, src: Tier, s: Slot, dst: Tier, d: Slot) -> None:
         v = src.view(s)
@@ -294,7 +377,15 @@ class Placement:
             src.free(old_slot)
             return
         if allow_evict:
-            slot = self.allocate(dst_name, o.size, o.key, frozenset({o.key}))
+            o.busy += 1  # making room may release the lock: nothing moves or frees o meanwhile
+            try:
+                slot = self.allocate(dst_name, o.size, o.key, frozenset({o.key}))
+            finally:
+                o.busy -= 1
+            if o.removed or o.pinned:  # deleted or leased while room was made: it stays
+                dst.free(slot)
+                self.release_slot_if_unpinned(o)
+                raise CapacityExhausted(f"object {o.key!r} was deleted or leased while room was made for it")
         else:
             slot = dst.allocate(o.size, object_name(o.key))
             if slot is None:
@@ -485,10 +576,10 @@ class Placement:
             jobs.append(BackingJob(o, self.tiers[mem], self.tiers[dur], slot))
         return jobs
 
-    def write_backing(self, job: "BackingJob") -> None:
+    def write_backing(self, job: "BackingJob", quiet: bool = False) -> None:
         """Write a planned job's bytes into its durable slot and seal it; a failure is
-        logged and kept in `job.error` (the slot is freed by `settle_backing`). Runs
-        outside the lock: the object is pinned."""
+        logged (unless `quiet`: the caller reports it) and kept in `job.error` (the slot
+        is freed by `settle_backing`). Runs outside the lock: the object is pinned."""
         o = job.obj
         try:
             self.copy(job.src, o.slot, job.dst, job.slot)
@@ -496,43 +587,50 @@ class Placement:
                 raise BadObject(f"object {o.key!r} fails its checksum while being written back")
             job.slot = job.dst.seal(job.slot, object_name(o.key), self.header(o))
         except Exception as exc:  # noqa: BLE001 - logged, counted, freed by settle_backing
-            log.warning("write-back of %r to %s failed: %s", o.key, job.dst.name, exc)
+            if not quiet:
+                log.warning("write-back of %r to %s failed: %s", o.key, job.dst.name, exc)
             job.error = exc
 
     def settle_backing(self, jobs: list["BackingJob"], is_open: bool, max_attempts: int) -> int:
         """Unpin written jobs; a good copy of an object still unbacked in the memory tier
-        becomes its backing copy and is recorded in the index, anything else is freed
-        (when the store is still open) and a failure counted. Returns how many objects
-        were backed. Called with the lock."""
-        backed = 0
+        becomes its backing copy and is recorded in the index (one transaction for the
+        round, so one sync under the lock), anything else is freed (when the store is
+        still open) and a failure counted. Returns how many objects were backed. Called
+        with the lock."""
+        kept: list[BackingJob] = []
         for job in jobs:
-            o, slot, error = job.obj, job.slot, job.error
+            o = job.obj
             o.busy -= 1
-            keep = (error is None and is_open and not o.removed and o.tier == self.roles.memory
-                    and o.backing is None)
-            if keep:
-                o.backing = slot
-                try:
-                    assert self.index is not None
-                    self.index.put(self.record(o))
-                except KVStoreError as exc:
-                    log.warning("write-back of %r: index record failed (%s); copy dropped", o.key, exc)
-                    o.backing, keep, error = None, False, exc
-            if keep:
-                backed += 1
+            if (job.error is None and is_open and not o.removed and o.tier == self.roles.memory
+                    and o.backing is None):
+                o.backing = job.slot
+                kept.append(job)
+        if kept:
+            try:
+                assert self.index is not None
+                self.index.put_many([self.record(job.obj) for job in kept])
+            except KVStoreError as exc:
+                log.warning("write-back of %d objects: index record failed (%s); copies dropped", len(kept), exc)
+                for job in kept:
+                    job.obj.backing, job.error = None, exc
+                kept = []
+        kept_ids = {id(job) for job in kept}
+        for job in jobs:
+            o = job.obj
+            if id(job) in kept_ids:
                 self.counters["writebacks"] += 1
                 self.counters["writeback_bytes"] += o.size
             else:
-                if error is not None:
+                if job.error is not None:
                     self.counters["writeback_failures"] += 1
                     o.writeback_failures += 1
                     if o.writeback_failures == max_attempts:
                         self.counters["writeback_given_up"] += 1
                         log.warning("write-back of %r failed %d times; not trying it again", o.key, max_attempts)
                 if is_open:
-                    job.dst.free(slot)
+                    job.dst.free(job.slot)
             self.release_slot_if_unpinned(o)
-        return backed
+        return len(kept)
 
 
 @dataclass

@@ -35,9 +35,13 @@ and those of dropped objects. A damaged index is rebuilt from the headers or ref
 
 Locking: one lock guards all metadata, taken with `with`. Checksumming a commit and
 verifying/promoting an NVMe hit run outside it (the object or reservation is pinned);
-so do prefetches from NVMe to the CPU tier; demotions and other prefetch moves still
-copy bytes under the lock; kvstore.writeback gives the coldest CPU-tier objects NVMe
-copies ahead of need, outside it, so demoting them writes nothing.
+so do prefetches from NVMe to the CPU tier, and the NVMe write of a demotion to NVMe
+(the victim is pinned, stays readable from its memory copy, and becomes durable in the
+index only once its file is sealed; the put or promotion that needed the room waits for
+it, other clients' lookups and gets do not: kvstore.placement). Memory-to-memory
+demotions and other prefetch moves still copy bytes under the lock; kvstore.writeback
+gives the coldest CPU-tier objects NVMe copies ahead of need, so demoting them writes
+nothing.
 
 Remote tier (optional, `settings.remote_url`; kvstore.remote): committed objects are
 offered to it after commit and written in the background; a key absent from every local
@@ -111,6 +115,8 @@ class Store:
         self.tiers: dict[str, Tier] = self._media.tiers  # enabled tiers, fastest first (filled by open)
         self._place = Placement(self.tiers, None, self._policy, self._counters, self.dir / "objects")
         self._place.verify_moves = s.verify_memory == "always"
+        self._place.outside_lock = self._outside_lock  # demotions write to NVMe without the lock
+        self._place.wait_room = self._wait_room
         #: what the remote tier does to the objects (kvstore.memory_seam); locks self._lock
         self.remote_seam = MemorySeam(self._lock, self._place, self.tiers, lambda: self.roles, lambda: self._open)
         self._leases = LeaseTable(s.lease_ttl_s)
@@ -210,6 +216,23 @@ class Store:
         self.close()
 
     # ------------------------------------------------------------------ helpers
+    def _outside_lock(self, fn: Callable[[], None]) -> bool:
+        """Placement's hook (called with the lock): run `fn` with the lock released, take
+        it again, wake the waiters for room; whether the store is still open."""
+        self._lock.release()
+        try:
+            fn()
+        finally:
+            self._lock.acquire()
+        self._cond.notify_all()
+        return self._open
+
+    def _wait_room(self, timeout_s: float) -> bool:
+        """Placement's hook (called with the lock): wait on the condition up to
+        `timeout_s` (a demotion settling wakes it); whether the store is still open."""
+        self._cond.wait(timeout_s)
+        return self._open
+
     def _require_open(self) -> None:
         if not self._open:
             raise StorageError(f"the store at {self.dir} is not open")
@@ -284,6 +307,12 @@ class Store:
             if self._reservations.in_flight(key):
                 return Reservation(0, key, self._reservations.tier_of(key) or tier, None, "in_flight")
             slot = self._place.allocate(tier, size, key)
+            o = self._place.objects.get(key)  # (making room may have released the lock: Placement.demote)
+            if o is not None or self._reservations.in_flight(key):
+                t.free(slot)
+                if o is not None:
+                    return Reservation(0, key, o.tier, None, "exists")
+                return Reservation(0, key, self._reservations.tier_of(key) or tier, None, "in_flight")
             e = self._reservations.open(PendingPut(key, tier, slot, meta), client_id)
             return Reservation(e.lease_id, key, tier, t.region(slot), "reserved", e.expires_at)
 
@@ -534,10 +563,13 @@ class Store:
             self._require_open()
             self._tier(tier)
             n = self._place.evict_tier(tier)
-            while time.monotonic() < deadline and any(
-                    o.tier == tier and o.leases == 0 and o.busy for o in self._place.objects.values()):
-                self._cond.wait(0.05)  # lets the write-back settle its copies
-                n += self._place.evict_tier(tier)
+            while time.monotonic() < deadline:
+                left = [o for o in self._place.objects.values() if o.tier == tier and o.leases == 0]
+                if not left:
+                    break
+                if all(o.busy for o in left):
+                    self._cond.wait(0.05)  # lets the write-back settle its copies
+                n += self._place.evict_tier(tier)  # (demotions release the lock: objects unpinned meanwhile)
             return n
 
     def stats(self) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """Background write-back: NVMe copies of CPU-tier objects made ahead of need.
 
 Making room in a full memory tier demotes victims one tier down (kvstore.placement), and
-demoting an object from the CPU arena to NVMe writes and fsyncs its bytes while the
-store's lock is held: every RPC waits behind it (lookups included), and a put or a
-promoting get into a full CPU tier pays for the demotions it causes (a 12k-token rag
-request's NVMe-tier hit took 2-4 s on an H200 machine, ~0.2 GB/s end to end).
+demoting an object from the CPU arena to NVMe writes and fsyncs its bytes (outside the
+store's lock, kvstore.placement.Placement.demote; other RPCs do not wait for it), so a
+put or a promoting get into a full CPU tier pays for the demotions it causes (a 12k-token
+rag request's NVMe-tier hit took 2-4 s on an H200 machine, ~0.2 GB/s end to end).
 
 `WriteBack` keeps the CPU tier's *unbacked* bytes (objects with no NVMe copy) at or below
 `watermark` x its capacity: a daemon thread gives the coldest unbacked objects (the
@@ -25,7 +25,7 @@ wakes when `kick()`ed (a CPU-tier commit: the way new unbacked bytes arrive) and
 
 Failures are not retried forever: an object whose copy failed MAX_ATTEMPTS times (a
 medium error, an index write that failed) is left out of later rounds; it stays in the
-CPU tier and is demoted the ordinary way (under the lock) when room is needed. Every
+CPU tier and is demoted the ordinary way (written when room is needed). Every
 failed copy counts in `writeback_failures`, objects given up on in `writeback_given_up`.
 """
 from __future__ import annotations

@@ -8,8 +8,9 @@ room, paced at `--rate` objects/s (0: back to back), while a second client looks
 batch of 64 keys every 5 ms. Reported per mode: put latency p50/p99, lookup latency p99
 during the puts (lookups queue behind whatever holds the store's lock), and the daemon's
 demotions, evictions and write-backs. Without write-back every put demotes a victim by
-writing and fsyncing it under the lock; with it, the victims' NVMe copies were made
-ahead, outside the lock, and a demotion writes nothing.
+writing and fsyncing it (outside the store's lock since issue 23: the put waits for it,
+lookups do not); with it, the victims' NVMe copies were made ahead and a demotion writes
+nothing until the puts outrun the write-back (`--rate 0`).
 
     PYTHONPATH=. python tools/bench_tier_pressure.py [--dir /mnt/nvme/kvbench] [--size 32MiB]
         [--objects 16] [--puts 16] [--rate 4] [--json docs/results/tier-pressure-<date>.json]
