@@ -9,7 +9,8 @@ per repeat:
   mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
              zero-copy calls of Mooncake's Python API
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
-  mooncake_ranged  (objects over the adapter's `read_chunk`, 8 MiB unless `--read-chunk`)
+  mooncake_ranged  (objects the adapter reads in pieces: over its `read_split`, 3 MiB,
+             or its `read_chunk`, 8 MiB, unless `--read-split` / `--read-chunk`)
              the raw client reading the object as our get does, unverified: one
              `batch_get_session_start`, `batch_get_into_multi_buffer_ranges` per piece,
              `batch_get_session_end`: how much of our get's time is the chunked transfer
@@ -29,6 +30,11 @@ per repeat:
              objects over `read_chunk` are read in pieces, each hashed as it lands), then
              its `finish` (the trailer checked, the rest of the payload hashed: the
              checksum verified on every remote read)
+  ours_alt   (`--alt-read-chunk` / `--alt-read-split BYTES`) ours again with another
+             `read_chunk` / `read_split` on the same
+             Mooncake client, so two piece sizes (or thresholds) are compared op by op
+             under the same load: `*_alt` overheads against the raw client, `*_alt_vs_ours`
+             against ours (row `piece_bytes` / `alt_piece_bytes`: each side's pieces)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -198,12 +204,13 @@ class Ours:
     """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
 
     def __init__(self, master: MooncakeMaster, room: bool = True, read_chunk: int = -1,
-                 share: "Ours | None" = None) -> None:
-        """`read_chunk`: the adapter's `read_chunk` URL parameter (-1: its default).
+                 share: "Ours | None" = None, read_split: int = -1) -> None:
+        """`read_chunk`, `read_split`: the adapter's URL parameters (-1: its default).
         `share`: another `Ours` whose adapter (its Mooncake client, its state) this one
         drives with its own `read_chunk` (a shallow copy of that adapter with another
         target; only the first closes it), so two piece sizes compare on one client."""
-        extra = "&segment=0" + (f"&read_chunk={read_chunk}" if read_chunk >= 0 else "")
+        extra = ("&segment=0" + (f"&read_chunk={read_chunk}" if read_chunk >= 0 else "")
+                 + (f"&read_split={read_split}" if read_split >= 0 else ""))
         if share is None:
             self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + extra))
         else:
@@ -329,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-chunk", type=int, default=-1,
                     help="bytes per piece of our chunked gets (the adapter's read_chunk; 0: one get_into per "
                          "object; default: the adapter's default)")
+    ap.add_argument("--read-split", type=int, default=-1,
+                    help="bytes above which our gets are read in pieces (at least two; the adapter's read_split; "
+                         "default: the adapter's default)")
+    ap.add_argument("--alt-read-split", type=int, default=-1,
+                    help="the `ours_alt` side's read_split (bytes; default: the adapter's default)")
     ap.add_argument("--alt-read-chunk", type=int, default=-1,
                     help="adds a side `ours_alt`: our path with this read_chunk (bytes; 0: one get_into per object) "
                          "on the same client, alternating op by op with the others (paired against `ours` too)")
@@ -355,10 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        ours = Ours(master, room=not args.no_tail_room, read_chunk=args.read_chunk)
-        chunk = ours.a.target.read_chunk_bytes
-        alt = Ours(master, room=not args.no_tail_room, read_chunk=args.alt_read_chunk, share=ours) \
-            if args.alt_read_chunk >= 0 else None
+        ours = Ours(master, room=not args.no_tail_room, read_chunk=args.read_chunk, read_split=args.read_split)
+        chunk, split = ours.a.target.read_chunk_bytes, ours.a.target.read_split_bytes
+        alt = Ours(master, room=not args.no_tail_room, read_chunk=args.alt_read_chunk, share=ours,
+                   read_split=args.alt_read_split) if args.alt_read_chunk >= 0 or args.alt_read_split >= 0 else None
         raw = Raw(master, ours.a.client if args.client == "shared" else None)
         if raw.c is None:
             raise RuntimeError("the adapter did not join the Mooncake cluster")
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"bench/ours/{n}/{time.monotonic_ns()}".encode()  # as `one_op` names our objects
             ours_size = n + len(trailer_body(name, ours.meta)) + FOOTER_BYTES
             b = Buffers(arena, n, ours_size)  # every side puts from and gets into the same memory
-            piece = piece_bytes(ours_size, chunk)
+            piece = piece_bytes(ours_size, chunk, split)
             if piece < ours_size:  # our get reads in pieces: the raw client doing the same, unverified
                 sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, piece), "mooncake_verified": rawv,
                          "ours": ours}
@@ -415,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                         ratios = [a[j] / b[j] for a, b in zip(ops["ours_alt"], ops[base])]
                         ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
                 row["alt_read_chunk_bytes"] = alt.a.target.read_chunk_bytes
-                row["alt_piece_bytes"] = piece_bytes(ours_size, alt.a.target.read_chunk_bytes)
+                row["alt_read_split_bytes"] = alt.a.target.read_split_bytes
+                row["alt_piece_bytes"] = piece_bytes(ours_size, alt.a.target.read_chunk_bytes,
+                                                     alt.a.target.read_split_bytes)
                 row["ours_alt_steps_ms"] = {k: 1e3 * statistics.median(v) for k, v in alt.steps.items() if v}
             row["piece_bytes"] = piece
             row["overhead"] = ov
@@ -434,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"get {row['ours']['get_gbps']['median']:.2f} GB/s; ours per step (ms) "
                   + " ".join(f"{k} {v:.3f}" for k, v in row["ours_steps_ms"].items()), flush=True)
             if alt is not None:
-                print(f"{mib:>3} MiB  alt read_chunk {row['alt_read_chunk_bytes']} (pieces of {row['alt_piece_bytes']}): "
+                print(f"{mib:>3} MiB  alt read_chunk {row['alt_read_chunk_bytes']} read_split "
+                      f"{row['alt_read_split_bytes']} (pieces of {row['alt_piece_bytes']}): "
                       f"paired put {ov['put_paired_median_pct_alt']:+.1f}% get {ov['get_paired_median_pct_alt']:+.1f}% "
                       f"(vs verified {ov['get_paired_median_pct_alt_vs_verified']:+.1f}%, vs ours "
                       f"{ov['get_paired_median_pct_alt_vs_ours']:+.1f}%); get p50 "
@@ -458,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",
             "client": args.client,
             "read_chunk_bytes": chunk,
+            "read_split_bytes": split,
             "alt_read_chunk_bytes": alt.a.target.read_chunk_bytes if alt is not None else None,
+            "alt_read_split_bytes": alt.a.target.read_split_bytes if alt is not None else None,
             "mooncake_version": _mooncake_version(),
             "repeats": args.repeats,
             "rows": rows,
