@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                     ratios = [a[j] / b[j] for a, b in zip(ops["ours"], ops[base])]
                     ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
             if alt is not None:  # the other piece size, paired against the raw client and against ours
-                for base, sfx in (("mooncake", "_alt"), ("mooncake_verified", "_alt_vs_verified"), ("ours", "_alt_vs_ours")):
+                for base, sfx in (("mooncake", "_alt"), ("mooncake_verified", "_alt_vs_verified"),
+                                  ("ours", "_alt_vs_ours")):
                     for j, op in enumerate(("put", "get")):
                         ratios = [a[j] / b[j] for a, b in zip(ops["ours_alt"], ops[base])]
                         ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
