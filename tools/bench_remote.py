@@ -9,7 +9,8 @@ per repeat:
   mooncake   the raw client: `put_from(name, ptr, n)` / `get_into(name, ptr, n)`, the
              zero-copy calls of Mooncake's Python API
   mooncake_verified  the same, plus hashing the bytes read (what integrity costs any caller)
-  mooncake_ranged  (objects over the adapter's `read_chunk`, 8 MiB unless `--read-chunk`)
+  mooncake_ranged  (objects the adapter reads in pieces: over its `read_split`, 3 MiB,
+             or its `read_chunk`, 8 MiB, unless `--read-split` / `--read-chunk`)
              the raw client reading the object as our get does, unverified: one
              `batch_get_session_start`, `batch_get_into_multi_buffer_ranges` per piece,
              `batch_get_session_end`: how much of our get's time is the chunked transfer
@@ -29,6 +30,11 @@ per repeat:
              objects over `read_chunk` are read in pieces, each hashed as it lands), then
              its `finish` (the trailer checked, the rest of the payload hashed: the
              checksum verified on every remote read)
+  ours_alt   (`--alt-read-chunk` / `--alt-read-split BYTES`) ours again with another
+             `read_chunk` / `read_split` on the same
+             Mooncake client, so two piece sizes (or thresholds) are compared op by op
+             under the same load: `*_alt` overheads against the raw client, `*_alt_vs_ours`
+             against ours (row `piece_bytes` / `alt_piece_bytes`: each side's pieces)
 
 All sides drive one Mooncake client, the adapter's own (`--client shared`, default), so
 only our layer differs: two clients in one process were seen to differ by up to 2x in
@@ -56,6 +62,7 @@ machine).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import os
@@ -196,10 +203,19 @@ class RawRanged(Raw):
 class Ours:
     """The daemon's remote path: the adapter plus the envelope work of the remote tier."""
 
-    def __init__(self, master: MooncakeMaster, room: bool = True, read_chunk: int = -1) -> None:
-        """`read_chunk`: the adapter's `read_chunk` URL parameter (-1: its default)."""
-        extra = "&segment=0" + (f"&read_chunk={read_chunk}" if read_chunk >= 0 else "")
-        self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + extra))
+    def __init__(self, master: MooncakeMaster, room: bool = True, read_chunk: int = -1,
+                 share: "Ours | None" = None, read_split: int = -1) -> None:
+        """`read_chunk`, `read_split`: the adapter's URL parameters (-1: its default).
+        `share`: another `Ours` whose adapter (its Mooncake client, its state) this one
+        drives with its own `read_chunk` (a shallow copy of that adapter with another
+        target; only the first closes it), so two piece sizes compare on one client."""
+        extra = ("&segment=0" + (f"&read_chunk={read_chunk}" if read_chunk >= 0 else "")
+                 + (f"&read_split={read_split}" if read_split >= 0 else ""))
+        if share is None:
+            self.a = MooncakeAdapter(MooncakeTarget.from_url(master.url + extra))
+        else:
+            self.a = copy.copy(share.a)
+            self.a.target = MooncakeTarget.from_url(master.url + extra)
         self.meta = ObjectMeta("bench", 0, 0.0, {})
         self.room = room
         self.sizes: dict[str, int] = {}
@@ -320,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-chunk", type=int, default=-1,
                     help="bytes per piece of our chunked gets (the adapter's read_chunk; 0: one get_into per "
                          "object; default: the adapter's default)")
+    ap.add_argument("--read-split", type=int, default=-1,
+                    help="bytes above which our gets are read in pieces (at least two; the adapter's read_split; "
+                         "default: the adapter's default)")
+    ap.add_argument("--alt-read-split", type=int, default=-1,
+                    help="the `ours_alt` side's read_split (bytes; default: the adapter's default)")
+    ap.add_argument("--alt-read-chunk", type=int, default=-1,
+                    help="adds a side `ours_alt`: our path with this read_chunk (bytes; 0: one get_into per object) "
+                         "on the same client, alternating op by op with the others (paired against `ours` too)")
     ap.add_argument("--json", action="store_true", help="write docs/results/remote-<date>.json")
     ap.add_argument("--out", type=Path, default=None, help="JSON path instead of the default")
     args = ap.parse_args(argv)
@@ -343,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         line = holder.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"holder process: {line or 'no answer'} ({root / 'holder.log'})")
-        ours = Ours(master, room=not args.no_tail_room, read_chunk=args.read_chunk)
-        chunk = ours.a.target.read_chunk_bytes
+        ours = Ours(master, room=not args.no_tail_room, read_chunk=args.read_chunk, read_split=args.read_split)
+        chunk, split = ours.a.target.read_chunk_bytes, ours.a.target.read_split_bytes
+        alt = Ours(master, room=not args.no_tail_room, read_chunk=args.alt_read_chunk, share=ours,
+                   read_split=args.alt_read_split) if args.alt_read_chunk >= 0 or args.alt_read_split >= 0 else None
         raw = Raw(master, ours.a.client if args.client == "shared" else None)
         if raw.c is None:
             raise RuntimeError("the adapter did not join the Mooncake cluster")
@@ -358,13 +384,16 @@ def main(argv: list[str] | None = None) -> int:
             name = f"bench/ours/{n}/{time.monotonic_ns()}".encode()  # as `one_op` names our objects
             ours_size = n + len(trailer_body(name, ours.meta)) + FOOTER_BYTES
             b = Buffers(arena, n, ours_size)  # every side puts from and gets into the same memory
-            piece = piece_bytes(ours_size, chunk)
+            piece = piece_bytes(ours_size, chunk, split)
             if piece < ours_size:  # our get reads in pieces: the raw client doing the same, unverified
                 sides = {"mooncake": raw, "mooncake_ranged": RawRanged(raw.c, piece), "mooncake_verified": rawv,
                          "ours": ours}
+            if alt is not None:
+                sides["ours_alt"] = alt
             run_repeat(sides, b, 2)  # warm-up
-            for v in ours.steps.values():
-                v.clear()
+            for o in (ours, alt):
+                for v in (o.steps.values() if o is not None else ()):
+                    v.clear()
             per: dict[str, list[dict]] = {tag: [] for tag in sides}
             ops: dict[str, list[tuple[float, float]]] = {}
             for _ in range(args.repeats):
@@ -392,6 +421,18 @@ def main(argv: list[str] | None = None) -> int:
                 for j, op in enumerate(("put", "get")):
                     ratios = [a[j] / b[j] for a, b in zip(ops["ours"], ops[base])]
                     ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
+            if alt is not None:  # the other piece size, paired against the raw client and against ours
+                for base, sfx in (("mooncake", "_alt"), ("mooncake_verified", "_alt_vs_verified"),
+                                  ("ours", "_alt_vs_ours")):
+                    for j, op in enumerate(("put", "get")):
+                        ratios = [a[j] / b[j] for a, b in zip(ops["ours_alt"], ops[base])]
+                        ov[f"{op}_paired_median_pct{sfx}"] = 100.0 * (statistics.median(ratios) - 1)
+                row["alt_read_chunk_bytes"] = alt.a.target.read_chunk_bytes
+                row["alt_read_split_bytes"] = alt.a.target.read_split_bytes
+                row["alt_piece_bytes"] = piece_bytes(ours_size, alt.a.target.read_chunk_bytes,
+                                                     alt.a.target.read_split_bytes)
+                row["ours_alt_steps_ms"] = {k: 1e3 * statistics.median(v) for k, v in alt.steps.items() if v}
+            row["piece_bytes"] = piece
             row["overhead"] = ov
             # where our time goes, per step (medians over every op); the raw client's op is
             # one call, so put_call / get_call vs its p50 is the call's own overhead
@@ -407,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"paired put {ov['put_paired_median_pct']:+.1f}% get {ov['get_paired_median_pct']:+.1f}%  "
                   f"get {row['ours']['get_gbps']['median']:.2f} GB/s; ours per step (ms) "
                   + " ".join(f"{k} {v:.3f}" for k, v in row["ours_steps_ms"].items()), flush=True)
+            if alt is not None:
+                print(f"{mib:>3} MiB  alt read_chunk {row['alt_read_chunk_bytes']} read_split "
+                      f"{row['alt_read_split_bytes']} (pieces of {row['alt_piece_bytes']}): "
+                      f"paired put {ov['put_paired_median_pct_alt']:+.1f}% get {ov['get_paired_median_pct_alt']:+.1f}% "
+                      f"(vs verified {ov['get_paired_median_pct_alt_vs_verified']:+.1f}%, vs ours "
+                      f"{ov['get_paired_median_pct_alt_vs_ours']:+.1f}%); get p50 "
+                      f"{row['ours_alt']['get_p50_ms']['median']:.2f} ms", flush=True)
         worst = max(max(r["overhead"]["put_p50_latency_pct"], r["overhead"]["get_p50_latency_pct"]) for r in rows)
         worst_paired = max(max(r["overhead"]["put_paired_median_pct"], r["overhead"]["get_paired_median_pct"])
                            for r in rows)
@@ -426,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"client: {args.client} (shared: the raw sides drive the adapter's own Mooncake client)",
             "client": args.client,
             "read_chunk_bytes": chunk,
+            "read_split_bytes": split,
+            "alt_read_chunk_bytes": alt.a.target.read_chunk_bytes if alt is not None else None,
+            "alt_read_split_bytes": alt.a.target.read_split_bytes if alt is not None else None,
             "mooncake_version": _mooncake_version(),
             "repeats": args.repeats,
             "rows": rows,
@@ -435,7 +486,12 @@ def main(argv: list[str] | None = None) -> int:
                         "per_size_paired_overhead_pct": {str(r["size_mib"]): {
                             "put": r["overhead"]["put_paired_median_pct"], "get": r["overhead"]["get_paired_median_pct"],
                             "get_vs_verified": r["overhead"]["get_paired_median_pct_vs_verified"],
-                            "get_vs_ranged": r["overhead"].get("get_paired_median_pct_vs_ranged")} for r in rows},
+                            "get_vs_ranged": r["overhead"].get("get_paired_median_pct_vs_ranged"),
+                            **({"put_alt": r["overhead"]["put_paired_median_pct_alt"],
+                                "get_alt": r["overhead"]["get_paired_median_pct_alt"],
+                                "get_alt_vs_verified": r["overhead"]["get_paired_median_pct_alt_vs_verified"],
+                                "get_alt_vs_ours": r["overhead"]["get_paired_median_pct_alt_vs_ours"]}
+                               if alt is not None else {})} for r in rows},
                         "per_size_p50_overhead_pct": {str(r["size_mib"]): {"put": r["overhead"]["put_p50_latency_pct"],
                                                                           "get": r["overhead"]["get_p50_latency_pct"]}
                                                       for r in rows}},

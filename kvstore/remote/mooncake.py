@@ -17,15 +17,18 @@ object in one range (the envelope's trailer in the slot's tail room), `put_from`
 an object visible only when its put completed (PutStart / PutEnd at the master), so a
 half-written object is never read.
 
-Chunked reads: a get of one object in one range larger than `read_chunk` (default 8MiB)
-asks the master for the object's replica once (`batch_get_session_start`), reads it in
-order in pieces of at most `read_chunk` (`piece_bytes`: as many as that takes, of even
-size, so a 16 MiB object with its trailer is three pieces of about 5.3 MiB, not two of
-8 MiB and a runt) with `batch_get_into_multi_buffer_ranges` (ranged reads from that replica, into
-any memory on TCP), calls the item's `landed` after each, so the remote tier hashes each
-piece right after it landed, and ends the session. On loopback TCP this measured -23..+5%
-against one unverified `get_into` of a 16-64 MiB object, verification included
-(tools/bench_remote.py, docs/remote.md); over RDMA it is untested. Two gets of one name
+Chunked reads: a get of one object in one range larger than `read_split` (default 3MiB)
+or than `read_chunk` (default 8MiB), whichever is smaller, asks the master for the
+object's replica once (`batch_get_session_start`), reads it in order in pieces of at
+most `read_chunk`, at least two (`piece_bytes`: as many as that takes, of even size, so
+a 4 MiB object with its trailer is two pieces of about 2 MiB and a 16 MiB one three of
+about 5.3 MiB, not two of 8 MiB and a runt) with `batch_get_into_multi_buffer_ranges`
+(ranged reads from that replica, into any memory on TCP), calls the item's `landed`
+after each, so the remote tier hashes each piece right after it landed, and ends the
+session. On loopback TCP this measured -23..+5% against one unverified `get_into` of a
+16-64 MiB object and -29..+10% at 4 MiB, verification included (tools/bench_remote.py,
+docs/remote.md); objects of 1 MiB read slower in pieces than in one get. Over RDMA it
+is untested. Two gets of one name
 at once on one client share Mooncake's session for it: one ending it can fail the
 other's remaining pieces (an error, counted; the checksum means never wrong bytes).
 
@@ -33,8 +36,9 @@ URL parameters: `metadata` (the metadata server, e.g. the master's embedded one 
 `http://HOST:8080/metadata`; default that URL on the master's host), `protocol` (tcp),
 `device` (RDMA devices), `host` (the address this client advertises to peers; default
 127.0.0.1 for a loopback master, else this host's name), `segment` and `buffer` (sizes:
-the mounted segment and the client's staging buffer), `read_chunk` (size of the pieces
-of a chunked read, above; 0: every get in one call), `namespace` (prefix of object
+the mounted segment and the client's staging buffer), `read_chunk` (the largest piece
+of a chunked read, above; 0: every get in one call), `read_split` (objects larger than
+this are read in at least two pieces, above), `namespace` (prefix of object
 names; default `kvstore`), `rpc_timeout` (seconds, default 1.0: Mooncake's bound on each
 request to the master, `MC_RPC_TIMEOUT_MS`, whose own default is 30 s; an environment
 that sets MC_RPC_TIMEOUT_MS keeps its value).
@@ -70,7 +74,7 @@ log = logging.getLogger(__name__)
 
 SCHEME = "mooncake"
 _PARAMS = ("metadata", "protocol", "device", "host", "segment", "buffer", "namespace", "rpc_timeout",
-           "read_chunk")
+           "read_chunk", "read_split")
 RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"  # Mooncake's bound on each RPC to the master (its default: 30 s)
 PROTOCOLS = ("tcp", "rdma")
 MIN_READ_CHUNK = 64 << 10  # smallest `read_chunk`: each piece is one transfer of its own
@@ -89,7 +93,8 @@ class MooncakeTarget:
     buffer_bytes: int = 16 << 20
     namespace: str = "kvstore"
     rpc_timeout_s: float = 1.0  # each master RPC (MC_RPC_TIMEOUT_MS, unless the environment sets it)
-    read_chunk_bytes: int = 8 << 20  # gets of one range larger than this are chunked (module docstring); 0: never
+    read_chunk_bytes: int = 8 << 20  # the largest piece of a chunked get (module docstring); 0: never chunk
+    read_split_bytes: int = 3 << 20  # gets of one range larger than this (or than read_chunk) are chunked
 
     @classmethod
     def from_url(cls, url: str) -> "MooncakeTarget":
@@ -120,11 +125,15 @@ class MooncakeTarget:
             seg = parse_size(p.get("segment", 256 << 20), "segment")
             buf = parse_size(p.get("buffer", 16 << 20), "buffer")
             chunk = parse_size(p.get("read_chunk", 8 << 20), "read_chunk")
+            split = parse_size(p.get("read_split", 3 << 20), "read_split")
         except ConfigError as exc:
             raise RemoteConfigError(f"remote URL {url!r}: {exc}") from None
         if 0 < chunk < MIN_READ_CHUNK:
             raise RemoteConfigError(f"remote URL {url!r}: read_chunk must be 0 (off) or at least "
                                     f"{MIN_READ_CHUNK >> 10}KiB, got {chunk} bytes")
+        if split < MIN_READ_CHUNK:
+            raise RemoteConfigError(f"remote URL {url!r}: read_split must be at least {MIN_READ_CHUNK >> 10}KiB, "
+                                    f"got {split} bytes")
         try:
             rpc_timeout = float(p.get("rpc_timeout", 1.0))
         except ValueError:
@@ -135,7 +144,7 @@ class MooncakeTarget:
         if not ns or "/" in ns:
             raise RemoteConfigError(f"remote URL {url!r}: namespace must be non-empty and without '/', got {ns!r}")
         return cls(f"{_bracket(host)}:{port}", metadata, protocol, p.get("device", ""),
-                   p.get("host") or _default_local_host(host), seg, buf, ns, rpc_timeout, chunk)
+                   p.get("host") or _default_local_host(host), seg, buf, ns, rpc_timeout, chunk, split)
 
 
 def _bracket(host: str) -> str:
@@ -152,13 +161,15 @@ def _default_local_host(master_host: str) -> str:
     return socket.gethostname()
 
 
-def piece_bytes(size: int, read_chunk: int) -> int:
-    """The piece size a chunked read of a `size`-byte object uses (module docstring): the
-    object over as many pieces as `read_chunk` needs, evenly (rounded up to 4 KiB, at
-    most `read_chunk`), so the last piece is no runt; `size` itself when one piece does."""
-    if read_chunk <= 0 or size <= read_chunk:
+def piece_bytes(size: int, read_chunk: int, read_split: int = 0) -> int:
+    """The piece size a chunked read of a `size`-byte object uses (module docstring):
+    `size` itself (one get) when `read_chunk` is 0 or `size` is at most `read_split` and
+    at most `read_chunk` (`read_split` 0: `read_chunk` alone decides); otherwise the
+    object over as many pieces as `read_chunk` needs, at least two, evenly (rounded up to
+    4 KiB, at most `read_chunk`), so the last piece is no runt."""
+    if read_chunk <= 0 or size <= (min(read_split, read_chunk) if read_split > 0 else read_chunk):
         return size
-    per = -(-size // -(-size // read_chunk))
+    per = -(-size // max(2, -(-size // read_chunk)))
     return min(read_chunk, -(-per // 4096) * 4096)
 
 
@@ -280,7 +291,8 @@ class MooncakeAdapter(BlockingAdapter):
         c = self._client
         if c is None:
             return UNREACHABLE
-        if 0 < self.target.read_chunk_bytes < n:
+        t = self.target
+        if 0 < t.read_chunk_bytes and (n > t.read_chunk_bytes or n > t.read_split_bytes):
             return self._get_chunked(c, name, addr, n, landed)
         return c.get_into(name, addr, n)
 
@@ -290,7 +302,7 @@ class MooncakeAdapter(BlockingAdapter):
         code = int(c.batch_get_session_start([name])[0])
         if code != 0:
             return code if code < 0 else FAILED
-        step = piece_bytes(n, self.target.read_chunk_bytes)
+        step = piece_bytes(n, self.target.read_chunk_bytes, self.target.read_split_bytes)
         try:
             for off in range(0, n, step):
                 ln = min(step, n - off)

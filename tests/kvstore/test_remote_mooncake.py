@@ -342,3 +342,67 @@ def test_one_object_calls_on_a_real_master_run_inline_and_answer_codes(tmp_path)
         if a is not None:
             a.close()
         master.stop()
+
+
+def test_a_4mib_object_is_read_in_two_pieces_by_default_and_a_damaged_piece_is_refused(tmp_path):
+    """The default URL (read_split 3MiB): a 4 MiB object with its trailer is read in two
+    pieces from one replica lookup, each hashed as it lands; a byte flipped in the first
+    piece (hashed while the second one transfers) or in the second is refused by the
+    verifier, never passed; a 1 MiB object is one get."""
+    import torch
+
+    from kvstore.errors import BadObject
+    from kvstore.records import ObjectMeta
+    from kvstore.remote.envelope import PayloadVerifier, encode_trailer
+    from kvstore.remote.mooncake import MooncakeAdapter, MooncakeTarget, piece_bytes
+
+    master = _start_master(tmp_path / "master")
+    a = None
+    try:
+        a = MooncakeAdapter(MooncakeTarget.from_url(master.url + "&segment=48MiB"))
+        t = a.target
+        meta = ObjectMeta("fp", 1, 0.5, {})
+
+        def envelope(n: int, seed: int) -> bytearray:
+            payload = blob(n, seed)
+            import xxhash
+
+            x = xxhash.xxh3_64_intdigest(payload)
+            return bytearray(payload + encode_trailer(b"k", meta, n, x, x))
+
+        def put(name: str, obj: bytearray) -> None:
+            a.call("remove", [name], 5.0)
+            src = torch.from_numpy(np.frombuffer(obj, dtype=np.uint8))
+            assert a.put_one(name, src.data_ptr(), len(obj), 5.0) == len(obj)
+
+        def get(name: str, size: int) -> tuple[PayloadVerifier, list[int], torch.Tensor]:
+            dst = torch.zeros(size, dtype=torch.uint8)
+            v = PayloadVerifier(memoryview(dst.numpy()), b"k")
+            ends: list[int] = []
+            assert a.get_one(name, dst.data_ptr(), size, 5.0, lambda e: (ends.append(e), v.landed(e))) == size
+            return v, ends, dst
+
+        good = envelope(4 << 20, 11)
+        size = len(good)
+        step = piece_bytes(size, t.read_chunk_bytes, t.read_split_bytes)
+        assert t.read_split_bytes < size <= t.read_chunk_bytes and step < size
+        put("t/four", good)
+        v, ends, dst = get("t/four", size)
+        assert ends == [step, size]  # two pieces, each reported (and hashed) as it landed
+        assert v.finish().payload_bytes == 4 << 20 and bytes(dst.numpy()) == bytes(good)
+        for at in (1000, step + 1000):  # a byte in the first piece, then one in the second
+            bad = bytearray(good)
+            bad[at] ^= 0x40
+            put("t/four", bad)
+            v, ends, _ = get("t/four", size)
+            assert ends == [step, size]
+            with pytest.raises(BadObject, match="payload hashes"):
+                v.finish()
+        small = envelope(1 << 20, 12)  # within read_split: one get_into, no progress calls
+        put("t/one", small)
+        v, ends, _ = get("t/one", len(small))
+        assert ends == [] and v.finish().payload_bytes == 1 << 20
+    finally:
+        if a is not None:
+            a.close()
+        master.stop()

@@ -756,3 +756,23 @@ def test_the_mooncake_url_takes_an_rpc_timeout_and_a_read_chunk():
     assert MooncakeTarget.from_url("mooncake://h:5?read_chunk=0").read_chunk_bytes == 0
     with pytest.raises(RemoteConfigError, match="read_chunk must be 0"):
         MooncakeTarget.from_url("mooncake://h:5?read_chunk=1000")
+
+
+def test_the_mooncake_url_takes_a_read_split_and_pieces_follow_it():
+    from kvstore.remote.mooncake import piece_bytes
+
+    t = MooncakeTarget.from_url("mooncake://h:5")
+    assert (t.read_split_bytes, t.read_chunk_bytes) == (3 << 20, 8 << 20)
+    assert MooncakeTarget.from_url("mooncake://h:5?read_split=8MiB").read_split_bytes == 8 << 20
+    with pytest.raises(RemoteConfigError, match="read_split must be at least 64KiB"):
+        MooncakeTarget.from_url("mooncake://h:5?read_split=1000")
+    mib, trailer = 1 << 20, 114
+    split, chunk = t.read_split_bytes, t.read_chunk_bytes
+    assert piece_bytes(mib + trailer, chunk, split) == mib + trailer  # within read_split: one get
+    four = 4 * mib + trailer  # over read_split, within read_chunk: two even pieces
+    assert piece_bytes(four, chunk, split) == 2 * mib + 4096 and 2 * (2 * mib + 4096) >= four
+    sixteen = 16 * mib + trailer  # over read_chunk: as many as read_chunk needs (three), as before
+    assert piece_bytes(sixteen, chunk, split) == piece_bytes(sixteen, chunk) == 5595136
+    assert piece_bytes(four, chunk, 8 * mib) == four  # read_split 8MiB: the former rule
+    assert piece_bytes(four, 0, split) == four  # read_chunk 0: never in pieces
+    assert piece_bytes(300 << 10, 64 << 10, split) == 60 << 10  # read_chunk below read_split decides
