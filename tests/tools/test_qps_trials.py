@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tools.servebench import tiered
-from tools.servebench.harness import over_slo_certain
+from tools.servebench.harness import over_slo_certain, trial_size
 from tools.servebench.requests import BenchRequest
 
 
@@ -69,9 +69,9 @@ def test_short_fixed_trials_pass_any_rate_but_timed_trials_find_the_capacity():
 
 
 def test_trial_size_and_the_pool_a_search_needs():
-    assert tiered.trial_size(37.0, 6, None, None) == 6
-    assert tiered.trial_size(37.0, 6, 2.0, 300) == 74
-    assert tiered.trial_size(1.0, 6, 2.0, 300) == 6 and tiered.trial_size(500.0, 6, 2.0, 300) == 300
+    assert trial_size(37.0, 6, None, None) == 6
+    assert trial_size(37.0, 6, 2.0, 300) == 74
+    assert trial_size(1.0, 6, 2.0, 300) == 6 and trial_size(500.0, 6, 2.0, 300) == 300
     assert tiered.pool_needed(3, 2, 6, 5, 300) == 3 * (2 + 6 + 5 * 300)
     with pytest.raises(ValueError, match="max_per_trial"):
         tiered.qps_repeats(QueueHarness(0.1), _reqs(100), per_trial=4, slo_ms=500.0, start_rate=1.0, repeats=1,

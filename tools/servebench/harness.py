@@ -23,6 +23,7 @@ measurement.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections import deque
@@ -413,6 +414,17 @@ def _connector_counts(planner) -> Optional[dict]:
         for t, v in (snap.get(k) or {}).items():
             out[f"{k}_{t}"] = v
     return out
+
+
+def trial_size(rate: float, per_trial: int, trial_s: Optional[float], max_per_trial: Optional[int]) -> int:
+    """Requests of a trial at `rate`: `per_trial`, or with `trial_s` enough for `trial_s`
+    seconds of arrivals (at least `per_trial`, at most `max_per_trial`). A trial must last
+    long enough for an overloaded queue to show: a burst of a few requests passes any
+    rate once they fit in the SLO back to back."""
+    if trial_s is None:
+        return per_trial
+    n = max(per_trial, math.ceil(rate * trial_s))
+    return min(n, max_per_trial) if max_per_trial else n
 
 
 def over_slo_certain(over: int, n: int) -> bool:

@@ -127,12 +127,12 @@ def qps_at_slo(h: Harness, method: str, stream: Sequence[BenchRequest], warmup: 
     between arrivals too) as `qps-<method>-trial<N>`; it is marked `traced` (the
     profiler slows it, so its pass or fail is not a clean figure: for diagnosis only).
     `trial_s` / `max_per_trial`: each trial sends `trial_s` seconds of arrivals at its
-    rate (tools.servebench.tiered.trial_size: at least `per_trial`, at most
+    rate (tools.servebench.harness.trial_size: at least `per_trial`, at most
     `max_per_trial` requests; `stream` then holds warmup + trials * max_per_trial) and is
     cut short once its p99 is sure to miss the SLO; without them a trial is `per_trial`
     requests, which any rate passes once they fit in the SLO back to back (a fast
     method's figure is then the search's top, not a sustainable rate)."""
-    from tools.servebench.tiered import trial_size
+    from tools.servebench.harness import trial_size
 
     h.planner(method, fresh=(method == "prefix"))
     burst = stream[max(0, warmup - per_trial):warmup]

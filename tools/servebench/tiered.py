@@ -9,7 +9,7 @@ engine (a `Harness`) over the kvstore daemon:
   Each method may start from its own rate (`start_rates`: bench_tiered starts each at half
   of what it serves back to back when idle), so a fast method does not spend its trials
   doubling up from a slow method's start. A trial lasts `trial_s` seconds of arrivals
-  (`trial_size`: rate x trial_s requests, bounded): only a trial long enough for a queue
+  (`harness.trial_size`: rate x trial_s requests, bounded): only a trial long enough for a queue
   to build can fail a rate above what the engine sustains; one sure to fail is cut short.
 - `working_set_sweep`: a document corpus whose signatures occupy `x` times the GPU tier
   (the daemon's GPU tier; on a machine without one, its CPU tier stands in: `stand_in`),
@@ -189,17 +189,6 @@ def warm_up(h: "Harness", load, tasks: Sequence[str], n: int = 1, stop: Stop = n
 
 
 # ---------------------------------------------------------------------- QPS
-def trial_size(rate: float, per_trial: int, trial_s: Optional[float], max_per_trial: Optional[int]) -> int:
-    """Requests of a trial at `rate`: `per_trial`, or with `trial_s` enough for `trial_s`
-    seconds of arrivals (at least `per_trial`, at most `max_per_trial`). A trial must last
-    long enough for an overloaded queue to show: a burst of a few requests passes any
-    rate once they fit in the SLO back to back."""
-    if trial_s is None:
-        return per_trial
-    n = max(per_trial, math.ceil(rate * trial_s))
-    return min(n, max_per_trial) if max_per_trial else n
-
-
 def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_trial: int, slo_ms: float,
                start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0,
                stop: Stop = never, trial_s: Optional[float] = None, max_per_trial: Optional[int] = None) -> dict:
@@ -209,6 +198,8 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
     (Harness.run_poisson's `slo_ms`; `aborted` in the trial). `stop()` is asked before
     each trial: a reason ends the search where it is (`stopped`; `converged` says whether
     the bracket was narrow enough by then)."""
+    from tools.servebench.harness import trial_size
+
     h.planner(method)
     best: Optional[float] = None
     fail: Optional[float] = None
