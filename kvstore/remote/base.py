@@ -347,28 +347,25 @@ class BlockingAdapter(RemoteAdapter):
         bound = self.inline_bound_s
         if bound is None or bound > timeout_s or self._closing:
             return super().get_one(name, addr, size, timeout_s, landed, late)
-        if not self._reach.ok:
-            return self._fast_fail()
-        try:
-            code = int(self.get_one_now(name, addr, size, landed))
-        except Exception as exc:  # noqa: BLE001 - reported as a code, as `_run` does
-            log.warning("remote get_one_now failed: %s", exc)
-            return FAILED
-        if code == UNREACHABLE or code == TIMED_OUT:
-            self._mark_unreachable()
-        return code
+        return self._one_inline("get_one_now", lambda: self.get_one_now(name, addr, size, landed))
 
     def put_one(self, name: str, addr: int, size: int, timeout_s: float,
                 late: Optional[Callable[[TaskResult], None]] = None) -> int:
         bound = self.inline_bound_s
         if bound is None or bound > timeout_s or self._closing:
             return super().put_one(name, addr, size, timeout_s, late)
+        return self._one_inline("put_one_now", lambda: self.put_one_now(name, addr, size))
+
+    def _one_inline(self, what: str, call: Callable[[], int]) -> int:
+        """A one-object operation on the caller's thread: the fast failure while the
+        store is unreachable, an exception reported as FAILED (as `_run` does), an
+        unreachable or timed-out answer marking the store unreachable."""
         if not self._reach.ok:
             return self._fast_fail()
         try:
-            code = int(self.put_one_now(name, addr, size))
+            code = int(call())
         except Exception as exc:  # noqa: BLE001 - reported as a code, as `_run` does
-            log.warning("remote put_one_now failed: %s", exc)
+            log.warning("remote %s failed: %s", what, exc)
             return FAILED
         if code == UNREACHABLE or code == TIMED_OUT:
             self._mark_unreachable()

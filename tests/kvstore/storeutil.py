@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -67,3 +68,17 @@ def get_bytes(store: Store, key: bytes, **kw) -> bytes | None:
         return read_region(lease.region)
     finally:
         store.release([lease.lease_id])
+
+
+def gate_copies(s: Store, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the store's tier copies (a write-back's or a demotion's, made outside the
+    lock) until `go` is set, after setting `entered`; returns (entered, go)."""
+    real, entered, go = s._place.copy, threading.Event(), threading.Event()
+
+    def gated(*args):
+        entered.set()
+        assert go.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(s._place, "copy", gated)
+    return entered, go

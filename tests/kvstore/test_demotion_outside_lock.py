@@ -19,7 +19,7 @@ from kvstore.store import Store
 from kvstore.testing import REPO_ROOT
 from kvstore.tiers.faulty import FaultyTier
 
-from storeutil import PAGE, get_bytes, make_settings, put, read_region
+from storeutil import PAGE, gate_copies, get_bytes, make_settings, put, read_region
 from test_store import data
 
 KEYS = [bytes([97 + i]) for i in range(8)]  # a..h fill the CPU tier; a is the coldest
@@ -31,19 +31,6 @@ def _full_store(tmp_path, **kw):
     for i, k in enumerate(KEYS):
         put(s, k, data(PAGE, i))
     return s
-
-
-def _gate_copies(s, monkeypatch):
-    """Hold the store's tier copies (a demotion's NVMe write) until `go`."""
-    real, entered, go = s._place.copy, threading.Event(), threading.Event()
-
-    def gated(*args):
-        entered.set()
-        assert go.wait(30)
-        real(*args)
-
-    monkeypatch.setattr(s._place, "copy", gated)
-    return entered, go
 
 
 def _start_put(s, key, payload):
@@ -64,7 +51,7 @@ def _in_thread(fn, timeout=5.0):
 
 def test_lookups_and_gets_complete_while_a_demotion_write_is_held(tmp_path, monkeypatch):
     s = _full_store(tmp_path)
-    entered, go = _gate_copies(s, monkeypatch)
+    entered, go = gate_copies(s, monkeypatch)
     try:
         putter, done = _start_put(s, b"z", data(PAGE, 99))  # needs room: demotes a (no NVMe copy yet)
         assert entered.wait(30)
@@ -86,7 +73,7 @@ def test_lookups_and_gets_complete_while_a_demotion_write_is_held(tmp_path, monk
 
 def test_a_victim_deleted_during_its_demotion_write_leaves_nothing_behind(tmp_path, monkeypatch):
     s = _full_store(tmp_path)
-    entered, go = _gate_copies(s, monkeypatch)
+    entered, go = gate_copies(s, monkeypatch)
     try:
         putter, done = _start_put(s, b"z", data(PAGE, 99))
         assert entered.wait(30)
@@ -106,7 +93,7 @@ def test_a_victim_deleted_during_its_demotion_write_leaves_nothing_behind(tmp_pa
 
 def test_a_victim_leased_during_its_demotion_write_stays_readable_with_a_backing_copy(tmp_path, monkeypatch):
     s = _full_store(tmp_path)
-    entered, go = _gate_copies(s, monkeypatch)
+    entered, go = gate_copies(s, monkeypatch)
     try:
         putter, done = _start_put(s, b"z", data(PAGE, 99))
         assert entered.wait(30)
@@ -142,7 +129,7 @@ def test_a_failed_demotion_write_drops_the_victim_and_frees_its_nvme_file(tmp_pa
 
 def test_a_store_closed_during_a_demotion_write_fails_the_waiting_put(tmp_path, monkeypatch):
     s = _full_store(tmp_path)
-    entered, go = _gate_copies(s, monkeypatch)
+    entered, go = gate_copies(s, monkeypatch)
     errors: list = []
 
     def putter():

@@ -15,7 +15,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.store import Store
 from kvstore.tiers.faulty import FaultyTier
 
-from storeutil import PAGE, make_settings, put, read_region
+from storeutil import PAGE, gate_copies, make_settings, put, read_region
 from test_store import data
 
 
@@ -32,23 +32,9 @@ def _backed(s, key):
     return s._place.objects[key].backing is not None
 
 
-def _gate_copies(s, monkeypatch):
-    """Make the store's tier copies wait for `go` (after setting `entered`): a write-back
-    held mid-copy, outside the lock."""
-    real, entered, go = s._place.copy, threading.Event(), threading.Event()
-
-    def gated(*args):
-        entered.set()
-        assert go.wait(30)
-        real(*args)
-
-    monkeypatch.setattr(s._place, "copy", gated)
-    return entered, go
-
-
 def _hold_a_write_back(s, entered):
     """Six pages in a tier whose watermark is four, and a write-back round started and
-    held in its first copy (`_gate_copies`); returns its thread."""
+    held in its first copy (`gate_copies`); returns its thread."""
     for i in range(6):
         put(s, bytes([97 + i]), data(PAGE, i))
     mover = threading.Thread(target=s._writeback.run_once)
@@ -176,7 +162,7 @@ def test_an_object_deleted_during_its_copy_leaves_no_file(tmp_path, monkeypatch)
 
 def test_the_copy_runs_outside_the_lock(tmp_path, monkeypatch):
     s = _store(tmp_path)
-    entered, go = _gate_copies(s, monkeypatch)
+    entered, go = gate_copies(s, monkeypatch)
     try:
         t = _hold_a_write_back(s, entered)
         got = []
@@ -218,7 +204,7 @@ def test_the_watermark_is_validated():
 
 def test_evicting_a_tier_waits_for_a_write_back_in_progress(tmp_path, monkeypatch):
     s = _store(tmp_path)
-    entered, go = _gate_copies(s, monkeypatch)
+    entered, go = gate_copies(s, monkeypatch)
     try:
         mover = _hold_a_write_back(s, entered)  # a (the coldest) is pinned by its copy now
         evicted = []
