@@ -1,6 +1,6 @@
 """Placement of committed objects across the tiers: the object map, making room
 (eviction and demotion), moving objects between tiers, dropping them, rebuilding the
-durable tier from the index at open, and planning and settling the work the Store runs
+durable tier from the index at open (kvstore.durable_recovery), and planning and settling the work the Store runs
 outside its lock (verifying and promoting reads, prefetches, write-back copies). Tiers
 are known by their roles (kvstore.tiers.registry.TierRoles), never by name.
 
@@ -38,9 +38,8 @@ import torch
 from kvstore.errors import BadObject, CapacityExhausted, KVStoreError, StorageError
 from kvstore.eviction import Candidate, EvictionPolicy
 from kvstore.index import IndexRecord, ObjectIndex
-from kvstore.objheader import ObjectHeader, read_trailer
+from kvstore.objheader import ObjectHeader
 from kvstore.records import ObjectInfo, ObjectMeta
-from kvstore.recovery import scan_object_files
 from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.registry import TIERS, TierRoles
 
@@ -106,84 +105,6 @@ class Placement:
         self.outside_lock: Optional[Callable[[Callable[[], None]], bool]] = None
         self.wait_room: Optional[Callable[[float], bool]] = None
         self.demoting = 0  # demotions whose disk write runs outside the lock now
-
-    def recover_nvme(self) -> None:
-        """Rebuild the NVMe tier's objects from the index, then adopt the object files it
-        does not name from their headers (a crash between a file's rename and its index
-        commit, or an index rebuilt or lost): no object file is deleted because the index
-        does not know it. Dropped objects' files (marked dead) are deleted; files without
-        a usable header, and superseded copies of a key, are set aside in quarantine/."""
-        assert self.index is not None and self.roles.durable is not None
-        durable = self.roles.durable
-        nvme = self.tiers[durable]
-        root = self.objects_root
-        drop: list[bytes] = []
-        live: set[str] = set()
-        for rec in self.index.items():
-            path = root / rec.file
-            why = self._record_mismatch(rec, path)
-            if why:
-                log.warning("index: object %r file %s %s; dropping its record", rec.key, path, why)
-                drop.append(rec.key)
-                continue
-            slot = Slot(durable, rec.offset, rec.length, rec.size, str(path))
-            nvme.adopt(slot)
-            live.add(str(path))
-            meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
-            self.objects[rec.key] = StoredObject(rec.key, durable, slot, rec.checksum, meta, rec.created,
-                                                 rec.last_access, rec.hits, verified=False)
-        drop += self.index.bad_keys
-        self.index.delete_many(drop)
-        self.counters["recovery_dropped"] += len(drop)
-        self.counters["recovered_objects"] += len(self.objects)
-        scan = scan_object_files(root, [s.path for s in nvme.list_sealed() if s.path not in live])
-        adopted = []
-        for rec in scan.records:
-            if rec.key in self.objects:
-                scan.superseded.append(str(root / rec.file))
-                continue
-            path = str(root / rec.file)
-            slot = Slot(durable, 0, rec.length, rec.size, path)
-            nvme.adopt(slot)
-            meta = ObjectMeta(rec.fingerprint, rec.token_count, rec.cost, rec.extra)
-            self.objects[rec.key] = StoredObject(rec.key, durable, slot, rec.checksum, meta, rec.created,
-                                                 rec.last_access, 0, verified=False)
-            adopted.append(rec)
-        if adopted:
-            log.warning("nvme: adopted %d object files the index did not name (from their headers)", len(adopted))
-            self.index.put_many(adopted)
-        self.counters["recovered_from_files"] += len(adopted)
-        for path in scan.dead:
-            Path(path).unlink(missing_ok=True)
-            self.counters["orphans_removed"] += 1  # files of dropped objects
-        for path, why in scan.unreadable + [(p, "a newer file holds the same key") for p in scan.superseded]:
-            try:
-                dst = nvme.set_aside(path)
-                log.warning("nvme: %s: %s; set aside as %s (not deleted)", path, why, dst)
-                self.counters["files_set_aside"] += 1
-            except OSError as exc:
-                log.warning("nvme: %s: %s; cannot set it aside: %s", path, why, exc)
-        self.counters["partial_writes_removed"] += nvme.discard_unsealed()
-
-    @staticmethod
-    def _record_mismatch(rec: IndexRecord, path: Path) -> str:
-        """Why `rec` cannot be served from `path` ("" when it can): the file is missing,
-        short, or its header names another object."""
-        try:
-            on_disk = os.lstat(path).st_size
-        except FileNotFoundError:
-            return "is missing"
-        if on_disk == rec.size:
-            return ""  # a file of the old layout (no header)
-        try:
-            t = read_trailer(str(path))
-        except (OSError, BadObject) as exc:
-            return f"has a damaged header ({exc})"
-        if t is None or t.header.size != rec.size or on_disk != rec.size + t.nbytes:
-            return f"is {on_disk} bytes, not {rec.size} plus a header"
-        if t.header.key != rec.key or t.header.checksum != rec.checksum or not t.live:
-            return "holds another or a dropped object"
-        return ""
 
     def header(self, o: "StoredObject") -> ObjectHeader:
         """The header record an NVMe copy of `o` carries."""

@@ -73,6 +73,7 @@ from kvstore.writeback import WriteBack
 from kvstore.remote.base import RemoteAdapter
 from kvstore.remote.tier import (RemoteSettings, RemoteTier, check_url, disabled_stats, make_adapter,
                                  reserve_trailer_room)
+from kvstore.durable_recovery import recover_durable
 from kvstore.placement import Placement, StoredObject, object_name
 from kvstore.reservations import PendingPut, Reservations, check_put
 from kvstore.records import (  # noqa: F401  (re-exported: the Store API's records)
@@ -147,7 +148,7 @@ class Store:
             self._place.roles = self._media.roles
             try:
                 if self.roles.durable is not None:
-                    self._place.recover_nvme()
+                    recover_durable(self._place)
             except BaseException:
                 self._close_media()
                 raise

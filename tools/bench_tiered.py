@@ -111,7 +111,7 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
   arrivals (rate x seconds requests, at least `--qps-requests`, at most
   `--qps-max-per-trial`; a trial whose p99 is sure to miss the SLO is cut short, its
   requests aborted: `aborted` in `trials`), `--qps-repeats` (3) times per method
-  (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/tiered.py);
+  (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/qps_search.py);
   each method starts at half of what it serves back to back when idle (500 / its warm rag
   TTFT of the serve phase; full recompute's when the serve phase did not run:
   `qps.start_rates`).

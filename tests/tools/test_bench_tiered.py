@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.servebench import tiered
+from tools.servebench import qps_search, tiered
 from tools.servebench.requests import BenchRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def _reqs(n: int) -> list[BenchRequest]:
 @pytest.mark.parametrize("limit", [0.3, 3.7, 41.0])
 def test_qps_search_brackets_then_bisects_to_within_the_tolerance(limit):
     h = FakeHarness(limit)
-    got = tiered.qps_search(h, "pic", iter(_reqs(200)), per_trial=2, slo_ms=500.0, start_rate=2.0,
+    got = qps_search.qps_search(h, "pic", iter(_reqs(200)), per_trial=2, slo_ms=500.0, start_rate=2.0,
                             tolerance=0.1, max_trials=30)
     assert got["converged"] and got["sustainable_qps"] <= limit < got["lowest_failed_qps"]
     assert (got["lowest_failed_qps"] - got["sustainable_qps"]) / got["lowest_failed_qps"] <= 0.1
@@ -64,14 +64,14 @@ def test_qps_search_brackets_then_bisects_to_within_the_tolerance(limit):
 
 
 def test_qps_search_reports_an_unconverged_search_and_zero_when_nothing_passes():
-    got = tiered.qps_search(FakeHarness(0.0), "prefix", iter(_reqs(20)), per_trial=2, slo_ms=500.0,
+    got = qps_search.qps_search(FakeHarness(0.0), "prefix", iter(_reqs(20)), per_trial=2, slo_ms=500.0,
                             start_rate=1.0, max_trials=4)
     assert got["sustainable_qps"] == 0.0 and not got["converged"] and len(got["trials"]) == 4
 
 
 def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
     h = FakeHarness(5.0)
-    out = tiered.qps_repeats(h, _reqs(3 * (1 + 2 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+    out = qps_search.qps_repeats(h, _reqs(3 * (1 + 2 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
                              max_trials=12, warmup=1)
     assert len(out["repeats"]) == 3 and out["gain_vs_prefix"]["median"] == pytest.approx(1.0)
     for m in ("prefix", "pic"):
@@ -79,19 +79,19 @@ def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
     assert h.alone == 6  # one warm-up request per search, then an untimed burst at the start rate
     assert h.rates.count(1.0) == 12  # per search: the burst and the first trial at the start rate
     with pytest.raises(ValueError, match="pool holds"):
-        tiered.qps_repeats(h, _reqs(5), per_trial=2, slo_ms=1.0, start_rate=1.0)
+        qps_search.qps_repeats(h, _reqs(5), per_trial=2, slo_ms=1.0, start_rate=1.0)
 
 
 def test_qps_repeats_start_each_method_from_its_own_rate():
     h = FakeHarness(40.0)
-    out = tiered.qps_repeats(h, _reqs(1 + 2 + 2 * 12), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
+    out = qps_search.qps_repeats(h, _reqs(1 + 2 + 2 * 12), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
                              max_trials=12, warmup=0, start_rates={"pic": 16.0})
     assert out["start_rates"] == {"prefix": 1.0, "pic": 16.0}
     trials = {m: [t["rate"] for t in out["repeats"][0][m]["trials"]] for m in ("prefix", "pic")}
     assert trials["prefix"][0] == 1.0 and trials["pic"][0] == 16.0
     assert out["repeats"][0]["pic"]["converged"] and len(trials["pic"]) < len(trials["prefix"])
     with pytest.raises(ValueError, match="start rates"):
-        tiered.qps_repeats(h, _reqs(27), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
+        qps_search.qps_repeats(h, _reqs(27), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
                            start_rates={"pic": float("nan")})
 
 
@@ -279,22 +279,22 @@ class Countdown:
 def test_qps_repeats_stopped_by_the_limit_keep_the_finished_repeats_only():
     h = FakeHarness(5.0)
     pool = _reqs(3 * (1 + 2 + 2 * 4))
-    full = tiered.qps_repeats(h, pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3, max_trials=4,
+    full = qps_search.qps_repeats(h, pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3, max_trials=4,
                               warmup=1)
     # asked before each search and each of its trials, and after each repeat: 2 * (1 + 4) + 1 per repeat
-    out = tiered.qps_repeats(FakeHarness(5.0), pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+    out = qps_search.qps_repeats(FakeHarness(5.0), pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
                              max_trials=4, warmup=1, stop=Countdown(11 + 3))
     assert full["stopped"] is None and len(full["repeats"]) == 3
     assert out["stopped"] == "time limit" and len(out["repeats"]) == 1
     assert out["repeats"][0] == full["repeats"][0] and out["pic"]["values"] == full["pic"]["values"][:1]
     # stopped inside the first repeat's second search: nothing complete to keep
-    none = tiered.qps_repeats(FakeHarness(5.0), pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
+    none = qps_search.qps_repeats(FakeHarness(5.0), pool, per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=3,
                               max_trials=4, warmup=1, stop=Countdown(6))
     assert none["repeats"] == [] and none["pic"]["median"] is None and none["gain_vs_prefix"] is None
 
 
 def test_a_search_stopped_between_trials_reports_its_bracket_so_far():
-    got = tiered.qps_search(FakeHarness(3.7), "pic", iter(_reqs(200)), per_trial=2, slo_ms=500.0, start_rate=2.0,
+    got = qps_search.qps_search(FakeHarness(3.7), "pic", iter(_reqs(200)), per_trial=2, slo_ms=500.0, start_rate=2.0,
                             max_trials=30, stop=Countdown(2))
     assert got["stopped"] == "time limit" and len(got["trials"]) == 2 and not got["converged"]
     assert got["sustainable_qps"] == 2.0  # the rates passed before the stop

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools.servebench import tiered
+from tools.servebench import qps_search
 from tools.servebench.harness import over_slo_certain, trial_size
 from tools.servebench.requests import BenchRequest
 
@@ -57,10 +57,10 @@ def _reqs(n: int) -> list[BenchRequest]:
 def test_short_fixed_trials_pass_any_rate_but_timed_trials_find_the_capacity():
     h = QueueHarness(service_s=0.1)  # capacity 10 requests/s
     slo = 500.0
-    short = tiered.qps_search(h, "pic", iter(_reqs(10_000)), per_trial=4, slo_ms=slo, start_rate=5.0, max_trials=6)
+    short = qps_search.qps_search(h, "pic", iter(_reqs(10_000)), per_trial=4, slo_ms=slo, start_rate=5.0, max_trials=6)
     assert short["sustainable_qps"] >= 80.0 and not short["converged"]  # 4 back to back fit in 500 ms at any rate
     for seed in range(6):  # Poisson arrivals: below capacity a queue's p99 can still pass 5 service times
-        timed = tiered.qps_search(h, "pic", iter(_reqs(10_000)), per_trial=4, slo_ms=slo, start_rate=5.0,
+        timed = qps_search.qps_search(h, "pic", iter(_reqs(10_000)), per_trial=4, slo_ms=slo, start_rate=5.0,
                                   max_trials=8, seed=7 * seed, trial_s=10 * slo / 1e3, max_per_trial=400)
         assert timed["converged"] and timed["trial_s"] == 5.0
         assert 5.0 <= timed["sustainable_qps"] <= 11.5  # at most a queue 15% over capacity (10 / s) passes
@@ -72,26 +72,26 @@ def test_trial_size_and_the_pool_a_search_needs():
     assert trial_size(37.0, 6, None, None) == 6
     assert trial_size(37.0, 6, 2.0, 300) == 74
     assert trial_size(1.0, 6, 2.0, 300) == 6 and trial_size(500.0, 6, 2.0, 300) == 300
-    assert tiered.pool_needed(3, 2, 6, 5, 300) == 3 * (2 + 6 + 5 * 300)
+    assert qps_search.pool_needed(3, 2, 6, 5, 300) == 3 * (2 + 6 + 5 * 300)
     with pytest.raises(ValueError, match="max_per_trial"):
-        tiered.qps_repeats(QueueHarness(0.1), _reqs(100), per_trial=4, slo_ms=500.0, start_rate=1.0, repeats=1,
+        qps_search.qps_repeats(QueueHarness(0.1), _reqs(100), per_trial=4, slo_ms=500.0, start_rate=1.0, repeats=1,
                            trial_s=1.0, max_per_trial=2)
     with pytest.raises(ValueError, match="trial_s"):
-        tiered.qps_repeats(QueueHarness(0.1), _reqs(100), per_trial=4, slo_ms=500.0, start_rate=1.0, repeats=1,
+        qps_search.qps_repeats(QueueHarness(0.1), _reqs(100), per_trial=4, slo_ms=500.0, start_rate=1.0, repeats=1,
                            trial_s=0.0, max_per_trial=8)
 
 
 def test_qps_repeats_with_timed_trials_read_whole_trials_from_the_pool():
     h = QueueHarness(service_s=0.05)
-    need = tiered.pool_needed(2, 1, 4, 5, 60)
-    out = tiered.qps_repeats(h, _reqs(need), per_trial=4, slo_ms=300.0, start_rate=4.0, repeats=2, max_trials=5,
+    need = qps_search.pool_needed(2, 1, 4, 5, 60)
+    out = qps_search.qps_repeats(h, _reqs(need), per_trial=4, slo_ms=300.0, start_rate=4.0, repeats=2, max_trials=5,
                              warmup=1, trial_s=3.0, max_per_trial=60)
     assert len(out["repeats"]) == 2
     for r in out["repeats"]:
         for m in ("prefix", "pic"):
             assert r[m]["trial_s"] == 3.0 and r[m]["sustainable_qps"] <= 20.0 * 1.2
     with pytest.raises(ValueError, match="pool holds"):
-        tiered.qps_repeats(h, _reqs(need - 1), per_trial=4, slo_ms=300.0, start_rate=4.0, repeats=2, max_trials=5,
+        qps_search.qps_repeats(h, _reqs(need - 1), per_trial=4, slo_ms=300.0, start_rate=4.0, repeats=2, max_trials=5,
                            warmup=1, trial_s=3.0, max_per_trial=60)
 
 
@@ -150,10 +150,10 @@ def test_a_trial_sure_to_fail_is_cut_short_and_the_engine_keeps_serving(harness)
 def test_a_trial_records_where_its_time_went():
     info = {"prompt_tokens": [100, 300], "computed_tokens": [10, 90], "queue_ms": [1.0, 3.0, 5.0],
             "prefill_host_ms": [20.0, 40.0], "idle_ms": 7.5, "idle_calls": 2, "connector": {"put_bytes": 5}}
-    got = tiered._where_time_went(info)
+    got = qps_search._where_time_went(info)
     assert got == {"computed_share": 0.25, "queue_ms_p50": 3.0, "prefill_host_ms_p50": 30.0, "idle_ms": 7.5,
                    "idle_calls": 2, "connector": {"put_bytes": 5}}
-    assert tiered._where_time_went({}) == {}
+    assert qps_search._where_time_went({}) == {}
 
 
 def test_bench_serving_search_with_timed_trials_finds_the_queue_capacity_where_fixed_trials_do_not():

@@ -201,7 +201,7 @@ def warmup_tasks(workloads: list[str]) -> list[str]:
 
 def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launches=None) -> None:
     """Sustainable rate at the p99 SLO, per method, over repeats (module docstring)."""
-    from tools.servebench import requests, tiered
+    from tools.servebench import qps_search, requests, tiered
 
     scale = "tiny" if args.quick else "bench"
     rag = out["workloads"].get("rag")
@@ -220,7 +220,7 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     starts = {m: 500.0 / rag[m]["warm"]["ttft_ms_mean"] for m in ("prefix", "pic")
               if rag is not None and m in rag and rag[m]["warm"].get("ttft_ms_mean")}
     trial_s = args.qps_trial_s or 8 * slo / 1e3
-    need = tiered.pool_needed(args.qps_repeats, args.qps_warmup, args.qps_requests, args.qps_max_trials,
+    need = qps_search.pool_needed(args.qps_repeats, args.qps_warmup, args.qps_requests, args.qps_max_trials,
                               args.qps_max_per_trial)
     pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
     rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
@@ -232,10 +232,10 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
 
     if launches is not None:
         launches.label = "qps"
-    q = tiered.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
-                           args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
-                           stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
-                           max_per_trial=args.qps_max_per_trial)
+    q = qps_search.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
+                               args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
+                               stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
+                               max_per_trial=args.qps_max_per_trial)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule
     q["trial_s"], q["max_per_trial"] = trial_s, args.qps_max_per_trial
