@@ -39,9 +39,9 @@ read rate (`rates`, fed by every load this loader times), is at most that; the o
 are `skipped` (key -> tier; not hits of the batch: the planner computes them). Of a
 batch's skipped NVMe hits the first is promoted to the CPU tier in the background, timed
 (the NVMe read rate stays measured while its hits are skipped), and only while no other
-such promotion runs: a promotion can make room in a full CPU tier by demoting to the disk
-under the daemon's lock, and a working set that lives on the disk must not have the
-serving path's Lookups and Gets wait behind a stream of speculative promotions.
+such promotion runs: a promotion reads the disk and can make room in a full CPU tier by
+demoting to it, and a working set that lives on the disk must not have the serving
+path's loads share the disk and the daemon with a stream of speculative promotions.
 
 Timing: each batch records when it was submitted, started and finished (copies done),
 and how long the engine loop blocked in `wait` (`wait_ms`), which gives the overlap.
@@ -316,13 +316,13 @@ class SegmentLoader:
                 pass
 
     # ------------------------------------------------------------------ worker
-    def _promote(self, keys: list[bytes], nbytes: int) -> None:
-        """Skipped NVMe hits up to the CPU tier (hint thread), timed as NVMe reads; the
+    def _promote(self, key: bytes, nbytes: int) -> None:
+        """A skipped NVMe hit up to the CPU tier (hint thread), timed as an NVMe read; the
         caller holds `_promoting`, released here."""
         try:
             t0 = time.perf_counter()
-            moved = self.link.call("prefetch", lambda kv: kv.prefetch(keys, tier="cpu"))
-            if moved == len(keys):  # each one read from the disk (or was promoted meanwhile)
+            moved = self.link.call("prefetch", lambda kv: kv.prefetch([key], tier="cpu"))
+            if moved == 1:  # read from the disk (or promoted meanwhile)
                 self.rates.observe("nvme", nbytes, (time.perf_counter() - t0) * 1e3)
         except StoreUnavailable:
             pass
@@ -388,7 +388,7 @@ class SegmentLoader:
         cold = [e for e in skipped if e.tier == "nvme"]
         if cold and self._promoting.acquire(blocking=False):  # one at a time (module docstring)
             try:
-                self._hints.submit(self._promote, [cold[0].key], cold[0].size)
+                self._hints.submit(self._promote, cold[0].key, cold[0].size)
             except RuntimeError:
                 self._promoting.release()
         if not hits:
