@@ -315,6 +315,25 @@ class LLMEngine:
             return 0
         return int(fn(self.runner, should_stop=should_stop))
 
+    def index_segments(self, texts: Sequence[str], progress: Optional[Callable[[Any], None]] = None):
+        """Compute and store the signatures of `texts` (segments a deployment knows will
+        recur: a RAG corpus's documents) before any request names them, so the first
+        request that does hits them (engine.pic.index; an IndexReport). Each text is
+        tokenized as a prompt segment is. Only while no request is in the engine; runs to
+        the end on the calling thread. `progress(report so far)` after each alone pass."""
+        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+            raise InvalidRequestError("segments", f"must be a list of strings, got {type(texts).__name__}")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError(f"segments[{i}]", "must be a non-empty string")
+        index = getattr(self.scheduler.planner, "index", None)
+        if index is None:
+            raise PlanError(f"index_segments: the {self.scheduler.planner.name!r} planner keeps no segment "
+                            "signatures (index needs method pic or naive)")
+        if self.has_unfinished():
+            raise PlanError("index_segments: requests are in the engine; index while it is idle")
+        return index(self.runner, [self.tokenizer.encode(t, add_bos=False) for t in texts], progress)
+
     @property
     def prefill_graphs_pending(self) -> bool:
         """Prefill-stage graphs are left for `capture_idle_graphs` (EngineConfig.prefill_graphs "idle")."""

@@ -129,7 +129,10 @@ Also measured, in the serve phase: per preset the break-even disk bandwidth of a
 `summary` (issue 23's names): `ttft_vs_best_baseline_avg` / `_min` (warm TTFT of the
 faster baseline / PIC's, over workloads), `exact_repeat_pic_over_prefix_ttft` (PIC /
 prefix caching warm TTFT on `repeat`), `qps_gain_vs_prefix_at_slo_median` (median over
-repeats of PIC / prefix sustainable rate), `qps_repeats` (each repeat's rates and gain),
+repeats of PIC / prefix sustainable rate, on the cold stream), `qps_repeats` (each repeat's
+rates and gain), `qps_gain_vs_prefix_at_slo_median_indexed_corpus` and
+`qps_repeats_indexed_corpus` (the same on a stream over a corpus indexed ahead:
+`--qps-corpus indexed`, tools.servebench.tiered_phases.qps_phase),
 `cpu_to_gpu_fraction_of_pcie_serving` (CPU-tier -> device copies of the PIC planners in
 this run, bytes / copy time, over the pinned H2D bandwidth of the pcie phase; None
 without CUDA). In the serve phase the engine's device cache and the daemon's GPU tier
@@ -230,6 +233,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "than it drains passes the SLO within it)")
     ap.add_argument("--qps-max-per-trial", type=int, default=None,
                     help="requests per QPS trial at most (default 300; quick 8)")
+    ap.add_argument("--qps-corpus", default="cold", choices=("cold", "indexed"),
+                    help="the QPS stream: cold (documents unseen before it; JSON key qps) or indexed (another "
+                         "corpus, every document indexed ahead through PIC; key qps_indexed)")
     ap.add_argument("--sweep", default="0.5,2,8,32", help="working-set sizes, in multiples of the GPU tier")
     ap.add_argument("--sweep-gpu-tier", default=None,
                     help="the sweep daemon's GPU tier (default 512MiB; quick: its CPU tier, 2MiB, stands in)")
@@ -348,8 +354,9 @@ def summarize(presets: dict, pcie: dict) -> dict:
     from tools.servebench import report, tiered
 
     # report.summarize reads bench_serving's qps layout; this run's qps is summarized here
-    base = report.summarize({n: {k: v for k, v in p.items() if k != "qps"} for n, p in presets.items()})
+    base = report.summarize({n: {k: v for k, v in p.items() if k not in ("qps", "qps_indexed")} for n, p in presets.items()})
     gains, repeats, sweep, be = [], [], [], {}
+    gains_ix, repeats_ix = [], []
     snaps = []
     for name, p in presets.items():
         q = p.get("qps") or {}
@@ -359,6 +366,13 @@ def summarize(presets: dict, pcie: dict) -> dict:
             repeats.append({"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
                             "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
                             "converged": r["prefix"]["converged"] and r["pic"]["converged"]})
+        qi = p.get("qps_indexed") or {}
+        if qi.get("gain_vs_prefix"):
+            gains_ix.append(qi["gain_vs_prefix"]["median"])
+        for j, r in enumerate(qi.get("repeats") or []):
+            repeats_ix.append({"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
+                               "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
+                               "converged": r["prefix"]["converged"] and r["pic"]["converged"]})
         for pt in (p.get("sweep") or {}).get("points") or []:
             sweep.append({"preset": name, **pt})
         if p.get("break_even"):
@@ -379,6 +393,8 @@ def summarize(presets: dict, pcie: dict) -> dict:
             "exact_repeat_pic_over_prefix_ttft": base["exact_repeat_pic_over_prefix_ttft"],
             "qps_gain_vs_prefix_at_slo_median": statistics.median(gains) if gains else None,
             "qps_repeats": repeats, "cpu_to_gpu_fraction_of_pcie_serving": frac,
+            "qps_gain_vs_prefix_at_slo_median_indexed_corpus": statistics.median(gains_ix) if gains_ix else None,
+            "qps_repeats_indexed_corpus": repeats_ix,
             "cpu_to_gpu_serving": {**serving, "pinned_h2d_gbps": h2d},
             "working_set_sweep": sweep, "break_even_read_gb_per_s": be,
             "ttft_vs_full_avg": base["ttft_reduction_vs_full_avg"],
@@ -429,7 +445,8 @@ def table(run: dict) -> str:
     s = run["summary"]
     lines = ["tiered serving summary"]
     for k in ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft",
-              "qps_gain_vs_prefix_at_slo_median", "cpu_to_gpu_fraction_of_pcie_serving"):
+              "qps_gain_vs_prefix_at_slo_median", "qps_gain_vs_prefix_at_slo_median_indexed_corpus",
+              "cpu_to_gpu_fraction_of_pcie_serving"):
         v = s.get(k)
         lines.append(f"  {k:40s} {v:.3f}" if isinstance(v, float) else f"  {k:40s} {v}")
     for name, v in (s.get("break_even_read_gb_per_s") or {}).items():

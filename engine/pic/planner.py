@@ -460,6 +460,13 @@ class PicPlanner(ReportingPlanner):
                 raise AlonePassStopped(f"alone pass stopped before layer {alone.layer}")
         return self._signed(alone)
 
+    def index(self, runner, contents: Sequence[Sequence[int]], progress=None):
+        """Compute and store the signatures of segments (token ids, tokenized alone) ahead
+        of any request: engine.pic.index.index_segments (an IndexReport)."""
+        from engine.pic.index import index_segments
+
+        return index_segments(self, runner, contents, progress)
+
     def _start_alone(self, runner, segments: Sequence[tuple[Sequence[int], int]]) -> AlonePass:
         return AlonePass(runner.model, [(list(ids), split) for ids, split in segments], self.anchor_ids,
                          backend=runner.backend, state_dtype=self.state_dtype,

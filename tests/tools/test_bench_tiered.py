@@ -439,3 +439,24 @@ def test_share_cold_off_leaves_no_daemon_call_in_the_quiesce_before_a_timed_pic_
         assert calls["off", "pic"] == calls["on", "prefix"] == calls["off", "prefix"] == {}
     finally:
         d.cleanup()
+
+
+def test_quick_qps_over_an_indexed_corpus_hits_every_document_from_the_first_trial(tmp_path):
+    out = tmp_path / "indexed.json"
+    p = _run(["--quick", "--phases", "qps", "--qps-corpus", "indexed", "--qps-repeats", "1", "--qps-max-trials", "2",
+              "--json", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads(out.read_text())
+    pre = run["presets"]["qwen3next-tiny"]
+    assert "qps" not in pre  # the cold stream's key is left to a cold run
+    q = pre["qps_indexed"]
+    ix = q["index"]
+    assert q["corpus"] == "indexed" and ix["segments"] > 0 and ix["computed"] == ix["segments"] and ix["flushed"]
+    assert ix["puts"]["puts_stored"] == ix["segments"] and ix["puts"]["puts_dropped"] == 0
+    assert len(q["idle_ttft_ms"]["pic"]) == len(q["idle_ttft_ms"]["prefix"]) == 2
+    trials = q["repeats"][0]["pic"]["trials"]
+    assert trials and all(t["miss_segments"] == 0 and t["hit_segments"] > 0 for t in trials)
+    assert q["repeats"][0]["prefix"]["trials"][0]["miss_segments"] > 0  # prefix caching indexes nothing ahead
+    s = run["summary"]
+    assert s["qps_gain_vs_prefix_at_slo_median"] is None
+    assert s["qps_gain_vs_prefix_at_slo_median_indexed_corpus"] > 0 and len(s["qps_repeats_indexed_corpus"]) == 1

@@ -200,10 +200,17 @@ def warmup_tasks(workloads: list[str]) -> list[str]:
 
 
 def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launches=None) -> None:
-    """Sustainable rate at the p99 SLO, per method, over repeats (module docstring)."""
+    """Sustainable rate at the p99 SLO, per method, over repeats (module docstring), on
+    the stream `args.qps_corpus` names: `cold` (key `qps`: a rag stream whose documents
+    no request has named before; the caches fill as it runs) or `indexed` (key
+    `qps_indexed`: another pool's documents, every one indexed ahead through PIC's
+    planner (`LLMEngine.index_segments`), as a RAG deployment indexes its corpus;
+    prefix caching cannot index a document for every position, so it gets nothing ahead)."""
     from tools.servebench import qps_search, requests, tiered
 
     scale = "tiny" if args.quick else "bench"
+    corpus = getattr(args, "qps_corpus", "cold")
+    key = "qps" if corpus == "cold" else "qps_indexed"
     rag = out["workloads"].get("rag")
     if rag is None:  # no serve phase in this process: the idle baseline first
         h.planner("full")
@@ -222,12 +229,24 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     trial_s = args.qps_trial_s or 8 * slo / 1e3
     need = qps_search.pool_needed(args.qps_repeats, args.qps_warmup, args.qps_requests, args.qps_max_trials,
                               args.qps_max_per_trial)
-    pool = requests.load("rag", need, args.seed + 1, scale, args.max_tokens, args.docs)
+    seed = args.seed + (1 if corpus == "cold" else 2)
+    # the indexed stream: `need` requests, then 2 more (each method's idle TTFT over the index)
+    pool = requests.load("rag", need + (2 if corpus == "indexed" else 0), seed, scale, args.max_tokens, args.docs)
     rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
+    extra: dict = {"corpus": corpus}
+    if corpus == "indexed":
+        pool, probe = pool[:need], pool[need:]
+        extra["index"] = index_corpus(h, pool, log)
+        save()
+        for m in ("prefix", "pic"):  # each method's start over this stream (prefix: its system prompts warm)
+            h.planner(m)
+            ttft = [h.run_alone(r).ttft_ms for r in probe]
+            extra.setdefault("idle_ttft_ms", {})[m] = ttft
+            starts[m] = 500.0 * len(ttft) / sum(ttft)
 
     def partial(q: dict) -> None:
-        out["qps"] = {**q, "slo_rule": rule, "trial_s": trial_s, "max_per_trial": args.qps_max_per_trial,
-                      "complete": False}
+        out[key] = {**q, **extra, "slo_rule": rule, "trial_s": trial_s, "max_per_trial": args.qps_max_per_trial,
+                    "complete": False}
         save()
 
     if launches is not None:
@@ -236,13 +255,35 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
                                args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
                                stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
                                max_per_trial=args.qps_max_per_trial)
+    q.update(extra)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule
     q["trial_s"], q["max_per_trial"] = trial_s, args.qps_max_per_trial
-    out["qps"] = q
-    log(f"qps at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, pic {q['pic']['values']}"
-        + (f" ({q['stopped']} after {len(q['repeats'])} repeats)" if q["stopped"] else ""))
+    out[key] = q
+    log(f"qps ({corpus} corpus) at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, "
+        f"pic {q['pic']['values']}" + (f" ({q['stopped']} after {len(q['repeats'])} repeats)" if q["stopped"] else ""))
     save()
+
+
+def index_corpus(h, pool, log) -> dict:
+    """Index every cacheable segment of `pool` (its documents and system prompts: the
+    corpus its requests draw from) through the PIC planner; what it took."""
+    texts = list(dict.fromkeys(s["text"] for r in pool for s in r.segments if s["cache"]))
+    h.planner("pic")
+    m0 = h.store.metrics.snapshot()
+    last = [time.perf_counter()]
+
+    def progress(rep) -> None:
+        if time.perf_counter() - last[0] > 10:
+            last[0] = time.perf_counter()
+            log(f"  indexing: {rep.computed + rep.present}/{rep.segments} segments, {rep.seconds:.1f} s")
+
+    rep = h.engine.index_segments(texts, progress=progress)
+    m1 = h.store.metrics.snapshot()
+    puts = {k: m1[k] - m0[k] for k in ("puts_stored", "puts_dropped", "put_bytes") if k in m1}
+    log(f"indexed {rep.segments} segments ({rep.tokens} tokens): {rep.computed} computed, {rep.present} present, "
+        f"{rep.seconds:.1f} s; puts {puts}")
+    return {**rep.to_dict(), "puts": puts}
 
 
 def sweep_phase(args, source: str, opts: dict, out: dict, log, save, clock=None) -> None:
