@@ -93,6 +93,8 @@ class ExactPrefixes:
         #: idle jobs computed, and restores served (counters)
         self.computed = 0
         self.restored = 0
+        #: idle passes that gave way to a request half-way (requeued)
+        self.stopped = 0
 
     # ------------------------------------------------------------------ requests
     def match(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> PrefixMatch:
@@ -177,8 +179,11 @@ class ExactPrefixes:
     def help(self, runner, store, should_stop=None) -> int:
         """Idle work: the newest queued prefix, skipped when the `store` holds it already
         (another engine computed it), else computed and given to the store's `put_prefix`;
-        1 when a job was taken. It cannot give way half-way: when `should_stop()` says a
-        request waits, nothing is started."""
+        1 when a job was taken. When `should_stop()` says a request waits, nothing is
+        started, and a pass under way gives way between two layers (a whole prefix's pass
+        is a full prefill's length: an arriving request must not wait for it): what it
+        computed is dropped, the job goes back to the queue's newest end (the next idle
+        call starts it again) and 0 is returned (`stopped` counts them)."""
         if should_stop is not None and should_stop():
             return 0
         job = self.next_job()
@@ -186,7 +191,13 @@ class ExactPrefixes:
             return 0
         if store.has_prefix(job.ids):
             return 1
-        path = self.compute(runner, job)
+        try:
+            path = self.compute(runner, job, should_stop)
+        except PrefixPassStopped:
+            self.stopped += 1
+            self.jobs[job.ids] = job
+            self.jobs.move_to_end(job.ids)
+            return 0
         if path:
             store.put_prefix(job.ids, path[-1])
         return 1
@@ -204,10 +215,12 @@ class ExactPrefixes:
         tip = insert_chain(self.tree, m.tree_tip if m.path else self.tree.root, ids, cps, pinned)
         return logits, tip
 
-    def compute(self, runner, job: PrefixJob) -> list[PrefixNode]:
+    def compute(self, runner, job: PrefixJob, should_stop=None) -> list[PrefixNode]:
         """Compute `job` exactly on a scratch sequence, from the deepest exact checkpoint
         the tree holds, and insert its checkpoints; the path to its deepest node with
-        states ([] when it did not fit or the cache had no room for the pass)."""
+        states ([] when it did not fit or the cache had no room for the pass).
+        `should_stop()`: asked before each layer; True raises PrefixPassStopped (nothing
+        inserted, the scratch sequence freed)."""
         matched = self.tree.walk([tuple(job.ids[lo:hi]) for lo, hi in job.bounds])
         path = usable_path(matched)
         if path and path[-1].checkpoint.end == job.end:
@@ -225,7 +238,8 @@ class ExactPrefixes:
                 restore_checkpoints(runner.cache, seq, [n.checkpoint for n in path])
             todo = list(job.bounds[len(path):])
             stateful = stateful_ends(self.config.prefix_checkpoints, todo, matched, path)
-            _, cps = fill_with_checkpoints(runner, seq, list(job.ids), todo, stateful, job.end, self.config)
+            _, cps = fill_with_checkpoints(runner, seq, list(job.ids), todo, stateful, job.end, self.config,
+                                           before_layer=None if should_stop is None else _giving_way(should_stop))
             tip = insert_chain(self.tree, path[-1] if path else self.tree.root, job.ids, cps, pinned)
         except CacheError as exc:
             log.debug("exact prefix pass of %d tokens found no room: %s", job.end, exc)
@@ -236,6 +250,17 @@ class ExactPrefixes:
             unpin(pinned)
         self.computed += 1
         return usable_path(path_to(tip))
+
+
+class PrefixPassStopped(Exception):
+    """An idle exact-prefix pass gave way to a request between two layers."""
+
+
+def _giving_way(should_stop):
+    def before_layer(i: int) -> None:
+        if should_stop():
+            raise PrefixPassStopped(f"exact prefix pass stopped before layer {i}")
+    return before_layer
 
 
 def pin(nodes: Sequence[PrefixNode]) -> None:

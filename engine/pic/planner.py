@@ -546,7 +546,10 @@ class PicPlanner(ReportingPlanner):
         if self.idle_pass is not None or self.deferred:
             return self._help_deferred(runner, should_stop)
         if self.exact is not None and self.exact.pending:
-            return self.exact.help(runner, self.store, should_stop)
+            stopped = self.exact.stopped
+            done = self.exact.help(runner, self.store, should_stop)
+            self.idle_stopped += self.exact.stopped - stopped
+            return done
         return self._help_offered(runner, should_stop)
 
     def _help_deferred(self, runner, should_stop: Optional[Callable[[], bool]]) -> int:

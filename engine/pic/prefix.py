@@ -173,11 +173,12 @@ def stateful_ends(policy: str, todo: list[tuple[int, int]], matched: list["Prefi
 
 
 def fill_with_checkpoints(runner, seq, ids, todo, stateful, end: int, config: PicConfig,
-                          all_logits: bool = False):
+                          all_logits: bool = False, before_layer=None):
     """Compute positions [seq.num_computed_tokens, end) of `ids` in context as one fused
     pass (engine.pic.fused), split inside the linear recurrences only at the boundaries in
     `stateful`, with a checkpoint of every boundary of `todo` inside the fill taken on the
-    way; returns (logits, checkpoints in order)."""
+    way; returns (logits, checkpoints in order). `before_layer(i)`: fused_prefill's (an
+    idle pass raises there to give way)."""
     from engine.pic.fused import FusedItem, fused_prefill
 
     start = seq.num_computed_tokens
@@ -189,7 +190,7 @@ def fill_with_checkpoints(runner, seq, ids, todo, stateful, end: int, config: Pi
     logits = fused_prefill(runner.model, runner.cache, seq, ids, items, backend=runner.backend,
                            kernel=config.kernel, chain=config.seam_chain, checkpoints=cps,
                            all_logits=all_logits, stages=getattr(runner, "prefill_stages", None),
-                           batch_long_ranges=config.batch_long_ranges)
+                           batch_long_ranges=config.batch_long_ranges, before_layer=before_layer)
     return logits, cps
 
 

@@ -95,6 +95,25 @@ def test_qps_repeats_start_each_method_from_its_own_rate():
                            start_rates={"pic": float("nan")})
 
 
+def test_qps_repeats_method_by_method_prepare_each_method_once_and_start_it_where_told():
+    h = FakeHarness(8.0)
+    seen = []
+
+    def before(method):
+        seen.append((method, len(h.planners)))
+        return 4.0 if method == "pic" else None
+
+    out = qps_search.qps_repeats(h, _reqs(2 * (0 + 2 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0,
+                                 repeats=2, max_trials=12, warmup=0, before_method=before)
+    assert out["order"] == "method" and len(out["repeats"]) == 2
+    assert seen == [("prefix", 0), ("pic", 4)]  # before each method's first search, never between its repeats
+    assert h.planners == ["prefix"] * 4 + ["pic"] * 4  # two per search (qps_repeats, qps_search)
+    assert out["start_rates"] == {"prefix": 1.0, "pic": 4.0}
+    assert all(r["pic"]["trials"][0]["rate"] == 4.0 and r["prefix"]["trials"][0]["rate"] == 1.0
+               for r in out["repeats"])
+    assert out["gain_vs_prefix"]["median"] == pytest.approx(1.0, rel=0.15)
+
+
 def test_break_even_is_bytes_per_token_over_recompute_time_per_token():
     stored = {"gpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},
               "cpu": {"objects": 1, "bytes": 4_000_000, "tokens": 1000},

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from tools.servebench.requests import BenchRequest
 from tools.servebench.tiered import Stop, never, percentile
@@ -81,7 +81,8 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
                 repeats: int = 3, tolerance: float = 0.1, max_trials: int = 12, warmup: int = 0,
                 methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None,
                 stop: Stop = never, start_rates: Optional[dict[str, float]] = None,
-                trial_s: Optional[float] = None, max_per_trial: Optional[int] = None) -> dict:
+                trial_s: Optional[float] = None, max_per_trial: Optional[int] = None,
+                before_method: Optional[Callable[[str], None]] = None) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
     `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
@@ -93,7 +94,14 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     `repeats` holds the repeats done). `start_rates`: a method's own start rate (its burst
     and first trial), else `start_rate`. `trial_s` / `max_per_trial`: each trial's size
     (`trial_size`); the pool must then hold `repeats` x (warmup + per_trial + max_trials x
-    max_per_trial) requests (`pool_needed`)."""
+    max_per_trial) requests (`pool_needed`).
+
+    `before_method(method)` (optional) makes the order method by method: it is called
+    before a method's first search (e.g. emptying the daemon of what the method before
+    stored, so each method has the tiers' bytes to itself) and may return the method's
+    start rate (found then, e.g. over a corpus it has just indexed); that method then runs
+    every repeat, then the next method. Without it, repeat by repeat (each repeat's methods one
+    after the other)."""
     starts = {m: float((start_rates or {}).get(m) or start_rate) for m in methods}
     bad = {m: r for m, r in starts.items() if not (math.isfinite(r) and r > 0)}
     if bad:
@@ -105,6 +113,17 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     need = pool_needed(1, warmup, per_trial, max_trials, max_per_trial if trial_s is not None else None)
     if len(pool) < need * repeats:
         raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
+    def search(j: int, method: str) -> dict:
+        stream = iter(pool[j * need:(j + 1) * need])
+        h.planner(method)
+        for _ in range(warmup):
+            h.run_alone(next(stream))
+        h.run_poisson([next(stream) for _ in range(per_trial)], starts[method], seed + 100 * j - 1)
+        return qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
+                          seed + 100 * j, stop, trial_s, max_per_trial)
+
+    if before_method is not None:
+        return _method_by_method(search, repeats, methods, stop, before_method, on_repeat, slo_ms, start_rate, starts)
     runs = []
     stopped = None
     for j in range(repeats):
@@ -113,13 +132,7 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
             stopped = stop()
             if stopped:
                 break
-            stream = iter(pool[j * need:(j + 1) * need])
-            h.planner(method)
-            for _ in range(warmup):
-                h.run_alone(next(stream))
-            h.run_poisson([next(stream) for _ in range(per_trial)], starts[method], seed + 100 * j - 1)
-            one[method] = qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
-                                     seed + 100 * j, stop, trial_s, max_per_trial)
+            one[method] = search(j, method)
         if any(m not in one or not one[m]["trials"] for m in methods):
             stopped = stopped or stop()
             break
@@ -134,6 +147,46 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     out = _qps_stats(runs, methods, slo_ms, start_rate, starts)
     out["stopped"] = stopped
     return out
+
+
+def _method_by_method(search, repeats: int, methods: Sequence[str], stop: Stop, before_method, on_repeat,
+                      slo_ms: float, start_rate: float, starts: dict[str, float]) -> dict:
+    """`qps_repeats` method by method (its docstring): the repeats every method finished
+    are kept, in order."""
+    one: list[dict] = [{} for _ in range(repeats)]
+    stopped = None
+    for method in methods:
+        stopped = stop()
+        if stopped:
+            break
+        rate = before_method(method)
+        if rate:  # the method's start rate, found by `before_method` (the searches read `starts`)
+            starts[method] = float(rate)
+        for j in range(repeats):
+            stopped = stop()
+            if stopped:
+                break
+            one[j][method] = search(j, method)
+            if on_repeat is not None and method == methods[-1] and j + 1 < repeats:
+                on_repeat(_qps_stats(_complete(one, methods), methods, slo_ms, start_rate, starts))
+        if stopped:
+            break
+    out = _qps_stats(_complete(one, methods), methods, slo_ms, start_rate, starts)
+    out["order"] = "method"
+    out["stopped"] = stopped
+    return out
+
+
+def _complete(one: list[dict], methods: Sequence[str]) -> list[dict]:
+    """The leading repeats every method has a search of, each with its gain."""
+    runs = []
+    for r in one:
+        if any(m not in r or not r[m]["trials"] for m in methods):
+            break
+        p, c = r.get("prefix", {}).get("sustainable_qps"), r.get("pic", {}).get("sustainable_qps")
+        r["gain_vs_prefix"] = (c / p) if p and c is not None else None
+        runs.append(r)
+    return runs
 
 
 def _where_time_went(info: dict) -> dict:

@@ -205,7 +205,9 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     no request has named before; the caches fill as it runs) or `indexed` (key
     `qps_indexed`: another pool's documents, every one indexed ahead through PIC's
     planner (`LLMEngine.index_segments`), as a RAG deployment indexes its corpus;
-    prefix caching cannot index a document for every position, so it gets nothing ahead)."""
+    prefix caching cannot index a document for every position, so it gets nothing ahead).
+    Method by method (qps_repeats' `before_method`): before each method's searches the
+    daemon is emptied, so neither method's objects take the other's tier bytes."""
     from tools.servebench import qps_search, requests, tiered
 
     scale = "tiny" if args.quick else "bench"
@@ -233,16 +235,23 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     # the indexed stream: `need` requests, then 2 more (each method's idle TTFT over the index)
     pool = requests.load("rag", need + (2 if corpus == "indexed" else 0), seed, scale, args.max_tokens, args.docs)
     rule = f"{args.slo_ms} ms" if args.slo_ms else f"{args.slo_factor} x full-recompute rag p99 (idle)"
-    extra: dict = {"corpus": corpus}
-    if corpus == "indexed":
-        pool, probe = pool[:need], pool[need:]
-        extra["index"] = index_corpus(h, pool, log)
+    extra: dict = {"corpus": corpus, "purged": {}}
+    pool, probe = pool[:need], pool[need:]
+
+    def before_method(m: str) -> Optional[float]:
+        """Each method with the daemon's tiers to itself: what earlier phases and the
+        method before stored goes; over the indexed corpus PIC then indexes it, and each
+        method starts from half the rate it serves the probe requests back to back."""
+        extra["purged"][m] = h.purge()
+        if corpus != "indexed":
+            return None
+        if m == "pic":
+            extra["index"] = index_corpus(h, pool, log)
+        h.planner(m)
+        ttft = [h.run_alone(r).ttft_ms for r in probe]
+        extra.setdefault("idle_ttft_ms", {})[m] = ttft
         save()
-        for m in ("prefix", "pic"):  # each method's start over this stream (prefix: its system prompts warm)
-            h.planner(m)
-            ttft = [h.run_alone(r).ttft_ms for r in probe]
-            extra.setdefault("idle_ttft_ms", {})[m] = ttft
-            starts[m] = 500.0 * len(ttft) / sum(ttft)
+        return 500.0 * len(ttft) / sum(ttft)
 
     def partial(q: dict) -> None:
         out[key] = {**q, **extra, "slo_rule": rule, "trial_s": trial_s, "max_per_trial": args.qps_max_per_trial,
@@ -254,7 +263,7 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     q = qps_search.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
                                args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
                                stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
-                               max_per_trial=args.qps_max_per_trial)
+                               max_per_trial=args.qps_max_per_trial, before_method=before_method)
     q.update(extra)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule

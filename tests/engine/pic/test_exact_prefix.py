@@ -184,3 +184,28 @@ def test_forget_drops_a_prompts_exact_prefixes_but_not_pinned_ones(model_of, run
     warm_other = make_request(_layout(other_docs, q))
     execute(pic, runner, warm_other)
     assert pic.take_report(warm_other.request_id).prefix_tokens == 1 + sum(map(len, other_docs))
+
+
+def test_an_idle_exact_pass_gives_way_to_a_request_between_layers_and_is_redone_later(
+        model_of, runner_of, planner_of):
+    model = model_of(MIXES["gdn"])
+    runner = runner_of(model, num_slots=8)
+    docs, q = [rand_ids(n, 70 + n) for n in (17, 13)], rand_ids(5, 3)
+    pic = _pic(planner_of, model)
+    execute(pic, runner, make_request(_layout(docs, q)))
+    assert pic.exact.pending
+    free = (runner.cache.slots.num_free, runner.cache.blocks.num_free)
+    asked = []
+
+    def due_at_layer_two() -> bool:  # asked once before the pass starts, then before each layer
+        asked.append(1)
+        return len(asked) > 3
+
+    assert pic.help_idle(runner, should_stop=due_at_layer_two) == 0
+    assert len(asked) == 4 and pic.exact.stopped == 1 and pic.idle_stopped == 1
+    assert pic.exact.pending and pic.exact.computed == 0  # requeued, nothing kept
+    assert (runner.cache.slots.num_free, runner.cache.blocks.num_free) == free  # the scratch sequence went back
+    warm = make_request(_layout(docs, q))
+    assert pic.help_idle(runner) == 1 and not pic.exact.pending and pic.exact.computed == 1
+    execute(pic, runner, warm)
+    assert pic.take_report(warm.request_id).prefix_tokens == 1 + sum(len(d) for d in docs)
