@@ -320,7 +320,9 @@ class LLMEngine:
         recur: a RAG corpus's documents) before any request names them, so the first
         request that does hits them (engine.pic.index; an IndexReport). Each text is
         tokenized as a prompt segment is. Only while no request is in the engine; runs to
-        the end on the calling thread. `progress(report so far)` after each alone pass."""
+        the end on the calling thread. `progress(report so far)` after each alone pass.
+        The texts are stored in order: when they outgrow the store's faster tiers, the
+        daemon's LRU keeps the last ones there, so give the most read last."""
         if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
             raise InvalidRequestError("segments", f"must be a list of strings, got {type(texts).__name__}")
         for i, text in enumerate(texts):

@@ -15,6 +15,9 @@ most the unit under way:
     # 2. qps: ~2.5 min warm, ~4 min fresh
     python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 \
         --qps-warmup 2 --limit-s qps=330 --json $OUT --merge
+    # 2b. qps over a corpus indexed ahead (JSON key qps_indexed): ~7.5 min fresh (indexing ~40 s)
+    python tools/bench_tiered.py --phases qps --qps-corpus indexed --qps-repeats 3 --qps-requests 6 \
+        --qps-max-trials 6 --qps-warmup 2 --slo-ms 587 --limit-s qps=330 --json $OUT --merge
     # 3. sweep: ~2 min warm, ~4 min fresh
     python tools/bench_tiered.py --phases sweep --sweep 0.5,2,8,32 --limit-s sweep=360 --json $OUT --merge
     # the real-shape presets' TTFT and QPS tables, one call each (a file of their own, so the

@@ -472,7 +472,8 @@ def test_quick_qps_over_an_indexed_corpus_hits_every_document_from_the_first_tri
     ix = q["index"]
     assert q["corpus"] == "indexed" and ix["segments"] > 0 and ix["computed"] == ix["segments"] and ix["flushed"]
     assert ix["puts"]["puts_stored"] == ix["segments"] and ix["puts"]["puts_dropped"] == 0
-    assert len(q["idle_ttft_ms"]["pic"]) == len(q["idle_ttft_ms"]["prefix"]) == 2
+    assert len(q["idle_ttft_ms"]["pic"]) == len(q["idle_ttft_ms"]["prefix"]) == 4
+    assert q["order"] == "method" and set(q["purged"]) == {"prefix", "pic"}
     trials = q["repeats"][0]["pic"]["trials"]
     assert trials and all(t["miss_segments"] == 0 and t["hit_segments"] > 0 for t in trials)
     assert q["repeats"][0]["prefix"]["trials"][0]["miss_segments"] > 0  # prefix caching indexes nothing ahead
