@@ -357,25 +357,20 @@ def summarize(presets: dict, pcie: dict) -> dict:
     from tools.servebench import report, tiered
 
     # report.summarize reads bench_serving's qps layout; this run's qps is summarized here
-    base = report.summarize({n: {k: v for k, v in p.items() if k not in ("qps", "qps_indexed")} for n, p in presets.items()})
+    base = report.summarize({n: {k: v for k, v in p.items() if k not in ("qps", "qps_indexed")}
+                             for n, p in presets.items()})
     gains, repeats, sweep, be = [], [], [], {}
     gains_ix, repeats_ix = [], []
     snaps = []
     for name, p in presets.items():
-        q = p.get("qps") or {}
-        if q.get("gain_vs_prefix"):
-            gains.append(q["gain_vs_prefix"]["median"])
-        for j, r in enumerate(q.get("repeats") or []):
-            repeats.append({"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
-                            "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
-                            "converged": r["prefix"]["converged"] and r["pic"]["converged"]})
-        qi = p.get("qps_indexed") or {}
-        if qi.get("gain_vs_prefix"):
-            gains_ix.append(qi["gain_vs_prefix"]["median"])
-        for j, r in enumerate(qi.get("repeats") or []):
-            repeats_ix.append({"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
-                               "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
-                               "converged": r["prefix"]["converged"] and r["pic"]["converged"]})
+        for key, g, rows in (("qps", gains, repeats), ("qps_indexed", gains_ix, repeats_ix)):
+            q = p.get(key) or {}
+            if q.get("gain_vs_prefix"):
+                g.append(q["gain_vs_prefix"]["median"])
+            rows += [{"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
+                      "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
+                      "converged": r["prefix"]["converged"] and r["pic"]["converged"]}
+                     for j, r in enumerate(q.get("repeats") or [])]
         for pt in (p.get("sweep") or {}).get("points") or []:
             sweep.append({"preset": name, **pt})
         if p.get("break_even"):
