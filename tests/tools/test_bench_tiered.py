@@ -480,3 +480,12 @@ def test_quick_qps_over_an_indexed_corpus_hits_every_document_from_the_first_tri
     s = run["summary"]
     assert s["qps_gain_vs_prefix_at_slo_median"] is None
     assert s["qps_gain_vs_prefix_at_slo_median_indexed_corpus"] > 0 and len(s["qps_repeats_indexed_corpus"]) == 1
+
+
+def test_each_trial_records_what_on_trial_answers_after_it_not_before_the_search():
+    answers = iter([{"compiled": {"before": 3}}, {}, {"compiled": {"k": 12}}, {}, {}, {}])
+    got = qps_search.qps_search(FakeHarness(2.0), "pic", iter(_reqs(40)), per_trial=2, slo_ms=500.0,
+                                start_rate=1.0, max_trials=4, on_trial=lambda: next(answers))
+    trials = got["trials"]
+    assert "compiled" not in trials[0] and trials[1]["compiled"] == {"k": 12}
+    assert all("compiled" not in t for t in trials[2:])

@@ -28,15 +28,20 @@ if TYPE_CHECKING:
 
 def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_trial: int, slo_ms: float,
                start_rate: float, tolerance: float = 0.1, max_trials: int = 12, seed: int = 0,
-               stop: Stop = never, trial_s: Optional[float] = None, max_per_trial: Optional[int] = None) -> dict:
+               stop: Stop = never, trial_s: Optional[float] = None, max_per_trial: Optional[int] = None,
+               on_trial: Optional[Callable[[], dict]] = None) -> dict:
     """Sustainable rate of `method` at p99 TTFT <= slo_ms (module docstring). Each trial
     takes the next `trial_size(rate, ...)` requests of `stream` (`per_trial` without
     `trial_s`); a trial whose p99 is sure to exceed the SLO before its end is cut short
     (Harness.run_poisson's `slo_ms`; `aborted` in the trial). `stop()` is asked before
     each trial: a reason ends the search where it is (`stopped`; `converged` says whether
-    the bracket was narrow enough by then)."""
+    the bracket was narrow enough by then). `on_trial()` (optional): fields added to each
+    trial's record, asked once before the first trial (its answer dropped: what came
+    before the search) and after each trial (e.g. kernels compiled during it)."""
     from tools.servebench.harness import trial_size
 
+    if on_trial is not None:
+        on_trial()
     h.planner(method)
     best: Optional[float] = None
     fail: Optional[float] = None
@@ -59,7 +64,7 @@ def qps_search(h: "Harness", method: str, stream: Iterator[BenchRequest], per_tr
                       "ok": ok, "aborted": aborted, "over_slo": info.get("over_slo"), "sent": info.get("sent", n),
                       "s": round(time.perf_counter() - t0, 3),
                       "hit_segments": info.get("hit_segments"), "miss_segments": info.get("miss_segments"),
-                      **_where_time_went(info)})
+                      **_where_time_went(info), **(on_trial() if on_trial is not None else {})})
         if ok:
             best = rate if best is None else max(best, rate)
         else:
@@ -82,7 +87,8 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
                 methods: Sequence[str] = ("prefix", "pic"), seed: int = 0, on_repeat=None,
                 stop: Stop = never, start_rates: Optional[dict[str, float]] = None,
                 trial_s: Optional[float] = None, max_per_trial: Optional[int] = None,
-                before_method: Optional[Callable[[str], None]] = None) -> dict:
+                before_method: Optional[Callable[[str], None]] = None,
+                on_trial: Optional[Callable[[], dict]] = None) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
     `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
@@ -100,7 +106,7 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     before a method's first search (e.g. emptying the daemon of what the method before
     stored, so each method has the tiers' bytes to itself) and may return the method's
     start rate (found then, e.g. over a corpus it has just indexed); that method then runs
-    every repeat, then the next method. Without it, repeat by repeat (each repeat's methods one
+    every repeat, then the next method. `on_trial`: qps_search's. Without it, repeat by repeat (each repeat's methods one
     after the other)."""
     starts = {m: float((start_rates or {}).get(m) or start_rate) for m in methods}
     bad = {m: r for m, r in starts.items() if not (math.isfinite(r) and r > 0)}
@@ -120,7 +126,7 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
             h.run_alone(next(stream))
         h.run_poisson([next(stream) for _ in range(per_trial)], starts[method], seed + 100 * j - 1)
         return qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
-                          seed + 100 * j, stop, trial_s, max_per_trial)
+                          seed + 100 * j, stop, trial_s, max_per_trial, on_trial)
 
     if before_method is not None:
         return _method_by_method(search, repeats, methods, stop, before_method, on_repeat, slo_ms, start_rate, starts)

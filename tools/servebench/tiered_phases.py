@@ -268,7 +268,8 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     q = qps_search.qps_repeats(h, pool, args.qps_requests, slo, start, args.qps_repeats, args.qps_tolerance,
                                args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
                                stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
-                               max_per_trial=args.qps_max_per_trial, before_method=before_method)
+                               max_per_trial=args.qps_max_per_trial, before_method=before_method,
+                               on_trial=_compiled_in_trial())
     q.update(extra)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule
@@ -277,6 +278,19 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     log(f"qps ({corpus} corpus) at p99 <= {slo:.0f} ms: prefix(store) {q['prefix']['values']}, "
         f"pic {q['pic']['values']}" + (f" ({q['stopped']} after {len(q['repeats'])} repeats)" if q["stopped"] else ""))
     save()
+
+
+def _compiled_in_trial():
+    """qps_search's `on_trial`: the kernels compiled during the trial (a CompileCounter of
+    its own, so the phase's count stays whole), as `compiled`; nothing when none was."""
+    from tools.servebench.kernel_keys import CompileCounter
+
+    counter = CompileCounter()
+
+    def grew() -> dict:
+        g = counter.since()
+        return {"compiled": g} if g else {}
+    return grew
 
 
 def index_corpus(h, pool, log) -> dict:
