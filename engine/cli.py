@@ -1,6 +1,6 @@
 """`kvengine`: the engine's command line (typer). Entry point `main`; also runnable as
 `python -m engine.cli`. This module holds the app and the small commands (presets,
-generate, bench); `run` is engine.cli_run, `serve` engine.cli_serve, and the options
+generate, bench); `run` is engine.cli_run, `index` engine.cli_index, `serve` engine.cli_serve, and the options
 they share (one list, `engine.cli_options.pic_options`) engine.cli_options.
 
     kvengine serve --preset NAME [--host H --port P --device D --dtype T --max-batch N ...]
@@ -11,6 +11,7 @@ they share (one list, `engine.cli_options.pic_options`) engine.cli_options.
     kvengine run --preset NAME --requests FILE.jsonl --method full|prefix|naive|pic [--seam N] [--max-new-tokens N] [--json] [--store [SOCKET]]
     kvengine serve ... [--store [SOCKET]] [--start-without-store]
     kvengine run|serve ... [--pic-config FILE]
+    kvengine index --preset NAME|--model DIR --segments FILE.jsonl --store [SOCKET] [--json]
 
 `--model DIR` (serve, generate, run, bench) runs a Hugging Face checkpoint directory
 (engine/models/hf/) with its own tokenizer instead of a `--preset`; exactly one of the two.
@@ -52,6 +53,7 @@ from engine.cli_options import (BudgetOpt, ChunkOpt, DeviceOpt, DtypeOpt, Graphs
                                 HostThreadsOpt, KvTokensOpt, MaxBatchOpt, ModelOpt, PresetOpt, build, engine_config,
                                 fail, fail_field, hisparse_report, hisparse_settings, model_source, note_cache_size,
                                 option)
+from engine.cli_index import index_cmd
 from engine.cli_run import run_cmd
 from engine.cli_serve import serve
 from engine.errors import ConfigError, EngineError, InvalidRequestError
@@ -68,6 +70,7 @@ app = typer.Typer(
 )
 app.command("serve", cls=PlainHelpCommand)(serve)
 app.command("run", cls=PlainHelpCommand)(run_cmd)
+app.command("index", cls=PlainHelpCommand)(index_cmd)
 
 @app.command(cls=PlainHelpCommand)
 def presets(as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table.")) -> None:
