@@ -9,7 +9,8 @@ computes the segments the store does not hold in packed alone passes of up to th
 planner's idle batch (`DeferredQueue.batch_tokens`), handing each batch to the store
 (`claim_jobs` -> alone pass -> `publish_jobs`, the idle path's calls). A segment the store
 already holds, or another engine is computing (`claim_jobs` leaves it out), is counted
-`present` and not computed. The store's puts run on its put thread; every `flush_every`
+`present` and not computed; a store that cannot tell (the daemon away) raises
+(`claim_jobs(strict=True)`: engine.connector.errors.StoreUnavailable), never counts them. The store's puts run on its put thread; every `flush_every`
 batches and at the end the call waits for them (`SegmentStore.flush`), so the put queue
 never overflows (a full queue drops puts) and the segments are stored when it returns.
 
@@ -79,7 +80,7 @@ def index_segments(planner, runner, contents: Sequence[Sequence[int]],
     store = planner.store
     while queue:
         batch = queue.next_batch()
-        mine = store.claim_jobs(batch)
+        mine = store.claim_jobs(batch, strict=True)
         report.present += len(batch) - len(mine)
         if mine:
             t1 = time.perf_counter()

@@ -208,8 +208,10 @@ class SegmentStore(abc.ABC):
 
     # ------------------------------------------------------------ idle work
     @abc.abstractmethod
-    def claim_jobs(self, jobs: Sequence[SegmentJob]) -> list[ClaimedJob]:
-        """Of queued segments, those idle work should compute now, claimed."""
+    def claim_jobs(self, jobs: Sequence[SegmentJob], strict: bool = False) -> list[ClaimedJob]:
+        """Of queued segments, those idle work should compute now, claimed (the others are
+        held, or being computed elsewhere). A store that cannot tell (its backend is away)
+        answers none, or with `strict` raises (indexing must not count them as held)."""
 
     def offered(self) -> list[ClaimedJob]:
         """Segments other engines offered (cold sharing), claimed. Default: none."""
@@ -301,7 +303,7 @@ class InProcessSegmentStore(SegmentStore):
         for key in self._held.pop(request_id, ()):
             self.cache.release(key)
 
-    def claim_jobs(self, jobs: Sequence[SegmentJob]) -> list[ClaimedJob]:
+    def claim_jobs(self, jobs: Sequence[SegmentJob], strict: bool = False) -> list[ClaimedJob]:
         held = self.cache.lookup([j.key for j in jobs])
         return [ClaimedJob(j) for j, h in zip(jobs, held) if not h]
 

@@ -251,6 +251,8 @@ class Harness:
                     if out.request_id == rid and out.finished:
                         final = out
         used = usage.stop()
+        if final.error is not None or final.timeline.ttft is None:  # the engine failed it: say why, not a TypeError
+            raise RuntimeError(f"request {rid} failed in the engine: {final.error or 'no first token'}")
         if prof is not None:
             write_profile(prof, self.trace_dir, trace)
         rep = planner.take_report(rid)

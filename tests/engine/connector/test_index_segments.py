@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from connector_testlib import DOCS, GREEDY, new_engine, prompt, run_one
+from engine.connector.errors import StoreUnavailable
 from engine.errors import InvalidRequestError, PlanError
 from engine.pic.config import PicConfig
 
@@ -51,4 +52,12 @@ def test_an_engine_without_signatures_or_with_requests_in_flight_refuses_to_inde
     engine, _ = store_engine(start_daemon())
     engine.add_request(prompt((0,)), GREEDY, request_id="busy")
     with pytest.raises(PlanError, match="requests are in the engine"):
+        engine.index_segments(DOCS)
+
+
+def test_indexing_with_the_daemon_gone_fails_instead_of_counting_segments_as_stored(start_daemon, store_engine):
+    d = start_daemon()
+    engine, _ = store_engine(d)
+    d.kill()
+    with pytest.raises(StoreUnavailable, match="did not answer"):
         engine.index_segments(DOCS)

@@ -70,7 +70,7 @@ class DictSegmentStore(SegmentStore):
         self.held.pop(request_id, None)
         self.pending.pop(request_id, None)
 
-    def claim_jobs(self, jobs: Sequence[SegmentJob]) -> list[ClaimedJob]:
+    def claim_jobs(self, jobs: Sequence[SegmentJob], strict: bool = False) -> list[ClaimedJob]:
         return [ClaimedJob(j) for j in jobs if j.key not in self.entries]
 
     def publish_jobs(self, claimed: Sequence[ClaimedJob], signatures: Sequence[SegmentSignature],
@@ -121,9 +121,9 @@ class RecordingStore(SegmentStore):
         self._rec("finish", request_id)
         return self.inner.finish(request_id, done)
 
-    def claim_jobs(self, jobs):
+    def claim_jobs(self, jobs, strict=False):
         self._rec("claim_jobs")
-        return self.inner.claim_jobs(jobs)
+        return self.inner.claim_jobs(jobs, strict)
 
     def publish_jobs(self, claimed, signatures, alone_ms=0.0):
         self._rec("publish_jobs")
