@@ -488,6 +488,10 @@ class DaemonSegmentStore(SegmentStore):
                 m.inc("deferred_alone_ms_total", alone_ms)
 
     # ------------------------------------------------------------ exact prefixes
+    @property
+    def keeps_prefixes(self) -> bool:
+        return self.checkpoints is not None
+
     def find_prefix(self, ids: Sequence[int], ends: Sequence[int]):
         return None if self.checkpoints is None else self.checkpoints.find(ids, ends)
 

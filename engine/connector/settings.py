@@ -47,6 +47,7 @@ PIC_KEYS: dict[str, tuple[type, ...]] = {
     "miss_path": (str,),
     "miss_signatures": (str,),
     "exact_prefix": (bool,),
+    "exact_prefix_store": (str,),
 }
 #: StoreConnectorConfig fields a `[store]` table may set (the socket comes from --store)
 STORE_KEYS: dict[str, tuple[type, ...]] = {

@@ -33,6 +33,8 @@ PREFIX_CHECKPOINT_POLICIES = ("branch", "every")
 COLD_FULL_POLICIES = ("fraction", "cost")
 #: where a request's uncached segments are computed (PicConfig.miss_path)
 MISS_PATHS = ("alone", "context")
+#: when a computed exact prefix also goes to the store (PicConfig.exact_prefix_store)
+EXACT_PREFIX_STORE = ("reused", "always")
 #: where the signatures of misses computed in context come from (PicConfig.miss_signatures)
 MISS_SIGNATURE_SOURCES = ("alone", "context")
 #: how an alone pass on fla gets its scalar/diagonal-decay tails' E_tail (PicConfig.tail_states)
@@ -115,6 +117,11 @@ class PicConfig:
     checkpoints come from cold-fallback passes and from idle-time passes over the
     cacheable prefixes of earlier requests, kept in a prefix tree of
     `prefix_cache_bytes` (True, default). False: every cached segment is spliced.
+    exact_prefix_store (`pic` with exact_prefix, over a store that keeps prefixes, e.g.
+    the kvstore daemon): when a computed exact prefix also goes to the store. `"reused"`
+    (default): once a request restores it from this engine's tree (put while idle), so
+    a prompt seen once (most RAG prompts) costs the store no bytes; `"always"`: as soon
+    as it is computed (another engine or process finds even a prompt seen once).
     batch_long_ranges (fused, fla): a delta-rule layer with two or more long computed
     ranges (misses computed in context) runs them in two shared varlen calls
     (engine.pic.long_ranges; True, default) instead of one fla call per range (False).
@@ -145,6 +152,7 @@ class PicConfig:
     prefix_checkpoints: str = "branch"
     batch_long_ranges: bool = True
     exact_prefix: bool = True
+    exact_prefix_store: str = "reused"
     tail_states: str = "fla"
 
     def __post_init__(self) -> None:
@@ -175,6 +183,9 @@ class PicConfig:
             raise PicConfigError(f"idle_resume={self.idle_resume!r} must be True or False")
         if not isinstance(self.exact_prefix, bool):
             raise PicConfigError(f"exact_prefix={self.exact_prefix!r} must be True or False")
+        if self.exact_prefix_store not in EXACT_PREFIX_STORE:
+            raise PicConfigError(f"exact_prefix_store={self.exact_prefix_store!r} must be one of "
+                                 f"{', '.join(EXACT_PREFIX_STORE)}")
         if not isinstance(self.batch_long_ranges, bool):
             raise PicConfigError(f"batch_long_ranges={self.batch_long_ranges!r} must be True or False")
         if self.tail_states not in TAIL_STATE_MODES:

@@ -95,6 +95,9 @@ class ExactPrefixes:
         self.restored = 0
         #: idle passes that gave way to a request half-way (requeued)
         self.stopped = 0
+        #: restored prefixes the store does not hold yet (exact_prefix_store="reused"),
+        #: by prefix ids: put while idle, oldest first
+        self.to_store: OrderedDict[tuple[int, ...], PrefixNode] = OrderedDict()
 
     # ------------------------------------------------------------------ requests
     def match(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> PrefixMatch:
@@ -117,18 +120,42 @@ class ExactPrefixes:
                 n.pins += 1
             local, have = PrefixMatch(matched, path), path[-1].checkpoint.end
         if have >= bounds[-1][1]:  # this tree reaches the deepest boundary: nothing to ask the store
-            return local
+            return self._reused(store, ids, local)
         found = store.find_prefix(ids, [hi for _, hi in bounds if hi > have])
         if found is None:
-            return local
+            return self._reused(store, ids, local)
         cp, tier = found
         if local is not None:  # the store's is deeper: release this tree's
             unpin(local.path)
         cut = [b for b in bounds if b[1] <= cp.end]
-        insert_chain(self.tree, self.tree.root, ids, split_checkpoint(cp, cut))
+        tip = insert_chain(self.tree, self.tree.root, ids, split_checkpoint(cp, cut))
+        if tip is not None and tip.checkpoint.end == cp.end:  # the store holds this one
+            tip.stored = True
         node = PrefixNode((), None, cp)  # restored from the merged object itself, whatever fit in the tree
         node.pins += 1
         return PrefixMatch(self.tree.walk([tuple(ids[lo:hi]) for lo, hi in bounds]), [node], "store", tier)
+
+    def offer(self, store, ids: Sequence[int], tip: Optional[PrefixNode]) -> None:
+        """A computed exact prefix ending at `tip` (None: none fitted in the tree): given to
+        the store's `put_prefix` now (`exact_prefix_store="always"`), or kept in this tree
+        only until a request restores it ("reused": `find` queues it in `to_store`)."""
+        if tip is not None and not tip.stored and self.config.exact_prefix_store == "always" and store.keeps_prefixes:
+            store.put_prefix(ids, tip)
+            tip.stored = True
+
+    def _reused(self, store, ids: Sequence[int], m: Optional[PrefixMatch]) -> Optional[PrefixMatch]:
+        """`m` restored from this tree: its deepest node goes to `to_store` unless the store
+        holds it (exact_prefix_store="reused", a store that keeps prefixes); `m` back."""
+        if m is None or self.config.exact_prefix_store != "reused" or not store.keeps_prefixes:
+            return m
+        tip = m.path[-1]
+        if not tip.stored:
+            key = tuple(ids[:tip.checkpoint.end])
+            self.to_store[key] = tip
+            self.to_store.move_to_end(key)
+            while len(self.to_store) > MAX_PREFIX_JOBS:
+                self.to_store.popitem(last=False)
+        return m
 
     def queue(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> bool:
         """Queue the prefix ending at `bounds[-1]` for an idle-time exact pass, unless the
@@ -148,7 +175,7 @@ class ExactPrefixes:
 
     @property
     def pending(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs) or bool(self.to_store)
 
     def next_job(self) -> Optional[PrefixJob]:
         """The newest queued prefix (the one most likely asked for next), off the queue."""
@@ -177,15 +204,22 @@ class ExactPrefixes:
 
     # ------------------------------------------------------------------ passes
     def help(self, runner, store, should_stop=None) -> int:
-        """Idle work: the newest queued prefix, skipped when the `store` holds it already
-        (another engine computed it), else computed and given to the store's `put_prefix`;
-        1 when a job was taken. When `should_stop()` says a request waits, nothing is
+        """Idle work: first a restored prefix the store lacks (`to_store`), put; else the
+        newest queued prefix, skipped when the `store` holds it already (another engine
+        computed it), else computed and offered to the store (`offer`); 1 when one was
+        taken. When `should_stop()` says a request waits, nothing is
         started, and a pass under way gives way between two layers (a whole prefix's pass
         is a full prefill's length: an arriving request must not wait for it): what it
         computed is dropped, the job goes back to the queue's newest end (the next idle
         call starts it again) and 0 is returned (`stopped` counts them)."""
         if should_stop is not None and should_stop():
             return 0
+        if self.to_store:  # a restored prefix the store lacks: one put (a copy on the put thread)
+            ids, tip = self.to_store.popitem(last=False)
+            if not tip.stored:
+                store.put_prefix(ids, tip)
+                tip.stored = True
+            return 1
         job = self.next_job()
         if job is None:
             return 0
@@ -199,7 +233,7 @@ class ExactPrefixes:
             self.jobs.move_to_end(job.ids)
             return 0
         if path:
-            store.put_prefix(job.ids, path[-1])
+            self.offer(store, job.ids, path[-1])
         return 1
 
     def fill_request(self, runner, seq, ids: Sequence[int], bounds: Sequence[tuple[int, int]], m: PrefixMatch,

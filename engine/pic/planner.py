@@ -299,8 +299,7 @@ class PicPlanner(IdleWork, ReportingPlanner):
                                                           state.prefix or PrefixMatch(), state.prefix_pinned,
                                                           all_logits)
                     state.prefix_done = True
-                    if tip is not None:  # the store keeps it too (SegmentStore.put_prefix)
-                        self.store.put_prefix(state.token_ids, tip)
+                    self.exact.offer(self.store, state.token_ids, tip)  # the store keeps it too, or once reused
                     return logits
                 return full_pass(runner, request, state.token_ids, start, self.config, all_logits, captures)
         spliced = [s.unit for s in spec if isinstance(s, Splice) and s.unit.key not in state.in_context]
@@ -334,8 +333,8 @@ class PicPlanner(IdleWork, ReportingPlanner):
         logits, tip = self.exact.fill_request(runner, request.seq, state.token_ids, state.bounds, m,
                                               state.prefix_pinned, all_logits)
         state.prefix_done = True
-        if tip is not None and tip is not restored_tip:
-            self.store.put_prefix(state.token_ids, tip)
+        if tip is not restored_tip:
+            self.exact.offer(self.store, state.token_ids, tip)
         return logits
 
     def _captures(self, state: _RequestState) -> Optional[CaptureSet]:

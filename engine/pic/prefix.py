@@ -212,7 +212,7 @@ def insert_chain(tree: "PrefixTree", tip: Optional["PrefixNode"], ids, cps: list
 class PrefixNode:
     """One segment edge of the radix tree."""
 
-    __slots__ = ("edge", "parent", "children", "checkpoint", "last_used", "pins", "nbytes")
+    __slots__ = ("edge", "parent", "children", "checkpoint", "last_used", "pins", "nbytes", "stored")
 
     def __init__(self, edge: tuple[int, ...], parent: Optional["PrefixNode"],
                  checkpoint: Optional[BoundaryCheckpoint]) -> None:
@@ -223,6 +223,8 @@ class PrefixNode:
         self.last_used = 0
         self.pins = 0
         self.nbytes = 0 if checkpoint is None else checkpoint.nbytes()
+        #: the store holds the exact prefix ending here (engine.pic.exact_prefix `offer`)
+        self.stored = False
 
 
 class PrefixTree:

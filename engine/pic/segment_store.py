@@ -232,6 +232,12 @@ class SegmentStore(abc.ABC):
         return None
 
     # ------------------------------------------------------------ exact prefixes (optional)
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether `put_prefix` keeps anything (a planner need not offer it prefixes
+        otherwise). Default: False."""
+        return False
+
     def find_prefix(self, ids: Sequence[int], ends: Sequence[int]):
         """The deepest exact checkpoint of `ids[:end]` for an end in `ends` held by the
         store, as (BoundaryCheckpoint, tier), or None. Default: None."""

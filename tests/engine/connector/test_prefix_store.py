@@ -1,8 +1,11 @@
 """Exact-prefix checkpoints as kvstore daemon objects (engine.connector.prefix_store) over a
 REAL daemon: the store-backed PIC planner restores an exact repeat from its own tree and,
 in another engine, from the daemon, computing only the question, with the tokens of full
-recompute; a `kvengine run --method prefix --store` process restores what a PIC process
-stored (the same objects); the objects carry their own key space and record kind."""
+recompute; by default a prefix goes to the daemon once this engine reuses it
+(`exact_prefix_store="reused"`: a prompt seen once stores nothing), with "always" as
+soon as it is computed; a `kvengine run --method prefix --store` process restores what a
+PIC process stored (the same objects); the objects carry their own key space and record
+kind."""
 from __future__ import annotations
 
 import json
@@ -33,10 +36,10 @@ def test_an_exact_repeat_is_restored_from_the_engine_then_from_the_daemon_in_ano
     engine, planner = store_engine(d)
     out1, rep1, sr1 = run_one(engine, planner, LAYOUT, "a")
     assert rep1.prefix_tokens == 0 and sr1.prefix_source is None  # nothing exact yet: spliced
-    while engine.help_idle():  # the exact pass of its cacheable prefix, stored through the daemon
+    while engine.help_idle():  # the exact pass of its cacheable prefix, kept in this engine's tree
         pass
     assert planner.store.flush(30.0)
-    assert planner.store.metrics.snapshot()["prefix_puts"] == 1
+    assert planner.store.metrics.snapshot()["prefix_puts"] == 0  # seen once: nothing in the daemon yet
     before = planner.store.metrics.snapshot()
     out2, rep2, sr2 = run_one(engine, planner, LAYOUT, "b")
     question = rep2.prompt_tokens - rep2.prefix_tokens
@@ -46,6 +49,14 @@ def test_an_exact_repeat_is_restored_from_the_engine_then_from_the_daemon_in_ano
     after = planner.store.metrics.snapshot()
     for name in ("lookup_rpcs", "lookup_keys", "prefix_lookups", "prefix_puts", "puts_queued", "claims", "captured"):
         assert after[name] == before[name], name
+    assert planner.exact.pending  # reused: it goes to the daemon while idle, once
+    while engine.help_idle():
+        pass
+    assert planner.store.flush(30.0) and planner.store.metrics.snapshot()["prefix_puts"] == 1
+    run_one(engine, planner, LAYOUT, "b2")
+    while engine.help_idle():
+        pass
+    assert planner.store.flush(30.0) and planner.store.metrics.snapshot()["prefix_puts"] == 1
     # a second engine on the same daemon: its tree is empty, the daemon has the checkpoint
     engine2, planner2 = store_engine(d)
     out3, rep3, sr3 = run_one(engine2, planner2, LAYOUT, "c")
@@ -96,7 +107,15 @@ def test_kvengine_run_processes_share_exact_prefixes_pic_and_prefix_alike(start_
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"id": "a", "segments": LAYOUT}) + "\n")
     store = ["--store", str(d.socket)]
-    first = kvengine_run(requests, store, {})[0]  # PIC: spliced; its exact prefix computed before exiting
+    always = tmp_path / "always.toml"
+    always.write_text('[pic]\nexact_prefix_store = "always"\n')
+    once = kvengine_run(requests, store, {})[0]  # default: a prompt seen once leaves no exact prefix in the daemon
+    assert once["store_prefix_source"] is None
+    assert kvengine_run(requests, [*store, "--method", "prefix"], {})[0]["store_prefix_source"] is None
+    with d.client() as kv:  # what those two stored goes: the next run starts from an empty daemon
+        kv.delete([r.key for r in kv.list()])
+    # PIC with exact_prefix_store = "always": spliced; its exact prefix computed and stored before exiting
+    first = kvengine_run(requests, [*store, "--pic-config", str(always)], {})[0]
     assert first["store_prefix_source"] is None
     # prefix caching in another process, over the objects PIC stored: a hit, nothing stored again
     pre = kvengine_run(requests, [*store, "--method", "prefix"], {})[0]

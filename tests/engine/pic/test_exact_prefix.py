@@ -146,6 +146,8 @@ def test_exact_prefix_is_validated_and_off_for_naive(planner_of, model_of):
 
     with pytest.raises(PicConfigError, match="exact_prefix"):
         PicConfig(exact_prefix="yes")
+    with pytest.raises(PicConfigError, match="exact_prefix_store='sometimes' must be one of reused, always"):
+        PicConfig(exact_prefix_store="sometimes")
     assert planner_of(model_of(MIXES["gdn"]), method="naive").exact is None
 
 
