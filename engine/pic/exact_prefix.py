@@ -21,8 +21,11 @@ checkpoints come from passes in context:
 
 Which boundaries keep states follows `PicConfig.prefix_checkpoints` (as prefix
 caching); the tree's capacity is `PicConfig.prefix_cache_bytes`. The store-backed
-planner also keeps each computed prefix in the kvstore daemon (engine.connector.
-prefix_store), so other engines and the CPU/NVMe tiers serve it too.
+planner also keeps prefixes in the kvstore daemon (engine.connector.prefix_store), so
+other engines and the CPU/NVMe tiers serve them too: by default a prefix once a request
+of this engine restored it from the tree (`PicConfig.exact_prefix_store="reused"`:
+`to_store`, put while idle), or each as soon as it is computed ("always": `offer`).
+Idle passes give way to an arriving request between layers (`help`).
 """
 from __future__ import annotations
 
@@ -207,11 +210,11 @@ class ExactPrefixes:
         """Idle work: first a restored prefix the store lacks (`to_store`), put; else the
         newest queued prefix, skipped when the `store` holds it already (another engine
         computed it), else computed and offered to the store (`offer`); 1 when one was
-        taken. When `should_stop()` says a request waits, nothing is
-        started, and a pass under way gives way between two layers (a whole prefix's pass
-        is a full prefill's length: an arriving request must not wait for it): what it
-        computed is dropped, the job goes back to the queue's newest end (the next idle
-        call starts it again) and 0 is returned (`stopped` counts them)."""
+        taken. When `should_stop()` says a request waits, nothing is started, and a pass
+        under way gives way between two layers (a whole prefix's pass is a full prefill's
+        length: an arriving request must not wait for it): what it computed is dropped,
+        the job goes back to the queue's newest end (the next idle call starts it again)
+        and 0 is returned (`stopped` counts them)."""
         if should_stop is not None and should_stop():
             return 0
         if self.to_store:  # a restored prefix the store lacks: one put (a copy on the put thread)

@@ -10,9 +10,10 @@ planner's idle batch (`DeferredQueue.batch_tokens`), handing each batch to the s
 (`claim_jobs` -> alone pass -> `publish_jobs`, the idle path's calls). A segment the store
 already holds, or another engine is computing (`claim_jobs` leaves it out), is counted
 `present` and not computed; a store that cannot tell (the daemon away) raises
-(`claim_jobs(strict=True)`: engine.connector.errors.StoreUnavailable), never counts them. The store's puts run on its put thread; every `flush_every`
-batches and at the end the call waits for them (`SegmentStore.flush`), so the put queue
-never overflows (a full queue drops puts) and the segments are stored when it returns.
+(`claim_jobs(strict=True)`: engine.connector.errors.StoreUnavailable), never counts
+them. The store's puts run on its put thread; every `flush_every` batches and at the end
+the call waits for them (`SegmentStore.flush`), so the put queue never overflows (a full
+queue drops puts) and the segments are stored when it returns.
 
 Call order and threads: on the engine loop's thread while no request is in the engine
 (`LLMEngine.index_segments` checks); it runs to the end (no `should_stop`). A failing
