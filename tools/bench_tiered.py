@@ -382,6 +382,7 @@ def summarize(presets: dict, pcie: dict) -> dict:
     serving = tiered.serving_cpu_to_gpu([s for _, s in snaps])
     # which phases' CPU-tier copies the figure is made of (module docstring)
     serving["by_phase"] = {n: {"copy_bytes": s.get("h2d_copy_bytes", 0), "copy_ms": s.get("h2d_copy_ms_total", 0.0),
+                               "issue_ms": s.get("h2d_issue_ms_total", 0.0),
                                "gb_per_s": tiered.serving_cpu_to_gpu([s])["gb_per_s"]} for n, s in snaps}
     serving["source"] = [n for n, s in snaps if s.get("h2d_copy_bytes")]
     h2d = pcie.get("pinned_h2d_gbps")

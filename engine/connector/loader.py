@@ -496,8 +496,13 @@ class SegmentLoader:
             # arrive (layer_loads)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # dst may be in use there
             copy_start.record(stream)  # after that wait: the copies' own time (h2d_copy_ms_total)
+            t_issue = time.perf_counter()
             with torch.cuda.stream(stream):
                 layers = issue_layered(buf, dev, plan, CudaCopyQueue(stream))
+            # host time issuing them (this thread, GIL waits included): near the copies'
+            # device time, the host is what bounds them
+            self.metrics.inc("h2d_issue_ms_total", (time.perf_counter() - t_issue) * 1e3)
+            self.metrics.inc("h2d_copy_groups", len(plan))
             dev.record_stream(stream)
         else:
             view.copy_to(dev, stream=stream, verify=self.verify)

@@ -35,7 +35,9 @@ Names (snapshot keys; Prometheus adds the prefix `kvengine_store_`):
   `cold_help_ms_total`, `cold_rejected` (offers whose tokens do not give their key).
 - host -> device copies of CPU-tier segments (CUDA): `h2d_copy_bytes` and
   `h2d_copy_ms_total` (device time from the first copy to the last, per segment: the
-  PCIe rate the serving path reaches is bytes / time).
+  PCIe rate the serving path reaches is bytes / time); layered copies also count
+  `h2d_copy_groups` and `h2d_issue_ms_total` (host time issuing them on the loader
+  thread, waits for the GIL included: near the device time, the host bounds the copies).
 - `near_hits`: segments spliced from the engine's own device cache (no daemon round
   trip; StoreConnectorConfig.device_cache_bytes / device_cache_fraction).
 - cold fallback (PicConfig.cold_full_fraction): `deferred_computed` (queued misses
@@ -66,12 +68,13 @@ _COUNTERS = (
     "computes", "claims", "inflight_waits", "inflight_wait_hits", "inflight_wait_misses",
     "disconnects", "reconnects", "daemon_restarts",
     "cold_offered", "cold_offloaded", "cold_helped", "cold_rejected", "peer_loads", "peer_load_bytes",
-    "h2d_copy_bytes",
+    "h2d_copy_bytes", "h2d_copy_groups",
     "deferred_computed", "deferred_batches", "deferred_tokens", "idle_stopped", "near_hits", "captured",
     "prefix_lookups", "prefix_hits", "prefix_puts", "prefix_load_bytes",
 )
 _TIMERS = ("load_ms_total", "load_wait_ms_total", "put_ms_total", "cold_wait_ms_total", "cold_help_ms_total",
-           "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total", "h2d_copy_ms_total")
+           "deferred_ms_total", "deferred_alone_ms_total", "deferred_store_ms_total", "h2d_copy_ms_total",
+           "h2d_issue_ms_total")
 
 
 class ConnectorMetrics:

@@ -126,7 +126,8 @@ def test_break_even_is_bytes_per_token_over_recompute_time_per_token():
 
 def _snap(copy_bytes: int, copy_ms: float) -> dict:
     return {"h2d_copy_bytes": copy_bytes, "h2d_copy_ms_total": copy_ms, "loads": {"cpu": 1},
-            "load_bytes": {"cpu": copy_bytes}, "load_ms": {"cpu": copy_ms}}
+            "load_bytes": {"cpu": copy_bytes}, "load_ms": {"cpu": copy_ms}, "h2d_issue_ms_total": copy_ms / 5,
+            "h2d_copy_groups": 4 if copy_bytes else 0}
 
 
 def test_cpu_to_gpu_fraction_names_the_phases_its_copies_came_from():
@@ -141,6 +142,9 @@ def test_cpu_to_gpu_fraction_names_the_phases_its_copies_came_from():
     assert c["source"] == ["m:sweep", "m:cpu_tier_step"]  # the serve phase copied nothing
     assert c["by_phase"]["m:cpu_tier_step"]["gb_per_s"] == pytest.approx(40.0)
     assert c["by_phase"]["m:serve"]["gb_per_s"] is None
+    # the host time issuing the copies, next to their device time
+    assert c["issue_ms"] == pytest.approx(20.0) and c["copy_groups"] == 8
+    assert c["by_phase"]["m:sweep"]["issue_ms"] == pytest.approx(10.0)
     assert bench_tiered.summarize({"m": {"workloads": {}}}, {"pinned_h2d_gbps": 50.0})[
         "cpu_to_gpu_fraction_of_pcie_serving"] is None
 

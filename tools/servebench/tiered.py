@@ -356,15 +356,19 @@ def pinned_h2d_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> Optional[float
 
 def serving_cpu_to_gpu(snapshots: Sequence[dict]) -> dict:
     """CPU-tier loads summed over connector metric snapshots (the PIC planners' loads):
-    bytes, milliseconds (each segment's RPC share, decode and device copy) and GB/s."""
+    bytes, milliseconds (each segment's RPC share, decode and device copy) and GB/s; the
+    device copies' bytes, time and GB/s, and the host time issuing them (`issue_ms`,
+    `copy_groups`: near `copy_ms`, the host bounds the copies)."""
     nbytes = sum((s.get("load_bytes") or {}).get("cpu", 0) for s in snapshots)
     ms = sum((s.get("load_ms") or {}).get("cpu", 0.0) for s in snapshots)
     loads = sum((s.get("loads") or {}).get("cpu", 0) for s in snapshots)
     copy_bytes = sum(s.get("h2d_copy_bytes", 0) for s in snapshots)
     copy_ms = sum(s.get("h2d_copy_ms_total", 0.0) for s in snapshots)
+    issue_ms = sum(s.get("h2d_issue_ms_total", 0.0) for s in snapshots)
     return {"loads": loads, "bytes": nbytes, "ms": round(ms, 3),
             "load_gb_per_s": nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None,
-            "copy_bytes": copy_bytes, "copy_ms": round(copy_ms, 3),
+            "copy_bytes": copy_bytes, "copy_ms": round(copy_ms, 3), "issue_ms": round(issue_ms, 3),
+            "copy_groups": sum(s.get("h2d_copy_groups", 0) for s in snapshots),
             "gb_per_s": copy_bytes / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else None}
 
 
