@@ -91,9 +91,8 @@ def index_cmd(
         planner.store.close()  # finishes the queued puts
     after = planner.store.metrics.snapshot()
     puts = {k: after.get(k, 0) - before.get(k, 0) for k in PUT_COUNTS}
-    failed = after.get("puts_failed", {})
-    failed = {k: v - before.get("puts_failed", {}).get(k, 0) for k, v in failed.items()
-              if v - before.get("puts_failed", {}).get(k, 0)}
+    failed0 = before.get("puts_failed", {})
+    failed = {k: v - failed0.get(k, 0) for k, v in after.get("puts_failed", {}).items() if v > failed0.get(k, 0)}
     out = {**report.to_dict(), **puts, "puts_failed": failed}
     if as_json:
         typer.echo(json.dumps(out))

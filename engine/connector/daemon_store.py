@@ -53,7 +53,6 @@ import torch
 
 from engine.connector.claims import INFLIGHT, OWNED, PRESENT, WAITED, Claim
 from engine.connector.coldshare import ColdSegment, ColdShare, own_share
-from engine.connector.errors import StoreUnavailable
 from engine.connector.loader import LoadBatch, LoadedSegment
 from engine.connector.metrics import overlap_fraction
 from engine.connector.prefix_store import PrefixCheckpointStore
@@ -422,16 +421,11 @@ class DaemonSegmentStore(SegmentStore):
         return None if self.cache.share is None else self.cache.config.share_poll_s
 
     def claim_jobs(self, jobs: Sequence[SegmentJob], strict: bool = False) -> list[ClaimedJob]:
-        keys = [j.key for j in jobs]
         try:
-            if strict:  # the lookup itself, so that a daemon away raises instead of answering "absent"
-                held = [e.hit for e in self.cache.link.call("lookup", lambda kv: kv.lookup(keys))]
-            else:
-                held = self.cache.lookup(keys)
-        except Exception as exc:  # the daemon is away: nothing to store into; drop the batch
+            held = self.cache.lookup([j.key for j in jobs], strict=strict)
+        except Exception:  # the daemon is away: nothing to store into; drop the batch
             if strict:
-                raise StoreUnavailable(f"the kvstore daemon did not answer a lookup of {len(jobs)} segments: {exc}") \
-                    from exc
+                raise
             log.debug("lookup of deferred segments failed", exc_info=True)
             return []
         mine: list[ClaimedJob] = []

@@ -155,14 +155,18 @@ class StoreSignatureCache(SignatureCache):
         return self.link.available
 
     # ------------------------------------------------------------------ SignatureCache
-    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
-        """Presence of each key in the daemon (one Lookup RPC; all False when it is away)."""
+    def lookup(self, keys: Sequence[bytes], strict: bool = False) -> list[bool]:
+        """Presence of each key in the daemon (one Lookup RPC; all False when it is away,
+        or with `strict` StoreUnavailable raised: a caller that must not read "absent")."""
         keys = list(keys)
         if not keys:
             return []
         try:
             entries = self.link.call("lookup", lambda kv: kv.lookup(keys))
-        except (StoreUnavailable, KVStoreError):
+        except (StoreUnavailable, KVStoreError) as exc:
+            if strict:
+                raise StoreUnavailable(f"the kvstore daemon did not answer a lookup of {len(keys)} keys: {exc}") \
+                    from exc
             return [False] * len(keys)
         self.metrics.inc("lookup_rpcs")
         self.metrics.inc("lookup_keys", len(keys))

@@ -18,15 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 _WHY = mooncake_unavailable()
 
 
-@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
-def test_bench_remote_writes_every_side_and_the_overhead_verdict(tmp_path):
+def _bench(tmp_path, *args: str) -> dict:
+    """tools/bench_remote.py run with `args` in a process of its own; its JSON."""
     out_path = tmp_path / "remote.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_remote.py"), "--sizes", "1", "--repeats", "1",
-                          "--iters", "3", "--read-chunk", str(256 << 10), "--out", str(out_path)],
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_remote.py"), *args, "--out", str(out_path)],
                          env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    d = json.loads(out_path.read_text())
+    return json.loads(out_path.read_text())
+
+
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_bench_remote_writes_every_side_and_the_overhead_verdict(tmp_path):
+    d = _bench(tmp_path, "--sizes", "1", "--repeats", "1", "--iters", "3", "--read-chunk", str(256 << 10))
     (row,) = d["rows"]
     assert row["size_mib"] == 1 and set(row) >= {"mooncake", "mooncake_verified", "ours", "overhead"}
     # our get reads the object in 256 KiB pieces here: the raw client reads the same pieces beside it
@@ -45,13 +49,7 @@ def test_bench_remote_pairs_a_second_piece_rule_on_the_same_client(tmp_path):
     """`--alt-read-split`: a side `ours_alt` with another read_split, its overheads paired
     against the raw client and against ours; at 4 MiB the default reads two pieces, the
     alternative (read_split 8 MiB) one get."""
-    out_path = tmp_path / "remote.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_remote.py"), "--sizes", "4", "--repeats", "1",
-                          "--iters", "2", "--alt-read-split", str(8 << 20), "--out", str(out_path)],
-                         env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-3000:]
-    d = json.loads(out_path.read_text())
+    d = _bench(tmp_path, "--sizes", "4", "--repeats", "1", "--iters", "2", "--alt-read-split", str(8 << 20))
     (row,) = d["rows"]
     assert d["read_split_bytes"] == 3 << 20 and d["alt_read_split_bytes"] == 8 << 20
     size = row["alt_piece_bytes"]  # the alternative's one get: the whole object with its trailer

@@ -106,8 +106,8 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     before a method's first search (e.g. emptying the daemon of what the method before
     stored, so each method has the tiers' bytes to itself) and may return the method's
     start rate (found then, e.g. over a corpus it has just indexed); that method then runs
-    every repeat, then the next method. `on_trial`: qps_search's. Without it, repeat by repeat (each repeat's methods one
-    after the other)."""
+    every repeat, then the next method. Without it, repeat by repeat (each repeat's
+    methods one after the other). `on_trial`: qps_search's."""
     starts = {m: float((start_rates or {}).get(m) or start_rate) for m in methods}
     bad = {m: r for m, r in starts.items() if not (math.isfinite(r) and r > 0)}
     if bad:
@@ -119,6 +119,7 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     need = pool_needed(1, warmup, per_trial, max_trials, max_per_trial if trial_s is not None else None)
     if len(pool) < need * repeats:
         raise ValueError(f"qps_repeats: the pool holds {len(pool)} requests, {need * repeats} are needed")
+
     def search(j: int, method: str) -> dict:
         stream = iter(pool[j * need:(j + 1) * need])
         h.planner(method)
@@ -139,12 +140,11 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
             if stopped:
                 break
             one[method] = search(j, method)
-        if any(m not in one or not one[m]["trials"] for m in methods):
+        done = _complete([one], methods)
+        if not done:
             stopped = stopped or stop()
             break
-        p, c = one.get("prefix", {}).get("sustainable_qps"), one.get("pic", {}).get("sustainable_qps")
-        one["gain_vs_prefix"] = (c / p) if p and c is not None else None
-        runs.append(one)
+        runs += done
         stopped = stop()
         if stopped:
             break
