@@ -26,6 +26,7 @@ from engine.hisparse.config import HiSparseConfig
 from engine.models.layers import fla_backend
 from engine.runtime.cache_pool import ManagedCachePool
 from engine.runtime.planner import PrefillPlanner
+from engine.pic.kernel_warmup import RecurrenceKernelWarmup
 from engine.runtime.prefill_graphs import PREFILL_GRAPH_MODES, DecodeGraphWarmup, PrefillGraphWarmup
 from engine.runtime.scheduler import SchedulerConfig
 
@@ -200,6 +201,8 @@ def build_engine(
         cache_cfg = CacheConfig.for_tokens(tokens, num_slots=config.max_num_seqs, block_size=config.block_size)
         manager = CacheManager.for_model(model, cache_cfg)
         runner = ModelRunner(model, manager, cuda_graphs=None if config.cuda_graphs else False)
+    # fla's chunk kernels for every pattern the engine launches, before any graph capture
+    recurrence_kernels = RecurrenceKernelWarmup(model, runner.backend, device, dtype, config.prefill_graphs)
     prefill_graphs = prefill_graph_warmup(runner, config.prefill_graphs)
     # the decode graph buckets up to max_num_seqs, in the same mode (after the prefill stages)
     decode_graphs = DecodeGraphWarmup(runner, config.max_num_seqs, config.prefill_graphs)
@@ -220,6 +223,7 @@ def build_engine(
         kv_offload=offload,
         prefill_graphs=prefill_graphs,
         decode_graphs=decode_graphs,
+        recurrence_kernels=recurrence_kernels,
     )
 
 

@@ -84,6 +84,11 @@ def external_kv_planner(planner: PrefillPlanner) -> bool:
     return type(planner) is PrefillPlanner or bool(getattr(planner, "supports_external_kv", False))
 
 
+def _pending(warmup: Any) -> bool:
+    """Whether an engine.runtime.prefill_graphs.BucketWarmup (or None) has work left."""
+    return warmup is not None and bool(warmup.pending)
+
+
 class LLMEngine:
     """Continuous-batching generation over one model (see the module docstring)."""
 
@@ -100,6 +105,7 @@ class LLMEngine:
         kv_offload: Any = None,
         prefill_graphs: Any = None,
         decode_graphs: Any = None,
+        recurrence_kernels: Any = None,
     ) -> None:
         self.runner = runner
         # engine.runtime.prefill_graphs.PrefillGraphWarmup: the prefill-stage graphs still to
@@ -108,6 +114,9 @@ class LLMEngine:
         # engine.runtime.prefill_graphs.DecodeGraphWarmup: the decode graph buckets still to
         # capture while idle, after the prefill-stage graphs; None: none
         self.decode_graphs = decode_graphs
+        # engine.pic.kernel_warmup.RecurrenceKernelWarmup: fla's chunk-kernel patterns still
+        # to warm while idle, before any graph; None: none
+        self.recurrence_kernels = recurrence_kernels
         # engine.hisparse.HiSparseOffload when full-attention KV is offloaded (HiSparse):
         # its metrics go to --json output and /metrics; lost blocks fail over to recompute
         self.kv_offload = kv_offload
@@ -343,15 +352,18 @@ class LLMEngine:
 
     @property
     def idle_graphs_pending(self) -> bool:
-        """Graphs are left for `capture_idle_graphs`: prefill-stage ones, or decode buckets."""
-        return self.prefill_graphs_pending or (self.decode_graphs is not None and bool(self.decode_graphs.pending))
+        """Warm-ups are left for `capture_idle_graphs`: recurrence-kernel patterns,
+        prefill-stage graphs, or decode buckets."""
+        return (self.prefill_graphs_pending or _pending(self.decode_graphs) or _pending(self.recurrence_kernels))
 
     def capture_idle_graphs(self) -> bool:
-        """Capture one bucket of the pending prefill-stage graphs, or once they are all
-        done one decode graph bucket; only while no request is in the engine (so a capture
+        """Warm one pending recurrence-kernel pattern, else capture one bucket of the
+        pending prefill-stage graphs, else one decode graph bucket; only while no request is in the engine (so a capture
         never shares the device with a request). True when a bucket was captured."""
         if self.has_unfinished():
             return False
+        if _pending(self.recurrence_kernels):
+            return self.recurrence_kernels.step()
         if self.prefill_graphs_pending:
             return self.prefill_graphs.step()
         return self.decode_graphs is not None and self.decode_graphs.step()

@@ -61,7 +61,10 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 if HAS_TRITON:
 
-    @triton.jit
+    # T (the tokens of a call) only bounds masks and the batch strides (T times a row)
+    # only offset whole sequences: no per-value key for them (a multiple of 16, or 1, would
+    # otherwise compile a variant of its own at a request's first use)
+    @triton.jit(do_not_specialize=["T", "s_xb", "s_yb"])
     def _causal_conv_kernel(x_ptr, w_ptr, b_ptr, tail_ptr, y_ptr, T, C,
                             s_xb, s_xt, s_xc, s_wc, s_ww, s_tb, s_tc, s_tw, s_yb, s_yt, s_yc,
                             W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,

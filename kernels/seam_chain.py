@@ -34,7 +34,7 @@ dense product uses IEEE float32 (no TF32). The Triton kernel takes dk, dv <= 128
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -234,9 +234,11 @@ if HAS_TRITON:
         tl.debug_barrier()
         return acc
 
-    # n_events changes with every request: no per-value specialisation (one compiled
-    # variant per family and block shape, not a recompilation at a request's first use)
-    @triton.jit(do_not_specialize=["n_events"])
+    # One compiled variant per family and block shape, not a recompilation at a request's
+    # first use: n_events changes with every request (no per-value specialisation), and the
+    # event tables are slices of a layer's table at any row (no 16-byte alignment key;
+    # they are read one scalar at a time)
+    @triton.jit(do_not_specialize=["n_events", "ev_ptr", "trow_ptr"])
     def _seam_chain_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
         s0_ptr, sout_ptr, e_ptr, t_ptr, ev_ptr, trow_ptr,
@@ -338,6 +340,8 @@ if HAS_TRITON:
 
 def _chain_triton(family, inp, S0, ev, out, launch: "ChainLaunch"):
     _, t, h, dk, dv = inp.shape
+    if inp.v.stride(-1) != 1:  # channel-first conv outputs (engine.pic.conv_ranges): token-major
+        inp = replace(inp, v=inp.v.contiguous())  # rows, as the kernel's loads are compiled for
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device) if out is None else out
     s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=S0.device)
     block_k, block_v, num_warps, prefetch = launch.resolve(family, dk, dv)

@@ -9,7 +9,7 @@ its computed inputs (the caller runs the short convs: engine.pic.conv_ranges).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -169,6 +169,8 @@ def linear_layer_chain(seq, cache: StateSlotCache, mixer, layer, events, inp: Re
     `batch_long_ranges`: PicConfig.batch_long_ranges (engine.pic.long_ranges)."""
     state = cache.state[seq.slot]
     device = state.device
+    if inp.v.stride(-1) != 1:  # channel-first conv outputs: copied once for every chain call below
+        inp = replace(inp, v=inp.v.contiguous())
     E = _joined(torch.stack, cl.E, device) if cl.E else state.new_zeros(0, *state.shape)
     T = _joined(torch.cat, cl.T, device) if cl.T else None
     o = torch.empty(inp.v.shape, dtype=inp.v.dtype, device=inp.v.device)

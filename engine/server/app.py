@@ -17,10 +17,11 @@ Routes:
   `finish_reason`, the optional usage chunk, `data: [DONE]`.
 - GET /v1/models: the one served model (its name: `--served-model-name`, else the
   preset's name or the checkpoint directory's name; `created`: when this server started).
-- GET /health: 200 `{"status": "ok", "model", "prefill_graphs", "decode_graphs"}` while the
-  engine loop runs (`prefill_graphs`: mode, ready, captured, pending_buckets, capture_s;
-  null without stages; `decode_graphs`: mode, captured_buckets, pending_buckets,
-  capture_s, failed), else 503.
+- GET /health: 200 `{"status": "ok", "model", "prefill_graphs", "decode_graphs",
+  "recurrence_kernels"}` while the engine loop runs (`prefill_graphs`: mode, ready,
+  captured, pending_buckets, capture_s; null without stages; `decode_graphs`: mode,
+  captured_buckets, pending_buckets, capture_s, failed; `recurrence_kernels`: the fla
+  patterns warmed and left, engine.pic.kernel_warmup), else 503.
 - GET /metrics: Prometheus text format (engine.server.metrics).
 
 Every error is OpenAI-shaped JSON (`{"error": {message, type, param, code}}`), also an
@@ -323,9 +324,11 @@ async def handle_health(request: web.Request) -> web.Response:
     if loop.alive:
         graphs = loop.engine.prefill_graphs
         decode = getattr(loop.engine, "decode_graphs", None)
+        kernels = getattr(loop.engine, "recurrence_kernels", None)
         return web.json_response({"status": "ok", "model": request.app[MODEL_NAME_KEY],
                                   "prefill_graphs": None if graphs is None else graphs.snapshot(),
-                                  "decode_graphs": None if decode is None else decode.snapshot()})
+                                  "decode_graphs": None if decode is None else decode.snapshot(),
+                                  "recurrence_kernels": None if kernels is None else kernels.snapshot()})
     return web.json_response({"status": "error", "error": str(loop.error or "engine loop stopped")}, status=503)
 
 

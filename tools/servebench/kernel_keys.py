@@ -4,7 +4,7 @@
 Triton compiles a kernel once per specialisation: its constexpr arguments, the dtype of
 each tensor argument and whether its address is 16-byte aligned, and for each integer
 argument whether it is 1, a multiple of 16, or beyond 32 bits (unless the kernel says
-`do_not_specialize`), plus launch options such as `num_warps`. `KernelLaunches` records,
+`do_not_specialize`, which for a tensor drops the alignment), plus launch options such as `num_warps`. `KernelLaunches` records,
 while `recording()` is active, that key for every launch (through `JITFunction.run` on
 a GPU and `InterpretedFunction.run` under TRITON_INTERPRET, so the same check runs on
 the CPU), with the label of what was running (`label`, set by the caller: a warm-up,
@@ -44,6 +44,8 @@ def _value_key(name: str, value: Any, constexpr: bool, no_specialize: bool) -> A
     if constexpr:
         return ("c", repr(value))
     if isinstance(value, torch.Tensor):
+        if no_specialize:
+            return ("t", str(value.dtype))
         return ("t", str(value.dtype), value.data_ptr() % 16 == 0)
     if isinstance(value, bool):
         return ("b", value)

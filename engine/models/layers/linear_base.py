@@ -59,6 +59,7 @@ class LinearMixer(TokenMixer):
         super().__init__()
         lin = cfg.linear
         self.kind = kind
+        self.hidden_size = cfg.hidden_size
         self.num_heads = lin.num_heads
         self.num_v_heads = lin.num_v_heads
         self.key_dim = lin.key_dim
