@@ -115,9 +115,13 @@ share one engine and daemon, whose GPU tier is sized once the model is loaded:
   `--qps-max-per-trial`; a trial whose p99 is sure to miss the SLO is cut short, its
   requests aborted: `aborted` in `trials`), `--qps-repeats` (3) times per method
   (prefix caching through the daemon, PIC), on fresh rag requests (tools/servebench/qps_search.py);
-  each method starts at half of what it serves back to back when idle (500 / its warm rag
-  TTFT of the serve phase; full recompute's when the serve phase did not run:
-  `qps.start_rates`).
+  on the cold stream (`--qps-corpus cold`) every search, each repeat's too, starts from
+  empty caches (`Harness.empty`: the daemon purged, the method's device cache and
+  prefix trees emptied; what went is each search's `before`), so the repeats measure
+  the same thing rather than the later ones inheriting the earlier ones' hits, and both
+  methods start at half of full recompute's idle rate (500 / its warm rag TTFT); over
+  the indexed corpus each method starts at half of what it serves its probe requests
+  back to back (`qps_indexed.start_rates`).
 - `sweep`: a document corpus whose signatures occupy `--sweep` (0.5,2,8,32) times the GPU
   tier, in a daemon of its own (GPU tier `--sweep-gpu-tier`, puts into it, evictions
   demoting to CPU then NVMe); without CUDA the daemon's CPU tier stands in for the GPU
@@ -152,7 +156,10 @@ run does not measure (per preset: each workload, each key, each phase's record; 
 run's replace theirs), so the summary is computed over every phase present.
 `--merge RUN.json ...` joins runs (phases or presets from separate processes) into one
 and recomputes the summary (the first run that has a key wins); with `--json PATH` it is
-written there (default docs/results/serving-tiered-<date>.json).
+written there (default docs/results/serving-tiered-<date>.json). Where two or more of the
+joined runs measured a serve-phase headline field (`ttft_vs_best_baseline_avg`, `_min`,
+`exact_repeat_pic_over_prefix_ttft`), the summary holds the median over those runs and
+`summary.serve_runs` each run's value with its file (`serve_runs`).
 
 Real-shape presets (`--preset qwen3.5-35b-a3b-real` / `ring-mini-linear-2.0-real`,
 engine/models/published.py): on the GPU the model is built in bf16 on the device (no
@@ -413,9 +420,50 @@ def write(args, run: dict) -> dict:
 
 
 def merge_runs(paths: list[str]) -> dict:
-    doc = merge_docs(read_runs(paths, "bench_tiered"))
+    runs = read_runs(paths, "bench_tiered")
+    doc = merge_docs(runs)
     doc["merged_from"] = [str(p) for p in paths]
+    per_run = serve_runs(runs, [str(p) for p in paths])
+    if per_run:
+        doc["summary"]["serve_runs"] = per_run
+        for key, rec in per_run.items():  # the headline: the median over the runs
+            doc["summary"][key] = rec["median"]
     return doc
+
+
+#: the serve phase's headline fields, taken as the median over runs when runs are joined
+SERVE_HEADLINE = ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft")
+
+
+def serve_runs(runs: list[dict], paths: list[str]) -> dict:
+    """The serve phase's headline fields run by run, over joined runs (`--merge RUN...`)
+    of which two or more measured one: per field each run's value (`values`, `runs`:
+    their files, `n`: timed requests per workload), the median, min and max. The
+    averages over workloads come only from the runs that served the most workloads (a
+    run of `repeat` alone says nothing of the mean over eight); the exact-repeat ratio
+    from every run that served `repeat`. Empty when no field has two runs."""
+    def workloads(r: dict) -> int:
+        return max((len(p.get("workloads") or {}) for p in r["presets"].values()), default=0)
+
+    def n_of(r: dict) -> Optional[int]:
+        for p in r["presets"].values():
+            for w in (p.get("workloads") or {}).values():
+                n = ((w.get("pic") or {}).get("warm") or {}).get("n")
+                if n:
+                    return n
+        return None
+
+    most = max((workloads(r) for r in runs), default=0)
+    out: dict = {}
+    for key in SERVE_HEADLINE:
+        picked = [(r, path) for r, path in zip(runs, paths) if (r.get("summary") or {}).get(key) is not None
+                  and (key == "exact_repeat_pic_over_prefix_ttft" or workloads(r) == most)]
+        if len(picked) < 2:
+            continue
+        values = [r["summary"][key] for r, _ in picked]
+        out[key] = {"values": values, "runs": [p for _, p in picked], "n": [n_of(r) for r, _ in picked],
+                    "median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
 
 
 def merge_docs(runs: list[dict]) -> dict:

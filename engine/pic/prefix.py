@@ -331,6 +331,11 @@ class PrefixTree:
         self.num_nodes -= len(below)
         return len(below)
 
+    def clear(self) -> int:
+        """Drop every node no request has pinned (with what lies below it); how many
+        nodes went. The counters stay."""
+        return sum(self.remove(child) for child in list(self.root.children.values()))
+
     def _evict(self, limit: int) -> None:
         while self.bytes > limit:
             leaves = [n for n in self._nodes() if not n.children and n.pins == 0]

@@ -170,6 +170,14 @@ class InMemorySignatureCache(SignatureCache):
                     dropped += 1
         return dropped
 
+    def clear(self) -> int:
+        """Drop every signature held; how many there were (the counters stay)."""
+        with self._lock:
+            n = len(self._entries)
+            self._entries.clear()
+            self._bytes = 0
+        return n
+
     def stats(self) -> SignatureCacheStats:
         with self._lock:
             return SignatureCacheStats(self._hits, self._misses, self._puts, self._rejected, self._evictions,

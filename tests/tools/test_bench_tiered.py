@@ -82,6 +82,22 @@ def test_qps_repeats_give_median_min_max_and_the_same_stream_to_both_methods():
         qps_search.qps_repeats(h, _reqs(5), per_trial=2, slo_ms=1.0, start_rate=1.0)
 
 
+def test_qps_repeats_call_before_search_ahead_of_each_search_and_keep_its_answer():
+    h = FakeHarness(5.0)
+    calls = []
+
+    def before(method, j):
+        calls.append((method, j, h.alone))
+        return {"emptied": f"{method}{j}"}
+
+    out = qps_search.qps_repeats(h, _reqs(2 * (1 + 2 + 2 * 12)), per_trial=2, slo_ms=500.0, start_rate=1.0,
+                                 repeats=2, max_trials=12, warmup=1, before_search=before)
+    # before every search, ahead of its warm-up request
+    assert calls == [("prefix", 0, 0), ("pic", 0, 1), ("prefix", 1, 2), ("pic", 1, 3)]
+    assert [r[m]["before"] for r in out["repeats"] for m in ("prefix", "pic")] == [
+        {"emptied": "prefix0"}, {"emptied": "pic0"}, {"emptied": "prefix1"}, {"emptied": "pic1"}]
+
+
 def test_qps_repeats_start_each_method_from_its_own_rate():
     h = FakeHarness(40.0)
     out = qps_search.qps_repeats(h, _reqs(1 + 2 + 2 * 12), per_trial=2, slo_ms=500.0, start_rate=1.0, repeats=1,
@@ -493,3 +509,28 @@ def test_each_trial_records_what_on_trial_answers_after_it_not_before_the_search
     trials = got["trials"]
     assert "compiled" not in trials[0] and trials[1]["compiled"] == {"k": 12}
     assert all("compiled" not in t for t in trials[2:])
+
+
+def _serve_run(workloads: list[str], avg, low, rep, n: int) -> dict:
+    wl = {w: {"pic": {"warm": {"n": n}}} for w in workloads}
+    return {"presets": {"p": {"workloads": wl}}, "pcie": {},
+            "summary": {"ttft_vs_best_baseline_avg": avg, "ttft_vs_best_baseline_min": low,
+                        "exact_repeat_pic_over_prefix_ttft": rep}}
+
+
+def test_joined_runs_report_the_serve_headline_as_the_median_over_the_runs_that_measured_it(tmp_path):
+    from tools import bench_tiered
+
+    eight = ["fact", "twohop", "aggregate", "fewshot", "rag", "repeat", "chat", "mix"]
+    runs = [_serve_run(eight, 4.1, 0.87, 1.15, 2), _serve_run(eight, 4.13, 0.73, 1.37, 2),
+            _serve_run(eight, 4.0, 1.06, 0.94, 2), _serve_run(["repeat"], 1.06, 1.06, 0.94, 10),
+            _serve_run(["repeat"], 1.02, 1.02, 0.98, 10), {"presets": {"p": {"workloads": {}}}, "summary": {}}]
+    paths = [f"r{i}.json" for i in range(len(runs))]
+    got = bench_tiered.serve_runs(runs, paths)
+    avg = got["ttft_vs_best_baseline_avg"]
+    assert avg["values"] == [4.1, 4.13, 4.0] and avg["runs"] == paths[:3]  # runs of `repeat` alone: not averages
+    assert (avg["median"], avg["min"], avg["max"]) == (4.1, 4.0, 4.13)
+    rep = got["exact_repeat_pic_over_prefix_ttft"]
+    assert rep["values"] == [1.15, 1.37, 0.94, 0.94, 0.98] and rep["n"] == [2, 2, 2, 10, 10]
+    assert rep["median"] == 0.98 and got["ttft_vs_best_baseline_min"]["median"] == 0.87
+    assert bench_tiered.serve_runs(runs[:1] + runs[-1:], paths[:2]) == {}  # one run: nothing to take a median of

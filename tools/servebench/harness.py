@@ -194,6 +194,33 @@ class Harness:
                 return deleted
             deleted += store.link.call("delete", lambda kv: kv.delete([o.key for o in objs]))
 
+    def empty(self, method: str) -> dict:
+        """Start `method` over from empty caches (a cold-stream repeat that does not
+        inherit what the repeat before cached): its queued idle work is run out and its
+        puts stored first, then every object of the model goes from the daemon (`purge`),
+        and the method's in-process caches are emptied: for `pic` the device signature
+        cache and the exact-prefix tree of every PIC planner of this harness, for `prefix`
+        a fresh planner (a new, empty tree). What went, by place."""
+        self.planner(method)
+        out = {"idle_drained": self.drain_idle()}
+        out["daemon_objects"] = self.purge()
+        if method == "pic":
+            near = exact = 0
+            for p in (self._planners.get("pic"), self._store_planner, self._timed_planner):
+                if p is None:
+                    continue
+                if getattr(p, "store", None) is not None and hasattr(p.store, "near"):
+                    near += p.store.near.clear()
+                elif hasattr(p, "cache") and hasattr(p.cache, "clear"):  # PIC over the in-process cache
+                    near += p.cache.clear()
+                if p.exact is not None:
+                    exact += p.exact.tree.clear()
+            out["device_signatures"], out["exact_prefix_nodes"] = near, exact
+        elif method == "prefix":
+            out["prefix_nodes"] = self.engine.scheduler.planner.tree.num_nodes
+            self.planner("prefix", fresh=True)
+        return out
+
     def drain_idle(self) -> int:
         """Run the planner's idle work (cold-fallback segments queued by earlier requests,
         PicConfig.cold_full_fraction) until there is none; how many segments it computed."""

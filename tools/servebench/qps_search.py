@@ -6,9 +6,9 @@
   [highest pass, lowest failure] is within `tolerance` (relative to the failure);
   `qps_repeats` runs it `repeats` times per method (fresh requests each time, the same
   stream for both methods of a repeat) and reports each repeat, the median, min and max.
-  Each method may start from its own rate (`start_rates`: bench_tiered starts each at half
-  of what it serves back to back when idle), so a fast method does not spend its trials
-  doubling up from a slow method's start. A trial lasts `trial_s` seconds of arrivals
+  Each method may start from its own rate (`start_rates`: over an indexed corpus
+  bench_tiered starts each at half of what it serves back to back when idle), so a fast
+  method does not spend its trials doubling up from a slow method's start. A trial lasts `trial_s` seconds of arrivals
   (`harness.trial_size`: rate x trial_s requests, bounded): only a trial long enough for a queue
   to build can fail a rate above what the engine sustains; one sure to fail is cut short.
 """
@@ -88,7 +88,8 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
                 stop: Stop = never, start_rates: Optional[dict[str, float]] = None,
                 trial_s: Optional[float] = None, max_per_trial: Optional[int] = None,
                 before_method: Optional[Callable[[str], None]] = None,
-                on_trial: Optional[Callable[[], dict]] = None) -> dict:
+                on_trial: Optional[Callable[[], dict]] = None,
+                before_search: Optional[Callable[[str, int], Optional[dict]]] = None) -> dict:
     """`qps_search` per method, `repeats` times; repeat j reads the pool from its own
     offset (the same requests for every method of that repeat). Before each search
     `warmup` requests of its stream run alone, then `per_trial` more as a Poisson burst at
@@ -107,7 +108,10 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
     stored, so each method has the tiers' bytes to itself) and may return the method's
     start rate (found then, e.g. over a corpus it has just indexed); that method then runs
     every repeat, then the next method. Without it, repeat by repeat (each repeat's
-    methods one after the other). `on_trial`: qps_search's."""
+    methods one after the other). `on_trial`: qps_search's. `before_search(method, j)`
+    (optional): called before each search, ahead of its warm-up (e.g. `Harness.empty`,
+    so that every repeat starts from the same empty caches instead of what the repeats
+    before cached); what it returns is kept in the search's record as `before`."""
     starts = {m: float((start_rates or {}).get(m) or start_rate) for m in methods}
     bad = {m: r for m, r in starts.items() if not (math.isfinite(r) and r > 0)}
     if bad:
@@ -122,12 +126,16 @@ def qps_repeats(h: "Harness", pool: Sequence[BenchRequest], per_trial: int, slo_
 
     def search(j: int, method: str) -> dict:
         stream = iter(pool[j * need:(j + 1) * need])
+        before = before_search(method, j) if before_search is not None else None
         h.planner(method)
         for _ in range(warmup):
             h.run_alone(next(stream))
         h.run_poisson([next(stream) for _ in range(per_trial)], starts[method], seed + 100 * j - 1)
-        return qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
-                          seed + 100 * j, stop, trial_s, max_per_trial, on_trial)
+        out = qps_search(h, method, stream, per_trial, slo_ms, starts[method], tolerance, max_trials,
+                         seed + 100 * j, stop, trial_s, max_per_trial, on_trial)
+        if before is not None:
+            out["before"] = before
+        return out
 
     if before_method is not None:
         return _method_by_method(search, repeats, methods, stop, before_method, on_repeat, slo_ms, start_rate, starts)

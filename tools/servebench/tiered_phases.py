@@ -206,7 +206,9 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
     """Sustainable rate at the p99 SLO, per method, over repeats (module docstring), on
     the stream `args.qps_corpus` names (`PROBES` more requests, over the indexed corpus,
     give each method's start rate: half what it serves the last ones back to back): `cold` (key `qps`: a rag stream whose documents
-    no request has named before; the caches fill as it runs) or `indexed` (key
+    no request has named before; the caches fill as it runs; every search, each repeat's
+    too, starts from empty caches (`Harness.empty`: the daemon purged, the method's
+    in-process caches emptied), both methods from half of full recompute's idle rate) or `indexed` (key
     `qps_indexed`: another pool's documents, every one indexed ahead through PIC's
     planner (`LLMEngine.index_segments`), as a RAG deployment indexes its corpus;
     prefix caching cannot index a document for every position, so it gets nothing ahead).
@@ -228,10 +230,11 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
         base = rag["full"]["warm"]
     slo = args.slo_ms or args.slo_factor * base["ttft_ms_p99"]
     start = 500.0 / base["ttft_ms_mean"]  # half of what full recompute serves back to back
-    # each method from half of what it serves back to back when idle (its warm rag TTFT of
-    # the serve phase in this process), so PIC does not double up from full recompute's rate
-    starts = {m: 500.0 / rag[m]["warm"]["ttft_ms_mean"] for m in ("prefix", "pic")
-              if rag is not None and m in rag and rag[m]["warm"].get("ttft_ms_mean")}
+    # over the indexed corpus each method from half of what it serves back to back when idle
+    # (its probe requests, `before_method`), so PIC does not double up from full recompute's
+    # rate; on the cold stream every search starts from empty caches (`Harness.empty`), so
+    # both from full recompute's
+    starts: dict = {}
     trial_s = args.qps_trial_s or 8 * slo / 1e3
     need = qps_search.pool_needed(args.qps_repeats, args.qps_warmup, args.qps_requests, args.qps_max_trials,
                               args.qps_max_per_trial)
@@ -269,7 +272,8 @@ def qps_phase(args, h, run, out: dict, log, save=lambda: None, clock=None, launc
                                args.qps_max_trials, args.qps_warmup, seed=args.seed, on_repeat=partial,
                                stop=clock or tiered.never, start_rates=starts, trial_s=trial_s,
                                max_per_trial=args.qps_max_per_trial, before_method=before_method,
-                               on_trial=_compiled_in_trial())
+                               on_trial=_compiled_in_trial(),
+                               before_search=(lambda m, j: h.empty(m)) if corpus == "cold" else None)
     q.update(extra)
     q["complete"] = q["stopped"] is None
     q["slo_rule"] = rule

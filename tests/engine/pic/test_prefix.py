@@ -37,3 +37,15 @@ def test_a_checkpoint_larger_than_the_tree_is_not_kept():
     tree = PrefixTree(100)
     assert tree.insert(tree.root, (1,), cp(0, 1, 256)) is None
     assert tree.stats()["nodes"] == 0
+
+
+def test_clear_drops_every_unpinned_branch_and_keeps_pinned_ones():
+    tree = PrefixTree(1 << 20)
+    a = tree.insert(tree.root, (1,), cp(0, 1, 64))
+    tree.insert(a, (2,), cp(1, 2, 64))
+    c = tree.insert(tree.root, (3,), cp(0, 1, 64))
+    c.pins += 1  # a live request's path stays
+    assert tree.clear() == 2
+    assert list(tree.root.children) == [(3,)] and tree.bytes == 64 and tree.stats()["nodes"] == 1
+    c.pins -= 1
+    assert tree.clear() == 1 and tree.bytes == 0 and tree.stats()["nodes"] == 0

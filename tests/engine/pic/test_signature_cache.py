@@ -75,3 +75,15 @@ def test_discard_drops_held_keys_and_their_bytes_and_ignores_absent_ones():
     assert cache.lookup([b"a", b"b"]) == [False, True]
     s = cache.stats()
     assert (s.entries, s.bytes) == (1, sig_of_bytes(8).nbytes())
+
+
+def test_clear_drops_everything_and_keeps_the_counters():
+    cache = InMemorySignatureCache(1 << 20)
+    for key in (b"a", b"b", b"c"):
+        cache.put(key, sig_of_bytes(8))
+    cache.get(b"a")
+    assert cache.clear() == 3
+    assert cache.lookup([b"a", b"b", b"c"]) == [False, False, False]
+    s = cache.stats()
+    assert (s.entries, s.bytes, s.puts, s.hits) == (0, 0, 3, 1)
+    assert cache.put(b"d", sig_of_bytes(8)) and cache.stats().bytes == sig_of_bytes(8).nbytes()
