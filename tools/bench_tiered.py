@@ -34,6 +34,10 @@ most the unit under way:
     python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
     # PIC without cold sharing, so no idle poll (a daemon List RPC) precedes its timed requests
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 2 --share-cold off --json /root/out/noshare.json
+    # the cold stream with PIC's new segments signed from the requests' own passes (no idle
+    # alone passes; docs/pic.md "Signatures from the request's own pass")
+    python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 --qps-warmup 2 \
+        --slo-ms 587 --limit-s qps=330 --miss-signatures context --json /root/out/cold-ctx.json
 
 Time estimates, from the code and the 2026-12-02 H200 run (qwen3next-bench: full rag
 ~14k tokens 150-310 ms, warm PIC 20-40 ms, 50 KB of signature per token): every command
@@ -261,6 +265,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tier-admission", default="cost", choices=("cost", "always"),
                     help="PIC's loads of daemon-tier hits: cost (a hit slower to load than to compute is computed "
                          "instead) or always (every hit loaded); StoreConnectorConfig.tier_admission")
+    ap.add_argument("--miss-signatures", default="alone", choices=("alone", "context"),
+                    help="PicConfig.miss_signatures of PIC's planner: alone (default; new segments signed by idle-time "
+                         "alone passes) or context (taken from the request's own pass, no alone pass: the cold "
+                         "stream's idle work, docs/pic.md)")
+    ap.add_argument("--cold-full-fraction", type=float, default=0.5,
+                    help="PicConfig.cold_full_fraction of PIC's planner: a request whose misses hold at least this "
+                         "share of its prompt is computed by plain full recompute (default 0.5)")
     ap.add_argument("--share-cold", default="on", choices=("on", "off"),
                     help="StoreConnectorConfig.share_cold of PIC's connector: on (default) offers cold segments to "
                          "idle engines and, while idle, polls the daemon for others' offers (one List RPC per "
@@ -302,6 +313,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--sweep: every multiple must be > 0")
     if not 0 < args.qps_tolerance < 1:
         ap.error(f"--qps-tolerance {args.qps_tolerance}: must be in (0, 1)")
+    if not 0 < args.cold_full_fraction <= 1:
+        ap.error(f"--cold-full-fraction {args.cold_full_fraction}: must be in (0, 1]")
     if args.warmup_n < 1:
         ap.error(f"--warmup-n {args.warmup_n}: must be >= 1")
     if args.qps_repeats < 1:

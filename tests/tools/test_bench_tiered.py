@@ -534,3 +534,22 @@ def test_joined_runs_report_the_serve_headline_as_the_median_over_the_runs_that_
     assert rep["values"] == [1.15, 1.37, 0.94, 0.94, 0.98] and rep["n"] == [2, 2, 2, 10, 10]
     assert rep["median"] == 0.98 and got["ttft_vs_best_baseline_min"]["median"] == 0.87
     assert bench_tiered.serve_runs(runs[:1] + runs[-1:], paths[:2]) == {}  # one run: nothing to take a median of
+
+
+def test_miss_signatures_and_cold_full_fraction_reach_pics_planner_config():
+    from types import SimpleNamespace
+
+    import torch
+
+    from tools import bench_tiered
+    from tools.servebench.tiered_phases import make_harness
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))  # make_harness reads the engine's device only
+    h, _ = make_harness(bench_tiered.parse_args(["--quick"]), cpu, "/nonexistent.sock", sweep=False)
+    assert (h.pic_config.miss_signatures, h.pic_config.cold_full_fraction) == ("alone", 0.5)
+    args = bench_tiered.parse_args(["--quick", "--miss-signatures", "context", "--cold-full-fraction", "0.3"])
+    h, _ = make_harness(args, cpu, "/nonexistent.sock", sweep=False)
+    assert (h.pic_config.miss_signatures, h.pic_config.cold_full_fraction) == ("context", 0.3)
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            bench_tiered.parse_args(["--quick", "--cold-full-fraction", bad])
