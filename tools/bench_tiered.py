@@ -34,6 +34,9 @@ most the unit under way:
     python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
     # PIC without cold sharing, so no idle poll (a daemon List RPC) precedes its timed requests
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 2 --share-cold off --json /root/out/noshare.json
+    # the cold stream with idle exact-prefix passes only for prefixes seen before
+    python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 --qps-warmup 2 \
+        --slo-ms 587 --limit-s qps=330 --exact-prefix-passes repeated --json /root/out/cold-repeated.json
     # the cold stream with PIC's new segments signed from the requests' own passes (no idle
     # alone passes; docs/pic.md "Signatures from the request's own pass")
     python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 --qps-warmup 2 \
@@ -269,6 +272,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="PicConfig.miss_signatures of PIC's planner: alone (default; new segments signed by idle-time "
                          "alone passes) or context (taken from the request's own pass, no alone pass: the cold "
                          "stream's idle work, docs/pic.md)")
+    ap.add_argument("--exact-prefix-passes", default="all", choices=("all", "repeated"),
+                    help="PicConfig.exact_prefix_passes of PIC's planner: all (default; every request whose prefix is "
+                         "not exact yet queues an idle pass over it) or repeated (only a prefix seen before)")
     ap.add_argument("--cold-full-fraction", type=float, default=0.5,
                     help="PicConfig.cold_full_fraction of PIC's planner: a request whose misses hold at least this "
                          "share of its prompt is computed by plain full recompute (default 0.5)")

@@ -48,6 +48,7 @@ PIC_KEYS: dict[str, tuple[type, ...]] = {
     "miss_signatures": (str,),
     "exact_prefix": (bool,),
     "exact_prefix_store": (str,),
+    "exact_prefix_passes": (str,),
 }
 #: StoreConnectorConfig fields a `[store]` table may set (the socket comes from --store)
 STORE_KEYS: dict[str, tuple[type, ...]] = {

@@ -35,6 +35,8 @@ COLD_FULL_POLICIES = ("fraction", "cost")
 MISS_PATHS = ("alone", "context")
 #: when a computed exact prefix also goes to the store (PicConfig.exact_prefix_store)
 EXACT_PREFIX_STORE = ("reused", "always")
+#: which requests queue an idle exact pass over their cacheable prefix (PicConfig.exact_prefix_passes)
+EXACT_PREFIX_PASSES = ("all", "repeated")
 #: where the signatures of misses computed in context come from (PicConfig.miss_signatures)
 MISS_SIGNATURE_SOURCES = ("alone", "context")
 #: how an alone pass on fla gets its scalar/diagonal-decay tails' E_tail (PicConfig.tail_states)
@@ -122,6 +124,14 @@ class PicConfig:
     (default): once a request restores it from this engine's tree (put while idle), so
     a prompt seen once (most RAG prompts) costs the store no bytes; `"always"`: as soon
     as it is computed (another engine or process finds even a prompt seen once).
+    exact_prefix_passes (`pic` with exact_prefix): which requests whose cacheable prefix
+    is not exact yet queue an idle-time pass computing it (a whole prompt's prefix: what
+    a full prefill of it costs). `"all"` (default): every one. `"repeated"`: only on the
+    second sighting of the same cacheable prefix (engine.pic.exact_prefix keeps a bounded
+    record of prefixes seen), so a stream of prompts seen once (RAG requests over
+    documents in new orders) runs no such pass; an exact repeat is then exact from its
+    third sighting, and a chat turn's history is spliced rather than restored (the cold
+    fallback's own pass still takes its checkpoints).
     batch_long_ranges (fused, fla): a delta-rule layer with two or more long computed
     ranges (misses computed in context) runs them in two shared varlen calls
     (engine.pic.long_ranges; True, default) instead of one fla call per range (False).
@@ -153,6 +163,7 @@ class PicConfig:
     batch_long_ranges: bool = True
     exact_prefix: bool = True
     exact_prefix_store: str = "reused"
+    exact_prefix_passes: str = "all"
     tail_states: str = "fla"
 
     def __post_init__(self) -> None:
@@ -186,6 +197,9 @@ class PicConfig:
         if self.exact_prefix_store not in EXACT_PREFIX_STORE:
             raise PicConfigError(f"exact_prefix_store={self.exact_prefix_store!r} must be one of "
                                  f"{', '.join(EXACT_PREFIX_STORE)}")
+        if self.exact_prefix_passes not in EXACT_PREFIX_PASSES:
+            raise PicConfigError(f"exact_prefix_passes={self.exact_prefix_passes!r} must be one of "
+                                 f"{', '.join(EXACT_PREFIX_PASSES)}")
         if not isinstance(self.batch_long_ranges, bool):
             raise PicConfigError(f"batch_long_ranges={self.batch_long_ranges!r} must be True or False")
         if self.tail_states not in TAIL_STATE_MODES:

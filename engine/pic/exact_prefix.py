@@ -18,6 +18,8 @@ checkpoints come from passes in context:
   MAX_PREFIX_JOBS, the newest kept) and computed while the engine is idle
   (`help_idle`), on a scratch sequence, from the deepest exact checkpoint the tree
   already holds: a multi-turn chat's next turn computes only what its last turn added.
+  With `PicConfig.exact_prefix_passes="repeated"` only a prefix seen before is queued
+  (`wants_pass`: a record of the last MAX_PREFIXES_SEEN prefixes' hashes).
 
 Which boundaries keep states follows `PicConfig.prefix_checkpoints` (as prefix
 caching); the tree's capacity is `PicConfig.prefix_cache_bytes`. The store-backed
@@ -44,6 +46,8 @@ log = logging.getLogger("engine.pic")
 
 #: most cacheable prefixes queued for idle-time exact passes; the oldest are dropped
 MAX_PREFIX_JOBS = 64
+#: cacheable prefixes remembered for exact_prefix_passes="repeated" (hashes; the oldest forgotten)
+MAX_PREFIXES_SEEN = 4096
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ class ExactPrefixes:
         #: restored prefixes the store does not hold yet (exact_prefix_store="reused"),
         #: by prefix ids: put while idle, oldest first
         self.to_store: OrderedDict[tuple[int, ...], PrefixNode] = OrderedDict()
+        #: hashes of the cacheable prefixes seen (exact_prefix_passes="repeated"), oldest first
+        self.seen: OrderedDict[int, None] = OrderedDict()
+        #: prefixes `wants_pass` declined (seen once so far)
+        self.declined = 0
 
     # ------------------------------------------------------------------ requests
     def match(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> PrefixMatch:
@@ -159,6 +167,32 @@ class ExactPrefixes:
             while len(self.to_store) > MAX_PREFIX_JOBS:
                 self.to_store.popitem(last=False)
         return m
+
+    def wants_pass(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> bool:
+        """Whether a request whose cacheable prefix (ending at `bounds[-1]`) is not exact
+        yet should queue its idle pass (PicConfig.exact_prefix_passes): always under
+        "all"; under "repeated" only when the same prefix was seen before (two prefixes
+        sharing a hash count as one: at worst a pass too many). Records the prefix."""
+        if self.config.exact_prefix_passes == "all" or not bounds:
+            return True
+        key = hash(tuple(ids[:bounds[-1][1]]))
+        if key in self.seen:
+            self.seen.move_to_end(key)
+            return True
+        self.seen[key] = None
+        while len(self.seen) > MAX_PREFIXES_SEEN:
+            self.seen.popitem(last=False)
+        self.declined += 1
+        return False
+
+    def clear(self) -> int:
+        """Forget everything but the counters (benchmarks: a cold start): the tree's
+        unpinned nodes, queued jobs, prefixes waiting for the store and prefixes seen;
+        how many tree nodes went."""
+        self.jobs.clear()
+        self.to_store.clear()
+        self.seen.clear()
+        return self.tree.clear()
 
     def queue(self, ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> bool:
         """Queue the prefix ending at `bounds[-1]` for an idle-time exact pass, unless the

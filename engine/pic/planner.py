@@ -473,7 +473,8 @@ class PicPlanner(IdleWork, ReportingPlanner):
         if state is not None and state.captured is not None:  # kept after its first token is out
             self.captured.append(state.captured)
             state.captured = None
-        if state is not None and self.exact is not None and state.bounds and not state.prefix_done:
+        if (state is not None and self.exact is not None and state.bounds and not state.prefix_done
+                and self.exact.wants_pass(state.token_ids, state.bounds)):
             self.exact.queue(state.token_ids, state.bounds)  # its exact checkpoints, computed while idle
         super().on_prefill_done(request)
         self.store.finish(request.request_id, done=True)

@@ -536,7 +536,7 @@ def test_joined_runs_report_the_serve_headline_as_the_median_over_the_runs_that_
     assert bench_tiered.serve_runs(runs[:1] + runs[-1:], paths[:2]) == {}  # one run: nothing to take a median of
 
 
-def test_miss_signatures_and_cold_full_fraction_reach_pics_planner_config():
+def test_miss_signatures_exact_prefix_passes_and_cold_full_fraction_reach_pics_planner_config():
     from types import SimpleNamespace
 
     import torch
@@ -550,6 +550,10 @@ def test_miss_signatures_and_cold_full_fraction_reach_pics_planner_config():
     args = bench_tiered.parse_args(["--quick", "--miss-signatures", "context", "--cold-full-fraction", "0.3"])
     h, _ = make_harness(args, cpu, "/nonexistent.sock", sweep=False)
     assert (h.pic_config.miss_signatures, h.pic_config.cold_full_fraction) == ("context", 0.3)
+    assert h.pic_config.exact_prefix_passes == "all"
+    h, _ = make_harness(bench_tiered.parse_args(["--quick", "--exact-prefix-passes", "repeated"]), cpu,
+                        "/nonexistent.sock", sweep=False)
+    assert h.pic_config.exact_prefix_passes == "repeated"
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit):
             bench_tiered.parse_args(["--quick", "--cold-full-fraction", bad])

@@ -214,7 +214,7 @@ class Harness:
                 elif hasattr(p, "cache") and hasattr(p.cache, "clear"):  # PIC over the in-process cache
                     near += p.cache.clear()
                 if p.exact is not None:
-                    exact += p.exact.tree.clear()
+                    exact += p.exact.clear()
             out["device_signatures"], out["exact_prefix_nodes"] = near, exact
         elif method == "prefix":
             out["prefix_nodes"] = self.engine.scheduler.planner.tree.num_nodes

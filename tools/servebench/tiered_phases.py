@@ -46,7 +46,8 @@ def make_harness(args, engine, socket: str, *, sweep: bool):
                                 share_cold=getattr(args, "share_cold", "on") == "on")
     budget = device_cache_capacity(conn, engine.device)
     pic = PicConfig(cold_full_fraction=getattr(args, "cold_full_fraction", 0.5), exact_prefix=not sweep,
-                    kernel=args.pic_kernel, miss_signatures=getattr(args, "miss_signatures", "alone"))
+                    kernel=args.pic_kernel, miss_signatures=getattr(args, "miss_signatures", "alone"),
+                    exact_prefix_passes=getattr(args, "exact_prefix_passes", "all"))
     if budget:  # prefix caching's tree and PIC's exact prefixes: the byte budget of the device cache
         pic = replace(pic, prefix_cache_bytes=budget)
     return Harness(engine, conn, pic, prefix_store=True), budget

@@ -51,6 +51,27 @@ def test_an_exact_repeat_computes_only_its_suffix_with_prefix_cachings_and_full_
     torch.testing.assert_close(got.logits[-1], again.logits[-1], rtol=1e-5, atol=1e-5)
 
 
+def test_repeated_passes_queue_a_prefix_only_on_its_second_sighting(model_of, runner_of, planner_of):
+    model = model_of(MIXES["gdn"])
+    runner = runner_of(model, num_slots=8)
+    docs, q = [rand_ids(n, 130 + n) for n in (17, 13, 15)], rand_ids(5, 3)
+    pic = _pic(planner_of, model, exact_prefix_passes="repeated")
+    execute(pic, runner, make_request(_layout(docs, q)))
+    other = make_request(_layout(docs[::-1], q))  # the same documents in another order: another prefix
+    execute(pic, runner, other)
+    assert not pic.exact.pending and pic.exact.declined == 2 and pic.idle_poll_s is None
+    again = make_request(_layout(docs, q))  # the first prompt's prefix, seen a second time
+    execute(pic, runner, again)
+    assert pic.take_report(again.request_id).prefix_tokens == 0 and pic.exact.pending
+    assert pic.help_idle(runner) == 1
+    third = make_request(_layout(docs, q))
+    got = execute(pic, runner, third)
+    assert pic.take_report(third.request_id).prefix_tokens == 1 + sum(map(len, docs))
+    full = plain_prefill(runner, third.prompt_token_ids, [third.num_prompt_tokens])
+    torch.testing.assert_close(got.logits[-1], full.logits[-1], rtol=1e-5, atol=1e-5)
+    assert pic.exact.clear() > 0 and not pic.exact.seen and pic.exact.tree.num_nodes == 0
+
+
 def test_a_partial_prefix_match_restores_the_prefix_exactly_and_splices_the_rest(model_of, runner_of, planner_of):
     model = model_of(MIXES["gdn"])
     runner = runner_of(model, num_slots=8)
@@ -148,6 +169,8 @@ def test_exact_prefix_is_validated_and_off_for_naive(planner_of, model_of):
         PicConfig(exact_prefix="yes")
     with pytest.raises(PicConfigError, match="exact_prefix_store='sometimes' must be one of reused, always"):
         PicConfig(exact_prefix_store="sometimes")
+    with pytest.raises(PicConfigError, match="exact_prefix_passes='twice' must be one of all, repeated"):
+        PicConfig(exact_prefix_passes="twice")
     assert planner_of(model_of(MIXES["gdn"]), method="naive").exact is None
 
 
