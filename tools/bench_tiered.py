@@ -182,7 +182,6 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
-import statistics
 import sys
 import tempfile
 import time
@@ -192,8 +191,9 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from tools.results import merge_presets, read_runs, write_json  # noqa: E402
+from tools.results import read_runs, write_json  # noqa: E402
 from tools.servebench.phase_clock import PhaseClock, parse_limits  # noqa: E402
+from tools.servebench.tiered_summary import merge_docs, merge_runs, serve_runs, summarize  # noqa: E402,F401
 from tools.servebench.tiered_phases import (ENGINE_PHASES, engine_phases, start_daemon, sweep_phase,  # noqa: E402,F401
                                             warmup_tasks)
 
@@ -379,54 +379,6 @@ def daemon_gpu_capacity(args, device) -> str:
     return f"{max(1, min(16 << 10, int(free / 4) >> 20))}MiB"
 
 
-def summarize(presets: dict, pcie: dict) -> dict:
-    from tools.servebench import report, tiered
-
-    # report.summarize reads bench_serving's qps layout; this run's qps is summarized here
-    base = report.summarize({n: {k: v for k, v in p.items() if k not in ("qps", "qps_indexed")}
-                             for n, p in presets.items()})
-    gains, repeats, sweep, be = [], [], [], {}
-    gains_ix, repeats_ix = [], []
-    snaps = []
-    for name, p in presets.items():
-        for key, g, rows in (("qps", gains, repeats), ("qps_indexed", gains_ix, repeats_ix)):
-            q = p.get(key) or {}
-            if q.get("gain_vs_prefix"):
-                g.append(q["gain_vs_prefix"]["median"])
-            rows += [{"preset": name, "repeat": j, "prefix_qps": r["prefix"]["sustainable_qps"],
-                      "pic_qps": r["pic"]["sustainable_qps"], "gain": r["gain_vs_prefix"],
-                      "converged": r["prefix"]["converged"] and r["pic"]["converged"]}
-                     for j, r in enumerate(q.get("repeats") or [])]
-        for pt in (p.get("sweep") or {}).get("points") or []:
-            sweep.append({"preset": name, **pt})
-        if p.get("break_even"):
-            be[name] = p["break_even"]["break_even_read_gb_per_s"]
-        snaps += [(f"{name}:{phase}", p[k]) for phase, k in (("serve", "connector_pic"), ("sweep", "connector_sweep"))
-                  if p.get(k)]
-        if (p.get("cpu_tier_step") or {}).get("connector"):
-            snaps.append((f"{name}:cpu_tier_step", p["cpu_tier_step"]["connector"]))
-    serving = tiered.serving_cpu_to_gpu([s for _, s in snaps])
-    # which phases' CPU-tier copies the figure is made of (module docstring)
-    serving["by_phase"] = {n: {"copy_bytes": s.get("h2d_copy_bytes", 0), "copy_ms": s.get("h2d_copy_ms_total", 0.0),
-                               "issue_ms": s.get("h2d_issue_ms_total", 0.0),
-                               "gb_per_s": tiered.serving_cpu_to_gpu([s])["gb_per_s"]} for n, s in snaps}
-    serving["source"] = [n for n, s in snaps if s.get("h2d_copy_bytes")]
-    h2d = pcie.get("pinned_h2d_gbps")
-    frac = serving["gb_per_s"] / h2d if serving["gb_per_s"] and h2d else None
-    return {"ttft_vs_best_baseline_avg": base["ttft_vs_best_baseline_avg"],
-            "ttft_vs_best_baseline_min": base["ttft_vs_best_baseline_min"],
-            "exact_repeat_pic_over_prefix_ttft": base["exact_repeat_pic_over_prefix_ttft"],
-            "qps_gain_vs_prefix_at_slo_median": statistics.median(gains) if gains else None,
-            "qps_repeats": repeats, "cpu_to_gpu_fraction_of_pcie_serving": frac,
-            "qps_gain_vs_prefix_at_slo_median_indexed_corpus": statistics.median(gains_ix) if gains_ix else None,
-            "qps_repeats_indexed_corpus": repeats_ix,
-            "cpu_to_gpu_serving": {**serving, "pinned_h2d_gbps": h2d},
-            "working_set_sweep": sweep, "break_even_read_gb_per_s": be,
-            "ttft_vs_full_avg": base["ttft_reduction_vs_full_avg"],
-            "ttft_vs_prefix_avg": base["ttft_reduction_vs_prefix_avg"],
-            "prefix_reuse_by_workload": base["prefix_reuse_by_workload"]}
-
-
 def json_path(args, date: str) -> Path:
     return Path(args.json) if args.json else REPO / "docs" / "results" / f"serving-tiered-{date}.json"
 
@@ -436,75 +388,6 @@ def write(args, run: dict) -> dict:
         return run
     run["path"] = str(write_json(json_path(args, run["date"]), run))
     return run
-
-
-def merge_runs(paths: list[str]) -> dict:
-    runs = read_runs(paths, "bench_tiered")
-    doc = merge_docs(runs)
-    doc["merged_from"] = [str(p) for p in paths]
-    per_run = serve_runs(runs, [str(p) for p in paths])
-    if per_run:
-        doc["summary"]["serve_runs"] = per_run
-        for key, rec in per_run.items():  # the headline: the median over the runs
-            doc["summary"][key] = rec["median"]
-    return doc
-
-
-#: the serve phase's headline fields, taken as the median over runs when runs are joined
-SERVE_HEADLINE = ("ttft_vs_best_baseline_avg", "ttft_vs_best_baseline_min", "exact_repeat_pic_over_prefix_ttft")
-
-
-def serve_runs(runs: list[dict], paths: list[str]) -> dict:
-    """The serve phase's headline fields run by run, over joined runs (`--merge RUN...`)
-    of which two or more measured one: per field each run's value (`values`, `runs`:
-    their files, `n`: timed requests per workload), the median, min and max. The
-    averages over workloads come only from the runs that served the most workloads (a
-    run of `repeat` alone says nothing of the mean over eight); the exact-repeat ratio
-    from every run that served `repeat`. Empty when no field has two runs."""
-    def workloads(r: dict) -> int:
-        return max((len(p.get("workloads") or {}) for p in r["presets"].values()), default=0)
-
-    def n_of(r: dict) -> Optional[int]:
-        for p in r["presets"].values():
-            for w in (p.get("workloads") or {}).values():
-                n = ((w.get("pic") or {}).get("warm") or {}).get("n")
-                if n:
-                    return n
-        return None
-
-    most = max((workloads(r) for r in runs), default=0)
-    out: dict = {}
-    for key in SERVE_HEADLINE:
-        picked = [(r, path) for r, path in zip(runs, paths) if (r.get("summary") or {}).get(key) is not None
-                  and (key == "exact_repeat_pic_over_prefix_ttft" or workloads(r) == most)]
-        if len(picked) < 2:
-            continue
-        values = [r["summary"][key] for r, _ in picked]
-        out[key] = {"values": values, "runs": [p for _, p in picked], "n": [n_of(r) for r, _ in picked],
-                    "median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
-
-
-def merge_docs(runs: list[dict]) -> dict:
-    """Runs (each a run JSON, maybe itself merged) joined into one: per preset, each key
-    from the first run that has it (tools.results.merge_presets; workloads one by one),
-    the phases' records one by one, the pinned PCIe figure from the first run that
-    measured one; the summary recomputed from the joined presets."""
-    presets = merge_presets(runs)
-    for name, pre in presets.items():
-        phases: dict = {}
-        for r in runs:
-            for ph, rec in ((r["presets"].get(name) or {}).get("phases") or {}).items():
-                phases.setdefault(ph, rec)
-        pre["phases"] = phases
-    pcie = next((r["pcie"] for r in runs if (r.get("pcie") or {}).get("pinned_h2d_gbps")), runs[0].get("pcie") or {})
-    configs = []
-    for r in runs:
-        configs += r["config"] if isinstance(r.get("config"), list) else [r.get("config")]
-    return {"date": runs[0].get("date"), "command": " && ".join(r.get("command", "?") for r in reversed(runs)),
-            "machine": runs[0].get("machine"), "quick": any(r.get("quick") for r in runs),
-            "config": configs, "complete": all(r.get("complete") for r in runs), "pcie": pcie, "presets": presets,
-            "summary": summarize(presets, pcie), "wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
 
 
 def table(run: dict) -> str:
