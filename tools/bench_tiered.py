@@ -34,9 +34,11 @@ most the unit under way:
     python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
     # PIC without cold sharing, so no idle poll (a daemon List RPC) precedes its timed requests
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 2 --share-cold off --json /root/out/noshare.json
-    # the cold stream with idle exact-prefix passes only for prefixes seen before
+    # the cold stream with idle passes only for what was seen before (exact prefixes, then
+    # alone passes too), and with smaller idle alone passes (the default packs 16384 tokens)
     python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 --qps-warmup 2 \
-        --slo-ms 587 --limit-s qps=330 --exact-prefix-passes repeated --json /root/out/cold-repeated.json
+        --slo-ms 587 --limit-s qps=330 --exact-prefix-passes repeated [--idle-alone-passes repeated] \
+        [--idle-batch-tokens 4096] --json /root/out/cold-repeated.json
     # the cold stream with PIC's new segments signed from the requests' own passes (no idle
     # alone passes; docs/pic.md "Signatures from the request's own pass")
     python tools/bench_tiered.py --phases qps --qps-repeats 3 --qps-requests 6 --qps-max-trials 6 --qps-warmup 2 \
@@ -275,6 +277,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--exact-prefix-passes", default="all", choices=("all", "repeated"),
                     help="PicConfig.exact_prefix_passes of PIC's planner: all (default; every request whose prefix is "
                          "not exact yet queues an idle pass over it) or repeated (only a prefix seen before)")
+    ap.add_argument("--idle-alone-passes", default="all", choices=("all", "repeated"),
+                    help="PicConfig.idle_alone_passes of PIC's planner: all (default; every miss computed in context "
+                         "is queued for an idle alone pass) or repeated (only a segment missed before)")
+    ap.add_argument("--idle-batch-tokens", type=int, default=None,
+                    help="PicConfig.idle_batch_tokens of PIC's planner: tokens one idle alone pass packs (default 16384)")
     ap.add_argument("--cold-full-fraction", type=float, default=0.5,
                     help="PicConfig.cold_full_fraction of PIC's planner: a request whose misses hold at least this "
                          "share of its prompt is computed by plain full recompute (default 0.5)")

@@ -49,6 +49,8 @@ PIC_KEYS: dict[str, tuple[type, ...]] = {
     "exact_prefix": (bool,),
     "exact_prefix_store": (str,),
     "exact_prefix_passes": (str,),
+    "idle_alone_passes": (str,),
+    "idle_batch_tokens": (int,),
 }
 #: StoreConnectorConfig fields a `[store]` table may set (the socket comes from --store)
 STORE_KEYS: dict[str, tuple[type, ...]] = {

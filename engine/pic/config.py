@@ -22,6 +22,11 @@ from dataclasses import dataclass
 
 from engine.pic.errors import PicConfigError
 
+#: PicConfig.idle_batch_tokens' default (engine.pic.deferred reads it from here): on an
+#: H200 a packed alone pass of 12 x 1400 tokens costs 1.2x a full prefill per token
+#: against 2.0x at 3 x 1400 (fla's per-call host cost spread; docs/BENCHMARKS.md)
+IDLE_BATCH_TOKENS = 16384
+
 METHODS = ("full", "prefix", "naive", "pic")
 SWA_SEAM_POLICIES = ("window", "seam")
 ANCHORS = ("bos", "none")
@@ -37,6 +42,8 @@ MISS_PATHS = ("alone", "context")
 EXACT_PREFIX_STORE = ("reused", "always")
 #: which requests queue an idle exact pass over their cacheable prefix (PicConfig.exact_prefix_passes)
 EXACT_PREFIX_PASSES = ("all", "repeated")
+#: which queued misses an idle alone pass signs (PicConfig.idle_alone_passes)
+IDLE_ALONE_PASSES = ("all", "repeated")
 #: where the signatures of misses computed in context come from (PicConfig.miss_signatures)
 MISS_SIGNATURE_SOURCES = ("alone", "context")
 #: how an alone pass on fla gets its scalar/diagonal-decay tails' E_tail (PicConfig.tail_states)
@@ -104,6 +111,15 @@ class PicConfig:
     idle_resume (`pic`/`naive`): an idle alone pass that gives way to a request is kept
     and resumed by the next idle call (True, default), or dropped and its segments queued
     again (False; for A/B runs).
+    idle_alone_passes (`pic`/`naive`, with the cold fallback or miss_path="context" and
+    alone signatures): which of the misses a request computed in context are queued for
+    an idle-time alone pass. `"all"` (default): every one. `"repeated"`: a segment only
+    on its second miss (engine.pic.deferred keeps a bounded record of keys seen), so a
+    document a stream names once costs no alone pass (an alone pass costs 2-3x its
+    tokens in context); a document named again is hit from its third sighting.
+    idle_batch_tokens: tokens one idle alone pass packs at most (default 16384: ~10 ms a
+    layer on an H200 for qwen3next-bench); larger packs spread the pass's per-call host
+    cost over more tokens, and the pass gives way to an arriving request between layers.
     prefix_checkpoints (`prefix`): where prefix caching keeps linear states (and window
     rows), which a prefix can only be reused up to; full-attention K/V is kept at every
     cacheable segment boundary either way. `"branch"` (default, Marconi / SGLang style):
@@ -159,6 +175,8 @@ class PicConfig:
     miss_path: str = "context"
     miss_signatures: str = "alone"
     idle_resume: bool = True
+    idle_alone_passes: str = "all"
+    idle_batch_tokens: int = IDLE_BATCH_TOKENS
     prefix_checkpoints: str = "branch"
     batch_long_ranges: bool = True
     exact_prefix: bool = True
@@ -192,6 +210,12 @@ class PicConfig:
                                  f"{', '.join(COLD_FULL_POLICIES)}")
         if not isinstance(self.idle_resume, bool):
             raise PicConfigError(f"idle_resume={self.idle_resume!r} must be True or False")
+        if self.idle_alone_passes not in IDLE_ALONE_PASSES:
+            raise PicConfigError(f"idle_alone_passes={self.idle_alone_passes!r} must be one of "
+                                 f"{', '.join(IDLE_ALONE_PASSES)}")
+        if isinstance(self.idle_batch_tokens, bool) or not isinstance(self.idle_batch_tokens, int) \
+                or self.idle_batch_tokens < 1:
+            raise PicConfigError(f"idle_batch_tokens={self.idle_batch_tokens!r} must be a positive integer")
         if not isinstance(self.exact_prefix, bool):
             raise PicConfigError(f"exact_prefix={self.exact_prefix!r} must be True or False")
         if self.exact_prefix_store not in EXACT_PREFIX_STORE:

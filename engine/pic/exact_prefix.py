@@ -40,6 +40,7 @@ from engine.errors import CacheError
 from engine.pic.config import PicConfig
 from engine.pic.prefix import (PrefixNode, PrefixTree, fill_with_checkpoints, insert_chain, path_to,
                                restore_checkpoints, split_checkpoint, stateful_ends, usable_path)
+from engine.pic.seen import SeenKeys
 from engine.runtime.sequence import Sequence as CacheSequence
 
 log = logging.getLogger("engine.pic")
@@ -105,8 +106,8 @@ class ExactPrefixes:
         #: restored prefixes the store does not hold yet (exact_prefix_store="reused"),
         #: by prefix ids: put while idle, oldest first
         self.to_store: OrderedDict[tuple[int, ...], PrefixNode] = OrderedDict()
-        #: hashes of the cacheable prefixes seen (exact_prefix_passes="repeated"), oldest first
-        self.seen: OrderedDict[int, None] = OrderedDict()
+        #: hashes of the cacheable prefixes seen (exact_prefix_passes="repeated")
+        self.seen = SeenKeys(MAX_PREFIXES_SEEN)
         #: prefixes `wants_pass` declined (seen once so far)
         self.declined = 0
 
@@ -175,13 +176,8 @@ class ExactPrefixes:
         sharing a hash count as one: at worst a pass too many). Records the prefix."""
         if self.config.exact_prefix_passes == "all" or not bounds:
             return True
-        key = hash(tuple(ids[:bounds[-1][1]]))
-        if key in self.seen:
-            self.seen.move_to_end(key)
+        if self.seen.saw(hash(tuple(ids[:bounds[-1][1]]))):
             return True
-        self.seen[key] = None
-        while len(self.seen) > MAX_PREFIXES_SEEN:
-            self.seen.popitem(last=False)
         self.declined += 1
         return False
 

@@ -36,8 +36,7 @@ def fall_back_to_full(config: PicConfig, threshold: Optional[float], state: Any,
         state.to_capture = first_placements(state.missing)
         state.builder.report.set_cold_full(0, len(state.to_capture))
     else:
-        deferred.add([job(state.token_ids, u) for u in state.missing])
-        state.builder.report.set_cold_full(len(state.missing))
+        state.builder.report.set_cold_full(deferred.add([job(state.token_ids, u) for u in state.missing]))
     if state.prefix is not None:  # the restored exact prefix stays reused; the rest is computed
         r = state.builder.report
         r.reused_tokens, r.hit_segments = state.prefix.end, len(state.prefix.path)

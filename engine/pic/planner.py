@@ -139,7 +139,8 @@ class PicPlanner(IdleWork, ReportingPlanner):
         self.linear_mode = "add" if config.method == "naive" else "compose"
         self.state_dtype = resolve_state_dtype(config.state_dtype, model_dtype)
         #: cold-fallback segments to compute alone when idle, oldest first
-        self.deferred = DeferredQueue()
+        self.deferred = DeferredQueue(batch_tokens=config.idle_batch_tokens,
+                                      repeated_only=config.idle_alone_passes == "repeated")
         #: captures of finished prefills whose signatures are still to be kept (keep_captured)
         self.captured: deque[CaptureSet] = deque()
         #: measured cost per token of alone passes and of full passes (cold_full_policy="cost")

@@ -561,6 +561,30 @@ def test_miss_signatures_exact_prefix_passes_and_cold_full_fraction_reach_pics_p
     h, _ = make_harness(bench_tiered.parse_args(["--quick", "--exact-prefix-passes", "repeated"]), cpu,
                         "/nonexistent.sock", sweep=False)
     assert h.pic_config.exact_prefix_passes == "repeated"
+    assert (h.pic_config.idle_alone_passes, h.pic_config.idle_batch_tokens) == ("all", 16384)
+    args = bench_tiered.parse_args(["--quick", "--idle-alone-passes", "repeated", "--idle-batch-tokens", "8192"])
+    h, _ = make_harness(args, cpu, "/nonexistent.sock", sweep=False)
+    assert (h.pic_config.idle_alone_passes, h.pic_config.idle_batch_tokens) == ("repeated", 8192)
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit):
             bench_tiered.parse_args(["--quick", "--cold-full-fraction", bad])
+
+
+def test_a_merge_takes_the_serve_phases_connector_snapshot_from_a_run_that_served_workloads():
+    import copy
+
+    from tools.servebench.tiered_summary import merge_docs
+
+    served = json.loads((REPO / "docs/results/serving-tiered-2026-12-03-serve2.json").read_text())
+    name = next(iter(served["presets"]))
+    qps_only = copy.deepcopy(served)  # an engine that ran no workload: its snapshot is the QPS phase's
+    pre = qps_only["presets"][name]
+    pre["workloads"], pre["qps"] = {}, {"marker": 1}
+    pre["connector_pic"] = dict(pre["connector_pic"], h2d_copy_bytes=7)
+    joined = merge_docs([qps_only, served])
+    got = joined["presets"][name]
+    assert got["qps"] == {"marker": 1}  # every other key: the first run's
+    assert got["connector_pic"] == served["presets"][name]["connector_pic"] and got["workloads"]
+    assert joined["summary"]["cpu_to_gpu_serving"]["by_phase"][f"{name}:serve"]["copy_bytes"] == \
+        served["presets"][name]["connector_pic"]["h2d_copy_bytes"] != 7
+    assert merge_docs([qps_only])["presets"][name]["connector_pic"]["h2d_copy_bytes"] == 7  # none served

@@ -215,6 +215,7 @@ class Harness:
                     near += p.cache.clear()
                 if p.exact is not None:
                     exact += p.exact.clear()
+                p.deferred.clear()  # drained above; forgets the keys seen once (idle_alone_passes)
             out["device_signatures"], out["exact_prefix_nodes"] = near, exact
         elif method == "prefix":
             out["prefix_nodes"] = self.engine.scheduler.planner.tree.num_nodes
@@ -326,7 +327,8 @@ class Harness:
         (optional) gets where the time went: `queue_ms` per request (arrival to
         scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals; it gives
         way, between layers, to a request that is due), `idle_stopped` (idle passes
-        dropped for one), `hit_segments` / `miss_segments` (summed over the requests' reports),
+        dropped for one), `idle_declined` (misses not queued for an idle alone pass because
+        they were seen for the first time, PicConfig.idle_alone_passes), `hit_segments` / `miss_segments` (summed over the requests' reports),
         and per request `prompt_tokens`, `computed_tokens` (run through the model in context
         for it) and `prefill_host_ms` (host wall time of its prefill steps).
 
@@ -354,6 +356,7 @@ class Harness:
         aborted = False
         idle_calls, idle_s = 0, 0.0
         stopped0 = getattr(planner, "idle_stopped", 0)
+        declined0 = _declined(planner)
         m0 = _connector_counts(planner)
         while arrivals or engine.has_unfinished():
             now = time.perf_counter()
@@ -420,6 +423,7 @@ class Harness:
                 info["connector"] = {k: m1[k] - m0[k] for k in m1}
             info.update(queue_ms=[round(queued[i], 3) for i in ids if i in queued], idle_calls=idle_calls,
                         idle_ms=round(idle_s * 1e3, 3), idle_stopped=getattr(planner, "idle_stopped", 0) - stopped0,
+                        idle_declined=_declined(planner) - declined0,
                         hit_segments=hits, miss_segments=misses, prompt_tokens=prompt, computed_tokens=computed,
                         prefill_host_ms=[round(host_ms[i], 3) for i in ids if i in host_ms])
         return [ttfts[i] for i in ids if i in ttfts]
@@ -429,6 +433,11 @@ class Harness:
 _CONNECTOR_COUNTS = ("put_bytes", "puts_stored", "puts_dropped", "puts_failed", "prefix_puts", "hits", "misses",
                      "near_hits", "deferred_computed", "deferred_ms_total", "put_ms_total", "load_ms_total",
                      "load_wait_ms_total", "promotions")
+
+
+def _declined(planner) -> int:
+    """Misses the planner's deferred queue did not queue, seen once (idle_alone_passes)."""
+    return getattr(getattr(planner, "deferred", None), "declined", 0)
 
 
 def _connector_counts(planner) -> Optional[dict]:

@@ -216,6 +216,7 @@ def _where_time_went(info: dict) -> dict:
             out[f"{k}_p50"] = round(percentile(info[k], 50), 3)
     if "idle_ms" in info:
         out["idle_ms"], out["idle_calls"] = info["idle_ms"], info.get("idle_calls")
+        out["idle_declined"] = info.get("idle_declined", 0)
     if info.get("connector"):
         out["connector"] = info["connector"]
     return out

@@ -109,11 +109,18 @@ def serve_runs(runs: list[dict], paths: list[str]) -> dict:
 
 def merge_docs(runs: list[dict]) -> dict:
     """Runs (each a run JSON, maybe itself merged) joined into one: per preset, each key
-    from the first run that has it (tools.results.merge_presets; workloads one by one),
+    from the first run that has it (tools.results.merge_presets; workloads one by one)
+    but the engine's connector snapshot (`connector_pic`, the summary's serve-phase
+    copies), which comes from the first run that served workloads when one did,
     the phases' records one by one, the pinned PCIe figure from the first run that
     measured one; the summary recomputed from the joined presets."""
     presets = merge_presets(runs)
     for name, pre in presets.items():
+        # the engine's connector snapshot stands for the serve phase: from a run that served workloads
+        served = [r["presets"][name]["connector_pic"] for r in runs
+                  if (r["presets"].get(name) or {}).get("workloads") and r["presets"][name].get("connector_pic")]
+        if served:
+            pre["connector_pic"] = served[0]
         phases: dict = {}
         for r in runs:
             for ph, rec in ((r["presets"].get(name) or {}).get("phases") or {}).items():

@@ -196,3 +196,55 @@ def test_without_idle_resume_a_pass_that_gives_way_is_dropped_and_queued_again(m
     assert planner.help_idle(runner) == 3 and not planner.deferred
     with pytest.raises(PicConfigError, match="idle_resume"):
         PicConfig(idle_resume="yes")
+
+
+def test_repeated_idle_alone_passes_sign_a_segment_on_its_second_miss(model_of, runner_of, planner_of):
+    model = model_of(LAYERS)
+    runner = runner_of(model, num_slots=8)
+    segments = _segments(7)
+    planner = planner_of(model, fused=True, seam=4, cold_full_fraction=0.5, exact_prefix=False,
+                         idle_alone_passes="repeated", idle_batch_tokens=40)
+    assert planner.deferred.batch_tokens == 40 and planner.deferred.repeated_only
+    req = make_request(segments)
+    execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert rep.cold_full and rep.deferred_segments == 0 and planner.deferred.declined == 3
+    assert not planner.deferred and planner.help_idle(runner) == 0  # seen once: no alone pass
+    req = make_request(segments)  # the second sighting: computed in context again, now queued
+    execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert rep.cold_full and rep.deferred_segments == 3 and planner.deferred.declined == 3
+    assert planner.help_idle(runner) == 2 and planner.help_idle(runner) == 1  # 18 + 14 tokens, then 16
+    req = make_request(segments)
+    third = execute(planner, runner, req)
+    rep = planner.take_report(req.request_id)
+    assert not rep.cold_full and rep.hit_segments == 3 and rep.miss_segments == 0
+    plain = planner_of(model, fused=True, seam=4, exact_prefix=False)  # signatures computed in the request
+    execute(plain, runner, make_request(segments))
+    again = execute(plain, runner, make_request(segments))
+    torch.testing.assert_close(third.logits[-1], again.logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_deferred_queues_record_of_keys_seen_is_bounded_and_cleared(monkeypatch):
+    from engine.pic import deferred as deferred_mod
+    from engine.pic.deferred import DeferredQueue
+    from engine.pic.segment_store import SegmentJob
+
+    monkeypatch.setattr(deferred_mod, "MAX_SEEN", 2)
+    q = DeferredQueue(repeated_only=True)
+    job = {k: SegmentJob(k, (1, 2, 3), 1, 4.0) for k in (b"a", b"b", b"c")}
+    assert q.add([job[b"a"], job[b"b"]]) == 0 and q.declined == 2 and not q
+    assert q.add([job[b"c"]]) == 0  # a is forgotten (the record holds two keys)
+    assert q.add([job[b"b"], job[b"c"], job[b"a"]]) == 2 and list(q) == [b"b", b"c"] and q.declined == 4
+    assert q.add([job[b"b"]]) == 1 and list(q) == [b"c", b"b"]  # queued already: moved to the back
+    assert q.clear() == 2 and not q and q.add([job[b"c"]]) == 0  # the record went too
+    plain = DeferredQueue()
+    assert plain.add([job[b"a"]]) == 1 and plain.declined == 0
+
+
+def test_idle_alone_passes_and_idle_batch_tokens_are_validated():
+    with pytest.raises(PicConfigError, match="idle_alone_passes='twice' must be one of all, repeated"):
+        PicConfig(idle_alone_passes="twice")
+    for bad in (0, -5, True, 1.5, "4096"):
+        with pytest.raises(PicConfigError, match="idle_batch_tokens=.* must be a positive integer"):
+            PicConfig(idle_batch_tokens=bad)
