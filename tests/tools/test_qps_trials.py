@@ -143,16 +143,18 @@ def test_a_trial_sure_to_fail_is_cut_short_and_the_engine_keeps_serving(harness)
     info2: dict = {}
     ok = harness.run_poisson(reqs[12:], 1.0, 1, info=info2, slo_ms=60_000.0)  # the engine serves what comes next
     assert len(ok) == 2 and not info2["aborted"] and info2["over_slo"] == 0 and info2["sent"] == 2
+    assert info2["idle_declined"] == 0  # idle_alone_passes="all": every miss is queued
     c = info2["connector"]  # the store connector's counters over the run: its segments were looked for
     assert sum(c[k] for k in ("hits", "misses", "near_hits")) > 0 and c["put_bytes"] >= 0
 
 
 def test_a_trial_records_where_its_time_went():
     info = {"prompt_tokens": [100, 300], "computed_tokens": [10, 90], "queue_ms": [1.0, 3.0, 5.0],
-            "prefill_host_ms": [20.0, 40.0], "idle_ms": 7.5, "idle_calls": 2, "connector": {"put_bytes": 5}}
+            "prefill_host_ms": [20.0, 40.0], "idle_ms": 7.5, "idle_calls": 2, "idle_declined": 4,
+            "connector": {"put_bytes": 5}}
     got = qps_search._where_time_went(info)
     assert got == {"computed_share": 0.25, "queue_ms_p50": 3.0, "prefill_host_ms_p50": 30.0, "idle_ms": 7.5,
-                   "idle_calls": 2, "connector": {"put_bytes": 5}}
+                   "idle_calls": 2, "idle_declined": 4, "connector": {"put_bytes": 5}}
     assert qps_search._where_time_went({}) == {}
 
 
