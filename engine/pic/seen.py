@@ -20,9 +20,6 @@ class SeenKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._keys
-
     def saw(self, key: Hashable) -> bool:
         """True when `key` was seen before (it becomes the most recent); else records it."""
         if key in self._keys:

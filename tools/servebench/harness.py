@@ -328,9 +328,10 @@ class Harness:
         scheduling), `idle_calls` / `idle_ms` (idle work run between arrivals; it gives
         way, between layers, to a request that is due), `idle_stopped` (idle passes
         dropped for one), `idle_declined` (misses not queued for an idle alone pass because
-        they were seen for the first time, PicConfig.idle_alone_passes), `hit_segments` / `miss_segments` (summed over the requests' reports),
-        and per request `prompt_tokens`, `computed_tokens` (run through the model in context
-        for it) and `prefill_host_ms` (host wall time of its prefill steps).
+        they were seen for the first time, PicConfig.idle_alone_passes), `hit_segments` /
+        `miss_segments` (summed over the requests' reports), and per request
+        `prompt_tokens`, `computed_tokens` (run through the model in context for it) and
+        `prefill_host_ms` (host wall time of its prefill steps).
 
         `slo_ms` (optional) ends the run early once its p99 TTFT is sure to exceed the SLO
         (`over_slo_certain`: more than 1% of the requests, plus one, have a TTFT above it or

@@ -59,7 +59,6 @@ def summarize(presets: dict, pcie: dict) -> dict:
             "prefix_reuse_by_workload": base["prefix_reuse_by_workload"]}
 
 
-
 def merge_runs(paths: list[str]) -> dict:
     runs = read_runs(paths, "bench_tiered")
     doc = merge_docs(runs)
