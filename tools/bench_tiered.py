@@ -210,6 +210,13 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+def _fraction_or_off(text: str) -> Optional[float]:
+    """--cold-full-fraction: a number, or `off` (None: no cold fallback)."""
+    if text.strip().lower() == "off":
+        return None
+    return float(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, tiny preset and sizes")
@@ -282,9 +289,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "is queued for an idle alone pass) or repeated (only a segment missed before)")
     ap.add_argument("--idle-batch-tokens", type=int, default=None,
                     help="PicConfig.idle_batch_tokens of PIC's planner: tokens one idle alone pass packs (default 16384)")
-    ap.add_argument("--cold-full-fraction", type=float, default=0.5,
+    ap.add_argument("--cold-full-fraction", type=_fraction_or_off, default=0.5,
                     help="PicConfig.cold_full_fraction of PIC's planner: a request whose misses hold at least this "
-                         "share of its prompt is computed by plain full recompute (default 0.5)")
+                         "share of its prompt is computed by plain full recompute (default 0.5); off: never")
+    ap.add_argument("--miss-path", default="context", choices=("context", "alone"),
+                    help="PicConfig.miss_path of PIC's planner: context (default; misses the cold fallback leaves "
+                         "are computed in the request's fused pass and signed by idle alone passes) or alone "
+                         "(computed alone in the request, one packed pass, and spliced: no idle alone pass)")
     ap.add_argument("--share-cold", default="on", choices=("on", "off"),
                     help="StoreConnectorConfig.share_cold of PIC's connector: on (default) offers cold segments to "
                          "idle engines and, while idle, polls the daemon for others' offers (one List RPC per "
@@ -326,8 +337,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--sweep: every multiple must be > 0")
     if not 0 < args.qps_tolerance < 1:
         ap.error(f"--qps-tolerance {args.qps_tolerance}: must be in (0, 1)")
-    if not 0 < args.cold_full_fraction <= 1:
-        ap.error(f"--cold-full-fraction {args.cold_full_fraction}: must be in (0, 1]")
+    if args.cold_full_fraction is not None and not 0 < args.cold_full_fraction <= 1:
+        ap.error(f"--cold-full-fraction {args.cold_full_fraction}: must be in (0, 1] or off")
+    if args.miss_signatures == "context" and args.miss_path != "context":
+        ap.error("--miss-signatures context takes signatures from misses computed in context: it needs "
+                 "--miss-path context")
     if args.warmup_n < 1:
         ap.error(f"--warmup-n {args.warmup_n}: must be >= 1")
     if args.qps_repeats < 1:

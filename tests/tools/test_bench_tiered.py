@@ -543,7 +543,7 @@ def test_joined_runs_report_the_serve_headline_as_the_median_over_the_runs_that_
     assert bench_tiered.serve_runs(runs[:1] + runs[-1:], paths[:2]) == {}  # one run: nothing to take a median of
 
 
-def test_miss_signatures_exact_prefix_passes_and_cold_full_fraction_reach_pics_planner_config():
+def test_miss_path_signatures_exact_prefix_passes_and_cold_full_fraction_reach_pics_planner_config():
     from types import SimpleNamespace
 
     import torch
@@ -565,9 +565,14 @@ def test_miss_signatures_exact_prefix_passes_and_cold_full_fraction_reach_pics_p
     args = bench_tiered.parse_args(["--quick", "--idle-alone-passes", "repeated", "--idle-batch-tokens", "8192"])
     h, _ = make_harness(args, cpu, "/nonexistent.sock", sweep=False)
     assert (h.pic_config.idle_alone_passes, h.pic_config.idle_batch_tokens) == ("repeated", 8192)
-    for bad in ("0", "1.5"):
+    assert h.pic_config.miss_path == "context"
+    args = bench_tiered.parse_args(["--quick", "--miss-path", "alone", "--cold-full-fraction", "off"])
+    h, _ = make_harness(args, cpu, "/nonexistent.sock", sweep=False)
+    assert (h.pic_config.miss_path, h.pic_config.cold_full_fraction) == ("alone", None)
+    for bad in (["--cold-full-fraction", "0"], ["--cold-full-fraction", "1.5"], ["--cold-full-fraction", "x"],
+                ["--miss-path", "alone", "--miss-signatures", "context"]):
         with pytest.raises(SystemExit):
-            bench_tiered.parse_args(["--quick", "--cold-full-fraction", bad])
+            bench_tiered.parse_args(["--quick", *bad])
 
 
 def test_a_merge_takes_the_serve_phases_connector_snapshot_from_a_run_that_served_workloads():

@@ -47,6 +47,7 @@ def make_harness(args, engine, socket: str, *, sweep: bool):
     budget = device_cache_capacity(conn, engine.device)
     pic = PicConfig(cold_full_fraction=getattr(args, "cold_full_fraction", 0.5), exact_prefix=not sweep,
                     kernel=args.pic_kernel, miss_signatures=getattr(args, "miss_signatures", "alone"),
+                    miss_path=getattr(args, "miss_path", "context"),
                     exact_prefix_passes=getattr(args, "exact_prefix_passes", "all"),
                     idle_alone_passes=getattr(args, "idle_alone_passes", "all"),
                     idle_batch_tokens=getattr(args, "idle_batch_tokens", None) or PicConfig.idle_batch_tokens)
