@@ -44,6 +44,9 @@ def parse_args(argv=None):
     ap.add_argument("--seam", type=int, default=16, help="each segment's split (its seam)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="op table of one alone pass per preset and shape")
+    ap.add_argument("--sync-sites", action="store_true",
+                    help="run one alone pass and one full prefill per shape under torch's CUDA sync debug mode and "
+                         "record where each host sync comes from (file:line of the Python frame, with counts)")
     ap.add_argument("--check", action="store_true",
                     help="also compare each shape's signatures with the torch backend's (largest relative error "
                          "per part field; on CUDA the runner's backend is fla)")
@@ -132,6 +135,9 @@ def bench_preset(preset: str, args) -> list[dict]:
         if other is not None:
             row["alone_direct_tails_ms"] = round(statistics.median(other), 3)
             row["alone_direct_tails_runs_ms"] = [round(x, 3) for x in other]
+        if args.sync_sites and device.type == "cuda":
+            row["sync_sites"] = {"alone": sync_sites(alone, sync), "full": sync_sites(full, sync)}
+            print(f"--- {preset} {m}x{n} host syncs: {json.dumps(row['sync_sites'])}", flush=True)
         if args.check:
             row["check"] = check_against_torch(model, segs, runner.backend, state_dtype)
             print(f"--- {preset} {m}x{n} vs torch backend: {row['check']}", flush=True)
@@ -148,6 +154,41 @@ def bench_preset(preset: str, args) -> list[dict]:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return rows
+
+
+def sync_sites(fn, sync) -> dict[str, int]:
+    """Run `fn` once under torch.cuda's sync debug mode ("warn"): how many host syncs
+    each call site caused, most first. A site is the innermost Python frame, and after
+    " <- " the innermost frame of this repository's engine/ or kernels/ (where ours
+    called into torch or fla)."""
+    import traceback
+    import warnings
+
+    import torch
+
+    counts: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message).lower():
+            return
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if "/engine/" in f.filename or "/kernels/" in f.filename]
+        site = f"{Path(filename).name}:{lineno}"
+        if ours:
+            site += f" <- {Path(ours[-1].filename).parent.name}/{Path(ours[-1].filename).name}:{ours[-1].lineno}"
+        counts[site] = counts.get(site, 0) + 1
+
+    sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def check_against_torch(model, segs, backend: str, state_dtype) -> dict:

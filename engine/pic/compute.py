@@ -433,7 +433,11 @@ def settle_transitions(pending: list[PendingTransitions]) -> None:
     product underflowed, or whose operator is exactly 0, has forgotten its prefix."""
     if not pending:
         return
-    lives = torch.cat([p.live for p in pending]).cpu().tolist()  # one sync for every layer
+    live = torch.cat([p.live for p in pending])
+    lives = live.cpu().tolist()  # one sync for every layer
+    # each row's live heads first, in head order: the rows to keep are a slice of it, so
+    # no head list is copied to the device (a blocking copy, i.e. a sync, per part)
+    order = None
     row = 0
     for p in pending:
         for i, part in enumerate(p.parts):
@@ -444,7 +448,9 @@ def settle_transitions(pending: list[PendingTransitions]) -> None:
             elif len(heads) == p.dense.shape[1]:
                 part.tail_transition = p.dense[i]
             else:
-                part.tail_transition = p.dense[i][list(heads)].contiguous()
+                if order is None:
+                    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)
+                part.tail_transition = p.dense[i].index_select(0, order[row + i, :len(heads)])
         row += len(p.parts)
     pending.clear()
 

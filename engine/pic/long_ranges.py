@@ -75,9 +75,10 @@ def delta_operators(inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]], ba
         st = torch.cat([chunked_recurrence(family, wide.slice_time(a, e), s0, chunk_size)[1] for a, e in ranges])
         return st[..., vd:], st[..., :vd]
     cu, rows = _layout(ranges, inp.q.shape[1])
+    idx = fla_backend.host_to_device(torch.tensor(rows, dtype=torch.long), v.device)  # no host sync
     s0 = torch.zeros(len(cu) - 1, h, kd, vd + kd, dtype=torch.float32, device=v.device)
-    s0[rows, ..., vd:] = eye
-    st = fla_backend.fla_chunk(family, replace(inp, v=v), s0, cu_seqlens=cu)[1][rows]
+    s0[idx, ..., vd:] = eye
+    st = fla_backend.fla_chunk(family, replace(inp, v=v), s0, cu_seqlens=cu)[1].index_select(0, idx)
     return st[..., vd:], st[..., :vd]
 
 
@@ -116,5 +117,6 @@ def outputs(family: str, inp: RecurrenceInputs, ranges: Sequence[tuple[int, int]
     cu, rows = _layout(ranges, inp.q.shape[1])
     _, _, h, kd, vd = inp.shape
     s0 = torch.zeros(len(cu) - 1, h, kd, vd, dtype=torch.float32, device=inp.v.device)
-    s0[rows] = torch.stack([s.to(torch.float32) for s in starts])
+    s0[fla_backend.host_to_device(torch.tensor(rows, dtype=torch.long), s0.device)] = \
+        torch.stack([s.to(torch.float32) for s in starts])  # a device index: no host sync
     return fla_backend.fla_chunk(family, inp, s0, cu_seqlens=cu)[0]

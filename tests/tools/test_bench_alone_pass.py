@@ -28,3 +28,27 @@ def test_bad_shapes_are_refused(shapes, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--shapes", shapes])
     assert exc.value.code == 2 and "--shapes" in capsys.readouterr().err
+
+
+def test_sync_sites_counts_the_sync_warnings_by_call_site_and_ignores_other_warnings(monkeypatch):
+    """The --sync-sites recorder on the CPU: torch.cuda's debug-mode switch is replaced by
+    a no-op and the function under test emits the warning CUDA's sync debug mode emits."""
+    import warnings
+
+    import torch
+
+    from tools.bench_alone_pass import sync_sites
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def fn():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")  # line A
+        warnings.warn("called a synchronizing CUDA operation")  # line B
+        warnings.warn("something else entirely")
+
+    got = sync_sites(fn, lambda: None)
+    assert modes == ["warn", "default"]
+    assert sorted(got.values()) == [1, 3] and len(got) == 2
+    assert all(site.startswith("test_bench_alone_pass.py:") for site in got)

@@ -98,6 +98,22 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return "fla" if on_cuda and fla_importable() else "torch"
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor (index lists, cu_seqlens) on `device` without a host sync: on
+    CUDA through pinned memory, copied asynchronously in stream order (the caching host
+    allocator keeps the pinned block until the copy has run). A blocking host -> device
+    copy waits for every kernel queued before it; in a pass that queues a layer's kernels
+    ahead of the device, each such copy stalls the host until the device catches up."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # pragma: no cover - GPU only
+
+
+#: fla's chunk size for the delta rule's varlen calls (chunk_gated_delta_rule's default)
+DELTA_CHUNK = 64
+
+
 def _prep(inp: RecurrenceInputs, initial_state: torch.Tensor | None):
     dtype = inp.v.dtype
     q = inp.q.to(dtype).contiguous()
@@ -173,9 +189,13 @@ def fla_chunk(family: str, inp: RecurrenceInputs, initial_state: torch.Tensor | 
     var = {}
     if cu_seqlens is not None:
         cpu = cu_seqlens.to("cpu", torch.long)
-        var = dict(cu_seqlens=cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cpu)
+        var = dict(cu_seqlens=host_to_device(cpu, q.device), cu_seqlens_cpu=cpu)
     if family == "delta":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        if var:  # fla builds them from the host copy but moves them with a blocking copy
+            from fla.ops.utils.index import prepare_chunk_indices
+            var["chunk_indices"] = host_to_device(prepare_chunk_indices(cpu, DELTA_CHUNK, cu_seqlens_cpu=cpu),
+                                                  q.device)
         beta = inp.beta.to(v.dtype).contiguous()
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, scale=inp.scale, initial_state=s0,
                                       output_final_state=True, **var)

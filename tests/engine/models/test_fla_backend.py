@@ -78,3 +78,29 @@ def test_installed_over_the_names_simple_gla_and_gla_call():
     assert simple_gla_chunk.chunk_fwd_h is fla_backend._chunk_fwd_h_host
     assert gla_chunk.chunk_fwd_h is fla_backend._chunk_fwd_h_host
     assert chunk_h.chunk_fwd_h is not fla_backend._chunk_fwd_h_host  # fla's own stays for everything else
+
+
+def test_a_delta_varlen_call_hands_fla_the_chunk_indices_it_would_build_itself(monkeypatch):
+    """fla_chunk gives chunk_gated_delta_rule the chunk indices fla's own
+    prepare_chunk_indices builds from the host cu_seqlens (fla would move them to the
+    device with a blocking copy); the call is recorded, not run (fla needs a GPU)."""
+    import fla.ops.gated_delta_rule as gdr
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from engine.models.layers.linear_ops import RecurrenceInputs
+
+    seen = {}
+
+    def record(q, k, v, g, beta, **kw):
+        seen.update(kw)
+        return v, torch.zeros(3, q.shape[2], q.shape[3], v.shape[3])
+
+    monkeypatch.setattr(gdr, "chunk_gated_delta_rule", record)
+    t, h, d = 200, 2, 8
+    inp = RecurrenceInputs(q=torch.randn(1, t, h, d), k=torch.randn(1, t, h, d), v=torch.randn(1, t, h, d),
+                           log_decay=-torch.rand(1, t, h), beta=torch.rand(1, t, h), scale=d ** -0.5)
+    cu = torch.tensor([0, 70, 130, 200])
+    fla_backend.fla_chunk("delta", inp, None, cu_seqlens=cu)
+    want = prepare_chunk_indices(cu.clone(), fla_backend.DELTA_CHUNK, cu_seqlens_cpu=cu.clone())
+    assert torch.equal(seen["chunk_indices"], want) and want.shape == (2 + 1 + 2, 2)
+    assert torch.equal(seen["cu_seqlens"], cu) and torch.equal(seen["cu_seqlens_cpu"], cu)
