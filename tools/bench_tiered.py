@@ -31,6 +31,8 @@ most the unit under way:
     # diagnostics, not for the figures (they change the TTFTs they explain): exact per-step
     # device times in the breakdowns; kernel specialisations a timed request compiled
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 3 --sync-timings --json /root/out/sync.json
+    # the serve phase with 10 exact repeats (a ~20 ms host-bound request: 2 cannot tell the methods apart)
+    python tools/bench_tiered.py --phases serve,pcie --n 2 --n-workload repeat=10 --limit-s serve=250,pcie=30 --json X
     python tools/bench_tiered.py --phases serve --n 1 --check-warmup --json /root/out/check-warmup.json
     # PIC without cold sharing, so no idle poll (a daemon List RPC) precedes its timed requests
     python tools/bench_tiered.py --phases serve --workloads repeat,chat --n 2 --share-cold off --json /root/out/noshare.json
@@ -210,6 +212,26 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+def parse_n_workload(text: str, tasks) -> dict[str, int]:
+    """--n-workload "repeat=10,chat=4" -> {"repeat": 10, "chat": 4}; ValueError naming
+    what is wrong."""
+    out: dict[str, int] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        task, sep, n = item.partition("=")
+        task = task.strip()
+        if not sep or task not in tasks:
+            raise ValueError(f"{item!r}: expected TASK=N with TASK one of {', '.join(tasks)}")
+        try:
+            out[task] = int(n)
+        except ValueError:
+            raise ValueError(f"{item!r}: N must be an integer") from None
+        if out[task] < 1:
+            raise ValueError(f"{item!r}: N must be >= 1")
+    return out
+
+
 def _fraction_or_off(text: str) -> Optional[float]:
     """--cold-full-fraction: a number, or `off` (None: no cold fallback)."""
     if text.strip().lower() == "off":
@@ -237,6 +259,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "timed request launched first (warmup.cold_launches)")
     ap.add_argument("--workloads", default=WORKLOADS, help="workloads of the serve phase")
     ap.add_argument("--n", type=int, default=None, help="requests per workload (default 5; quick 2)")
+    ap.add_argument("--n-workload", default="", metavar="TASK=N[,TASK=N]",
+                    help="requests for these workloads instead of --n, e.g. repeat=10 (exact repeats are ~20 ms "
+                         "host-bound requests: two cannot tell the methods apart)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on prompt + answer tokens (quick 450)")
     ap.add_argument("--docs", default=None, help="documents per request MIN-MAX (quick 2-3)")
     ap.add_argument("--seed", type=int, default=0)
@@ -329,6 +354,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [w for w in args.workloads if w not in ALL_TASKS]
     if bad:
         ap.error(f"--workloads: unknown {bad}; choose from {', '.join(ALL_TASKS)}")
+    try:
+        args.n_workload = parse_n_workload(args.n_workload, ALL_TASKS)
+    except ValueError as exc:
+        ap.error(f"--n-workload: {exc}")
     try:
         args.sweep = [float(x) for x in args.sweep.split(",") if x]
     except ValueError:

@@ -593,3 +593,31 @@ def test_a_merge_takes_the_serve_phases_connector_snapshot_from_a_run_that_serve
     assert joined["summary"]["cpu_to_gpu_serving"]["by_phase"][f"{name}:serve"]["copy_bytes"] == \
         served["presets"][name]["connector_pic"]["h2d_copy_bytes"] != 7
     assert merge_docs([qps_only])["presets"][name]["connector_pic"]["h2d_copy_bytes"] == 7  # none served
+
+
+def test_n_workload_sets_the_requests_of_named_workloads_and_refuses_bad_items(monkeypatch):
+    from tools import bench_tiered
+    from tools.servebench import requests, tiered
+    from tools.servebench.tiered_phases import serve_phase
+
+    args = bench_tiered.parse_args(["--quick", "--workloads", "rag,repeat", "--n-workload", "repeat=10"])
+    assert args.n_workload == {"repeat": 10} and args.n == 2
+    for bad in ("repeat", "nosuch=3", "repeat=x", "repeat=0"):
+        with pytest.raises(SystemExit):
+            bench_tiered.parse_args(["--quick", "--n-workload", bad])
+    loaded = []
+    monkeypatch.setattr(requests, "load", lambda task, n, *a: loaded.append((task, n)) or [])
+    warm = {"ttft_ms_mean": 1.0, "hits_by_source": {}, "breakdown": []}
+    monkeypatch.setattr(tiered, "ttft_after_twin", lambda h, reqs, mark: {m: {"warm": warm} for m in
+                                                                          ("full", "prefix", "pic")})
+    monkeypatch.setattr(tiered, "format_hits", lambda hits: "")
+    monkeypatch.setattr(tiered, "stored_by_tier", lambda h: {})
+    monkeypatch.setattr(tiered, "break_even", lambda stored, workloads: {})
+    monkeypatch.setattr(tiered, "signature_parts", lambda h: {})
+    monkeypatch.setattr("tools.servebench.breakdown.mean_breakdown", lambda b: {
+        k: 0.0 for k in ("lookup_ms", "restore_ms", "miss_ms", "forward_ms", "drain_ms", "other_ms")}
+        | {"store_rpcs_per_request": 0, "host": {}})
+    monkeypatch.setattr("tools.servebench.tiered_phases.format_host", lambda host: "")
+    out = {"workloads": {}}
+    serve_phase(args, None, None, out, lambda msg: None, lambda: None, lambda: False)
+    assert loaded == [("rag", 2), ("repeat", 10)] and set(out["workloads"]) == {"rag", "repeat"}

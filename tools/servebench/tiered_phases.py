@@ -147,7 +147,8 @@ def serve_phase(args, h, run, out: dict, log, save, clock, launches=None, compil
                 f"{', '.join(t for t in args.workloads if t not in out['workloads'])}")
             break
         t0 = time.perf_counter()
-        reqs = requests.load(task, args.n, args.seed, scale, args.max_tokens, args.docs)
+        n = (getattr(args, "n_workload", None) or {}).get(task, args.n)
+        reqs = requests.load(task, n, args.seed, scale, args.max_tokens, args.docs)
         mark = (lambda m, s: None) if launches is None else (
             lambda m, s, _t=task: setattr(launches, "label", f"{_t}/{m}/{s}"))
         w = tiered.ttft_after_twin(h, reqs, mark)
