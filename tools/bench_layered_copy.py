@@ -14,12 +14,17 @@ the copy stream's device time between them counted), under three engine loads:
 - `idle`: no engine thread;
 - `host`: a thread launching small kernels from a Python loop (the fused pass's host-bound
   launches: GIL traffic and a busy device queue);
-- `gemm`: a thread queueing large matmuls (the device busy, the host mostly waiting).
+- `gemm`: a thread queueing large matmuls (the device busy, the host mostly waiting);
+- `python`: a thread running pure Python (the engine's scheduling and planning code),
+  which gives up the GIL only when the interpreter forces it (every switch interval);
+- `mixed`: a thread alternating ~1 ms of pure Python with 64 small kernel launches.
 
-Issue variants: `per_span` (engine.connector.layer_loads.issue_layered with a
-CudaCopyQueue: the loader's path), `foreach` (one torch._foreach_copy_ per group),
-`whole` (one copy per blob, no layer events), and `per_span` under a 0.5 ms GIL switch
-interval (`per_span_switch`).
+Issue variants: `loader` (engine.connector.layer_loads.issue_layered with a
+CudaCopyQueue: the loader's path, one torch._foreach_copy_ per group over views from one
+tensor_split per buffer), `per_span` (a slice of each buffer and a `copy_` per span, an
+event per group: the loader's path before), `foreach` (a slice per span, one
+torch._foreach_copy_ per group), `whole` (one copy per blob, no layer events), and
+`per_span` under a 0.5 ms GIL switch interval (`per_span_switch`).
 
     PYTHONPATH=. python tools/bench_layered_copy.py [--segments 10] [--repeats 5] [--json PATH]
 """
@@ -39,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-LOADS = ("idle", "host", "gemm")
-VARIANTS = ("per_span", "foreach", "whole", "per_span_switch")
+LOADS = ("idle", "host", "gemm", "python", "mixed")
+VARIANTS = ("loader", "per_span", "foreach", "whole", "per_span_switch")
 
 
 def blob_layout(tokens: int, layers: int = 24, every: int = 4, heads: int = 32, dk: int = 128, dv: int = 128,
@@ -87,7 +92,25 @@ def _engine_thread(kind: str, stop: threading.Event, device) -> threading.Thread
                 a @ a
             torch.cuda.current_stream(device).synchronize()
 
-    t = threading.Thread(target=host if kind == "host" else gemm, daemon=True)
+    def python() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(20000):
+                x += i * i
+
+    def mixed() -> None:
+        x = torch.zeros(1024, device=device)
+        n = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 1e-3:
+                n += 1
+            for _ in range(32):
+                x.add_(1.0)
+                x.mul_(0.5)
+            torch.cuda.current_stream(device).synchronize()
+
+    t = threading.Thread(target={"host": host, "gemm": gemm, "python": python, "mixed": mixed}[kind], daemon=True)
     t.start()
     return t
 
@@ -110,8 +133,13 @@ def run_load(variant: str, src, plan, total: int, segments: int, device) -> dict
         dev = torch.empty(total, dtype=torch.uint8, device=device)
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if variant in ("per_span", "per_span_switch"):
+            if variant == "loader":
                 issue_layered(buf, dev, plan, CudaCopyQueue(stream))
+            elif variant in ("per_span", "per_span_switch"):
+                for ls in plan:
+                    for o, n in ls.spans:
+                        dev[o:o + n].copy_(buf[o:o + n], non_blocking=True)
+                    torch.cuda.Event().record(stream)
             elif variant == "foreach":
                 for ls in plan:
                     torch._foreach_copy_([dev[o:o + n] for o, n in ls.spans], [buf[o:o + n] for o, n in ls.spans],

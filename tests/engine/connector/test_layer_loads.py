@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.connector.codec import signature_blob, signature_from_blob
-from engine.connector.layer_loads import LayerPlanError, group_layers, issue_layered, layer_plan
+from engine.connector.layer_loads import LayerPlanError, group_layers, issue_layered, layer_plan, span_views
 from engine.models.config import FULL, GDN, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from kvstore import format as fmt
@@ -25,9 +25,11 @@ class FakeQueue:
         self.ops: list[tuple] = []  # ("copy", dst, src) | ("event", n)
         self.done = 0  # ops executed
 
-    def copy(self, dst, src) -> None:
-        assert dst.numel() == src.numel()
-        self.ops.append(("copy", dst, src))
+    def copy_many(self, dsts, srcs) -> None:
+        assert len(dsts) == len(srcs)
+        for dst, src in zip(dsts, srcs):
+            assert dst.numel() == src.numel()
+            self.ops.append(("copy", dst, src))
 
     def record(self) -> int:
         self.ops.append(("event", len(self.ops)))
@@ -170,3 +172,34 @@ def test_waiting_for_a_layer_of_a_group_lands_the_group_and_nothing_after_it(blo
             elif t.abs().sum() > 0:
                 assert not torch.equal(got[name], t), f"{name} arrived before its group was waited for"
     assert len(waits) == 3  # one wait per group, not per layer
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_span_views_alias_each_span_and_a_group_is_one_copy_call(blob_of, groups):
+    _, buf = blob_of([GDN, FULL, GDN, MAMBA2, SWA, GDN, FULL])
+    header = fmt.read_header(buf)
+    plan = layer_plan(header.parts, header.meta.get("stacked"))
+    grouped = group_layers(plan, -(-sum(p.nbytes for p in plan) // groups))
+    views = span_views(buf, grouped)
+    assert [len(v) for v in views] == [len(g.spans) for g in grouped]
+    base = buf.data_ptr()
+    for g, vs in zip(grouped, views):
+        for (off, n), v in zip(g.spans, vs):
+            assert v.data_ptr() == base + off and v.numel() == n  # a view, not a copy
+
+    class CallCounting(FakeQueue):
+        calls = 0
+
+        def copy_many(self, dsts, srcs) -> None:
+            self.calls += 1
+            super().copy_many(dsts, srcs)
+
+    dst = torch.zeros_like(buf)
+    q = CallCounting()
+    events = issue_layered(buf, dst, grouped, q)
+    assert q.calls == len(grouped)
+    events.wait_layer(6, q.wait)
+    covered = torch.zeros_like(buf, dtype=torch.bool)
+    for off, n in _covered(grouped):
+        covered[off:off + n] = True
+    assert torch.equal(dst[covered], buf[covered]) and not dst[~covered].any()
