@@ -9,7 +9,7 @@ bench isolates that: blobs laid out like a qwen3next-bench signature of `--token
 (stacked parts per the codec: state, tail state, tail transition, conv tail per delta
 layer; K and V per attention layer), `--segments` of them per load, copied by a loader
 thread the way the loader does (wait for the compute stream, an event before, one after,
-the copy stream's device time between them counted), under three engine loads:
+the copy stream's device time between them counted), under these engine loads:
 
 - `idle`: no engine thread;
 - `host`: a thread launching small kernels from a Python loop (the fused pass's host-bound
@@ -19,12 +19,10 @@ the copy stream's device time between them counted), under three engine loads:
   which gives up the GIL only when the interpreter forces it (every switch interval);
 - `mixed`: a thread alternating ~1 ms of pure Python with 64 small kernel launches.
 
-Issue variants: `loader` (engine.connector.layer_loads.issue_layered with a
-CudaCopyQueue: the loader's path, one torch._foreach_copy_ per group over views from one
-tensor_split per buffer), `per_span` (a slice of each buffer and a `copy_` per span, an
-event per group: the loader's path before), `foreach` (a slice per span, one
-torch._foreach_copy_ per group), `whole` (one copy per blob, no layer events), and
-`per_span` under a 0.5 ms GIL switch interval (`per_span_switch`).
+Variants: `banded` (the codec's layout: each band of layers laid out together, so the
+loader's issue_layered copies a group in one copy, an event after each), `unbanded` (the
+layout before bands: parts stacked across all layers, a copy per stacked part and group,
+~22 a blob), `whole` (one copy per blob, no layer events: the reference).
 
     PYTHONPATH=. python tools/bench_layered_copy.py [--segments 10] [--repeats 5] [--json PATH]
 """
@@ -45,30 +43,40 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 LOADS = ("idle", "host", "gemm", "python", "mixed")
-VARIANTS = ("loader", "per_span", "foreach", "whole", "per_span_switch")
+VARIANTS = ("banded", "unbanded", "whole")
 
 
 def blob_layout(tokens: int, layers: int = 24, every: int = 4, heads: int = 32, dk: int = 128, dv: int = 128,
                 kv_heads: int = 2, head_dim: int = 256, conv_channels: int = 8192, conv_rows: int = 3,
-                esize: int = 2) -> tuple[list, dict, int]:
-    """(parts, stacked, total bytes) of a blob shaped like a qwen3next-bench signature:
-    delta layers but every `every`-th (full attention), stacked parts in the codec's
-    order."""
-    delta = [i for i in range(layers) if (i + 1) % every]
-    attn = [i for i in range(layers) if not (i + 1) % every]
+                esize: int = 2, banded: bool = True) -> tuple[list, dict, int, list]:
+    """(parts, stacked, total bytes, bands) of a blob shaped like a qwen3next-bench
+    signature: delta layers but every `every`-th (full attention), stacked parts in the
+    codec's order: per band of layers (engine.connector.codec.layer_bands) when `banded`,
+    else across all layers (the layout before bands), each part 4 KiB-aligned."""
+    from engine.connector.layer_loads import COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES, MIN_COPY_BYTES, group_bounds
+
     rows = tokens + 1
     per_row = {"state": heads * dk * dv * esize, "tail_state": heads * dk * dv * esize,
                "tail_transition": heads * dk * dk * esize, "conv_tail": conv_channels * conv_rows * esize,
                "k": rows * kv_heads * head_dim * esize, "v": rows * kv_heads * head_dim * esize}
+    kinds = {i: ("k", "v") if not (i + 1) % every else ("state", "tail_state", "tail_transition", "conv_tail")
+             for i in range(layers)}
+    sizes = [sum(per_row[p] for p in kinds[i]) for i in range(layers)]
+    bounds = (group_bounds(sizes, MIN_COPY_BYTES, COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES) if banded
+              else [(0, layers)])
     parts, stacked, off = [], {}, 0
-    for i, (part, lays) in enumerate([(p, delta) for p in ("state", "tail_state", "tail_transition", "conv_tail")]
-                                     + [(p, attn) for p in ("k", "v")]):
-        name = f"S{i}.{part}"
-        n = per_row[part] * len(lays)
-        parts.append(SimpleNamespace(name=name, layer=lays[0], offset=off, length=n))
-        stacked[name] = [f"L{j}.{part}" for j in lays]
-        off += n
-    return parts, stacked, off
+    for lo, hi in bounds:
+        for part in ("state", "tail_state", "tail_transition", "conv_tail", "k", "v"):
+            lays = [i for i in range(lo, hi) if part in kinds[i]]
+            if not lays:
+                continue
+            name = f"S{len(parts)}.{part}"
+            off = -(-off // 4096) * 4096
+            n = per_row[part] * len(lays)
+            parts.append(SimpleNamespace(name=name, layer=lays[0], offset=off, length=n))
+            stacked[name] = [f"L{j}.{part}" for j in lays]
+            off += n
+    return parts, stacked, off, [lo for lo, _ in bounds]
 
 
 def _engine_thread(kind: str, stop: threading.Event, device) -> threading.Thread:
@@ -115,9 +123,10 @@ def _engine_thread(kind: str, stop: threading.Event, device) -> threading.Thread
     return t
 
 
-def run_load(variant: str, src, plan, total: int, segments: int, device) -> dict:
+def run_load(plan, src, total: int, segments: int, device) -> dict:
     """One load of `segments` blobs from `src` (pinned, one blob after another), issued by
-    this thread; device ms (sum over blobs of start -> ready) and host ms issuing."""
+    this thread as `plan`'s groups (None: one copy a blob); device ms (sum over blobs of
+    start -> ready) and host ms issuing."""
     import torch
 
     from engine.connector.layer_loads import CudaCopyQueue, issue_layered
@@ -133,18 +142,8 @@ def run_load(variant: str, src, plan, total: int, segments: int, device) -> dict
         dev = torch.empty(total, dtype=torch.uint8, device=device)
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if variant == "loader":
+            if plan is not None:
                 issue_layered(buf, dev, plan, CudaCopyQueue(stream))
-            elif variant in ("per_span", "per_span_switch"):
-                for ls in plan:
-                    for o, n in ls.spans:
-                        dev[o:o + n].copy_(buf[o:o + n], non_blocking=True)
-                    torch.cuda.Event().record(stream)
-            elif variant == "foreach":
-                for ls in plan:
-                    torch._foreach_copy_([dev[o:o + n] for o, n in ls.spans], [buf[o:o + n] for o, n in ls.spans],
-                                         non_blocking=True)
-                    torch.cuda.Event().record(stream)
             else:
                 dev.copy_(buf, non_blocking=True)
         issue_ms += (time.perf_counter() - t0) * 1e3
@@ -156,6 +155,22 @@ def run_load(variant: str, src, plan, total: int, segments: int, device) -> dict
     stream.synchronize()
     ms = sum(a.elapsed_time(b) for a, b in pairs)
     return {"device_ms": ms, "issue_ms": issue_ms, "gb_per_s": segments * total / ms / 1e6}
+
+
+def variant_plan(variant: str, tokens: int) -> tuple[Optional[list], int]:
+    """(the loader's copy plan of the variant's blob layout, None for `whole`; blob bytes)."""
+    from engine.connector.layer_loads import (COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES, MIN_COPY_BYTES, group_layers,
+                                              groups_at, layer_plan)
+
+    if variant not in VARIANTS:
+        raise SystemExit(f"bench_layered_copy: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    parts, stacked, total, bands = blob_layout(tokens, banded=variant != "unbanded")
+    per_layer = layer_plan(parts, stacked)
+    if variant == "whole":
+        return None, total
+    if variant == "banded":
+        return groups_at(per_layer, bands), total
+    return group_layers(per_layer, MIN_COPY_BYTES, COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES), total
 
 
 def pinned_h2d(src, total: int, device) -> float:
@@ -188,43 +203,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("bench_layered_copy: needs a CUDA device", file=sys.stderr)
         return 2
-    from engine.connector.layer_loads import (COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES, MIN_COPY_BYTES, group_layers,
-                                              layer_plan)
-
     device = torch.device("cuda")
-    parts, stacked, total = blob_layout(args.tokens)
-    plan = group_layers(layer_plan(parts, stacked), MIN_COPY_BYTES, COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES)
+    layouts = {v: variant_plan(v, args.tokens) for v in args.variants.split(",") if v}
+    total = max(t for _, t in layouts.values())  # the layouts differ by their padding
     src = torch.randint(0, 255, (total * args.segments,), dtype=torch.uint8).pin_memory()
     ref = pinned_h2d(src, total * args.segments, device)
     rows = []
-    default_switch = sys.getswitchinterval()
     for load in [x for x in args.loads.split(",") if x]:
-        for variant in [x for x in args.variants.split(",") if x]:
-            sys.setswitchinterval(5e-4 if variant == "per_span_switch" else default_switch)
+        for variant, (plan, size) in layouts.items():
             stop = threading.Event()
             eng = _engine_thread(load, stop, device) if load != "idle" else None
             time.sleep(0.2)
-            runs = [run_load(variant, src, plan, total, args.segments, device) for _ in range(args.repeats + 1)][1:]
+            runs = [run_load(plan, src, size, args.segments, device) for _ in range(args.repeats + 1)][1:]
             stop.set()
             if eng is not None:
                 eng.join()
-            sys.setswitchinterval(default_switch)
             gbs = [r["gb_per_s"] for r in runs]
             row = {"load": load, "variant": variant, "gb_per_s": statistics.median(gbs),
                    "gb_per_s_runs": [round(x, 2) for x in gbs], "fraction_of_pcie": statistics.median(gbs) / ref,
+                   "copies_per_blob": sum(len(g.spans) for g in plan) if plan else 1,
                    "issue_ms": statistics.median(r["issue_ms"] for r in runs),
                    "device_ms": statistics.median(r["device_ms"] for r in runs)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = {"command": "python tools/bench_layered_copy.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "blob_bytes": total, "groups": len(plan), "spans": sum(len(g.spans) for g in plan),
+           "blob_bytes": total,
            "segments": args.segments, "pinned_h2d_gb_per_s": ref, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"blob {total / 2**20:.1f} MiB, {out['groups']} groups, {out['spans']} spans; pinned H2D {ref:.1f} GB/s")
+    print(f"blob {total / 2**20:.1f} MiB; pinned H2D {ref:.1f} GB/s")
     for r in rows:
-        print(f"  {r['load']:5s} {r['variant']:16s} {r['gb_per_s']:6.1f} GB/s ({r['fraction_of_pcie']:.3f}) "
+        print(f"  {r['load']:6s} {r['variant']:9s} {r['copies_per_blob']:3d} copies {r['gb_per_s']:6.1f} GB/s "
+              f"({r['fraction_of_pcie']:.3f}) "
               f"issue {r['issue_ms']:.2f} ms, device {r['device_ms']:.2f} ms")
     return 0
 

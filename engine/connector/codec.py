@@ -16,6 +16,16 @@ bench-size signature has ~6 blob parts instead of ~70, so a load decodes a few p
 unbinds them (views) instead of building ~70 views from the header one by one (the
 loader's per-segment host time). Blobs without `stacked` (written before) read as before.
 
+The stacking is banded: layers are cut into the bands the loader copies as one group
+(engine.connector.layer_loads.group_bounds over the layers' byte counts: >= 8 MiB,
+doubling up to 64 MiB) and each band's parts are stacked and laid out together, band
+after band (`S<n>.<part>` per band and part; the meta's `bands` lists each band's first
+layer). A band is then one contiguous run of the blob, so the loader copies a group of
+layers in ONE copy instead of one per stacked part (~22 copies a qwen3next-bench
+segment): the loader's thread issues those next to the engine's Python and, while that
+holds the GIL, fell behind the copy engine (bench_layered_copy). Blobs without `bands`
+(written before) load with the loader's own grouping.
+
 Reading is zero copy: `signature_from_blob` builds the signature over the tensors that
 `decode_tensors` made over the leased bytes (rows of a stacked part are views of it).
 """
@@ -27,6 +37,7 @@ from typing import Any, Mapping
 import torch
 
 from engine.connector.errors import ConnectorError
+from engine.connector.layer_loads import COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES, MIN_COPY_BYTES, group_bounds
 from engine.pic.errors import SignatureFormatError
 from engine.pic.signature import SegmentSignature
 
@@ -54,13 +65,16 @@ def signature_blob(signature: SegmentSignature, fingerprint: str) -> SignatureBl
     if not fingerprint:
         raise ConnectorError("a signature needs the model fingerprint to be stored; got an empty one")
     tensors, meta, layers = signature.to_tensors()
+    band_of, firsts = layer_bands(tensors, layers)
     groups: dict[tuple, list[str]] = {}
+    # to_tensors lists parts layer by layer, so the groups (and the blob) come band by band
     for name, t in tensors.items():
-        groups.setdefault((name.split(".", 1)[1], t.dtype, tuple(t.shape), t.device), []).append(name)
+        key = (band_of[layers[name]], name.split(".", 1)[1], t.dtype, tuple(t.shape), t.device)
+        groups.setdefault(key, []).append(name)
     out: dict[str, torch.Tensor] = {}
     out_layers: dict[str, int] = {}
     stacked: dict[str, list[str]] = {}
-    for i, ((part, *_), names) in enumerate(groups.items()):
+    for i, ((_, part, *_), names) in enumerate(groups.items()):
         if len(names) == 1:
             out[names[0]] = tensors[names[0]]
             out_layers[names[0]] = layers[names[0]]
@@ -69,8 +83,20 @@ def signature_blob(signature: SegmentSignature, fingerprint: str) -> SignatureBl
         out[name] = torch.stack([tensors[n] for n in names])
         out_layers[name] = layers[names[0]]
         stacked[name] = names
-    meta = dict(meta, stacked=stacked)
+    meta = dict(meta, stacked=stacked, bands=firsts)
     return SignatureBlob(out, meta, out_layers, fingerprint, signature.num_tokens)
+
+
+def layer_bands(tensors: Mapping[str, torch.Tensor], layers: Mapping[str, int]) -> tuple[dict[int, int], list[int]]:
+    """(layer -> band index, each band's first layer): consecutive layers grouped as the
+    loader groups a blob's layers for its copies (module docstring)."""
+    sizes: dict[int, int] = {}
+    for name, t in tensors.items():
+        sizes[layers[name]] = sizes.get(layers[name], 0) + t.numel() * t.element_size()
+    order = sorted(sizes)
+    bounds = group_bounds([sizes[i] for i in order], MIN_COPY_BYTES, COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES)
+    band_of = {order[i]: b for b, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
+    return band_of, [order[lo] for lo, _ in bounds]
 
 
 def signature_from_blob(header_meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],

@@ -7,17 +7,15 @@ turns a blob header into the byte spans of each layer, in layer order (adjacent 
 merged). `group_layers` merges consecutive layers into groups of at least `min_bytes`
 (MIN_COPY_BYTES in the loader, each later group twice the one before up to
 MAX_COPY_GROUP_BYTES): the rows of consecutive layers in a stacked part are adjacent, so
-a group of layers costs one copy per stacked part instead of one per part and layer. Per
-layer, a qwen3next-bench signature is 4 copies per delta-rule layer (state, tail state,
-tail transition, conv tail) and 2 per full-attention layer (K, V): ~80 copies of a few
-KiB to a few MiB for a segment of ~70 MB; groups of >= 8 MiB are ~22 copies of MiBs
-each (the merged rows of a stacked part) in a few groups per segment, so the pass still
-computes early layers while later ones arrive. The host issues a group in one call
-(`CopyQueue.copy_many`) over views cut by one `tensor_split` per buffer: the loader's
-thread shares the GIL with the engine's, and each call into torch may give it up and
-wait behind the engine's Python to get it back (a slice of each buffer and a copy per
-span were ~70 such calls a segment). `issue_layered` copies the groups in order on one
-copy stream and records an event after each group's last copy (keyed by
+a group of layers costs one copy per stacked part instead of one per part and layer. Per layer, a qwen3next-bench signature is 4 copies per delta-rule layer
+(state, tail state, tail transition, conv tail) and 2 per full-attention layer (K, V):
+~80 copies of a few KiB to a few MiB for a segment of ~70 MB, each issued from Python
+(slices, `copy_`, an event per layer; on the loader's thread, next to the engine's) in
+about the time the copy engine takes to move it, so the engine waits on the host
+between copies; groups of >= 8 MiB are a few dozen copies of MiBs each (the merged rows
+of a stacked part), still several groups per segment, so the pass still computes early
+layers while later ones arrive. `issue_layered` copies the groups
+in order on one copy stream and records an event after each group's last copy (keyed by
 the group's first layer); since the copies run in order on that stream, the event of
 layer i's group completes once every layer <= i has landed. The returned
 `LayerEvents` lets the consumer make its compute stream wait for layer i just before it
@@ -27,7 +25,7 @@ first reads layer i (`wait_layer`), so layer i computes while layer i+1's bytes 
 The streams and events are behind a small interface (`CopyQueue`): `CudaCopyQueue` on a
 CUDA device (non_blocking copies from pinned host memory: the daemon's shm arena, mapped
 in place and registered as pinned once per mapping by kvstore.client.regions), and any
-object with the same two methods elsewhere (the tests use a recording fake). On the
+object with the same three methods elsewhere (the tests use a recording fake). On the
 CPU there is nothing to overlap: the loader keeps its zero-copy views.
 """
 from __future__ import annotations
@@ -105,32 +103,81 @@ def layer_plan(parts: Sequence[Any], stacked: Optional[dict] = None) -> list[Lay
     return [LayerSpans(layer, _merged(spans)) for layer, spans in sorted(by_layer.items())]
 
 
+def group_bounds(sizes: Sequence[int], min_bytes: int, growth: float = 1.0,
+                 max_bytes: Optional[int] = None) -> list[tuple[int, int]]:
+    """[start, end) index ranges over consecutive `sizes` (bytes per layer, in layer
+    order) that `group_layers` makes groups of: each at least `min_bytes` (the last may be
+    smaller), each floor `growth` times the one before up to `max_bytes`; one range per
+    size when `min_bytes` <= 0. The codec bands a blob's parts by the same ranges."""
+    if min_bytes <= 0:
+        return [(i, i + 1) for i in range(len(sizes))]
+    if not growth >= 1.0:
+        raise ValueError(f"growth={growth!r} must be >= 1")
+    out: list[tuple[int, int]] = []
+    start, size = 0, 0
+    floor = float(min_bytes)
+    for i, n in enumerate(sizes):
+        size += n
+        if size >= floor:
+            out.append((start, i + 1))
+            start, size = i + 1, 0
+            floor = floor * growth if max_bytes is None else min(floor * growth, float(max(max_bytes, min_bytes)))
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
+
+
 def group_layers(plan: Sequence[LayerSpans], min_bytes: int, growth: float = 1.0,
                  max_bytes: Optional[int] = None) -> list[LayerSpans]:
     """Consecutive layers of `plan` merged into groups of at least `min_bytes` (the last
-    group may be smaller), in order, each group's spans merged where they touch (module
-    docstring). `min_bytes` <= 0 keeps one group per layer. With `growth` > 1 each
-    group's floor is `growth` times the one before (at most `max_bytes`): the first
-    layers still arrive in a small group, so the pass starts early, and the rest in fewer,
-    larger copies (each copy's fixed cost is paid fewer times per byte)."""
+    group may be smaller), in order, each group's spans merged where they touch or where
+    only padding lies between them (`coalesced`; module docstring). `min_bytes` <= 0
+    keeps one group per layer. With `growth` > 1 each group's floor is `growth` times the
+    one before (at most `max_bytes`): the first layers still arrive in a small group, so
+    the pass starts early, and the rest in fewer, larger copies (each copy's fixed cost is
+    paid fewer times per byte)."""
     if min_bytes <= 0:
         return list(plan)
-    if not growth >= 1.0:
-        raise ValueError(f"growth={growth!r} must be >= 1")
-    out: list[LayerSpans] = []
-    group: list[LayerSpans] = []
-    size = 0
-    floor = float(min_bytes)
+    bounds = group_bounds([ls.nbytes for ls in plan], min_bytes, growth, max_bytes)
+    return coalesced([_group(list(plan[a:b])) for a, b in bounds])
+
+
+def groups_at(plan: Sequence[LayerSpans], firsts: Sequence[int]) -> list[LayerSpans]:
+    """`plan`'s layers grouped at the given first layers (a banded blob's meta `bands`:
+    the codec wrote each band's parts together, so a group is one span), spans
+    `coalesced`. Layers before the first band start join the first group."""
+    if not isinstance(firsts, (list, tuple)) or not all(isinstance(f, int) and f >= 0 for f in firsts):
+        raise LayerPlanError(f"blob meta bands={firsts!r} is not a list of first layers")
+    starts = sorted(set(firsts))
+    groups: list[list[LayerSpans]] = []
+    k = 0
     for ls in plan:
-        group.append(ls)
-        size += ls.nbytes
-        if size >= floor:
-            out.append(_group(group))
-            group, size = [], 0
-            floor = floor * growth if max_bytes is None else min(floor * growth, float(max(max_bytes, min_bytes)))
-    if group:
-        out.append(_group(group))
-    return out
+        while k < len(starts) and ls.layer >= starts[k]:
+            k += 1
+            if groups and groups[-1]:
+                groups.append([])
+        if not groups:
+            groups.append([])
+        groups[-1].append(ls)
+    return coalesced([_group(g) for g in groups if g])
+
+
+def coalesced(groups: Sequence[LayerSpans]) -> list[LayerSpans]:
+    """`groups` with each group's spans joined where no other group's span lies between
+    them: the bytes between are the blob's alignment padding (kvstore.format pads each
+    part to 4 KiB), copied along so a group laid out together is one copy. The copies
+    still write only the destination blob's own bytes, and no byte of another group."""
+    flat = sorted((off, n, g) for g, ls in enumerate(groups) for off, n in ls.spans)
+    joined: list[list[tuple[int, int]]] = [[] for _ in groups]
+    prev = None
+    for off, n, g in flat:
+        if prev == g:
+            a, m = joined[g][-1]
+            joined[g][-1] = (a, off + n - a)
+        else:
+            joined[g].append((off, n))
+        prev = g
+    return [LayerSpans(ls.layer, tuple(sp), ls.last) for ls, sp in zip(groups, joined)]
 
 
 def _group(layers: list[LayerSpans]) -> LayerSpans:
@@ -142,8 +189,8 @@ def _group(layers: list[LayerSpans]) -> LayerSpans:
 class CopyQueue(Protocol):
     """Where the copies go: one ordered queue (a CUDA stream)."""
 
-    def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
-        """Queue dsts[k] <- srcs[k] for each k, in order (same byte counts pairwise)."""
+    def copy(self, dst: Any, src: Any) -> None:
+        """Queue dst <- src (same byte count)."""
 
     def record(self) -> Any:
         """An event that completes once every copy queued so far has."""
@@ -190,30 +237,15 @@ class LayerEvents:
 
 
 def issue_layered(src: Any, dst: Any, plan: Sequence[LayerSpans], queue: CopyQueue) -> LayerEvents:
-    """Queue the copies of `plan` from `src` to `dst` (1-D byte tensors of the blob's
-    size), layer by layer (group by group after `group_layers`), with an event after each
-    layer (group), keyed by its first layer.
-
-    Host cost: the loader issues these on its own thread next to the engine's, and every
-    call into torch may give up the GIL and wait to get it back behind the engine's
-    Python; so each buffer is cut into its spans by one `tensor_split` (`span_views`) and
-    each group is one `copy_many` and one event, not three calls per span."""
-    src_views, dst_views = span_views(src, plan), span_views(dst, plan)
+    """Queue the copies of `plan` from `src` to `dst` (sliceable byte buffers of the
+    blob's size), layer by layer (group by group after `group_layers`), with an event
+    after each layer (group), keyed by its first layer."""
     events = []
-    for ls, dsts, srcs in zip(plan, dst_views, src_views):
-        queue.copy_many(dsts, srcs)
+    for ls in plan:
+        for off, n in ls.spans:
+            queue.copy(dst[off:off + n], src[off:off + n])
         events.append((ls.layer, queue.record()))
     return LayerEvents(events)
-
-
-def span_views(buf: Any, plan: Sequence[LayerSpans]) -> list[list[Any]]:
-    """Views of `buf` (a 1-D tensor) over each group's spans, `[group][span]`, from one
-    `tensor_split` at every span's ends (the plan's spans are disjoint: a piece that starts
-    at a span's offset ends at its end)."""
-    cuts = sorted({c for ls in plan for off, n in ls.spans for c in (off, off + n)})
-    pieces = buf.tensor_split(cuts)
-    starts = {c: k + 1 for k, c in enumerate(cuts)}  # pieces[k + 1] starts at cuts[k]
-    return [[pieces[starts[off]] for off, _ in ls.spans] for ls in plan]
 
 
 class CudaCopyQueue:  # pragma: no cover - GPU only
@@ -224,10 +256,8 @@ class CudaCopyQueue:  # pragma: no cover - GPU only
     def __init__(self, stream) -> None:
         self.stream = stream
 
-    def copy_many(self, dsts, srcs) -> None:
-        import torch
-
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)  # one call, the GIL given up once
+    def copy(self, dst, src) -> None:
+        dst.copy_(src, non_blocking=True)
 
     def record(self):
         import torch

@@ -60,7 +60,8 @@ import torch
 from engine.connector.codec import signature_from_blob
 from engine.connector.errors import ConnectorConfigError, StoreUnavailable
 from engine.connector.layer_loads import (COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES, MIN_COPY_BYTES, CudaCopyQueue,
-                                          LayerEvents, LayerPlanError, group_layers, issue_layered, layer_plan)
+                                          LayerEvents, LayerPlanError, group_layers, groups_at, issue_layered,
+                                          layer_plan)
 from engine.connector.link import StoreLink
 from engine.connector.metrics import ConnectorMetrics
 from engine.connector.tier_admission import AlwaysAdmit, TierAdmission, TierReadRates
@@ -486,8 +487,10 @@ class SegmentLoader:
         layers = plan = None
         if buf.device.type == "cpu" and not self.verify and view.lease.region.kind != "file":
             try:
-                plan = group_layers(layer_plan(header.parts, header.meta.get("stacked")), MIN_COPY_BYTES,
-                                    COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES)
+                per_layer = layer_plan(header.parts, header.meta.get("stacked"))
+                bands = header.meta.get("bands")  # the codec's bands: one copy a group
+                plan = (groups_at(per_layer, bands) if bands else
+                        group_layers(per_layer, MIN_COPY_BYTES, COPY_GROUP_GROWTH, MAX_COPY_GROUP_BYTES))
             except LayerPlanError as exc:  # copied in one piece instead
                 log.debug("segment %s: no per-layer plan (%s)", key.hex()[:16], exc)
         if plan is not None:

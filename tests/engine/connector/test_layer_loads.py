@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.connector.codec import signature_blob, signature_from_blob
-from engine.connector.layer_loads import LayerPlanError, group_layers, issue_layered, layer_plan, span_views
+from engine.connector.layer_loads import LayerPlanError, group_layers, groups_at, issue_layered, layer_plan
 from engine.models.config import FULL, GDN, MAMBA2, SWA
 from engine.pic.compute import compute_signature
 from kvstore import format as fmt
@@ -25,11 +25,9 @@ class FakeQueue:
         self.ops: list[tuple] = []  # ("copy", dst, src) | ("event", n)
         self.done = 0  # ops executed
 
-    def copy_many(self, dsts, srcs) -> None:
-        assert len(dsts) == len(srcs)
-        for dst, src in zip(dsts, srcs):
-            assert dst.numel() == src.numel()
-            self.ops.append(("copy", dst, src))
+    def copy(self, dst, src) -> None:
+        assert dst.numel() == src.numel()
+        self.ops.append(("copy", dst, src))
 
     def record(self) -> int:
         self.ops.append(("event", len(self.ops)))
@@ -107,6 +105,17 @@ def _merged_bytes(spans):
     return [b for off, n in spans for b in range(off, off + n)]
 
 
+def _same_bytes_plus_padding(grouped, plan):
+    """Every byte of `plan` copied exactly once by `grouped`, and no byte twice; any other
+    byte it copies lies outside the plan, which covers every part of the blob
+    (test_the_plan_covers_every_part_once_in_layer_order): padding. Returns how many."""
+    got = _merged_bytes(_covered(grouped))
+    assert len(got) == len(set(got))
+    want = set(_merged_bytes(_covered(plan)))
+    assert want <= set(got)
+    return len(set(got) - want)
+
+
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_grouped_layers_copy_every_byte_once_in_fewer_larger_copies(blob_of, groups):
     _, buf = blob_of([GDN, GDN, FULL, GDN, FULL, MAMBA2, SWA, GDN])
@@ -121,7 +130,7 @@ def test_grouped_layers_copy_every_byte_once_in_fewer_larger_copies(blob_of, gro
     assert firsts[0] == 0 and lasts[-1] == 7 and all(b == a + 1 for a, b in zip(lasts, firsts[1:]))
     assert all(g.nbytes >= -(-total // groups) for g in grouped[:-1])
     # the same bytes as the per-layer plan, each once
-    assert _merged_bytes(_covered(grouped)) == _merged_bytes(_covered(plan))
+    _same_bytes_plus_padding(grouped, plan)
     # rows of consecutive layers in a stacked part are one copy: at most one span per blob part per group
     assert all(len(g.spans) <= len(header.parts) for g in grouped)
     assert sum(len(g.spans) for g in grouped) < sum(len(p.spans) for p in plan)
@@ -140,7 +149,7 @@ def test_growing_groups_start_small_then_double_up_to_the_cap_and_copy_every_byt
     floors = [min(small * 2 ** i, 4 * small) for i in range(len(grown))]
     assert all(g.nbytes >= f for g, f in zip(grown[:-1], floors))
     assert grown[0].nbytes < 2 * small  # the first layers still come early
-    assert _merged_bytes(_covered(grown)) == _merged_bytes(_covered(plan)) and total == sum(g.nbytes for g in grown)
+    _same_bytes_plus_padding(grown, plan)
     firsts = [g.layer for g in grown]
     lasts = [g.layer if g.last is None else g.last for g in grown]
     assert firsts[0] == 0 and lasts[-1] == len(plan) - 1 and all(b == a + 1 for a, b in zip(lasts, firsts[1:]))
@@ -174,32 +183,62 @@ def test_waiting_for_a_layer_of_a_group_lands_the_group_and_nothing_after_it(blo
     assert len(waits) == 3  # one wait per group, not per layer
 
 
-@pytest.mark.parametrize("groups", [1, 3])
-def test_span_views_alias_each_span_and_a_group_is_one_copy_call(blob_of, groups):
-    _, buf = blob_of([GDN, FULL, GDN, MAMBA2, SWA, GDN, FULL])
+def test_banded_blobs_copy_each_band_in_one_span_and_land_it_whole(blob_of, monkeypatch):
+    import engine.connector.codec as codec
+
+    monkeypatch.setattr(codec, "MIN_COPY_BYTES", 3000)  # bands of a tiny model's few KiB per layer
+    monkeypatch.setattr(codec, "MAX_COPY_GROUP_BYTES", 8000)
+    sig, buf = blob_of([GDN, FULL, GDN, MAMBA2, SWA, GDN, GDN, FULL])
     header = fmt.read_header(buf)
-    plan = layer_plan(header.parts, header.meta.get("stacked"))
-    grouped = group_layers(plan, -(-sum(p.nbytes for p in plan) // groups))
-    views = span_views(buf, grouped)
-    assert [len(v) for v in views] == [len(g.spans) for g in grouped]
-    base = buf.data_ptr()
-    for g, vs in zip(grouped, views):
-        for (off, n), v in zip(g.spans, vs):
-            assert v.data_ptr() == base + off and v.numel() == n  # a view, not a copy
-
-    class CallCounting(FakeQueue):
-        calls = 0
-
-        def copy_many(self, dsts, srcs) -> None:
-            self.calls += 1
-            super().copy_many(dsts, srcs)
-
+    bands = header.meta["bands"]
+    assert len(bands) >= 3 and bands[0] == 0 and bands == sorted(bands)
+    per_layer = layer_plan(header.parts, header.meta.get("stacked"))
+    plan = groups_at(per_layer, bands)
+    assert [g.layer for g in plan] == bands
+    assert all(len(g.spans) == 1 for g in plan)  # a band is laid out together: one copy
+    _same_bytes_plus_padding(plan, per_layer)
+    # the loader's own grouping with the codec's thresholds finds the same groups
+    assert group_layers(per_layer, 3000, 2.0, 8000) == plan
+    # the same signature in one band (the layout before bands): a copy per stacked part and group
+    monkeypatch.setattr(codec, "MIN_COPY_BYTES", 1 << 30)
+    _, flat = blob_of([GDN, FULL, GDN, MAMBA2, SWA, GDN, GDN, FULL])
+    h = fmt.read_header(flat)
+    assert h.meta["bands"] == [0]
+    assert sum(len(g.spans) for g in group_layers(layer_plan(h.parts, h.meta["stacked"]), 3000, 2.0, 8000)) \
+        > 2 * len(plan)
     dst = torch.zeros_like(buf)
-    q = CallCounting()
-    events = issue_layered(buf, dst, grouped, q)
-    assert q.calls == len(grouped)
-    events.wait_layer(6, q.wait)
-    covered = torch.zeros_like(buf, dtype=torch.bool)
-    for off, n in _covered(grouped):
-        covered[off:off + n] = True
-    assert torch.equal(dst[covered], buf[covered]) and not dst[~covered].any()
+    q = FakeQueue()
+    events = issue_layered(buf, dst, plan, q)
+    landed = signature_from_blob(header.meta, fmt.tensors_over(header, dst), "fp", "fp")
+    want, _, layers = sig.to_tensors()
+    for i in range(8):
+        events.wait_layer(i, q.wait)
+        upto = next(g for g in reversed(plan) if g.layer <= i)
+        upto = upto.layer if upto.last is None else upto.last
+        got, _, _ = landed.to_tensors()
+        for name, t in want.items():
+            if layers[name] <= upto:
+                assert torch.equal(got[name], t), name
+            elif t.abs().sum() > 0:
+                assert not torch.equal(got[name], t), f"{name} arrived before its band was waited for"
+
+
+def test_blobs_written_before_bands_still_load_by_the_loaders_grouping(blob_of):
+    sig, buf = blob_of([GDN, FULL, GDN, MAMBA2])
+    header = fmt.read_header(buf)
+    meta = {k: v for k, v in header.meta.items() if k != "bands"}
+    plan = group_layers(layer_plan(header.parts, meta.get("stacked")), 1 << 20)
+    dst = torch.zeros_like(buf)
+    q = FakeQueue()
+    issue_layered(buf, dst, plan, q).wait_layer(3, q.wait)
+    got, _, _ = signature_from_blob(meta, fmt.tensors_over(header, dst), "fp", "fp").to_tensors()
+    want, _, _ = sig.to_tensors()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("bands", ["0,4", [0, "4"], [0, -1], None])
+def test_malformed_bands_are_refused_as_a_layer_plan_error(blob_of, bands):
+    _, buf = blob_of([GDN, FULL])
+    header = fmt.read_header(buf)
+    with pytest.raises(LayerPlanError, match="bands="):
+        groups_at(layer_plan(header.parts, header.meta.get("stacked")), bands)
