@@ -152,7 +152,8 @@ rates and gain), `qps_gain_vs_prefix_at_slo_median_indexed_corpus` and
 `qps_repeats_indexed_corpus` (the same on a stream over a corpus indexed ahead:
 `--qps-corpus indexed`, tools.servebench.tiered_phases.qps_phase),
 `cpu_to_gpu_fraction_of_pcie_serving` (CPU-tier -> device copies of the PIC planners in
-this run, bytes / copy time, over the pinned H2D bandwidth of the pcie phase; None
+this run, bytes / copy time, over the pinned H2D bandwidth of the pcie phase, or of the
+end of a run without it; None
 without CUDA). In the serve phase the engine's device cache and the daemon's GPU tier
 hold every warm hit, so the pcie phase has a measured step of its own (`cpu_tier_step`,
 tools.servebench.tiered.cpu_tier_loads: its rag requests once more with the device cache
@@ -532,6 +533,11 @@ def main(argv=None) -> int:
     if "sweep" in args.phases:
         with phase("sweep") as clock:
             sweep_phase(args, source, opts, out, log, save, clock)
+    if device.type == "cuda" and not run["pcie"].get("pinned_h2d_gbps"):
+        # a run without the pcie phase (qps, sweep) still gets its copies' reference
+        from tools.servebench.tiered import pinned_h2d_gbps
+
+        run["pcie"] = {"pinned_h2d_gbps": pinned_h2d_gbps()}
     run["complete"] = True
     save()
     if run.get("path"):

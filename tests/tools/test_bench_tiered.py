@@ -202,6 +202,9 @@ def test_quick_split_run_merged_in_place_and_joined_writes_the_issue_summary(tmp
     assert p.returncode == 0, p.stderr[-3000:]
     first = json.loads(merged.read_text())["presets"]["qwen3next-tiny"]
     assert set(first["phases"]) == {"serve", "pcie"} and "qps" not in first
+    # the CPU-tier step records the copies' issue time and groups beside their bytes (0 on the CPU)
+    assert {"h2d_copy_bytes", "h2d_copy_ms_total", "h2d_issue_ms_total", "h2d_copy_groups"} \
+        <= set(first["cpu_tier_step"]["connector"])
     # the next command keeps them (--merge alone: the phases of the --json file it does not measure)
     p = _run(["--quick", "--phases", "qps,sweep", "--qps-repeats", "2", "--qps-max-trials", "3", "--sweep", "0.5,4",
               "--json", str(merged), "--merge"])

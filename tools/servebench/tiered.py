@@ -446,7 +446,8 @@ def cpu_tier_loads(h: "Harness", reqs: Sequence[BenchRequest]) -> dict:
         h.planner("pic")
     for r in reqs:
         h.forget(r)
-    delta = {k: m1.get(k, 0) - m0.get(k, 0) for k in ("h2d_copy_bytes", "h2d_copy_ms_total", "hits", "misses")}
+    delta = {k: m1.get(k, 0) - m0.get(k, 0)
+             for k in ("h2d_copy_bytes", "h2d_copy_ms_total", "h2d_issue_ms_total", "h2d_copy_groups", "hits", "misses")}
     for k in ("loads", "load_bytes", "load_ms"):
         delta[k] = {t: m1[k].get(t, 0) - m0[k].get(t, 0) for t in TIER_NAMES}
     return {"requests": len(reqs), "connector": delta, "hits_by_source": hits_by_source(runs),
