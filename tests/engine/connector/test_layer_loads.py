@@ -167,12 +167,19 @@ def test_waiting_for_a_layer_of_a_group_lands_the_group_and_nothing_after_it(blo
     q = FakeQueue()
     events = issue_layered(buf, dst, grouped, q)
     assert events.layers == [g.layer for g in grouped] and len(events.layers) == 3
+    waits = []
+    _lands_group_by_group(sig, header, dst, grouped, events, lambda ev: (waits.append(ev), q.wait(ev)), 6)
+    assert len(waits) == 3  # one wait per group, not per layer
+
+
+def _lands_group_by_group(sig, header, dst, plan, events, wait, n_layers):
+    """Waiting for each layer in turn lands exactly the layers of its group and those
+    before: a later group's parts are still unwritten (where they are not all zeros)."""
     landed = signature_from_blob(header.meta, fmt.tensors_over(header, dst), "fp", "fp")
     want, _, layers = sig.to_tensors()
-    waits = []
-    for i in range(6):
-        events.wait_layer(i, lambda ev: (waits.append(ev), q.wait(ev)))
-        group = next(g for g in reversed(grouped) if g.layer <= i)
+    for i in range(n_layers):
+        events.wait_layer(i, wait)
+        group = next(g for g in reversed(plan) if g.layer <= i)
         upto = group.layer if group.last is None else group.last
         got, _, _ = landed.to_tensors()
         for name, t in want.items():
@@ -180,7 +187,6 @@ def test_waiting_for_a_layer_of_a_group_lands_the_group_and_nothing_after_it(blo
                 assert torch.equal(got[name], t), name
             elif t.abs().sum() > 0:
                 assert not torch.equal(got[name], t), f"{name} arrived before its group was waited for"
-    assert len(waits) == 3  # one wait per group, not per layer
 
 
 def test_banded_blobs_copy_each_band_in_one_span_and_land_it_whole(blob_of, monkeypatch):
@@ -209,18 +215,7 @@ def test_banded_blobs_copy_each_band_in_one_span_and_land_it_whole(blob_of, monk
     dst = torch.zeros_like(buf)
     q = FakeQueue()
     events = issue_layered(buf, dst, plan, q)
-    landed = signature_from_blob(header.meta, fmt.tensors_over(header, dst), "fp", "fp")
-    want, _, layers = sig.to_tensors()
-    for i in range(8):
-        events.wait_layer(i, q.wait)
-        upto = next(g for g in reversed(plan) if g.layer <= i)
-        upto = upto.layer if upto.last is None else upto.last
-        got, _, _ = landed.to_tensors()
-        for name, t in want.items():
-            if layers[name] <= upto:
-                assert torch.equal(got[name], t), name
-            elif t.abs().sum() > 0:
-                assert not torch.equal(got[name], t), f"{name} arrived before its band was waited for"
+    _lands_group_by_group(sig, header, dst, plan, events, q.wait, 8)
 
 
 def test_blobs_written_before_bands_still_load_by_the_loaders_grouping(blob_of):
