@@ -172,7 +172,7 @@ def coalesced(groups: Sequence[LayerSpans]) -> list[LayerSpans]:
     prev = None
     for off, n, g in flat:
         if prev == g:
-            a, m = joined[g][-1]
+            a = joined[g][-1][0]
             joined[g][-1] = (a, off + n - a)
         else:
             joined[g].append((off, n))
