@@ -6,15 +6,18 @@ own (`L<i>.<part>`, the part's `layer`), or as row r of a stacked part `S<n>.<pa
 turns a blob header into the byte spans of each layer, in layer order (adjacent spans
 merged). `group_layers` merges consecutive layers into groups of at least `min_bytes`
 (MIN_COPY_BYTES in the loader, each later group twice the one before up to
-MAX_COPY_GROUP_BYTES): the rows of consecutive layers in a stacked part are adjacent, so
-a group of layers costs one copy per stacked part instead of one per part and layer. Per layer, a qwen3next-bench signature is 4 copies per delta-rule layer
-(state, tail state, tail transition, conv tail) and 2 per full-attention layer (K, V):
-~80 copies of a few KiB to a few MiB for a segment of ~70 MB, each issued from Python
-(slices, `copy_`, an event per layer; on the loader's thread, next to the engine's) in
-about the time the copy engine takes to move it, so the engine waits on the host
-between copies; groups of >= 8 MiB are a few dozen copies of MiBs each (the merged rows
-of a stacked part), still several groups per segment, so the pass still computes early
-layers while later ones arrive. `issue_layered` copies the groups
+MAX_COPY_GROUP_BYTES; `group_bounds` over the layers' byte counts). Per layer, a
+qwen3next-bench signature is 4 parts per delta-rule layer (state, tail state, tail
+transition, conv tail) and 2 per full-attention layer (K, V): ~80 copies of a few KiB to
+a few MiB for a segment of ~70 MB, too short for the copy engine to stay busy. The codec
+bands a blob by the same groups (engine.connector.codec: each band's parts stacked and
+laid out together, meta `bands`), so `groups_at` groups a banded blob at its bands and
+`coalesced` joins a group's spans across the padding between parts: one copy per group,
+~4 a segment. The loader's thread issues them next to the engine's, which holds the GIL
+between its launches; ~22 copies a segment (one per stacked part and group, blobs
+without bands) fell behind the copy engine there (tools/bench_layered_copy.py). Groups
+stay several per segment, so the pass still computes early layers while later ones
+arrive. `issue_layered` copies the groups
 in order on one copy stream and records an event after each group's last copy (keyed by
 the group's first layer); since the copies run in order on that stream, the event of
 layer i's group completes once every layer <= i has landed. The returned
@@ -25,11 +28,13 @@ first reads layer i (`wait_layer`), so layer i computes while layer i+1's bytes 
 The streams and events are behind a small interface (`CopyQueue`): `CudaCopyQueue` on a
 CUDA device (non_blocking copies from pinned host memory: the daemon's shm arena, mapped
 in place and registered as pinned once per mapping by kvstore.client.regions), and any
-object with the same three methods elsewhere (the tests use a recording fake). On the
+object with the same two methods elsewhere (the tests use a recording fake). On the
 CPU there is nothing to overlap: the loader keeps its zero-copy views.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
@@ -149,17 +154,11 @@ def groups_at(plan: Sequence[LayerSpans], firsts: Sequence[int]) -> list[LayerSp
     if not isinstance(firsts, (list, tuple)) or not all(isinstance(f, int) and f >= 0 for f in firsts):
         raise LayerPlanError(f"blob meta bands={firsts!r} is not a list of first layers")
     starts = sorted(set(firsts))
-    groups: list[list[LayerSpans]] = []
-    k = 0
-    for ls in plan:
-        while k < len(starts) and ls.layer >= starts[k]:
-            k += 1
-            if groups and groups[-1]:
-                groups.append([])
-        if not groups:
-            groups.append([])
-        groups[-1].append(ls)
-    return coalesced([_group(g) for g in groups if g])
+
+    def band(ls: LayerSpans) -> int:  # layers before the first start join the first band
+        return max(bisect.bisect_right(starts, ls.layer), 1)
+
+    return coalesced([_group(list(g)) for _, g in itertools.groupby(plan, key=band)])
 
 
 def coalesced(groups: Sequence[LayerSpans]) -> list[LayerSpans]:
